@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv when it is missing and installs the pinned, tested torch
+# (constraints.txt) plus shardwise itself, then runs.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+STRATEGY ?=
+
+.PHONY: demo test bench setup clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m shardwise.demo $(if $(STRATEGY),--strategy $(STRATEGY),)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/strategies.py
+
+clean:
+	rm -rf .venv build src/*.egg-info .pytest_cache
