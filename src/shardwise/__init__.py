@@ -1,0 +1,24 @@
+"""shardwise: sharded data-parallel training that keeps parameter sharing exact.
+
+Public API only; see README.md for the files to read in order.
+"""
+
+from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
+from shardwise.errors import ShardwiseError
+from shardwise.grads import clip_grad_norm_, no_sync
+from shardwise.strategies import STRATEGIES, shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "ShardwiseError",
+    "clip_grad_norm_",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_main",
+    "no_sync",
+    "shard",
+    "shutdown",
+]

@@ -1,0 +1,89 @@
+"""`strategy="ddp"`: torch's DistributedDataParallel, applied in place.
+
+DDP's C++ reducer is the engine (bucketed all-reduce overlapped with backward); we do
+not rewrite it. What shardwise adds is the in-place contract every strategy keeps: the
+user's `model` object stays the model, its `state_dict()` keys carry no `module.`
+prefix, and calling `model(x)` goes through DDP.
+
+How: DDP wraps a small proxy module that owns `model` and calls its *original*
+forward. `model.forward` is then replaced by a call into DDP, so `model(x)` runs the
+user's hooks once, then DDP's pre-forward bookkeeping, then the real forward.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from shardwise.errors import ShardwiseError
+
+
+class _ForwardProxy(nn.Module):
+    """What DDP wraps: owns the model (so DDP sees its parameters) and runs its original forward."""
+
+    def __init__(self, model: nn.Module, original_forward):
+        super().__init__()
+        self.model = model
+        self._original_forward = original_forward
+
+    def forward(self, *args, **kwargs):
+        return self._original_forward(*args, **kwargs)
+
+
+class DDPState:
+    """What `shard(..., strategy="ddp")` attaches to the model as `model._shardwise`."""
+
+    strategy = "ddp"
+
+    def __init__(self, model: nn.Module, process_group, find_unused_parameters: bool):
+        self.process_group = process_group
+        self.original_forward = model.forward
+        device_ids = None
+        if next(model.parameters(), torch.empty(0)).is_cuda:
+            device_ids = [torch.cuda.current_device()]
+        self.ddp = DistributedDataParallel(
+            _ForwardProxy(model, model.forward),
+            device_ids=device_ids,
+            process_group=process_group,
+            find_unused_parameters=find_unused_parameters,
+            # Grads alias the all-reduce buckets: one copy of the gradients, not two.
+            gradient_as_bucket_view=True,
+        )
+        self.find_unused_parameters = find_unused_parameters
+
+    def forward(self, *args, **kwargs):
+        try:
+            return self.ddp(*args, **kwargs)
+        except RuntimeError as error:
+            if "find_unused_parameters" not in str(error) or self.find_unused_parameters:
+                raise
+            raise ShardwiseError(
+                "a trainable parameter received no gradient in the previous step, so DDP could not "
+                "finish its all-reduce (and that step's update used unreduced gradients: restart "
+                "from a checkpoint). If the model skips parameters in some steps (an unused branch, "
+                "a layer frozen mid-training), pass "
+                "`sw.shard(model, strategy='ddp', find_unused_parameters=True)`; it costs one extra "
+                "graph traversal per step. The zero strategies handle this without a flag."
+            ) from error
+
+    @contextmanager
+    def no_sync(self):
+        with self.ddp.no_sync():
+            yield
+
+    def parameters_with_grads(self, model: nn.Module):
+        return [p for p in model.parameters() if p.grad is not None]
+
+
+def apply_ddp(model: nn.Module, process_group, find_unused_parameters: bool) -> DDPState:
+    """Wrap `model` with DDP in place (see the module docstring) and return its state."""
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ShardwiseError("the model has no trainable parameter (all have requires_grad=False): nothing to train")
+    group = process_group or dist.group.WORLD
+    state = DDPState(model, group, find_unused_parameters)
+    model.forward = state.forward  # instance attribute: model(x) now goes through DDP
+    return state

@@ -1,0 +1,187 @@
+"""The main job: train the small GPT, character level, on the Python standard library's source.
+
+    python -m shardwise.demo                      # launches 2 ranks through torchrun
+    python -m shardwise.demo --strategy ddp --nproc 4
+    torchrun --nproc-per-node 2 -m shardwise.demo # the same script, launched by hand
+
+Without torchrun's environment the script is the launcher: for each strategy asked
+for it starts `--nproc` fresh ranks through torchrun (fresh processes, so each
+strategy's peak memory is its own), then prints a table of loss and per-rank memory
+and writes the loss curves to `demo-out/`. Under torchrun it is one rank of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.models.gpt import GPT, GPTConfig
+
+BYTE_VOCAB = 256  # character level on bytes: every file decodes, no tokenizer to ship
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m shardwise.demo",
+        description="Train a small GPT on the Python standard library's source, on several ranks.",
+    )
+    parser.add_argument("--strategy", default="ddp",
+                        help=f"comma-separated strategies to run one after another, from {sw.STRATEGIES} "
+                             "(default: ddp)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default: 8)")
+    parser.add_argument("--seq", type=int, default=128, help="characters per sequence (default: 128)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
+    parser.add_argument("--width", type=int, default=128, help="d_model (default: 128)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--out", default="demo-out", help="where results and plots go (default: demo-out)")
+    return parser.parse_args(argv)
+
+
+def load_text(max_bytes: int = 4_000_000) -> torch.Tensor:
+    """The standard library's .py files, sorted and concatenated: the same bytes on every machine."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+
+
+def global_batch(text: torch.Tensor, step: int, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows chosen from (seed, step) alone, so every rank draws the same global batch."""
+    generator = torch.Generator().manual_seed(1234 + step)
+    starts = torch.randint(0, len(text) - seq - 1, (size,), generator=generator)
+    windows = torch.stack([text[s : s + seq + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def train_rank(args: argparse.Namespace, strategy: str) -> None:
+    """One rank of training under torchrun; rank 0 writes the results file."""
+    torch.set_num_threads(1)
+    sw.init()
+    rank, world_size = sw.get_rank(), sw.get_world_size()
+    text = load_text()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=BYTE_VOCAB, seq_len=args.seq, d_model=args.width,
+                       n_layers=args.layers, n_heads=4)
+    model = GPT(config)
+    sw.shard(model, strategy=strategy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+
+    losses, step_times = [], []
+    progress = _progress(args.steps, strategy) if rank == 0 else None
+    for step in range(args.steps):
+        start = time.perf_counter()
+        x, y = global_batch(text, step, args.batch * world_size, args.seq)
+        rows = slice(rank * args.batch, (rank + 1) * args.batch)
+        loss = model(x[rows], y[rows])
+        loss.backward()
+        sw.clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+        losses.append(mean_loss.item())
+        step_times.append(time.perf_counter() - start)
+        if progress is not None:
+            progress.set_postfix(loss=f"{losses[-1]:.3f}")
+            progress.update()
+
+    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    peaks = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(peaks, peak_rss)
+    if rank == 0:
+        progress.close()
+        result = {
+            "strategy": strategy, "world_size": world_size, "params": model.num_params(),
+            "losses": losses, "median_step_s": sorted(step_times)[len(step_times) // 2],
+            "peak_rss_mib": [p.item() / 2**20 for p in peaks],
+        }
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{strategy}.json").write_text(json.dumps(result))
+    sw.shutdown()
+
+
+def _progress(total: int, strategy: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"{strategy} rank 0", unit="step", dynamic_ncols=True)
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start `--nproc` ranks through torchrun for each strategy, then summarize."""
+    from torch.distributed.run import main as torchrun
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank; also silences torchrun
+    strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in sw.STRATEGIES]
+    if unknown:
+        print(f"unknown strategy {unknown}; choose from {sw.STRATEGIES}", file=sys.stderr)
+        return 2
+    results = []
+    for strategy in strategies:
+        rank_argv = [a for a in argv if not a.startswith("--strategy")] + [f"--strategy={strategy}"]
+        torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "-m", "shardwise.demo", *rank_argv])
+        results.append(json.loads((Path(args.out) / f"{strategy}.json").read_text()))
+    print_summary(results)
+    plot_losses(results, Path(args.out) / "loss.png")
+    return 0
+
+
+def print_summary(results: list[dict]) -> None:
+    first = results[0]
+    print(f"\nGPT with {first['params']:,} parameters, {first['world_size']} ranks, "
+          f"{len(first['losses'])} steps on the Python standard library's source")
+    print(f"{'strategy':<10}{'loss start':>12}{'loss end':>10}{'median step':>13}  peak RSS per rank (MiB)")
+    for r in results:
+        rss = " ".join(f"{m:7.1f}" for m in r["peak_rss_mib"])
+        print(f"{r['strategy']:<10}{r['losses'][0]:>12.4f}{r['losses'][-1]:>10.4f}"
+              f"{r['median_step_s'] * 1000:>10.1f} ms  {rss}")
+
+
+def plot_losses(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return  # the plot is a convenience; the table above carries the numbers
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    for r in results:
+        axes.plot(r["losses"], label=r["strategy"])
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss (nats/char)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"loss curves: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "RANK" in os.environ:
+        train_rank(args, args.strategy)
+        return 0
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

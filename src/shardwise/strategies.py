@@ -1,0 +1,49 @@
+"""`shard(model, strategy=...)`: the one entry point that applies a strategy in place."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+
+
+def shard(
+    model: nn.Module,
+    *,
+    strategy: str,
+    process_group: dist.ProcessGroup | None = None,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
+    """Apply `strategy` to `model` in place and return the same model object.
+
+    `strategy` is one of "ddp", "zero1", "zero2", "zero3"; changing it changes memory,
+    never the result. `process_group` defaults to the group `sw.init()` formed.
+    `find_unused_parameters` (ddp only) must be True when some trainable parameter
+    gets no gradient in some step (an unused branch); shardwise raises a clear error
+    at the next step when it was needed and not given.
+    """
+    if strategy not in STRATEGIES:
+        raise ShardwiseError(f"strategy={strategy!r} is not one of {STRATEGIES}")
+    if getattr(model, "_shardwise", None) is not None:
+        raise ShardwiseError(
+            f"this model is already sharded with strategy={model._shardwise.strategy!r}; "
+            "build a fresh model (or load a checkpoint into one) to change strategy"
+        )
+    if not dist.is_initialized():
+        raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
+    if strategy == "ddp":
+        from shardwise._ddp import apply_ddp
+
+        state = apply_ddp(model, process_group, find_unused_parameters)
+    else:
+        raise ShardwiseError(f"strategy={strategy!r} is not implemented yet; use 'ddp'")
+    model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
+    return model
+
+
+def state_of(model: nn.Module):
+    """The strategy state `shard()` attached, or None for an unsharded model."""
+    return getattr(model, "_shardwise", None)

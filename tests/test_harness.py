@@ -1,0 +1,60 @@
+"""The distributed test harness itself: results, errors and hangs come back with the rank named."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import RankFailed, RankTimeout
+
+
+def _all_reduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item(), torch.get_num_threads()
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    dist.barrier()  # rank 0 waits for a peer that never comes
+    return "unreachable"
+
+
+def _hang_on_rank_one():
+    if dist.get_rank() == 1:
+        _sleep_forever()
+    return "done"
+
+
+def _sleep_forever():
+    while True:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_by_rank(ranks, world_size):
+    """Catches a harness that loses, reorders or fakes rank results, or skips set_num_threads(1)."""
+    results = ranks.run(_all_reduce_rank, world_size)
+    expected_sum = sum(range(world_size))
+    assert results == [(r, world_size, expected_sum, 1) for r in range(world_size)]
+
+
+def test_rank_exception_is_reraised_with_its_traceback(ranks):
+    """Catches a harness that swallows a rank's error or hangs on the peers it left behind."""
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 raised.*ValueError: boom from rank one"):
+        ranks.run(_raise_on_rank_one, 2, timeout=60)
+    assert ranks.run(_all_reduce_rank, 2)[0][2] == 1.0  # the pool recovers
+
+
+def test_hung_rank_fails_within_timeout_and_is_named(ranks):
+    """Catches a hang that never ends, or a timeout report that does not say which rank was where."""
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        ranks.run(_hang_on_rank_one, 2, timeout=5)
+    assert time.monotonic() - start < 15
+    message = str(info.value)
+    assert "rank(s) [1] of 2" in message
+    assert "_sleep_forever" in message  # the stack shows where rank 1 was
+    assert ranks.run(_all_reduce_rank, 2)[1][2] == 1.0  # a fresh pool replaces the killed one
