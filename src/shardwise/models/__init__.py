@@ -1,0 +1,6 @@
+"""Small models used by the demo, tests and benchmarks: a GPT and the sharing-pattern zoo."""
+
+from .gpt import GPT, Block, GPTConfig
+from .zoo import ZOO, ZooModel, ZooSpec, build, step_generator
+
+__all__ = ["GPT", "Block", "GPTConfig", "ZOO", "ZooModel", "ZooSpec", "build", "step_generator"]
