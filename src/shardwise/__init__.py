@@ -6,7 +6,7 @@ Public API only; see README.md for the files to read in order.
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
 from shardwise.grads import clip_grad_norm_, no_sync
-from shardwise.strategies import STRATEGIES, shard
+from shardwise.strategies import STRATEGIES, full_parameters, shard
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,7 @@ __all__ = [
     "STRATEGIES",
     "ShardwiseError",
     "clip_grad_norm_",
+    "full_parameters",
     "get_rank",
     "get_world_size",
     "init",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -47,3 +48,15 @@ def shard(
 def state_of(model: nn.Module):
     """The strategy state `shard()` attached, or None for an unsharded model."""
     return getattr(model, "_shardwise", None)
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value under its original name, on every rank (a copy).
+
+    For a sharded model this gathers the rows of all ranks, so it is a collective:
+    call it on every rank. Meant for tests and small models; checkpoints stream instead.
+    """
+    state = state_of(model)
+    if state is not None and hasattr(state, "full_parameters"):
+        return state.full_parameters()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
