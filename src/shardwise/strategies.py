@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.units import UnitSpec
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -15,13 +16,18 @@ def shard(
     model: nn.Module,
     *,
     strategy: str,
+    units: UnitSpec = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
 ) -> nn.Module:
     """Apply `strategy` to `model` in place and return the same model object.
 
     `strategy` is one of "ddp", "zero1", "zero2", "zero3"; changing it changes memory,
-    never the result. `process_group` defaults to the group `sw.init()` formed.
+    never the result. `units` (zero strategies) sets the grain of communication: a
+    module class, a tuple of classes, a callable `module -> bool`, or None for each
+    child of the largest `nn.ModuleList`; the root is always a unit. After it,
+    `model.named_parameters()` yields this rank's shards under the original names, so
+    any torch optimizer with ordinary param groups steps only shards. `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
@@ -40,7 +46,13 @@ def shard(
 
         state = apply_ddp(model, process_group, find_unused_parameters)
     else:
-        raise ShardwiseError(f"strategy={strategy!r} is not implemented yet; use 'ddp'")
+        from shardwise._zero import apply_zero
+
+        if find_unused_parameters:
+            raise ShardwiseError(
+                "find_unused_parameters is a ddp option; the zero strategies handle unused parameters themselves"
+            )
+        state = apply_zero(model, strategy, units, process_group)
     model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
     return model
 

@@ -1,0 +1,315 @@
+"""`strategy="zero1" | "zero2" | "zero3"`: three policies over one mechanism (flat_unit.py).
+
+| stage | full params                    | full grads                          |
+|-------|--------------------------------|-------------------------------------|
+| zero1 | kept                           | kept until the synced backward ends |
+| zero2 | kept                           | reduce-scattered per unit, freed    |
+| zero3 | gathered per window, freed     | as zero2                            |
+
+Optimizer state is always sharded: the optimizer only ever sees shards.
+
+Per step, per unit (Note [unit window]): the unit's first forward call gathers it if
+needed and runs `_GatherUnit`, an autograd function whose outputs are the full
+parameter views. Every later use of the unit in the same forward (a block reused N
+times, a shared module called from two branches) uses those same tensors, so
+autograd sums every use's gradient and runs `_GatherUnit.backward` exactly once, after
+the last use: that is where the unit's gradients are reduced. A unit no rank used this
+step still takes part in the reduce, with zeros, at the end of backward, in a fixed
+order, so nobody waits on a collective that never comes.
+
+zero1/zero2 re-gather a unit lazily, at its next forward, when the optimizer has
+changed its rows (the full buffer's version counter moved): no call to remember.
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from shardwise import _collectives as coll
+from shardwise.errors import ShardwiseError
+from shardwise.flat_unit import FlatUnit
+from shardwise.units import UnitSpec, build_units
+
+# Reduce-scatters allowed in flight during backward: enough to overlap with compute,
+# few enough that packed gradient buffers never pile up to a full model's worth.
+_MAX_PENDING_REDUCES = 2
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: hand out the unit's full views. Backward: give the full grads to the engine."""
+
+    @staticmethod
+    def forward(ctx, state, unit, *trainable_shards):
+        ctx.state, ctx.unit = state, unit
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
+        outputs = tuple(unit.full_views)
+        frozen = [out for out, shard in zip(outputs, unit.shard_params) if not shard.requires_grad]
+        ctx.mark_non_differentiable(*frozen)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.on_unit_grads(ctx.unit, list(grads))
+        return (None, None) + (None,) * len(ctx.unit.trainable())
+
+
+class ZeroState:
+    """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
+
+    def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group):
+        self.strategy = strategy
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        plans = build_units(model, units)
+        _check_same_model_on_every_rank(model, group)
+        keep_full = strategy in ("zero1", "zero2")
+        self.units = [
+            FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
+                     keep_full=keep_full, keep_full_grad=strategy == "zero1")
+            for plan in plans
+        ]
+        for unit in self.units:
+            _broadcast_from_rank0(unit, group)
+            unit.take_shards()
+        self.root = self.units[0]
+        self.sync_grads = True
+        self.prefetch = True
+        self.last_forward_order: list[FlatUnit] = []
+        self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
+        self._reset_step()
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+
+    # ---- per-step bookkeeping ----------------------------------------------------
+
+    def _reset_step(self) -> None:
+        self.windowed: set[int] = set()  # units whose _GatherUnit ran in this forward
+        self.forward_order: list[FlatUnit] = []
+        self.open_units: list[FlatUnit] = []
+        self.prefetching: dict[int, coll.Pending] = {}
+        self.reduced: set[int] = set()
+        self.pending_reduces: collections.deque = collections.deque()
+        self.callback_queued = False
+        self.in_window = False
+
+    def _make_pre_forward(self, unit: FlatUnit):
+        def hook(module, args):
+            if unit is self.root:
+                self._begin_forward()
+            self.open_units.append(unit)
+            if id(unit) not in self.windowed:
+                self._open_window(unit)
+        return hook
+
+    def _make_post_forward(self, unit: FlatUnit):
+        def hook(module, args, output):
+            self.open_units.pop()
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+            if unit is self.root:
+                self._end_forward()
+            return output
+        return hook
+
+    def _begin_forward(self) -> None:
+        if self.in_window:  # the previous forward never ran backward (evaluation, a dropped loss)
+            self._close_window()
+        self._reset_step()
+        self.in_window = True
+
+    def _open_window(self, unit: FlatUnit) -> None:
+        self._ensure_gathered(unit)
+        trainable = [unit.shard_params[i] for i in unit.trainable()]
+        fulls = _GatherUnit.apply(self, unit, *trainable) if unit.layouts else ()
+        unit.install_full(list(fulls))
+        self.windowed.add(id(unit))
+        self.forward_order.append(unit)
+        if not unit.keep_full:
+            self._free_idle(keep={id(unit)})
+        self._prefetch_after(unit, self.last_forward_order)
+
+    def _end_forward(self) -> None:
+        self.last_forward_order = list(self.forward_order)
+        for handle in self.prefetching.values():
+            handle.wait()  # a prefetch this forward did not use: let it land, then drop it
+        self.prefetching.clear()
+        if not self.root.keep_full:
+            self._free_idle(keep={id(self.root)})
+        if not torch.is_grad_enabled():
+            self._close_window()
+
+    # ---- gathering ---------------------------------------------------------------
+
+    def _ensure_gathered(self, unit: FlatUnit) -> None:
+        handle = self.prefetching.pop(id(unit), None)
+        if handle is not None:
+            unit.finish_gather(handle)
+        elif unit.needs_gather():
+            unit.finish_gather(unit.start_gather(async_op=False))
+        if not unit.keep_full:
+            resident = sum(1 for u in self.units if u is not self.root and u.resident)
+            self.peak_resident_units = max(self.peak_resident_units, resident)
+
+    def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
+        """Start gathering the unit that came after `unit` last time, while `unit` computes."""
+        if not self.prefetch or unit not in order:
+            return
+        position = order.index(unit)
+        for candidate in order[position + 1 :]:
+            if candidate is not unit:
+                if id(candidate) not in self.prefetching and candidate.needs_gather():
+                    self.prefetching[id(candidate)] = candidate.start_gather(async_op=True)
+                return
+
+    def _free_idle(self, keep: set[int]) -> None:
+        busy = keep | {id(u) for u in self.open_units} | set(self.prefetching)
+        for unit in self.units:
+            if id(unit) not in busy:
+                unit.free()
+
+    # ---- backward ----------------------------------------------------------------
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if id(unit) in self.reduced:
+            return
+        self._ensure_gathered(unit)
+        backward_order = list(reversed(self.forward_order))
+        self._prefetch_after(unit, backward_order)
+
+    def on_unit_grads(self, unit: FlatUnit, grads: list) -> None:
+        """All uses of `unit` in this step have their gradients: reduce or accumulate them."""
+        if not self.callback_queued:  # a graph that reached no unit output hook
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if unit.keep_full_grad or not self.sync_grads:
+            unit.accumulate(grads)
+        else:
+            if unit.full_grad is not None:  # earlier micro-batches under no_sync
+                unit.accumulate(grads)
+                grads = unit.full_grad_list()
+            self._launch_reduce(unit, grads)
+        if not unit.keep_full and unit is not self.root:
+            unit.free()  # every use's backward has run: the full values are no longer needed
+
+    def _launch_reduce(self, unit: FlatUnit, grads: list) -> None:
+        self.reduced.add(id(unit))
+        if not unit.trainable():
+            return
+        while len(self.pending_reduces) >= _MAX_PENDING_REDUCES:
+            self._finish_oldest_reduce()
+        pending, indices = unit.start_reduce(grads, async_op=True)
+        self.pending_reduces.append((unit, pending, indices))
+
+    def _finish_oldest_reduce(self) -> None:
+        unit, pending, indices = self.pending_reduces.popleft()
+        unit.finish_reduce(pending, indices)
+        unit.end_accumulation()
+
+    def _end_backward(self) -> None:
+        if self.sync_grads:
+            # Units not reduced yet: zero1's kept grads, and units unused this step on this
+            # rank. Fixed unit order, so every rank issues the same collectives.
+            for unit in self.units:
+                if id(unit) not in self.reduced:
+                    grads = unit.full_grad_list() if unit.full_grad is not None else [None] * len(unit.layouts)
+                    self._launch_reduce(unit, grads)
+            while self.pending_reduces:
+                self._finish_oldest_reduce()
+        self._close_window()
+
+    def _close_window(self) -> None:
+        for handle in self.prefetching.values():
+            handle.wait()
+        for unit in self.units:
+            unit.install_shards()
+            unit.free()
+        self._reset_step()
+
+    # ---- user-facing helpers -----------------------------------------------------
+
+    @contextmanager
+    def no_sync(self):
+        """Skip the reduce: full gradients accumulate locally (zero2/zero3 then hold full
+        gradients, 4 bytes per parameter, until the synced backward; zero1 always does)."""
+        previous, self.sync_grads = self.sync_grads, False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over every rank's shards (padding rows are zero), then scale."""
+        grads = [s.grad for u in self.units for s in u.shard_params if s.grad is not None]
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).clone().float()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            total = local
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0, dtype=torch.float64))
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.group)
+            total = local.pow(1.0 / norm_type).float()
+        # The same coefficient torch.nn.utils.clip_grad_norm_ computes, so results match it.
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        values: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            values.update(unit.gather_copy())
+        return values
+
+
+def _check_same_model_on_every_rank(model: nn.Module, group) -> None:
+    """Fail at shard() — not with a hang mid-step — when ranks built different models."""
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for index in range(max(len(theirs), len(reference))):
+            a = reference[index] if index < len(reference) else None
+            b = theirs[index] if index < len(theirs) else None
+            if a != b:
+                raise ShardwiseError(
+                    f"ranks 0 and {rank} built different models: parameter #{index} is "
+                    f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}. Build the model "
+                    "from the same code and config on every rank (only the data should differ)."
+                )
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "absent"
+    name, shape, dtype = entry
+    return f"{name!r} shape {list(shape)} {dtype}"
+
+
+def _broadcast_from_rank0(unit: FlatUnit, group) -> None:
+    """Every rank starts from rank 0's values (as DDP does), one unit at a time."""
+    with torch.no_grad():
+        for layout in unit.layouts:
+            dist.broadcast(layout.owned.param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
+def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group) -> ZeroState:
+    """Shard `model` in place under `strategy` and return its state."""
+    group = process_group or dist.group.WORLD
+    return ZeroState(model, strategy, units, group)

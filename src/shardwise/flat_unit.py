@@ -1,0 +1,302 @@
+"""The engine's unit: flat shards, full views, gather/free, and the gradient reduce.
+
+A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
+chunks of `c = ceil(rows / world_size)` rows (a 0-D scalar counts as one row; the
+last ranks hold zero padding), and after `shard()` the registered parameter is this
+rank's chunk, under its original name. Two memory layouts, one per policy:
+
+- `keep_full=True` (zero1, zero2): the full padded values stay allocated
+  (`full_flat`, param-major) and each shard *is* a view of this rank's rows in it,
+  so the optimizer updates the full buffer in place and no separate copy exists.
+  The next forward re-gathers a unit whose rows changed.
+- `keep_full=False` (zero3): the shards live in one rank-major `shard_flat`, which
+  is directly the all-gather's input; `full_flat` is allocated only while the unit
+  is gathered and its storage is released (resized to 0) afterwards.
+
+Note [version counters]: autograd saves the full views for backward. Refilling their
+storage after a free would bump the version counter and make autograd refuse the
+saved tensors, although the values written back are identical; `_refill` therefore
+writes under `_unsafe_preserve_version_counter`, as FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from shardwise import _collectives as coll
+from shardwise.errors import ShardwiseError
+from shardwise.units import OwnedParam, UnitPlan
+
+
+@dataclass
+class ParamLayout:
+    """Where one owned parameter lives in the unit's flat buffers."""
+
+    owned: OwnedParam
+    shape: torch.Size  # the full shape users see
+    rows: int  # dim-0 rows of the full value (1 for a 0-D scalar)
+    row_numel: int  # elements per row
+    rows_per_rank: int  # c: rows each rank holds, padding included
+    offset: int  # start in one rank's shard segment
+
+    @property
+    def shard_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
+
+
+def _layout(owned: list[OwnedParam], world_size: int) -> tuple[list[ParamLayout], int]:
+    layouts, offset = [], 0
+    for entry in owned:
+        shape = entry.param.shape
+        rows = shape[0] if len(shape) else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        rows_per_rank = math.ceil(rows / world_size)
+        layouts.append(ParamLayout(entry, shape, rows, row_numel, rows_per_rank, offset))
+        offset += rows_per_rank * row_numel
+    return layouts, offset
+
+
+class FlatUnit:
+    """One unit's parameters as flat shards (see module docstring)."""
+
+    def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, keep_full: bool,
+                 keep_full_grad: bool):
+        self.module, self.path = plan.module, plan.path
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.keep_full = keep_full
+        self.keep_full_grad = keep_full_grad  # zero1: full grads live until the step
+        self.layouts, self.shard_total = _layout(plan.params, world_size)
+        dtypes = {entry.param.dtype for entry in plan.params}
+        if len(dtypes) > 1:
+            raise ShardwiseError(
+                f"unit {self.path or '<root>'} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                "cast the model to one dtype before shard() (mixed precision is a shard() option)"
+            )
+        reference = plan.params[0].param if plan.params else torch.empty(0)
+        self.dtype, self.device = reference.dtype, reference.device
+        self.full_flat = torch.empty(world_size * self.shard_total, dtype=self.dtype, device=self.device)
+        self.full_views = [self._full_view(layout) for layout in self.layouts]
+        self.shard_flat: Tensor | None = None
+        self.shard_params: list[nn.Parameter] = []
+        self.full_grad: Tensor | None = None  # accumulated full gradients (zero1; no_sync)
+        self.accumulating = False  # inside an accumulation window (since the last reduce)
+        self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
+        self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
+        self.gathered_version = -1  # full_flat._version right after the last gather (keep_full)
+        self.resident = True
+
+    # ---- set-up ------------------------------------------------------------------
+
+    @property
+    def numel_full(self) -> int:
+        return self.full_flat.numel()
+
+    def _padded_region(self, layout: ParamLayout) -> Tensor:
+        start = self.world_size * layout.offset
+        return self.full_flat[start : start + self.world_size * layout.shard_numel]
+
+    def _full_view(self, layout: ParamLayout) -> Tensor:
+        real = self._padded_region(layout)[: layout.rows * layout.row_numel]
+        return real.view(layout.shape)
+
+    def _own_rows(self, flat_by_param: Tensor, layout: ParamLayout) -> Tensor:
+        region_start = self.world_size * layout.offset + self.rank * layout.shard_numel
+        return flat_by_param[region_start : region_start + layout.shard_numel]
+
+    def take_shards(self) -> None:
+        """Copy the current full values in (the caller made them equal on every rank),
+        keep this rank's rows as the registered parameters, and free what the policy frees."""
+        with torch.no_grad():
+            self.full_flat.zero_()
+            for layout, view in zip(self.layouts, self.full_views):
+                view.copy_(layout.owned.param.detach())
+            if self.keep_full:
+                shard_tensors = [self._own_rows(self.full_flat, l).view(l.shard_shape) for l in self.layouts]
+            else:
+                self.shard_flat = torch.empty(self.shard_total, dtype=self.dtype, device=self.device)
+                for layout in self.layouts:
+                    start = layout.offset
+                    self.shard_flat[start : start + layout.shard_numel].copy_(self._own_rows(self.full_flat, layout))
+                shard_tensors = [
+                    self.shard_flat[l.offset : l.offset + l.shard_numel].view(l.shard_shape) for l in self.layouts
+                ]
+        for layout, tensor in zip(self.layouts, shard_tensors):
+            shard = nn.Parameter(tensor, requires_grad=layout.owned.param.requires_grad)
+            self.shard_params.append(shard)
+        self.install_shards()
+        if self.keep_full:
+            self.gathered_version = self.full_flat._version
+        else:
+            self.free()
+
+    # ---- registrations -----------------------------------------------------------
+
+    def install_shards(self) -> None:
+        """Register the shards under every original name (between steps)."""
+        for layout, shard in zip(self.layouts, self.shard_params):
+            for module, attribute in layout.owned.holders:
+                module._parameters[attribute] = shard
+
+    def install_full(self, tensors: list[Tensor]) -> None:
+        """Register full values under every original name (inside a forward/backward window)."""
+        for layout, tensor in zip(self.layouts, tensors):
+            for module, attribute in layout.owned.holders:
+                module._parameters[attribute] = tensor
+
+    # ---- gather / free -----------------------------------------------------------
+
+    def needs_gather(self) -> bool:
+        if self.keep_full:
+            return self.full_flat._version != self.gathered_version  # the optimizer moved our rows
+        return not self.resident
+
+    def start_gather(self, async_op: bool) -> coll.Pending:
+        if self.keep_full:  # shards are scattered views: pack them into one send buffer
+            send = torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts]) if self.layouts \
+                else self.full_flat[:0]
+        else:
+            send = self.shard_flat
+        return coll.all_gather(send.detach(), self.world_size, self.group, async_op)
+
+    def finish_gather(self, pending: coll.Pending) -> None:
+        gathered = pending.wait()
+        self._refill(gathered, self.full_flat)
+        self.resident = True
+        self.gathered_version = self.full_flat._version
+
+    def _refill(self, gathered: Tensor, target: Tensor) -> None:
+        storage = target.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(target.numel() * target.element_size())
+        segments = [(l.offset, l.shard_numel) for l in self.layouts]
+        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
+                   for l in self.layouts]
+        # Note [version counters]
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+            coll.copy_out(gathered, self.world_size, segments, regions)
+
+    def free(self) -> None:
+        """Release the full values (zero3 only; zero1/zero2 keep them)."""
+        if not self.keep_full and self.resident:
+            self.full_flat.untyped_storage().resize_(0)
+            self.resident = False
+
+    def gather_copy(self) -> dict[str, Tensor]:
+        """Fresh full values of every owned parameter, leaving the unit's own state alone."""
+        send = self.shard_flat if not self.keep_full else torch.cat(
+            [self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
+        gathered = coll.all_gather(send.detach(), self.world_size, self.group, async_op=False).wait()
+        target = torch.empty_like(self.full_flat)
+        segments = [(l.offset, l.shard_numel) for l in self.layouts]
+        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
+                   for l in self.layouts]
+        coll.copy_out(gathered, self.world_size, segments, regions)
+        out = {}
+        for layout in self.layouts:
+            start = self.world_size * layout.offset
+            out[layout.owned.name] = target[start : start + layout.rows * layout.row_numel].view(layout.shape).clone()
+        return out
+
+    # ---- gradients ---------------------------------------------------------------
+
+    def trainable(self) -> list[int]:
+        return [i for i, shard in enumerate(self.shard_params) if shard.requires_grad]
+
+    def _begin_accumulation(self) -> None:
+        if self.full_grad is None:
+            self.full_grad = torch.zeros_like(self.full_flat)
+            return
+        # zero1 keeps full_grad allocated across steps, and its shards' grads are views of
+        # their own rows in it: set aside any the user kept (accumulating across steps),
+        # then start the new window from zero.
+        for i, shard in enumerate(self.shard_params):
+            if shard.grad is not None:
+                self.carried[i] = shard.grad.clone()
+                shard.grad = None
+        self.full_grad.zero_()
+
+    def accumulate(self, grads: list[Tensor | None]) -> None:
+        """Add this backward's full gradients into `full_grad` (zero1, or under no_sync)."""
+        if not self.accumulating:
+            self._begin_accumulation()
+            self.accumulating = True
+        with torch.no_grad():
+            for index, (layout, grad) in enumerate(zip(self.layouts, grads)):
+                if grad is not None:
+                    self.used.add(index)
+                    start = self.world_size * layout.offset
+                    self.full_grad[start : start + layout.rows * layout.row_numel].add_(grad.reshape(-1))
+
+    def full_grad_list(self) -> list[Tensor | None]:
+        if self.full_grad is None:
+            return [None] * len(self.layouts)
+        out = []
+        for index, layout in enumerate(self.layouts):
+            start = self.world_size * layout.offset
+            used = index in self.used
+            out.append(self.full_grad[start : start + layout.rows * layout.row_numel] if used else None)
+        return out
+
+    def start_reduce(self, grads: list[Tensor | None], async_op: bool) -> tuple[coll.Pending, list[int]]:
+        """Reduce-scatter (average) the full gradients of the trainable parameters.
+
+        Note [unused params]: a parameter no rank used this step must keep `grad=None`,
+        as in a single process (AdamW then leaves it alone: no decay, no moment update),
+        while one used by some ranks gets the average with zeros from the others. One
+        "used" flag per parameter rides in every rank's segment of the same
+        reduce-scatter, so every rank learns whether anyone used it without another
+        collective.
+        """
+        indices = self.trainable()
+        segments, offset = [], 0
+        for i in indices:
+            segments.append((offset, self.layouts[i].shard_numel))
+            offset += self.layouts[i].shard_numel
+        rows = [self.layouts[i].rows for i in indices]
+        packed = coll.pack([grads[i] for i in indices], rows, self.world_size, segments,
+                           offset + len(indices), self.full_flat)
+        flags = packed.view(self.world_size, -1)[:, offset:]
+        for column, i in enumerate(indices):
+            if grads[i] is not None:
+                flags[:, column] = 1.0
+        return coll.reduce_scatter_avg(packed, self.world_size, self.group, async_op), indices
+
+    def finish_reduce(self, pending: coll.Pending, indices: list[int]) -> None:
+        """Hand each trainable shard its averaged gradient rows (accumulating onto an existing grad)."""
+        reduced = pending.wait()
+        used_by_any = reduced[reduced.numel() - len(indices) :] > 0  # Note [unused params]
+        offset = 0
+        for column, i in enumerate(indices):
+            layout, shard = self.layouts[i], self.shard_params[i]
+            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape)
+            offset += layout.shard_numel
+            if not used_by_any[column]:
+                continue
+            if shard.grad is not None:
+                shard.grad.add_(rows)
+            elif self.keep_full_grad and self.full_grad is not None:
+                # zero1: the shard's grad is a view of its own rows of the kept full grads,
+                # so the gradients are stored once, not twice.
+                own = self._own_rows(self.full_grad, layout).view(layout.shard_shape)
+                own.copy_(rows)
+                if i in self.carried:
+                    own.add_(self.carried.pop(i))
+                shard.grad = own
+            else:
+                shard.grad = rows
+
+    def end_accumulation(self) -> None:
+        """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""
+        self.accumulating = False
+        self.carried.clear()
+        self.used.clear()
+        if not self.keep_full_grad:
+            self.full_grad = None

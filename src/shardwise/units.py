@@ -1,0 +1,106 @@
+"""Cutting a model into units, and deciding which unit owns each (possibly shared) parameter.
+
+A unit is the grain of communication: one all-gather and one reduce-scatter per unit
+per step. The root module is always a unit, so every parameter has an owner.
+
+Note [shared params]: a parameter can be reachable under several names — a tied
+embedding/head (`tok_emb.weight` and `head.weight`), a module registered in two
+branches (`left.shared.weight`, `right.shared.weight`). It belongs to exactly one unit:
+the innermost unit whose subtree holds *every* name of it. Its full value then exists
+for that whole unit's window, whichever of its holders runs, and autograd sums the
+contributions of every use before the owner reduces the gradient once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+UnitSpec = Union[None, type, tuple, Callable[[nn.Module], bool]]
+
+
+@dataclass
+class OwnedParam:
+    """One distinct parameter, every place it is registered, and the name users know it by."""
+
+    name: str  # the first name named_parameters() gives it: what optimizers and state_dict see
+    param: nn.Parameter
+    holders: list[tuple[nn.Module, str]]  # (module, attribute) for every registration
+
+
+@dataclass
+class UnitPlan:
+    """A unit: its module, its dotted path (root: ""), and the parameters it owns."""
+
+    module: nn.Module
+    path: str
+    params: list[OwnedParam] = field(default_factory=list)
+
+
+def _unit_predicate(model: nn.Module, units: UnitSpec) -> Callable[[nn.Module], bool]:
+    if units is None:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            return lambda module: False
+        largest = max(lists, key=len)
+        children = {id(child) for child in largest}
+        return lambda module: id(module) in children
+    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        return lambda module: isinstance(module, units)
+    if callable(units):
+        return units
+    raise ShardwiseError(
+        f"units={units!r} is not understood: pass a module class, a tuple of classes, "
+        "a callable module -> bool, or None for each child of the largest nn.ModuleList"
+    )
+
+
+def build_units(model: nn.Module, units: UnitSpec = None) -> list[UnitPlan]:
+    """The units of `model` in module order (root first) with the parameters each owns."""
+    is_unit = _unit_predicate(model, units)
+    plans: dict[int, UnitPlan] = {id(model): UnitPlan(model, "")}
+    for path, module in model.named_modules():  # named_modules() visits a shared module once
+        if module is not model and is_unit(module):
+            plans[id(module)] = UnitPlan(module, path)
+    # Every path a unit module is registered under (a shared unit has several).
+    unit_paths: dict[int, list[str]] = {key: [] for key in plans}
+    for path, module in model.named_modules(remove_duplicate=False):
+        if id(module) in plans:
+            unit_paths[id(module)].append(path)
+
+    owned: dict[int, OwnedParam] = {}
+    param_paths: dict[int, list[str]] = {}
+    modules_by_path = dict(model.named_modules(remove_duplicate=False))
+    for full_name, param in model.named_parameters(remove_duplicate=False):
+        module_path, _, attribute = full_name.rpartition(".")
+        holder = (modules_by_path[module_path], attribute)
+        if id(param) not in owned:
+            owned[id(param)] = OwnedParam(full_name, param, [])
+            param_paths[id(param)] = []
+        if not any(h[0] is holder[0] and h[1] == attribute for h in owned[id(param)].holders):
+            owned[id(param)].holders.append(holder)
+        param_paths[id(param)].append(module_path)
+
+    for key, entry in owned.items():
+        owner = _innermost_enclosing(plans, unit_paths, param_paths[key])
+        owner.params.append(entry)
+    return list(plans.values())
+
+
+def _within(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _innermost_enclosing(plans, unit_paths, paths: list[str]) -> UnitPlan:
+    """The deepest unit such that every registration path of the parameter lies under it."""
+    best, best_depth = None, -1
+    for key, plan in plans.items():
+        if all(any(_within(p, u) for u in unit_paths[key]) for p in paths):
+            depth = min(len(u.split(".")) if u else 0 for u in unit_paths[key])
+            if depth > best_depth:
+                best, best_depth = plan, depth
+    return best
