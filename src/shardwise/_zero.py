@@ -19,6 +19,15 @@ order, so nobody waits on a collective that never comes.
 
 zero1/zero2 re-gather a unit lazily, at its next forward, when the optimizer has
 changed its rows (the full buffer's version counter moved): no call to remember.
+
+Note [collective order]: gloo and NCCL pair collectives by their order of issue, so
+every rank must issue the same sequence even when ranks take different branches.
+zero1/zero2 therefore issue their re-gathers, and all stages their reduce-scatters,
+in one fixed unit order (forward: registration order; backward: its reverse); a unit
+whose turn comes before it is ready holds back the ones after it, never reorders
+them. zero3's forward gathers follow the forward itself, so zero3 requires every rank
+to run the same units in each step (as FSDP does); parameters unused by every rank
+and branches inside a unit may still differ.
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ class ZeroState:
             _broadcast_from_rank0(unit, group)
             unit.take_shards()
         self.root = self.units[0]
+        self.reduce_order = list(reversed(self.units))  # Note [collective order]
         self.sync_grads = True
         self.prefetch = True
         self.last_forward_order: list[FlatUnit] = []
@@ -95,7 +105,10 @@ class ZeroState:
         self.forward_order: list[FlatUnit] = []
         self.open_units: list[FlatUnit] = []
         self.prefetching: dict[int, coll.Pending] = {}
+        self.gather_queue: list[FlatUnit] = []  # zero1/2: stale units, in fixed order, not yet issued
         self.reduced: set[int] = set()
+        self.ready_grads: dict[int, list] = {}  # units whose grads wait for their turn to reduce
+        self.next_reduce = 0  # position in self.reduce_order
         self.pending_reduces: collections.deque = collections.deque()
         self.callback_queued = False
         self.in_window = False
@@ -126,6 +139,8 @@ class ZeroState:
             self._close_window()
         self._reset_step()
         self.in_window = True
+        if self.root.keep_full:
+            self.gather_queue = [u for u in self.units if u.needs_gather()]
 
     def _open_window(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
@@ -134,15 +149,19 @@ class ZeroState:
         unit.install_full(list(fulls))
         self.windowed.add(id(unit))
         self.forward_order.append(unit)
-        if not unit.keep_full:
+        if unit.keep_full:
+            self._issue_queued(up_to=None)
+        else:
             self._free_idle(keep={id(unit)})
-        self._prefetch_after(unit, self.last_forward_order)
+            self._prefetch_after(unit, self.last_forward_order)
 
     def _end_forward(self) -> None:
         self.last_forward_order = list(self.forward_order)
-        for handle in self.prefetching.values():
-            handle.wait()  # a prefetch this forward did not use: let it land, then drop it
-        self.prefetching.clear()
+        while self.gather_queue or self.prefetching:  # stale units this forward did not run
+            self._issue_queued(up_to=None)
+            for key in list(self.prefetching):
+                unit = next(u for u in self.units if id(u) == key)
+                unit.finish_gather(self.prefetching.pop(key))
         if not self.root.keep_full:
             self._free_idle(keep={id(self.root)})
         if not torch.is_grad_enabled():
@@ -150,7 +169,20 @@ class ZeroState:
 
     # ---- gathering ---------------------------------------------------------------
 
+    def _issue_queued(self, up_to: FlatUnit | None) -> None:
+        """zero1/2: issue queued re-gathers in their fixed order, through `up_to` if given,
+        else just enough to keep two in flight (Note [collective order])."""
+        while self.gather_queue:
+            if up_to is None and len(self.prefetching) >= 2:
+                return
+            unit = self.gather_queue.pop(0)
+            self.prefetching[id(unit)] = unit.start_gather(async_op=True)
+            if unit is up_to:
+                return
+
     def _ensure_gathered(self, unit: FlatUnit) -> None:
+        if unit in self.gather_queue:
+            self._issue_queued(up_to=unit)
         handle = self.prefetching.pop(id(unit), None)
         if handle is not None:
             unit.finish_gather(handle)
@@ -200,9 +232,19 @@ class ZeroState:
             if unit.full_grad is not None:  # earlier micro-batches under no_sync
                 unit.accumulate(grads)
                 grads = unit.full_grad_list()
-            self._launch_reduce(unit, grads)
+            self.ready_grads[id(unit)] = grads
+            self._launch_ready_reduces()
         if not unit.keep_full and unit is not self.root:
             unit.free()  # every use's backward has run: the full values are no longer needed
+
+    def _launch_ready_reduces(self) -> None:
+        """Reduce ready units in the fixed order, stopping at the first not ready yet."""
+        while self.next_reduce < len(self.reduce_order):
+            unit = self.reduce_order[self.next_reduce]
+            if id(unit) not in self.ready_grads:
+                return
+            self._launch_reduce(unit, self.ready_grads.pop(id(unit)))
+            self.next_reduce += 1
 
     def _launch_reduce(self, unit: FlatUnit, grads: list) -> None:
         self.reduced.add(id(unit))
@@ -221,18 +263,20 @@ class ZeroState:
     def _end_backward(self) -> None:
         if self.sync_grads:
             # Units not reduced yet: zero1's kept grads, and units unused this step on this
-            # rank. Fixed unit order, so every rank issues the same collectives.
-            for unit in self.units:
-                if id(unit) not in self.reduced:
-                    grads = unit.full_grad_list() if unit.full_grad is not None else [None] * len(unit.layouts)
-                    self._launch_reduce(unit, grads)
+            # rank (zeros). Same fixed order as during backward (Note [collective order]).
+            for unit in self.reduce_order[self.next_reduce :]:
+                grads = self.ready_grads.pop(id(unit), None)
+                if grads is None:
+                    grads = unit.full_grad_list()
+                self._launch_reduce(unit, grads)
             while self.pending_reduces:
                 self._finish_oldest_reduce()
         self._close_window()
 
     def _close_window(self) -> None:
-        for handle in self.prefetching.values():
-            handle.wait()
+        for key, handle in self.prefetching.items():
+            unit = next(u for u in self.units if id(u) == key)
+            unit.finish_gather(handle)  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()
             unit.free()
