@@ -56,9 +56,11 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, state, unit, *trainable_shards):
-        ctx.state, ctx.unit = state, unit
+        ctx.state, ctx.unit, ctx.num_shards = state, unit, len(trainable_shards)
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
-        outputs = tuple(unit.full_views)
+        # Fresh view objects every window: autograd attaches this window's graph to them,
+        # and a view reused from an earlier window would carry that window's history.
+        outputs = tuple(view.view(view.shape) for view in unit.full_views)
         frozen = [out for out, shard in zip(outputs, unit.shard_params) if not shard.requires_grad]
         ctx.mark_non_differentiable(*frozen)
         return outputs
@@ -66,7 +68,7 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.state.on_unit_grads(ctx.unit, list(grads))
-        return (None, None) + (None,) * len(ctx.unit.trainable())
+        return (None, None) + (None,) * ctx.num_shards
 
 
 class ZeroState:
@@ -145,7 +147,10 @@ class ZeroState:
     def _open_window(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
         trainable = [unit.shard_params[i] for i in unit.trainable()]
-        fulls = _GatherUnit.apply(self, unit, *trainable) if unit.layouts else ()
+        if trainable:
+            fulls = _GatherUnit.apply(self, unit, *trainable)
+        else:  # nothing to differentiate (frozen unit): plain fresh views, no backward hook
+            fulls = [view.view(view.shape) for view in unit.full_views]
         unit.install_full(list(fulls))
         self.windowed.add(id(unit))
         self.forward_order.append(unit)

@@ -132,6 +132,10 @@ class FlatUnit:
             shard = nn.Parameter(tensor, requires_grad=layout.owned.param.requires_grad)
             self.shard_params.append(shard)
         self.install_shards()
+        for layout in self.layouts:
+            # The original full tensor is no longer registered anywhere; dropping our last
+            # reference is what actually frees it (4 bytes per parameter otherwise).
+            layout.owned.param = None
         if self.keep_full:
             self.gathered_version = self.full_flat._version
         else:

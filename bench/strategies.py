@@ -1,0 +1,373 @@
+"""Benchmark: shardwise zero1/zero2/zero3 against torch DDP, DDP + ZeroRedundancyOptimizer
+and FSDP2 `fully_shard`, on the same GPT, the same data and the same seed, in one run.
+
+    python bench/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
+    python bench/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
+
+Without `--worker` the script is the launcher: every (config, world size) runs as
+fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own, then
+the launcher writes bench/results/strategies.{json,md,png}. With `--worker` it is one
+rank (or the single-process reference) and writes its numbers to `--out-dir`.
+
+Note [two RSS runs]: glibc keeps freed heap blocks resident, so on CPU a sharded
+strategy's savings hardly show in RSS. Each config therefore runs twice: the timed
+run with the default allocator, and a short run with MALLOC_MMAP_THRESHOLD_=65536
+(large blocks are mmap'd and returned on free) that reports only peak RSS, since
+that allocator makes steps slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIGS = ("ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3")
+LABELS = {"ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
+          "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3"}
+# ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
+# as (replicated bytes, sharded bytes / N).
+FORMULA = {"ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
+           "zero3": (0, 16), "fsdp2": (0, 16)}
+MIB = 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--mmap-steps", type=int, default=3, help="steps of the MALLOC_MMAP_THRESHOLD_ run")
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--no-mmap-run", action="store_true", help="skip the MALLOC_MMAP_THRESHOLD_ RSS runs")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before one run is killed")
+    p.add_argument("--out", default=str(RESULTS))
+    # Set by the launcher only.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- one rank ----------------------------------------------------------------------
+
+
+def build_model(args):
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(args.seed)  # every config and rank starts from the same weights
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
+                    n_layers=args.layers, n_heads=args.heads)
+    return GPT(cfg)
+
+
+def global_batch(args, step: int, world_size: int):
+    """The same tokens for every config at this world size; each rank slices its rows."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000 + step)
+    tokens = torch.randint(args.vocab, (world_size * args.batch, args.seq + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def apply_config(model, config: str, args, world_size: int):
+    """Wrap or shard `model` as `config` says; return (module to call, optimizer)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import shardwise as sw
+    from shardwise.models.gpt import Block
+
+    adamw = dict(lr=args.lr, weight_decay=args.weight_decay)
+    if config == "reference":
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if config == "ddp":
+        ddp = DDP(model)  # torch defaults, as a user writes it
+        return ddp, torch.optim.AdamW(ddp.parameters(), **adamw)
+    if config == "ddp_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = DDP(model)
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    if config == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # root last: it owns embeddings, tied head, ln_f
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if config in ("zero1", "zero2", "zero3"):
+        sw.shard(model, strategy=config, units=Block)
+        # Built after shard(): the optimizer must only ever see this rank's shards.
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    raise ValueError(f"unknown config {config!r}; pick from {CONFIGS}")
+
+
+def model_state_bytes(model, optimizer) -> int:
+    """Bytes of distinct storages holding params, grads, optimizer state and engine buffers.
+
+    Counted by storage, not by tensor, because zero1/zero2 shards are views into the full
+    buffer and zero1's shard grads are views into `full_grad`: a view costs nothing more.
+    A storage resized to 0 (zero3's freed `full_flat`) counts 0.
+    """
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+
+    def add(t):
+        if t is None:
+            return
+        if isinstance(t, DTensor):  # FSDP2: what this rank holds is the local shard
+            t = t.to_local()
+        s = t.untyped_storage()
+        if s.nbytes() > 0:
+            storages[s.data_ptr()] = s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local AdamW
+    for state in inner.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+    engine = getattr(model, "_shardwise", None)
+    for unit in getattr(engine, "units", []):
+        for buffer in (unit.full_flat, unit.shard_flat, unit.full_grad):
+            add(buffer)
+    return sum(storages.values())
+
+
+def run_worker(args) -> None:
+    torch.set_num_threads(1)  # ranks share 2 cores; more threads only fight each other
+    distributed = args.config != "reference"
+    if distributed:
+        import shardwise as sw
+
+        sw.init()
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if distributed else 0
+    world_size = args.world_size  # the reference runs the global batch of this many ranks
+    model = build_model(args)
+    num_params = model.num_params()
+    module, optimizer = apply_config(model, args.config, args, world_size)
+    rows = slice(None) if not distributed else slice(rank * args.batch, (rank + 1) * args.batch)
+
+    losses, times, state_bytes = [], [], 0
+    total = args.warmup + args.steps
+    for step in range(total):
+        idx, targets = global_batch(args, step, world_size)
+        idx, targets = idx[rows], targets[rows]
+        start = time.perf_counter()
+        loss = module(idx, targets)
+        loss.backward()
+        optimizer.step()
+        if step == total - 1:  # after a step, before grads are dropped: the most a step holds
+            state_bytes = model_state_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+
+    record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times,
+              "model_state_bytes": state_bytes,
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---- launcher ----------------------------------------------------------------------
+
+
+def worker_argv(args, config: str, world_size: int, warmup: int, steps: int, out_dir: str) -> list[str]:
+    argv = [__file__, "--worker", "--config", config, "--world-size", str(world_size),
+            "--out-dir", out_dir, "--warmup", str(warmup), "--steps", str(steps)]
+    for flag in ("vocab", "d_model", "layers", "heads", "seq", "batch", "seed", "lr", "weight_decay"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if config == "reference":
+        return [sys.executable] + argv
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world_size}"] + argv
+
+
+def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap: bool) -> dict:
+    """Run one config in fresh processes; return the per-rank records or the error."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # Note [two RSS runs]
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = worker_argv(args, config, world_size, warmup, steps, out_dir)
+        # Own session, so a timeout can kill torchrun *and* its ranks by process group.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            return {"error": f"timed out after {args.timeout} s", "output_tail": output[-3000:]}
+        if proc.returncode != 0:
+            return {"error": f"exit status {proc.returncode}", "output_tail": output[-3000:]}
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
+    return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
+
+
+def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None, reference: dict | None) -> dict:
+    row = {"config": config, "label": LABELS[config], "world_size": world_size, "timed": timed, "mmap": mmap}
+    if "error" in timed:
+        return row
+    ranks = timed["ranks"]
+    # A step takes as long as its slowest rank; losses average because slices are equal-sized.
+    step_max = [max(r["step_times"][i] for r in ranks) for i in range(len(ranks[0]["step_times"]))]
+    losses = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))]
+    psi = ranks[0]["num_params"]
+    replicated, sharded = FORMULA[config]
+    row.update(
+        median_step_s=statistics.median(step_max[args.warmup:]),
+        step_times_max_over_ranks=step_max,
+        losses=losses,
+        model_state_mib=max(r["model_state_bytes"] for r in ranks) / MIB,
+        formula_mib=(replicated * psi + sharded * psi / world_size) / MIB,
+        peak_rss_mib=max(r["peak_rss_bytes"] for r in ranks) / MIB,
+        num_params=psi,
+    )
+    if mmap and "ranks" in mmap:
+        row["peak_rss_mmap_mib"] = max(r["peak_rss_bytes"] for r in mmap["ranks"]) / MIB
+    if reference and "ranks" in reference:
+        ref_losses = reference["ranks"][0]["losses"]
+        row["reference_losses"] = ref_losses
+        row["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    return row
+
+
+def fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> str:
+    lines = [f"GPT vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
+             f"seq {args.seq}, batch {args.batch}/rank, fp32 AdamW, gloo, 1 thread/rank; median of "
+             f"{args.steps} steps after {args.warmup} warm-up. Peak RSS is the max over ranks; "
+             f"'mmap' is a {args.mmap_steps}-step run with MALLOC_MMAP_THRESHOLD_=65536"
+             + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step()."]
+    for ws in world_sizes:
+        group = [r for r in rows if r["world_size"] == ws]
+        by = {r["config"]: r for r in group}
+        ddp_t = by.get("ddp", {}).get("median_step_s")
+        fsdp_t = by.get("fsdp2", {}).get("median_step_s")
+        fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
+        lines += ["", f"### world size {ws}", "",
+                  "| config | median step s | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
+                  "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in group:
+            if "error" in r["timed"]:
+                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 8)
+                continue
+            t, m = r["median_step_s"], r["model_state_mib"]
+            lines.append(
+                f"| {r['label']} | {t:.3f} | {fmt(t / ddp_t if ddp_t else None, '.2f')} | "
+                f"{fmt(t / fsdp_t if fsdp_t else None, '.2f')} | {m:.1f} | {r['formula_mib']:.1f} | "
+                f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
+                f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], world_sizes: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(world_sizes), 3, figsize=(16, 4.2 * len(world_sizes)), squeeze=False)
+    for ax_row, ws in zip(axes, world_sizes):
+        ok = [r for r in rows if r["world_size"] == ws and "error" not in r["timed"]]
+        names = [r["config"] for r in ok]
+        x = range(len(ok))
+        ax_row[0].bar(x, [r["median_step_s"] for r in ok], color="tab:blue")
+        ax_row[0].set_title(f"ws={ws}: median step time (s)")
+        ax_row[1].bar(x, [r["model_state_mib"] for r in ok], color="tab:green", label="counted")
+        ax_row[1].scatter(x, [r["formula_mib"] for r in ok], color="black", marker="_", s=400,
+                          zorder=3, label="ZeRO formula")
+        ax_row[1].set_title(f"ws={ws}: model state per rank (MiB)")
+        ax_row[1].legend()
+        w = 0.4
+        ax_row[2].bar([i - w / 2 for i in x], [r["peak_rss_mib"] for r in ok], w, label="default malloc")
+        ax_row[2].bar([i + w / 2 for i in x], [r.get("peak_rss_mmap_mib", 0) for r in ok], w,
+                      label="MALLOC_MMAP_THRESHOLD_=65536")
+        ax_row[2].set_title(f"ws={ws}: peak RSS per rank, max over ranks (MiB)")
+        ax_row[2].legend()
+        for ax in ax_row:
+            ax.set_xticks(list(x))
+            ax.set_xticklabels(names, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run_launcher(args) -> None:
+    from tqdm import tqdm
+
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
+    mmap_run = not args.no_mmap_run
+    total_steps = args.warmup + args.steps
+    runs = [(ws, "reference", False) for ws in world_sizes]
+    runs += [(ws, c, m) for ws in world_sizes for c in configs for m in ([False, True] if mmap_run else [False])]
+
+    raw: dict = {}
+    started = time.time()
+    for ws, config, mmap in tqdm(runs, desc="runs", unit="run"):
+        tqdm.write(f"ws={ws} {config}{' (mmap RSS)' if mmap else ''}")
+        if mmap:  # only peak RSS is read from this run (Note [two RSS runs])
+            result = launch(args, config, ws, warmup=0, steps=args.mmap_steps, mmap=True)
+        else:
+            result = launch(args, config, ws, warmup=args.warmup, steps=args.steps, mmap=False)
+        if "error" in result:
+            tqdm.write(f"  FAILED: {result['error']}\n{result['output_tail'][-1500:]}")
+        raw[(ws, config, mmap)] = result
+
+    rows = [summarize(args, c, ws, raw[(ws, c, False)], raw.get((ws, c, True)), raw[(ws, "reference", False)])
+            for ws in world_sizes for c in configs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "config", "world_size", "out_dir")}
+    references = {str(ws): raw[(ws, "reference", False)] for ws in world_sizes}
+    meta = {"torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+            "total_steps": total_steps, "wall_s": time.time() - started}
+    (out / "strategies.json").write_text(json.dumps(
+        {"settings": settings, "meta": meta, "reference": references, "rows": rows}, indent=1))
+    table = markdown(rows, world_sizes, args, mmap_run)
+    (out / "strategies.md").write_text(table)
+    plot(rows, world_sizes, out / "strategies.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    run_worker(cli) if cli.worker else run_launcher(cli)
