@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.memory import model_state_bytes
+from shardwise.models.gpt import GPT, Block, GPTConfig
 
 BYTE_VOCAB = 256  # character level on bytes: every file decodes, no tokenizer to ship
 
@@ -35,9 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m shardwise.demo",
         description="Train a small GPT on the Python standard library's source, on several ranks.",
     )
-    parser.add_argument("--strategy", default="ddp",
+    parser.add_argument("--strategy", default="ddp,zero3",
                         help=f"comma-separated strategies to run one after another, from {sw.STRATEGIES} "
-                             "(default: ddp)")
+                             "(default: ddp,zero3)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default: 8)")
@@ -80,7 +81,7 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
     config = GPTConfig(vocab_size=BYTE_VOCAB, seq_len=args.seq, d_model=args.width,
                        n_layers=args.layers, n_heads=4)
     model = GPT(config)
-    sw.shard(model, strategy=strategy)
+    sw.shard(model, strategy=strategy, **({} if strategy == "ddp" else {"units": Block}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     losses, step_times = [], []
@@ -93,6 +94,8 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
         loss.backward()
         sw.clip_grad_norm_(model, 1.0)
         optimizer.step()
+        if step == args.steps - 1:  # measured with gradients still held, as the ZeRO formulas count
+            state_bytes = model_state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
@@ -102,15 +105,17 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
             progress.set_postfix(loss=f"{losses[-1]:.3f}")
             progress.update()
 
-    peak_rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
-    peaks = [torch.zeros(1) for _ in range(world_size)]
-    dist.all_gather(peaks, peak_rss)
+    mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
+                         float(state_bytes)])
+    everyone = [torch.zeros(2) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
     if rank == 0:
         progress.close()
         result = {
             "strategy": strategy, "world_size": world_size, "params": model.num_params(),
             "losses": losses, "median_step_s": sorted(step_times)[len(step_times) // 2],
-            "peak_rss_mib": [p.item() / 2**20 for p in peaks],
+            "peak_rss_mib": [m[0].item() / 2**20 for m in everyone],
+            "model_state_mib": [m[1].item() / 2**20 for m in everyone],
         }
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -148,11 +153,13 @@ def print_summary(results: list[dict]) -> None:
     first = results[0]
     print(f"\nGPT with {first['params']:,} parameters, {first['world_size']} ranks, "
           f"{len(first['losses'])} steps on the Python standard library's source")
-    print(f"{'strategy':<10}{'loss start':>12}{'loss end':>10}{'median step':>13}  peak RSS per rank (MiB)")
+    print(f"{'strategy':<10}{'loss start':>12}{'loss end':>10}{'median step':>13}"
+          f"  {'model state per rank (MiB)':<28}peak RSS per rank (MiB)")
     for r in results:
+        state = " ".join(f"{m:6.2f}" for m in r["model_state_mib"])
         rss = " ".join(f"{m:7.1f}" for m in r["peak_rss_mib"])
         print(f"{r['strategy']:<10}{r['losses'][0]:>12.4f}{r['losses'][-1]:>10.4f}"
-              f"{r['median_step_s'] * 1000:>10.1f} ms  {rss}")
+              f"{r['median_step_s'] * 1000:>10.1f} ms  {state:<28}{rss}")
 
 
 def plot_losses(results: list[dict], path: Path) -> None:

@@ -1,0 +1,36 @@
+"""Counting the memory a training job holds: the bytes behind model state, per rank.
+
+Counts distinct storages (so a tied weight, a gradient that aliases a bucket or a
+shard that aliases a full buffer is counted once) reachable from the model's
+parameters and gradients, the optimizer's state, and the sharding engine's own
+buffers. This is the "model-state bytes" the ZeRO formulas predict.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _storages_of(tensors) -> dict[int, int]:
+    found = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes this rank holds for parameters, gradients, optimizer state and engine buffers."""
+    tensors = []
+    for param in model.parameters():
+        tensors += [param, param.grad]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    engine = getattr(model, "_shardwise", None)
+    for unit in getattr(engine, "units", ()):
+        tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
+    return sum(_storages_of(tensors).values())
