@@ -6,12 +6,13 @@ Public API only; see README.md for the files to read in order.
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
 from shardwise.grads import clip_grad_norm_, no_sync
-from shardwise.strategies import STRATEGIES, full_parameters, shard
+from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
 
 __version__ = "0.1.0"
 
 __all__ = [
     "STRATEGIES",
+    "ShardInfo",
     "ShardwiseError",
     "clip_grad_norm_",
     "full_parameters",
@@ -21,5 +22,6 @@ __all__ = [
     "is_main",
     "no_sync",
     "shard",
+    "shard_info",
     "shutdown",
 ]

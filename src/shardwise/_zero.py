@@ -79,6 +79,7 @@ class ZeroState:
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         plans = build_units(model, units)
+        self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         _check_same_model_on_every_rank(model, group)
         keep_full = strategy in ("zero1", "zero2")
         self.units = [
@@ -317,11 +318,29 @@ class ZeroState:
             grad.mul_(coefficient.to(grad.dtype))
         return total
 
+    def shard_info(self) -> dict:
+        from shardwise.strategies import ShardInfo
+
+        info = {}
+        for unit in self.units:
+            for layout, shard in zip(unit.layouts, unit.shard_params):
+                start = min(self.rank * layout.rows_per_rank, layout.rows)
+                end = min(start + layout.rows_per_rank, layout.rows)
+                names = [f"{_prefix_of(module, self.module_names)}{attribute}" for module, attribute in layout.owned.holders]
+                info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
+                                                    tuple(n for n in names if n != layout.owned.name))
+        return info
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         values: dict[str, torch.Tensor] = {}
         for unit in self.units:
             values.update(unit.gather_copy())
         return values
+
+
+def _prefix_of(module: nn.Module, module_names: dict[int, str]) -> str:
+    name = module_names[id(module)]
+    return f"{name}." if name else ""
 
 
 def _check_same_model_on_every_rank(model: nn.Module, group) -> None:

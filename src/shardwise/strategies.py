@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -72,3 +74,43 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     if state is not None and hasattr(state, "full_parameters"):
         return state.full_parameters()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which rows of a parameter this rank holds, for checkpoints and exports.
+
+    `param` is the registered tensor (for a sharded model: this rank's chunk, padded to
+    `rows_per_rank` rows; a 0-D scalar is a 1-row chunk). Rows `row_start:row_end` of
+    the full tensor are `param[: row_end - row_start]`; the rest is padding.
+    `aliases` are every other name the same parameter is registered under (ties).
+    """
+
+    param: torch.Tensor
+    full_shape: torch.Size
+    row_start: int
+    row_end: int
+    aliases: tuple[str, ...]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's real rows (a view of `param`), shaped like the full tensor's rows."""
+        if len(self.full_shape) == 0:
+            return self.param.reshape(-1)[: self.row_end - self.row_start].reshape(
+                () if self.row_end > self.row_start else (0,))
+        return self.param[: self.row_end - self.row_start]
+
+
+def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
+    """Every distinct parameter's shard on this rank, by its first name (as `named_parameters`)."""
+    state = state_of(model)
+    if state is not None and hasattr(state, "shard_info"):
+        return state.shard_info()
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(name)
+    info = {}
+    for name, param in model.named_parameters():
+        rows = param.shape[0] if param.dim() else 1
+        info[name] = ShardInfo(param, param.shape, 0, rows, tuple(names_by_param[id(param)][1:]))
+    return info
