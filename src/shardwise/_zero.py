@@ -107,7 +107,7 @@ class ZeroState:
         self.windowed: set[int] = set()  # units whose _GatherUnit ran in this forward
         self.forward_order: list[FlatUnit] = []
         self.open_units: list[FlatUnit] = []
-        self.prefetching: dict[int, coll.Pending] = {}
+        self.prefetching: dict[int, tuple[FlatUnit, coll.Pending]] = {}  # in-flight gathers
         self.gather_queue: list[FlatUnit] = []  # zero1/2: stale units, in fixed order, not yet issued
         self.reduced: set[int] = set()
         self.ready_grads: dict[int, list] = {}  # units whose grads wait for their turn to reduce
@@ -165,9 +165,9 @@ class ZeroState:
         self.last_forward_order = list(self.forward_order)
         while self.gather_queue or self.prefetching:  # stale units this forward did not run
             self._issue_queued(up_to=None)
-            for key in list(self.prefetching):
-                unit = next(u for u in self.units if id(u) == key)
-                unit.finish_gather(self.prefetching.pop(key))
+            for unit, handle in list(self.prefetching.values()):
+                del self.prefetching[id(unit)]
+                unit.finish_gather(handle)
         if not self.root.keep_full:
             self._free_idle(keep={id(self.root)})
         if not torch.is_grad_enabled():
@@ -182,16 +182,16 @@ class ZeroState:
             if up_to is None and len(self.prefetching) >= 2:
                 return
             unit = self.gather_queue.pop(0)
-            self.prefetching[id(unit)] = unit.start_gather(async_op=True)
+            self.prefetching[id(unit)] = (unit, unit.start_gather(async_op=True))
             if unit is up_to:
                 return
 
     def _ensure_gathered(self, unit: FlatUnit) -> None:
         if unit in self.gather_queue:
             self._issue_queued(up_to=unit)
-        handle = self.prefetching.pop(id(unit), None)
-        if handle is not None:
-            unit.finish_gather(handle)
+        in_flight = self.prefetching.pop(id(unit), None)
+        if in_flight is not None:
+            unit.finish_gather(in_flight[1])
         elif unit.needs_gather():
             unit.finish_gather(unit.start_gather(async_op=False))
         if not unit.keep_full:
@@ -206,7 +206,7 @@ class ZeroState:
         for candidate in order[position + 1 :]:
             if candidate is not unit:
                 if id(candidate) not in self.prefetching and candidate.needs_gather():
-                    self.prefetching[id(candidate)] = candidate.start_gather(async_op=True)
+                    self.prefetching[id(candidate)] = (candidate, candidate.start_gather(async_op=True))
                 return
 
     def _free_idle(self, keep: set[int]) -> None:
@@ -280,8 +280,7 @@ class ZeroState:
         self._close_window()
 
     def _close_window(self) -> None:
-        for key, handle in self.prefetching.items():
-            unit = next(u for u in self.units if id(u) == key)
+        for unit, handle in self.prefetching.values():
             unit.finish_gather(handle)  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()

@@ -162,13 +162,15 @@ class FlatUnit:
             return self.full_flat._version != self.gathered_version  # the optimizer moved our rows
         return not self.resident
 
+    def _send_buffer(self) -> Tensor:
+        """This rank's rows of every parameter as one flat tensor: the all-gather's input."""
+        if not self.keep_full:
+            return self.shard_flat
+        # zero1/zero2: the shards are scattered views into full_flat; pack them.
+        return torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
+
     def start_gather(self, async_op: bool) -> coll.Pending:
-        if self.keep_full:  # shards are scattered views: pack them into one send buffer
-            send = torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts]) if self.layouts \
-                else self.full_flat[:0]
-        else:
-            send = self.shard_flat
-        return coll.all_gather(send.detach(), self.world_size, self.group, async_op)
+        return coll.all_gather(self._send_buffer().detach(), self.world_size, self.group, async_op)
 
     def finish_gather(self, pending: coll.Pending) -> None:
         gathered = pending.wait()
@@ -176,16 +178,19 @@ class FlatUnit:
         self.resident = True
         self.gathered_version = self.full_flat._version
 
+    def _copy_out(self, gathered: Tensor, target: Tensor) -> None:
+        segments = [(l.offset, l.shard_numel) for l in self.layouts]
+        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
+                   for l in self.layouts]
+        coll.copy_out(gathered, self.world_size, segments, regions)
+
     def _refill(self, gathered: Tensor, target: Tensor) -> None:
         storage = target.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(target.numel() * target.element_size())
-        segments = [(l.offset, l.shard_numel) for l in self.layouts]
-        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
-                   for l in self.layouts]
         # Note [version counters]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-            coll.copy_out(gathered, self.world_size, segments, regions)
+            self._copy_out(gathered, target)
 
     def free(self) -> None:
         """Release the full values (zero3 only; zero1/zero2 keep them)."""
@@ -195,14 +200,10 @@ class FlatUnit:
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
-        send = self.shard_flat if not self.keep_full else torch.cat(
-            [self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
-        gathered = coll.all_gather(send.detach(), self.world_size, self.group, async_op=False).wait()
-        target = torch.empty_like(self.full_flat)
-        segments = [(l.offset, l.shard_numel) for l in self.layouts]
-        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
-                   for l in self.layouts]
-        coll.copy_out(gathered, self.world_size, segments, regions)
+        gathered = self.start_gather(async_op=False).wait()
+        target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            self._copy_out(gathered, target)
         out = {}
         for layout in self.layouts:
             start = self.world_size * layout.offset
