@@ -5,7 +5,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 STRATEGY ?=
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-all bench setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
@@ -20,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests -m "slow or not slow"
 
 bench: $(STAMP)
 	$(PY) bench/strategies.py

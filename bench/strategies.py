@@ -159,6 +159,8 @@ def model_state_bytes(model, optimizer) -> int:
 
 
 def run_worker(args) -> None:
+    # Before any collective can hang: the launcher kills ranks by this pid on a timeout.
+    Path(args.out_dir, f"pid{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only fight each other
     distributed = args.config != "reference"
     if distributed:
@@ -220,19 +222,36 @@ def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # Note [two RSS runs]
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = worker_argv(args, config, world_size, warmup, steps, out_dir)
-        # Own session, so a timeout can kill torchrun *and* its ranks by process group.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            return {"error": f"timed out after {args.timeout} s", "output_tail": output[-3000:]}
-        if proc.returncode != 0:
-            return {"error": f"exit status {proc.returncode}", "output_tail": output[-3000:]}
+        log = Path(out_dir, "output.log")
+        # Output to a file, not a pipe: a rank left behind can never block the launcher's read.
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            try:
+                proc.wait(timeout=args.timeout)
+                error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                error = f"timed out after {args.timeout} s"
+                stop(proc, out_dir)
+        if error:
+            return {"error": error, "output_tail": log.read_text()[-3000:]}
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
+
+
+def stop(proc: subprocess.Popen, out_dir: str) -> None:
+    """End a run that timed out: torchrun stops its ranks on SIGTERM; any rank still alive
+    after that (torchrun starts them in their own sessions) is killed by the pid it wrote."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid_file in Path(out_dir).glob("pid*"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None, reference: dict | None) -> dict:
@@ -319,7 +338,7 @@ def plot(rows: list[dict], world_sizes: list[int], path: Path) -> None:
         ax_row[2].bar([i + w / 2 for i in x], [r.get("peak_rss_mmap_mib", 0) for r in ok], w,
                       label="MALLOC_MMAP_THRESHOLD_=65536")
         ax_row[2].set_title(f"ws={ws}: peak RSS per rank, max over ranks (MiB)")
-        ax_row[2].legend()
+        ax_row[2].legend(loc="lower right", fontsize=8)
         for ax in ax_row:
             ax.set_xticks(list(x))
             ax.set_xticklabels(names, rotation=20)

@@ -7,20 +7,28 @@ from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
 from shardwise.grads import clip_grad_norm_, no_sync
 from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
+from shardwise.checkpoint import LoadReport, export, latest, load, save
+from shardwise.sampler import ResumableSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LoadReport",
+    "ResumableSampler",
     "STRATEGIES",
     "ShardInfo",
     "ShardwiseError",
     "clip_grad_norm_",
+    "export",
     "full_parameters",
     "get_rank",
     "get_world_size",
     "init",
     "is_main",
+    "latest",
+    "load",
     "no_sync",
+    "save",
     "shard",
     "shard_info",
     "shutdown",

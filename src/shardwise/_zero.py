@@ -169,7 +169,10 @@ class ZeroState:
                 del self.prefetching[id(unit)]
                 unit.finish_gather(handle)
         if not self.root.keep_full:
-            self._free_idle(keep={id(self.root)})
+            # The last unit to run is the first one backward needs: keep it (as FSDP2 keeps
+            # its root), saving one gather per step at no extra peak.
+            last = {id(self.forward_order[-1])} if self.forward_order and torch.is_grad_enabled() else set()
+            self._free_idle(keep={id(self.root)} | last)
         if not torch.is_grad_enabled():
             self._close_window()
 
