@@ -1,0 +1,151 @@
+"""What `shardwise ckpt inspect | export | diff` do, without a model or a process group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+from shardwise._ckpt_files import DTYPE_OF_CODE, FileWriter, TensorSpec, dtype_code, file_digest
+from shardwise._ckpt_sources import CheckpointDir, SourceTensor, open_source, read_index
+from shardwise.errors import ShardwiseError
+
+_MB = 1e6
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / _MB:.2f} MB" if nbytes >= 10_000 else f"{nbytes} B"
+
+
+def _nbytes(tensor: SourceTensor) -> int:
+    count = 1
+    for d in tensor.shape:
+        count *= d
+    return count * tensor.dtype.itemsize
+
+
+def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
+    """Lines describing checkpoint directory `path`, and whether every file verified.
+
+    With `verify`, every file is read whole and its digest recomputed (Note [chunk
+    checksums] in _ckpt_files.py): slow for a big checkpoint, and the one complete check.
+    """
+    path = Path(path)
+    index = read_index(path)
+    saved = datetime.datetime.fromtimestamp(index.get("saved_at", 0)).isoformat(timespec="seconds")
+    lines = [f"checkpoint {path}",
+             f"  id {index['id']}, saved {saved} by shardwise {index.get('shardwise_version')} "
+             f"(torch {index.get('torch_version')})",
+             f"  strategy {index['strategy']}, world size {index['world_size']}"]
+    extra = index.get("extra") or {}
+    if extra:
+        lines.append(f"  extra: {extra}")
+    optim = index.get("optimizer")
+    if optim:
+        groups = ", ".join(
+            "{" + ", ".join(f"{k}={v}" for k, v in g["options"].items() if k in ("lr", "weight_decay", "name")) + "}"
+            for g in optim["param_groups"])
+        lines.append(f"  optimizer {optim['class']}: {len(optim['state'])} params with state; groups {groups}")
+    else:
+        lines.append("  optimizer: none saved")
+    lines.append(f"  scheduler: {'saved' if index.get('scheduler') is not None else 'none saved'}; "
+                 f"objects: {sorted(index.get('objects') or {}) or 'none'}")
+    total = 0
+    lines.append(f"  {len(index['params'])} parameters, {len(index['buffers'])} buffers:")
+    for kind in ("params", "buffers"):
+        for name, entry in index[kind].items():
+            count = 1
+            for d in entry["shape"]:
+                count *= d
+            nbytes = count * DTYPE_OF_CODE[entry["dtype"]].itemsize
+            total += nbytes
+            tied = f"  tied: {', '.join(entry['aliases'])}" if entry.get("aliases") else ""
+            frozen = "  frozen" if entry.get("requires_grad") is False else ""
+            suffix = "  (buffer)" if kind == "buffers" else ""
+            lines.append(f"    {name:50s} {str(entry['shape']):18s} {entry['dtype']:5s} {_size(nbytes):>10s}"
+                         f"{tied}{frozen}{suffix}")
+    lines.append(f"  model: {_size(total)}; files:")
+    ok = True
+    for name, entry in index["files"].items():
+        status = ""
+        if verify:
+            try:
+                status = "ok" if file_digest(path / name) == entry["digest"] else "CORRUPT (digest differs)"
+            except ShardwiseError as error:
+                status = f"BAD: {error}"
+            ok = ok and status == "ok"
+        lines.append(f"    {name}  {_size(entry['bytes'])}  {entry['digest'][:23]}…  {status}")
+    if verify:
+        lines.append("checksums verified: every file is intact" if ok else "checksums FAILED: see above")
+    return lines, ok
+
+
+def export_checkpoint(path, out) -> Path:
+    """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
+    file `out` (as `sw.export` writes from a model), one tensor in memory at a time."""
+    source = CheckpointDir(Path(path), lambda name: name)
+    out = Path(out)
+    try:
+        metadata, specs, tensors = {"format": "pt"}, [], []
+        for tensor in source.tensors.values():
+            specs.append(TensorSpec(tensor.name, tensor.dtype, tensor.shape))
+            tensors.append(tensor)
+            for alias in tensor.aliases:
+                metadata[alias] = tensor.name
+        partial = out.with_name(out.name + ".partial")
+        writer = FileWriter(partial, specs, metadata)
+        try:
+            for spec, tensor in zip(specs, tensors):
+                rows = spec.shape[0] if spec.shape else 1
+                writer.write_next(tensor.read(0, rows, None).reshape(spec.shape))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            partial.unlink(missing_ok=True)
+            raise
+        os.replace(partial, out)
+    finally:
+        source.close()
+    return out
+
+
+def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
+    """Lines saying how sources `a` and `b` differ (keys, shapes, dtypes; with `values`, the
+    largest absolute difference of each common tensor), and whether they match."""
+    first, second = open_source(a, lambda n: n), open_source(b, lambda n: n)
+    try:
+        lines = [f"--- {a}", f"+++ {b}"]
+        for label, x, y in (("strategy", first.strategy, second.strategy),
+                            ("world size", first.world_size, second.world_size)):
+            if x != y and x is not None and y is not None:
+                lines.append(f"  {label}: {x} vs {y} (any strategy and world size loads either)")
+        only_a = [n for n in first.tensors if n not in second.tensors]
+        only_b = [n for n in second.tensors if n not in first.tensors]
+        for name in only_a:
+            lines.append(f"- {name} {list(first.tensors[name].shape)}")
+        for name in only_b:
+            lines.append(f"+ {name} {list(second.tensors[name].shape)}")
+        changed = 0
+        for name, x in first.tensors.items():
+            y = second.tensors.get(name)
+            if y is None:
+                continue
+            if x.shape != y.shape or x.dtype != y.dtype:
+                changed += 1
+                lines.append(f"~ {name}: {list(x.shape)} {dtype_code(x.dtype)} vs {list(y.shape)} {dtype_code(y.dtype)}")
+            elif values:
+                rows = x.shape[0] if x.shape else 1
+                delta = (x.read(0, rows, None).double() - y.read(0, rows, None).double()).abs()
+                largest = float(delta.max()) if delta.numel() else 0.0
+                if largest != 0.0:
+                    changed += 1
+                    lines.append(f"~ {name}: values differ, max |a - b| = {largest:.3g}")
+        if (first.optimizer is None) != (second.optimizer is None):
+            lines.append(f"  optimizer state: {'yes' if first.optimizer else 'no'} vs {'yes' if second.optimizer else 'no'}")
+        same = not (only_a or only_b or changed)
+        lines.append("same keys, shapes and dtypes" + (" and values" if values else "") if same else
+                     f"differ: {len(only_a)} only in the first, {len(only_b)} only in the second, {changed} changed")
+        return lines, same
+    finally:
+        first.close()
+        second.close()
