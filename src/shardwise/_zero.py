@@ -2,7 +2,7 @@
 
 | stage | full params                    | full grads                          |
 |-------|--------------------------------|-------------------------------------|
-| zero1 | kept                           | kept until the synced backward ends |
+| zero1 | kept                           | kept until the step (reduced as ready) |
 | zero2 | kept                           | reduce-scattered per unit, freed    |
 | zero3 | gathered per window, freed     | as zero2                            |
 
@@ -235,10 +235,12 @@ class ZeroState:
         if not self.callback_queued:  # a graph that reached no unit output hook
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if unit.keep_full_grad or not self.sync_grads:
+        if not self.sync_grads:
             unit.accumulate(grads)
         else:
-            if unit.full_grad is not None:  # earlier micro-batches under no_sync
+            # zero1 keeps its full grads; zero2/zero3 have some only after no_sync micro-batches.
+            # Either way the reduce starts now, overlapping the rest of backward.
+            if unit.keep_full_grad or unit.full_grad is not None:
                 unit.accumulate(grads)
                 grads = unit.full_grad_list()
             self.ready_grads[id(unit)] = grads
