@@ -210,3 +210,30 @@ def save_one_rank_stack(root: str, num_units: int, width: int) -> None:
     model(torch.randn(4, width)).sum().backward()
     optim.step()
     sw.save(f"{root}/one-rank", model, optim)
+
+
+# ---- torch.distributed.checkpoint -------------------------------------------------------
+
+
+def dcp_save(strategy: str, path: str) -> dict:
+    """Train 2 steps, save through DCP with sw.dcp_state_dict; the full params and state."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_ranks import full_optimizer_state
+
+    model, optim = build_model("odd_shapes", strategy)
+    run_steps(model, optim, "odd_shapes", strategy, 0, 2)
+    dcp.save(sw.dcp_state_dict(model, optim), checkpoint_id=path)
+    return {"params": sw.full_parameters(model), "optim": full_optimizer_state(model, optim)}
+
+
+def dcp_load(strategy: str, path: str) -> dict:
+    """A fresh model (another seed) with one step of optimizer state, loaded in place through DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_ranks import full_optimizer_state
+
+    model, optim = build_model("odd_shapes", strategy, seed=4)
+    run_steps(model, optim, "odd_shapes", strategy, 5, 6)  # creates the state DCP loads into
+    dcp.load(sw.dcp_state_dict(model, optim), checkpoint_id=path)
+    return {"params": sw.full_parameters(model), "optim": full_optimizer_state(model, optim)}

@@ -8,6 +8,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.grads import clip_grad_norm_, no_sync
 from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
 from shardwise.checkpoint import LoadReport, export, latest, load, save
+from shardwise._ckpt_dcp import dcp_state_dict
 from shardwise.sampler import ResumableSampler
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "ShardInfo",
     "ShardwiseError",
     "clip_grad_norm_",
+    "dcp_state_dict",
     "export",
     "full_parameters",
     "get_rank",

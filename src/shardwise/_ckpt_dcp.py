@@ -1,0 +1,64 @@
+"""`sw.dcp_state_dict`: a sharded model's state as DTensors, for `torch.distributed.checkpoint`.
+
+Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
+rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout.
+So each shard's real rows become a DTensor's local tensor as they are, no copy, and
+DCP can save them and load them back *in place*, at another world size or strategy
+(DCP reads the overlapping chunks). A 0-D parameter, which the engine holds as one
+row, is exposed as shape (1,): DCP with shardwise's own keys both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from shardwise import _ckpt_state as st
+from shardwise.strategies import ShardInfo, shard_info
+
+
+def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict:
+    """`{"model": {name: tensor}, "optim": {name: {key: tensor}}}` for `torch.distributed.checkpoint`.
+
+    For the zero strategies every tensor is a DTensor (`Shard(0)`) whose local part is a
+    view of this rank's rows, so `dcp.save(sd, checkpoint_id=...)` writes each rank's rows
+    and `dcp.load(sd, checkpoint_id=...)` fills the live parameters and optimizer state
+    in place, whatever world size or strategy saved them (Note [dcp rows]). For ddp and
+    unwrapped models the tensors are the replicated parameters themselves. Optimizer state
+    is included for parameters that have some (as with DCP's own helpers, take a step
+    before loading into a fresh optimizer). Every rank calls it.
+    """
+    group, _, _ = st.group_of(model)
+    sharded = st.is_sharded(model)
+    mesh = DeviceMesh.from_group(group, device_type=_device_type(model)) if sharded else None
+    infos = shard_info(model)
+
+    def wrap(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+        if not sharded:
+            return tensor.detach()
+        rows = st.row_view(tensor, info, info.row_start, info.row_end)
+        shape = tuple(info.full_shape) or (1,)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    out: dict = {"model": {st.clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
+    if optim is not None:
+        names = st.optimizer_names(optim, infos)
+        by_name = {st.clean_name(name): info for name, info in infos.items()}
+        scalar_keys = st.scalar_state_keys(optim)
+        out["optim"] = {}
+        for param, state in optim.state.items():
+            name = names[id(param)]
+            rows, _ = st.split_state(name, param, state, scalar_keys)
+            entry = {key: wrap(value, by_name[name]) for key, value in rows.items()}
+            entry.update({key: value for key, value in state.items()
+                          if key not in rows and isinstance(value, torch.Tensor)})
+            out["optim"][name] = entry
+    return out
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
