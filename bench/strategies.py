@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mmap-steps", type=int, default=3, help="steps of the MALLOC_MMAP_THRESHOLD_ run")
     p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per config, interleaved round-robin across configs so a burst of "
+                        "load on this shared machine hits them all alike; the median of the per-run "
+                        "medians is reported (default: 3)")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -282,21 +286,41 @@ def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None
     return row
 
 
+def combine_repeats(repeats: list[dict]) -> dict:
+    """One row from several timed runs of a config: the first run's memory and losses, the
+    median of the per-run median step times, and their spread."""
+    ok = [r for r in repeats if "median_step_s" in r]
+    if not ok:
+        return repeats[0]
+    row = dict(ok[0])
+    medians = [r["median_step_s"] for r in ok]
+    row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
+               max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
+    return row
+
+
+def paired_ratio(row: dict, anchor: dict | None) -> float | None:
+    """Median over rounds of this config's step time / the anchor's in the same round."""
+    if not anchor or "run_medians_s" not in row or "run_medians_s" not in anchor:
+        return None
+    return statistics.median(a / b for a, b in zip(row["run_medians_s"], anchor["run_medians_s"]))
+
+
 def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
 def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> str:
     lines = [f"GPT vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, {args.heads} heads, "
-             f"seq {args.seq}, batch {args.batch}/rank, fp32 AdamW, gloo, 1 thread/rank; median of "
-             f"{args.steps} steps after {args.warmup} warm-up. Peak RSS is the max over ranks; "
+             f"seq {args.seq}, batch {args.batch}/rank, fp32 AdamW, gloo, 1 thread/rank; step time is the "
+             f"median over {args.repeats} interleaved runs of each run's median of {args.steps} steps after "
+             f"{args.warmup} warm-up, and each ratio the median of the per-run ratios (runs of one round "
+             f"share the machine's load). Peak RSS is the max over ranks; "
              f"'mmap' is a {args.mmap_steps}-step run with MALLOC_MMAP_THRESHOLD_=65536"
              + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step()."]
     for ws in world_sizes:
         group = [r for r in rows if r["world_size"] == ws]
         by = {r["config"]: r for r in group}
-        ddp_t = by.get("ddp", {}).get("median_step_s")
-        fsdp_t = by.get("fsdp2", {}).get("median_step_s")
         fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
         lines += ["", f"### world size {ws}", "",
                   "| config | median step s | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
@@ -308,8 +332,8 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
                 continue
             t, m = r["median_step_s"], r["model_state_mib"]
             lines.append(
-                f"| {r['label']} | {t:.3f} | {fmt(t / ddp_t if ddp_t else None, '.2f')} | "
-                f"{fmt(t / fsdp_t if fsdp_t else None, '.2f')} | {m:.1f} | {r['formula_mib']:.1f} | "
+                f"| {r['label']} | {t:.3f} | {fmt(paired_ratio(r, by.get('ddp')), '.2f')} | "
+                f"{fmt(paired_ratio(r, by.get('fsdp2')), '.2f')} | {m:.1f} | {r['formula_mib']:.1f} | "
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
                 f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} |")
     return "\n".join(lines) + "\n"
@@ -356,27 +380,33 @@ def run_launcher(args) -> None:
         sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
     mmap_run = not args.no_mmap_run
     total_steps = args.warmup + args.steps
-    runs = [(ws, "reference", False) for ws in world_sizes]
-    runs += [(ws, c, m) for ws in world_sizes for c in configs for m in ([False, True] if mmap_run else [False])]
+    runs = [(ws, "reference", False, 0) for ws in world_sizes]
+    runs += [(ws, c, False, r) for ws in world_sizes for r in range(args.repeats) for c in configs]
+    if mmap_run:
+        runs += [(ws, c, True, 0) for ws in world_sizes for c in configs]
 
     raw: dict = {}
     started = time.time()
-    for ws, config, mmap in tqdm(runs, desc="runs", unit="run"):
-        tqdm.write(f"ws={ws} {config}{' (mmap RSS)' if mmap else ''}")
+    for ws, config, mmap, repeat in tqdm(runs, desc="runs", unit="run"):
+        tqdm.write(f"ws={ws} {config}{' (mmap RSS)' if mmap else f' (timed run {repeat + 1})'}")
         if mmap:  # only peak RSS is read from this run (Note [two RSS runs])
             result = launch(args, config, ws, warmup=0, steps=args.mmap_steps, mmap=True)
         else:
             result = launch(args, config, ws, warmup=args.warmup, steps=args.steps, mmap=False)
         if "error" in result:
             tqdm.write(f"  FAILED: {result['error']}\n{result['output_tail'][-1500:]}")
-        raw[(ws, config, mmap)] = result
+        raw[(ws, config, mmap, repeat)] = result
 
-    rows = [summarize(args, c, ws, raw[(ws, c, False)], raw.get((ws, c, True)), raw[(ws, "reference", False)])
-            for ws in world_sizes for c in configs]
+    rows = []
+    for ws in world_sizes:
+        for c in configs:
+            repeats = [summarize(args, c, ws, raw[(ws, c, False, r)], raw.get((ws, c, True, 0)),
+                                 raw[(ws, "reference", False, 0)]) for r in range(args.repeats)]
+            rows.append(combine_repeats(repeats))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "config", "world_size", "out_dir")}
-    references = {str(ws): raw[(ws, "reference", False)] for ws in world_sizes}
+    references = {str(ws): raw[(ws, "reference", False, 0)] for ws in world_sizes}
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
             "total_steps": total_steps, "wall_s": time.time() - started}
     (out / "strategies.json").write_text(json.dumps(
