@@ -69,6 +69,9 @@ def test_missing_and_unexpected_names_with_closest(tmp_path):
     assert "classifier.weight   (closest: head.weight)" in message
     assert "head.weight   (closest: classifier.weight)" in message
     assert sw.load(tmp_path / "ckpt", model, rename=[(r"^head\.", "classifier.")]).ok
+    sw.save(tmp_path / "body", Body())  # saved alone: every name lacks the model's "body." prefix
+    with pytest.raises(sw.ShardwiseError, match=r"rename=\[\(r'\^', 'body\.'\)\] maps them"):
+        sw.load(tmp_path / "body", model)
     assert sw.load(tmp_path / "ckpt", model, rename={"head.weight": "classifier.weight",
                                                      "head.bias": "classifier.bias"}).ok
 

@@ -327,18 +327,49 @@ class LoadReport:
         def names(title, items):
             if items:
                 lines.append(f"{title} ({len(items)}):")
-                for name in items:
+                for name in items[:_SHOWN]:
                     near = self.closest.get(name)
                     lines.append(f"  {name}" + (f"   (closest: {near})" if near else ""))
+                if len(items) > _SHOWN:
+                    lines.append(f"  ... and {len(items) - _SHOWN} more")
 
         names("missing from the checkpoint, kept their current values", self.missing)
         names("unexpected in the checkpoint, not loaded", self.unexpected)
         if self.mismatched:
             lines.append(f"shape mismatch, not loaded ({len(self.mismatched)}):")
-            lines += [f"  {name}: checkpoint {list(a)}, model {list(b)}" for name, a, b in self.mismatched]
+            lines += [f"  {name}: checkpoint {list(a)}, model {list(b)}" for name, a, b in self.mismatched[:_SHOWN]]
+            if len(self.mismatched) > _SHOWN:
+                lines.append(f"  ... and {len(self.mismatched) - _SHOWN} more")
         lines += [f"problem: {p}" for p in self.problems]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+_SHOWN = 12  # names listed per kind in str(report); the lists themselves hold all
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
+    """A rename that would explain most missing names: the checkpoint's names with a prefix
+    added (a model wrapped in a new parent) or removed (the checkpoint's parent dropped)."""
+    counts: dict[tuple[str, str], int] = {}
+    for kind, longer, shorter in (("add", missing, set(unexpected)), ("drop", unexpected, set(missing))):
+        for name in longer:
+            parts = name.split(".")
+            for i in range(1, len(parts)):
+                if ".".join(parts[i:]) in shorter:
+                    key = (kind, ".".join(parts[:i]) + ".")
+                    counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return None
+    (kind, prefix), count = max(counts.items(), key=lambda item: item[1])
+    if count < max(2, len(missing) // 2):
+        return None
+    escaped = prefix.replace(".", r"\.")
+    if kind == "add":
+        return (f"{count} missing names are checkpoint names with {prefix!r} in front: "
+                f"rename=[(r'^', {prefix!r})] maps them")
+    return (f"{count} missing names are checkpoint names without their {prefix!r} prefix: "
+            f"rename=[(r'^{escaped}', '')] maps them")
 
 
 def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]], report: LoadReport):
@@ -364,13 +395,17 @@ def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]],
             continue
         pairs[target] = tensor
     report.unexpected.extend(t.name for t in source.tensors.values() if t.name not in used)
-    all_targets = list(targets)
+    # Suggestions pair what is left on both sides: a missing name is most likely one of
+    # the unexpected ones under another name (a rename, a new wrapper, a typo).
     for name in report.missing:
-        near = difflib.get_close_matches(name, report.unexpected or list(source.tensors), n=1, cutoff=0.5)
+        near = difflib.get_close_matches(name, report.unexpected, n=1, cutoff=0.5)
         if near:
             report.closest[name] = near[0]
     for name in report.unexpected:
-        near = difflib.get_close_matches(name, report.missing or all_targets, n=1, cutoff=0.5)
+        near = difflib.get_close_matches(name, report.missing, n=1, cutoff=0.5)
         if near:
             report.closest[name] = near[0]
+    hint = _prefix_hint(report.missing, report.unexpected)
+    if hint:
+        report.notes.append(hint)
     return pairs
