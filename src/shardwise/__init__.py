@@ -6,6 +6,7 @@ Public API only; see README.md for the files to read in order.
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
 from shardwise.grads import clip_grad_norm_, no_sync
+from shardwise.precision import LossScaler, MixedPrecision
 from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
 from shardwise.checkpoint import LoadReport, export, latest, load, save
 from shardwise._ckpt_dcp import dcp_state_dict
@@ -14,6 +15,8 @@ from shardwise.sampler import ResumableSampler
 __version__ = "0.1.0"
 
 __all__ = [
+    "LossScaler",
+    "MixedPrecision",
     "LoadReport",
     "ResumableSampler",
     "STRATEGIES",

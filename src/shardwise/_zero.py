@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise import _collectives as coll
 from shardwise.errors import ShardwiseError
 from shardwise.flat_unit import FlatUnit
+from shardwise.precision import MixedPrecision, resolve_precision
 from shardwise.units import UnitSpec, build_units
 
 # Reduce-scatters allowed in flight during backward: enough to overlap with compute,
@@ -74,7 +75,7 @@ class _GatherUnit(torch.autograd.Function):
 class ZeroState:
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
-    def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group):
+    def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group, precision: MixedPrecision):
         self.strategy = strategy
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -82,14 +83,18 @@ class ZeroState:
         self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         _check_same_model_on_every_rank(model, group)
         keep_full = strategy in ("zero1", "zero2")
-        self.units = [
-            FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
-                     keep_full=keep_full, keep_full_grad=strategy == "zero1")
-            for plan in plans
-        ]
-        for unit in self.units:
+        self.precision = precision
+        self.units = []
+        for plan in plans:  # one unit at a time: zero3's peak is one unit's full values
+            unit = FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
+                            keep_full=keep_full, keep_full_grad=strategy == "zero1", precision=precision)
             _broadcast_from_rank0(unit, group)
             unit.take_shards()
+            self.units.append(unit)
+        if precision.buffer_dtype is not None:
+            for buffer in model.buffers():
+                if buffer.is_floating_point():
+                    buffer.data = buffer.data.to(precision.buffer_dtype)
         self.root = self.units[0]
         self.reduce_order = list(reversed(self.units))  # Note [collective order]
         self.sync_grads = True
@@ -97,6 +102,8 @@ class ZeroState:
         self.last_forward_order: list[FlatUnit] = []
         self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
         self._reset_step()
+        if precision.param_dtype != torch.float32:
+            self.root.module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
@@ -115,6 +122,16 @@ class ZeroState:
         self.pending_reduces: collections.deque = collections.deque()
         self.callback_queued = False
         self.in_window = False
+
+    def _cast_inputs(self, module, args, kwargs):
+        """Floating inputs follow the compute dtype (as FSDP2 casts forward inputs); integer
+        inputs such as token ids are left alone."""
+        def cast(value):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return value.to(self.precision.param_dtype)
+            return value
+        from torch.utils._pytree import tree_map
+        return tree_map(cast, args), tree_map(cast, kwargs)
 
     def _make_pre_forward(self, unit: FlatUnit):
         def hook(module, args):
@@ -381,7 +398,7 @@ def _broadcast_from_rank0(unit: FlatUnit, group) -> None:
             dist.broadcast(layout.owned.param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
-def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group) -> ZeroState:
+def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group, precision) -> ZeroState:
     """Shard `model` in place under `strategy` and return its state."""
     group = process_group or dist.group.WORLD
-    return ZeroState(model, strategy, units, group)
+    return ZeroState(model, strategy, units, group, resolve_precision(precision))

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from shardwise import _collectives as coll
 from shardwise.errors import ShardwiseError
+from shardwise.precision import MixedPrecision
 from shardwise.units import OwnedParam, UnitPlan
 
 
@@ -68,7 +69,7 @@ class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
     def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, keep_full: bool,
-                 keep_full_grad: bool):
+                 keep_full_grad: bool, precision: MixedPrecision):
         self.module, self.path = plan.module, plan.path
         self.rank, self.world_size, self.group = rank, world_size, group
         self.keep_full = keep_full
@@ -81,8 +82,13 @@ class FlatUnit:
                 "cast the model to one dtype before shard() (mixed precision is a shard() option)"
             )
         reference = plan.params[0].param if plan.params else torch.empty(0)
-        self.dtype, self.device = reference.dtype, reference.device
-        self.full_flat = torch.empty(world_size * self.shard_total, dtype=self.dtype, device=self.device)
+        self.dtype, self.device = reference.dtype, reference.device  # the shards' (master) dtype
+        self.compute_dtype = precision.param_dtype if self.dtype.is_floating_point else self.dtype
+        self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
+        # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
+        # With a low param_dtype the fp32 master rows need their own storage.
+        self.aliased = keep_full and self.compute_dtype == self.dtype
+        self.full_flat = torch.empty(world_size * self.shard_total, dtype=self.compute_dtype, device=self.device)
         self.full_views = [self._full_view(layout) for layout in self.layouts]
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
@@ -111,23 +117,26 @@ class FlatUnit:
         region_start = self.world_size * layout.offset + self.rank * layout.shard_numel
         return flat_by_param[region_start : region_start + layout.shard_numel]
 
-    def take_shards(self) -> None:
-        """Copy the current full values in (the caller made them equal on every rank),
-        keep this rank's rows as the registered parameters, and free what the policy frees."""
+    def take_shards(self, values: dict[int, Tensor] | None = None) -> None:
+        """Keep this rank's rows of every owned parameter as the registered parameters and
+        free what the policy frees. `values` (by layout index) replaces a parameter's own
+        value: how deferred init hands over freshly initialized tensors."""
+        values = values or {}
         with torch.no_grad():
-            self.full_flat.zero_()
-            for layout, view in zip(self.layouts, self.full_views):
-                view.copy_(layout.owned.param.detach())
-            if self.keep_full:
+            originals = [values.get(i, l.owned.param) for i, l in enumerate(self.layouts)]
+            if self.aliased:
+                self.full_flat.zero_()
+                for view, original in zip(self.full_views, originals):
+                    view.copy_(original.detach())
                 shard_tensors = [self._own_rows(self.full_flat, l).view(l.shard_shape) for l in self.layouts]
             else:
-                self.shard_flat = torch.empty(self.shard_total, dtype=self.dtype, device=self.device)
-                for layout in self.layouts:
-                    start = layout.offset
-                    self.shard_flat[start : start + layout.shard_numel].copy_(self._own_rows(self.full_flat, layout))
-                shard_tensors = [
-                    self.shard_flat[l.offset : l.offset + l.shard_numel].view(l.shard_shape) for l in self.layouts
-                ]
+                self.shard_flat = torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
+                for layout, original in zip(self.layouts, originals):
+                    self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
+                shard_tensors = [self._shard_segment(l).view(l.shard_shape) for l in self.layouts]
+                if self.keep_full:  # low-precision zero1/zero2: the kept full values, cast once
+                    for view, original in zip(self.full_views, originals):
+                        view.copy_(original.detach())
         for layout, tensor in zip(self.layouts, shard_tensors):
             shard = nn.Parameter(tensor, requires_grad=layout.owned.param.requires_grad)
             self.shard_params.append(shard)
@@ -137,9 +146,26 @@ class FlatUnit:
             # reference is what actually frees it (4 bytes per parameter otherwise).
             layout.owned.param = None
         if self.keep_full:
-            self.gathered_version = self.full_flat._version
+            self.gathered_version = self._master_version()
         else:
             self.free()
+
+    def _shard_segment(self, layout: ParamLayout) -> Tensor:
+        return self.shard_flat[layout.offset : layout.offset + layout.shard_numel]
+
+    def _own_rows_of(self, full: Tensor, layout: ParamLayout) -> Tensor:
+        """This rank's rows of a full (unpadded) tensor, zero-padded to `shard_numel`."""
+        flat = full.detach().reshape(-1)
+        start = min(self.rank * layout.shard_numel, flat.numel())
+        rows = flat[start : start + layout.shard_numel]
+        if rows.numel() == layout.shard_numel:
+            return rows
+        padded = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        padded[: rows.numel()] = rows
+        return padded
+
+    def _master_version(self) -> int:
+        return self.full_flat._version if self.aliased else self.shard_flat._version
 
     # ---- registrations -----------------------------------------------------------
 
@@ -159,24 +185,24 @@ class FlatUnit:
 
     def needs_gather(self) -> bool:
         if self.keep_full:
-            return self.full_flat._version != self.gathered_version  # the optimizer moved our rows
+            return self._master_version() != self.gathered_version  # the optimizer moved our rows
         return not self.resident
 
-    def _send_buffer(self) -> Tensor:
-        """This rank's rows of every parameter as one flat tensor: the all-gather's input."""
-        if not self.keep_full:
-            return self.shard_flat
-        # zero1/zero2: the shards are scattered views into full_flat; pack them.
-        return torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
+    def _send_buffer(self, dtype: torch.dtype) -> Tensor:
+        """This rank's rows of every parameter as one flat tensor in `dtype`: the all-gather's input."""
+        if self.aliased:  # the shards are scattered views into full_flat: pack them
+            return torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
+        return self.shard_flat.to(dtype)  # a no-op at full precision, a cast to param_dtype otherwise
 
     def start_gather(self, async_op: bool) -> coll.Pending:
-        return coll.all_gather(self._send_buffer().detach(), self.world_size, self.group, async_op)
+        send = self._send_buffer(self.compute_dtype).detach()
+        return coll.all_gather(send, self.world_size, self.group, async_op)
 
     def finish_gather(self, pending: coll.Pending) -> None:
         gathered = pending.wait()
         self._refill(gathered, self.full_flat)
         self.resident = True
-        self.gathered_version = self.full_flat._version
+        self.gathered_version = self._master_version()
 
     def _copy_out(self, gathered: Tensor, target: Tensor) -> None:
         segments = [(l.offset, l.shard_numel) for l in self.layouts]
@@ -200,7 +226,8 @@ class FlatUnit:
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
-        gathered = self.start_gather(async_op=False).wait()
+        send = self._send_buffer(self.dtype).detach()  # the fp32 masters, not the compute copy
+        gathered = coll.all_gather(send, self.world_size, self.group, async_op=False).wait()
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             self._copy_out(gathered, target)
@@ -217,7 +244,7 @@ class FlatUnit:
 
     def _begin_accumulation(self) -> None:
         if self.full_grad is None:
-            self.full_grad = torch.zeros_like(self.full_flat)
+            self.full_grad = torch.zeros(self.full_flat.shape, dtype=self.reduce_dtype, device=self.device)
             return
         # zero1 keeps full_grad allocated across steps, and its shards' grads are views of
         # their own rows in it: set aside any the user kept (accumulating across steps),
@@ -267,7 +294,7 @@ class FlatUnit:
             offset += self.layouts[i].shard_numel
         rows = [self.layouts[i].rows for i in indices]
         packed = coll.pack([grads[i] for i in indices], rows, self.world_size, segments,
-                           offset + len(indices), self.full_flat)
+                           offset + len(indices), torch.empty(0, dtype=self.reduce_dtype, device=self.device))
         flags = packed.view(self.world_size, -1)[:, offset:]
         for column, i in enumerate(indices):
             if grads[i] is not None:
@@ -281,13 +308,13 @@ class FlatUnit:
         offset = 0
         for column, i in enumerate(indices):
             layout, shard = self.layouts[i], self.shard_params[i]
-            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape)
+            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(self.dtype)
             offset += layout.shard_numel
             if not used_by_any[column]:
                 continue
             if shard.grad is not None:
                 shard.grad.add_(rows)
-            elif self.keep_full_grad and self.full_grad is not None:
+            elif self.keep_full_grad and self.full_grad is not None and self.full_grad.dtype == self.dtype:
                 # zero1: the shard's grad is a view of its own rows of the kept full grads,
                 # so the gradients are stored once, not twice.
                 own = self._own_rows(self.full_grad, layout).view(layout.shard_shape)

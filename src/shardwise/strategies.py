@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.precision import MixedPrecision
 from shardwise.units import UnitSpec
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -19,6 +20,7 @@ def shard(
     *,
     strategy: str,
     units: UnitSpec = None,
+    precision: str | MixedPrecision | None = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
 ) -> nn.Module:
@@ -29,7 +31,9 @@ def shard(
     module class, a tuple of classes, a callable `module -> bool`, or None for each
     child of the largest `nn.ModuleList`; the root is always a unit. After it,
     `model.named_parameters()` yields this rank's shards under the original names, so
-    any torch optimizer with ordinary param groups steps only shards. `process_group` defaults to the group `sw.init()` formed.
+    any torch optimizer with ordinary param groups steps only shards.
+    `precision` (zero strategies): "fp32" (default), "bf16", "fp16" or a
+    `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`; shards stay fp32 masters. `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
@@ -46,6 +50,10 @@ def shard(
     if strategy == "ddp":
         from shardwise._ddp import apply_ddp
 
+        if precision not in (None, "fp32"):
+            raise ShardwiseError(
+                "precision is a zero-strategy option; with strategy='ddp' use torch.autocast around the forward"
+            )
         state = apply_ddp(model, process_group, find_unused_parameters)
     else:
         from shardwise._zero import apply_zero
@@ -54,7 +62,7 @@ def shard(
             raise ShardwiseError(
                 "find_unused_parameters is a ddp option; the zero strategies handle unused parameters themselves"
             )
-        state = apply_zero(model, strategy, units, process_group)
+        state = apply_zero(model, strategy, units, process_group, precision)
     model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
     return model
 
