@@ -7,7 +7,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 import shardwise as sw
 from ckpt_more_ranks import load_gpt_error, save_and_die, save_gpt, save_with_full_disk
