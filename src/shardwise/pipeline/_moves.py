@@ -1,0 +1,110 @@
+"""Collectives of the pipeline outside the schedule: the gradient reduce after each step,
+and moving parameters and optimizer state between ranks when the layout changes.
+
+Kept apart from the trainer so that what crosses the wire, and in which order, reads in
+one place. Every function here is called by all ranks of the groups it names, in the
+same order on each (a rank in two groups meets each group's peers in the same order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+State = dict[str, dict[str, Any]]  # parameter name -> that parameter's optimizer state
+
+
+def _flat_grads(params: Sequence[nn.Parameter]) -> Tensor:
+    # A parameter the step did not reach has no gradient; it contributes zeros.
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def _write_back_grads(params: Sequence[nn.Parameter], flat: Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def reduce_gradients(
+    data_params: Sequence[nn.Parameter],
+    data_group: dist.ProcessGroup | None,
+    tied: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]],
+    num_replicas: int,
+) -> None:
+    """Make every rank's gradients the global batch's.
+
+    Each replica's gradient is the mean over its micro-batches of its slice. Parameters
+    held by one stage: averaged over replicas (`data_group`). Parameters tied across
+    stages (Note [tied params] in layers.py): summed over every rank holding a copy, all
+    stages and replicas, then divided by the replica count, i.e. the sum over stages of
+    the replica mean, so each copy gets the whole gradient and the copies stay equal.
+    """
+    if data_params and data_group is not None and num_replicas > 1:
+        flat = _flat_grads(data_params)
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=data_group)
+        _write_back_grads(data_params, flat)
+    for params, group in tied:
+        flat = _flat_grads(params)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        _write_back_grads(params, flat / num_replicas)
+
+
+def broadcast_entries(
+    params: dict[str, nn.Parameter],
+    names: list[str],
+    optimizer: torch.optim.Optimizer | None,
+    src: int,
+    group: dist.ProcessGroup,
+    with_state: bool,
+) -> State:
+    """Send parameters `names` (and their optimizer state, if `with_state`) from global rank
+    `src` to every rank of `group`; write the values into `params` and return the state.
+
+    The state's layout (which keys, shapes, dtypes) travels first as a small object, then
+    the tensors as one flat buffer per dtype.
+    """
+    me = dist.get_rank()
+    states: State = {}
+    if me == src and with_state and optimizer is not None:
+        for name in names:
+            states[name] = dict(optimizer.state.get(params[name], {}))
+    meta = [[(name, {k: (tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", v)
+                     for k, v in states.get(name, {}).items()}) for name in names]]
+    if with_state:
+        dist.broadcast_object_list(meta, src=src, group=group)
+    tensors: list[Tensor] = []  # in meta's order: each parameter, then its state tensors
+    for name, layout in meta[0]:
+        tensors.append(params[name].data)  # received in place on the other ranks
+        received = states.setdefault(name, {})
+        for key, spec in layout.items():
+            if spec[0] == "value":
+                received[key] = spec[1]
+                continue
+            if me != src:
+                received[key] = torch.empty(spec[0], dtype=spec[1])
+            tensors.append(received[key])
+    _broadcast_flat(tensors, src, group, me == src)
+    # Copies: the optimizer that loads them must not share tensors with the one that sent them.
+    return {name: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
+            for name, s in states.items()}
+
+
+def _broadcast_flat(tensors: list[Tensor], src: int, group: dist.ProcessGroup, is_src: bool) -> None:
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+        group_tensors = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in group_tensors]) if is_src else \
+            torch.empty(sum(t.numel() for t in group_tensors), dtype=dtype)
+        dist.broadcast(flat, src=src, group=group)
+        if not is_src:
+            offset = 0
+            for t in group_tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,139 @@
+"""Which rank runs which layers: a `Layout` (frozen prefix, stages, replicas), how to plan
+one, and the process groups it needs.
+
+Ranks are numbered replica-major: rank = replica * num_stages + stage, so each replica's
+pipeline is a run of consecutive ranks and re-packing to fewer stages turns the freed
+ranks into whole new replicas (PipeTransformer's AutoPipe + AutoDP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.distributed as dist
+
+from shardwise.errors import ShardwiseError
+from shardwise.pipeline.balance import partition, stage_costs
+from shardwise.pipeline.layers import LayerChain
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Layers [0, num_frozen) are frozen (run before the pipeline, or read from the cache);
+    stage s runs layers [bounds[s][0], bounds[s][1]); `num_replicas` copies of that pipeline
+    train on equal slices of each global batch."""
+
+    num_frozen: int
+    bounds: tuple[tuple[int, int], ...]
+    num_replicas: int
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline length."""
+        return len(self.bounds)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout uses."""
+        return self.num_stages * self.num_replicas
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(replica, stage) of group rank `rank`."""
+        return divmod(rank, self.num_stages)
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """Group rank of `stage` in `replica`."""
+        return replica * self.num_stages + stage
+
+    def stage_of_layer(self, layer: int) -> int | None:
+        """The stage running `layer`, or None for a frozen layer."""
+        for stage, (start, end) in enumerate(self.bounds):
+            if start <= layer < end:
+                return stage
+        return None
+
+    def stages_holding(self, chain: LayerChain, name: str) -> tuple[int, ...]:
+        """The stages whose layers hold parameter `name` (more than one for a tied parameter)."""
+        stages = {self.stage_of_layer(i) for i, names in enumerate(chain.names) if name in names}
+        return tuple(sorted(s for s in stages if s is not None))
+
+
+def plan_layout(
+    costs: Sequence[float],
+    *,
+    num_frozen: int,
+    world_size: int,
+    num_stages: int,
+    repack: bool,
+    budget: float,
+) -> Layout:
+    """Balance the active layers (those from `num_frozen` on) over stages.
+
+    Without `repack` the pipeline keeps `num_stages` stages. With it, the pipeline takes
+    the fewest stages (a divisor of `world_size`, at most `num_stages`) whose most
+    expensive stage costs no more than `budget` (the original layout's most expensive
+    stage: what one rank was already running), and the freed ranks become replicas.
+    Frozen layers count as free: with the cache they cost nothing per step.
+    """
+    active = list(costs[num_frozen:])
+    if world_size % num_stages != 0:
+        raise ShardwiseError(f"num_stages={num_stages} must divide the world size {world_size}")
+    chosen = num_stages
+    if repack:
+        fits = [
+            s for s in range(1, num_stages + 1)
+            if world_size % s == 0 and s <= len(active)
+            and max(stage_costs(active, partition(active, s))) <= budget * (1 + 1e-9)
+        ]
+        chosen = min(fits) if fits else min(num_stages, len(active))
+        while world_size % chosen != 0:  # fewer active layers than stages and no fit: shrink to a divisor
+            chosen -= 1
+    if chosen > len(active):
+        raise ShardwiseError(
+            f"{len(active)} active layers cannot fill {chosen} stages; freeze fewer layers or allow re-packing"
+        )
+    bounds = tuple((num_frozen + a, num_frozen + b) for a, b in partition(active, chosen))
+    return Layout(num_frozen, bounds, world_size // chosen)
+
+
+@dataclass
+class LayoutGroups:
+    """The process groups this rank needs under a layout (global ranks in each `*_ranks`)."""
+
+    pipe: dist.ProcessGroup
+    pipe_ranks: list[int]
+    data: dist.ProcessGroup | None
+    data_ranks: list[int]
+    tie: dict[tuple[int, ...], dist.ProcessGroup]
+
+
+def build_groups(layout: Layout, tie_stage_sets: Sequence[tuple[int, ...]], global_ranks: list[int],
+                 my_rank: int) -> LayoutGroups:
+    """Create every group of `layout` (a collective: all ranks call it, in the same order)
+    and return the ones `my_rank` (a group rank) belongs to.
+
+    pipe: one replica's stages in order; data: one stage's copies across replicas;
+    tie: for each set of stages sharing a tied parameter, every replica's ranks of those stages.
+    """
+    replica, stage = layout.coords(my_rank)
+    num_stages, num_replicas = layout.num_stages, layout.num_replicas
+    mine: dict = {"tie": {}}
+    for r in range(num_replicas):
+        ranks = [global_ranks[layout.rank_of(r, s)] for s in range(num_stages)]
+        group = dist.new_group(ranks)
+        if r == replica:
+            mine["pipe"], mine["pipe_ranks"] = group, ranks
+    mine["data"], mine["data_ranks"] = None, [global_ranks[my_rank]]
+    if num_replicas > 1:
+        for s in range(num_stages):
+            ranks = [global_ranks[layout.rank_of(r, s)] for r in range(num_replicas)]
+            group = dist.new_group(ranks)
+            if s == stage:
+                mine["data"], mine["data_ranks"] = group, ranks
+    for stages in sorted(set(tie_stage_sets)):
+        ranks = sorted(global_ranks[layout.rank_of(r, s)] for r in range(num_replicas) for s in stages)
+        group = dist.new_group(ranks)
+        if stage in stages:
+            mine["tie"][stages] = group
+    return LayoutGroups(**mine)
