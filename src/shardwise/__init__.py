@@ -5,6 +5,7 @@ Public API only; see README.md for the files to read in order.
 
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
+from shardwise.estimate import MemoryEstimate, estimate, plan
 from shardwise.grads import clip_grad_norm_, no_sync
 from shardwise.precision import LossScaler, MixedPrecision
 from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
@@ -18,12 +19,14 @@ __all__ = [
     "LossScaler",
     "MixedPrecision",
     "LoadReport",
+    "MemoryEstimate",
     "ResumableSampler",
     "STRATEGIES",
     "ShardInfo",
     "ShardwiseError",
     "clip_grad_norm_",
     "dcp_state_dict",
+    "estimate",
     "export",
     "full_parameters",
     "get_rank",
@@ -33,6 +36,7 @@ __all__ = [
     "latest",
     "load",
     "no_sync",
+    "plan",
     "save",
     "shard",
     "shard_info",

@@ -22,11 +22,16 @@ def main(argv: list[str] | None = None) -> int:
              "(`shardwise demo --help` for its options)",
     )
     _add_ckpt_commands(commands)
+    from shardwise import cli_estimate
+
+    cli_estimate.add_commands(commands)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from shardwise import demo
 
         return demo.main(rest)
+    if args.command in ("estimate", "plan") and not rest:
+        return cli_estimate.run(args)
     if args.command == "ckpt" and not rest:
         return _run_ckpt(args, parser)
     if rest:

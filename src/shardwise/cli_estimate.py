@@ -1,0 +1,158 @@
+"""`shardwise estimate` and `shardwise plan`: the estimator from the shell.
+
+    shardwise estimate --model gpt:d_model=512,n_layers=8,vocab_size=8192 --strategy zero3 \\
+        --world-size 4 --precision bf16 --batch 4 --seq 128
+    shardwise plan --memory 8GiB --world-size 4 gpt:d_model=2048,n_layers=24
+
+MODEL is a zoo name (`shardwise.models.zoo`), `gpt:key=value,...` (GPTConfig fields), or
+`module:function` / `path/to/file.py:function` naming a function that returns a model.
+Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import sys
+
+import torch
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+from shardwise.estimate import MIB, estimate, plan
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """"8GiB" -> 8·2**30, "512MiB", "1.5GB" (decimal), "1000000" (bytes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ShardwiseError(f"memory size {text!r} is not understood: write e.g. 8GiB, 512MiB or 2GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def build_model(spec: str) -> tuple[nn.Module, object]:
+    """The model MODEL names, built on the meta device, and the unit spec to cut it with."""
+    from shardwise.models.gpt import GPT, Block, GPTConfig
+    from shardwise.models.zoo import ZOO
+
+    with torch.device("meta"):
+        if spec in ZOO:
+            return ZOO[spec].build(), ZOO[spec].unit_class
+        if spec == "gpt" or spec.startswith("gpt:"):
+            return GPT(_gpt_config(spec[4:], GPTConfig)), Block
+        if ":" in spec:
+            module_name, _, function_name = spec.rpartition(":")
+            model = getattr(_import(module_name), function_name)()
+            if not isinstance(model, nn.Module):
+                raise ShardwiseError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
+            return model, None
+    raise ShardwiseError(f"MODEL {spec!r} is not a zoo name ({', '.join(sorted(ZOO))}), "
+                         "gpt:key=value,... or module:function")
+
+
+def _gpt_config(text: str, config_class):
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    values = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.isdigit():
+            raise ShardwiseError(f"gpt:{text}: {item!r} is not key=int with key one of {sorted(fields)}")
+        values[key] = int(value)
+    if "d_model" in values and "n_heads" not in values:  # 64-wide heads unless told otherwise
+        values["n_heads"] = max(1, values["d_model"] // 64) if values["d_model"] % 64 == 0 else 1
+    try:
+        return config_class(**values)
+    except ValueError as error:
+        raise ShardwiseError(f"gpt:{text}: {error}") from error
+
+
+def _import(name: str):
+    if name.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("_shardwise_user_model", name)
+        if spec is None:
+            raise ShardwiseError(f"cannot load {name}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(name)
+
+
+# ---- the two commands --------------------------------------------------------------
+
+
+def add_commands(commands) -> None:
+    """Add `estimate` and `plan` to the `shardwise` command's subparsers."""
+    model_help = ("a zoo name, gpt:key=value,... (GPTConfig fields, e.g. gpt:d_model=512,n_layers=8,"
+                  "vocab_size=8192) or module:function returning a model; built on the meta device")
+    est = commands.add_parser(
+        "estimate", help="per-rank memory of one configuration, by kind, before building anything",
+        description="Predict what one rank holds (parameters, gradients, optimizer state, gather/reduce "
+                    "buffers, activations, Python + torch) for a strategy, world size and precision.")
+    est.add_argument("--model", required=True, metavar="MODEL", help=model_help)
+    est.add_argument("--strategy", default="zero3", choices=("ddp", "zero1", "zero2", "zero3"),
+                     help="default: zero3")
+    est.add_argument("--world-size", type=int, default=1, help="ranks (default: 1)")
+    est.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="default: fp32")
+    est.add_argument("--offload", default=None, metavar="disk:PATH",
+                     help="master shards and optimizer state in memory-mapped files under PATH")
+    _add_common(est)
+    pl = commands.add_parser(
+        "plan", help="the cheapest configuration that fits a per-rank memory budget, and why others do not",
+        description="Weigh ddp, zero1, zero2, zero3, zero3+bf16 and zero3 with disk offload (cheapest "
+                    "first) against --memory per rank; name the first that fits and say why each other "
+                    "does not. Exit status 1 when none fits.")
+    pl.add_argument("model", metavar="MODEL", help=model_help)
+    pl.add_argument("--memory", required=True, help="per-rank budget, e.g. 8GiB, 512MiB, 2GB")
+    pl.add_argument("--world-size", type=int, required=True, help="ranks")
+    pl.add_argument("--offload-dir", default="/tmp/shardwise-offload",
+                    help="directory the offload options would use (default: /tmp/shardwise-offload)")
+    _add_common(pl)
+
+
+def _add_common(parser) -> None:
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"),
+                        help="default: adamw (8 bytes of state per parameter)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per rank per step, for activations (GPT models only)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
+
+
+def run(args) -> int:
+    """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
+    try:
+        model, units = build_model(args.model)
+        if args.command == "estimate":
+            print(estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
+                           args.offload, args.batch, args.seq, units=units))
+            return 0
+        return _print_plan(model, units, args)
+    except ShardwiseError as error:
+        print(f"shardwise {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _print_plan(model, units, args) -> int:
+    memory = parse_bytes(args.memory)
+    options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
+                   offload_dir=args.offload_dir, units=units)
+    num_params = sum(p.numel() for p in model.parameters())
+    batch = f", batch {args.batch}" if args.batch else ", no activations (pass --batch)"
+    print(f"{args.model}: {num_params / 1e6:.1f}M parameters, {args.world_size} ranks, "
+          f"{memory / 2**30:.2f} GiB per rank, {args.optimizer}{batch}")
+    best = next((o for o in options if o.fits), None)
+    width = max(len(o.label) for o in options) + 2
+    for option in options:
+        total = f"{option.estimate.total / MIB:>10,.0f} MiB" if option.estimate else f"{'—':>14}"
+        verdict = "fits  <- cheapest that fits" if option is best else ("fits" if option.fits else option.reason)
+        print(f"  {option.label:<{width}}{total}   {verdict}")
+    if best is None:
+        print("nothing fits: add ranks, lower the batch, or raise the budget")
+        return 1
+    offload = f', offload="{best.offload}"' if best.offload else ""
+    print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{offload})')
+    return 0
