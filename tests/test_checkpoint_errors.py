@@ -131,9 +131,11 @@ def test_rank_killed_mid_save(ranks, good):
     from harness import RankFailed
 
     root, checkpoint, _ = good
-    # The harness reports the death, or rank 0's collective breaking on it, whichever comes first.
-    with pytest.raises(RankFailed, match="rank 1 process died|Connection reset|Connection closed"):
+    # The harness reports the death, or rank 0's collective breaking on it (gloo's wording
+    # varies: reset, closed, broken pipe), whichever comes first.
+    with pytest.raises(RankFailed) as caught:
         ranks.run(save_and_die, 2, "zero2", str(root / "step-3"), 1, timeout=60)
+    assert "rank 1 process died" in str(caught.value) or "in save_and_die" in str(caught.value), caught.value
     assert not (root / "step-3").exists() and (root / ".step-3.partial").exists()
     _assert_still_loadable(root, checkpoint)
     ranks.run(save_gpt, 2, "zero2", str(root / "step-3"), timeout=120)
