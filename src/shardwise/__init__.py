@@ -7,6 +7,7 @@ from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.errors import ShardwiseError
 from shardwise.estimate import MemoryEstimate, estimate, plan
 from shardwise.grads import clip_grad_norm_, no_sync
+from shardwise.deferred import deferred_init
 from shardwise.precision import LossScaler, MixedPrecision
 from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
 from shardwise.checkpoint import LoadReport, export, latest, load, save
@@ -27,6 +28,7 @@ __all__ = [
     "clip_grad_norm_",
     "dcp_state_dict",
     "estimate",
+    "deferred_init",
     "export",
     "full_parameters",
     "get_rank",

@@ -33,6 +33,7 @@ and branches inside a unit may still differ.
 from __future__ import annotations
 
 import collections
+import hashlib
 from contextlib import contextmanager
 
 import torch
@@ -44,6 +45,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise import _collectives as coll
 from shardwise.errors import ShardwiseError
 from shardwise.flat_unit import FlatUnit
+from shardwise.deferred import is_deferred, record, replay
 from shardwise.precision import MixedPrecision, resolve_precision
 from shardwise.units import UnitSpec, build_units
 
@@ -75,7 +77,8 @@ class _GatherUnit(torch.autograd.Function):
 class ZeroState:
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
-    def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group, precision: MixedPrecision):
+    def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group, precision: MixedPrecision,
+                 init_fn=None):
         self.strategy = strategy
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -84,13 +87,23 @@ class ZeroState:
         _check_same_model_on_every_rank(model, group)
         keep_full = strategy in ("zero1", "zero2")
         self.precision = precision
+        # Deferred: meta aliases of the parameters, by name, for the init replay below.
+        deferred = {n: p.detach() for n, p in model.named_parameters()} if is_deferred(model) else None
+        extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
         self.units = []
         for plan in plans:  # one unit at a time: zero3's peak is one unit's full values
             unit = FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
                             keep_full=keep_full, keep_full_grad=strategy == "zero1", precision=precision)
-            _broadcast_from_rank0(unit, group)
+            if deferred is None:
+                _broadcast_from_rank0(unit, group)
             unit.take_shards()
             self.units.append(unit)
+        if deferred is not None:
+            # Every rank replays the same recorded init from the same RNG state, so the values
+            # agree without a broadcast; each keeps its rows as each parameter is finished.
+            where = {l.owned.name: (u, i) for u in self.units for i, l in enumerate(u.layouts)}
+            replay(deferred, lambda name, value: where[name][0].set_value(where[name][1], value),
+                   device=self.units[0].device, extra_log=extra_log)
         if precision.buffer_dtype is not None:
             for buffer in model.buffers():
                 if buffer.is_floating_point():
@@ -365,8 +378,18 @@ def _prefix_of(module: nn.Module, module_names: dict[int, str]) -> str:
 
 
 def _check_same_model_on_every_rank(model: nn.Module, group) -> None:
-    """Fail at shard() — not with a hang mid-step — when ranks built different models."""
+    """Fail at shard() — not with a hang mid-step — when ranks built different models.
+
+    Ranks first compare a hash of (name, shape, dtype) of every parameter: one small
+    all-gather. Only when the hashes differ are the full lists exchanged, to name the
+    first differing parameter (all_gather_object costs ~4 MB of RSS on first use)."""
     mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    digest = hashlib.sha256(repr(mine).encode()).digest()
+    signature = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
+    signatures = [torch.zeros_like(signature) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(signatures, signature, group=group)
+    if all(torch.equal(s, signatures[0]) for s in signatures):
+        return
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -398,7 +421,8 @@ def _broadcast_from_rank0(unit: FlatUnit, group) -> None:
             dist.broadcast(layout.owned.param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
-def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group, precision) -> ZeroState:
+def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group, precision,
+               init_fn=None) -> ZeroState:
     """Shard `model` in place under `strategy` and return its state."""
     group = process_group or dist.group.WORLD
-    return ZeroState(model, strategy, units, group, resolve_precision(precision))
+    return ZeroState(model, strategy, units, group, resolve_precision(precision), init_fn)

@@ -83,6 +83,9 @@ class FlatUnit:
             )
         reference = plan.params[0].param if plan.params else torch.empty(0)
         self.dtype, self.device = reference.dtype, reference.device  # the shards' (master) dtype
+        if self.device.type == "meta":  # deferred init: the shards are born on the compute device
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
         self.compute_dtype = precision.param_dtype if self.dtype.is_floating_point else self.dtype
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
@@ -124,19 +127,25 @@ class FlatUnit:
         values = values or {}
         with torch.no_grad():
             originals = [values.get(i, l.owned.param) for i, l in enumerate(self.layouts)]
+            # A deferred (meta) parameter has no value yet: its rows stay zero until set_value.
+            originals = [None if o.device.type == "meta" else o for o in originals]
             if self.aliased:
                 self.full_flat.zero_()
                 for view, original in zip(self.full_views, originals):
-                    view.copy_(original.detach())
+                    if original is not None:
+                        view.copy_(original.detach())
                 shard_tensors = [self._own_rows(self.full_flat, l).view(l.shard_shape) for l in self.layouts]
             else:
                 self.shard_flat = torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
                 for layout, original in zip(self.layouts, originals):
-                    self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
+                    if original is not None:
+                        self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
                 shard_tensors = [self._shard_segment(l).view(l.shard_shape) for l in self.layouts]
                 if self.keep_full:  # low-precision zero1/zero2: the kept full values, cast once
+                    self.full_flat.zero_()
                     for view, original in zip(self.full_views, originals):
-                        view.copy_(original.detach())
+                        if original is not None:
+                            view.copy_(original.detach())
         for layout, tensor in zip(self.layouts, shard_tensors):
             shard = nn.Parameter(tensor, requires_grad=layout.owned.param.requires_grad)
             self.shard_params.append(shard)
@@ -149,6 +158,18 @@ class FlatUnit:
             self.gathered_version = self._master_version()
         else:
             self.free()
+
+    def set_value(self, index: int, value: Tensor) -> None:
+        """Deferred init: parameter `index` now has its value; keep this rank's rows (and,
+        for zero1/zero2, the kept full copy). Every rank receives every value."""
+        layout = self.layouts[index]
+        with torch.no_grad():
+            if self.keep_full:
+                self.full_views[index].copy_(value)
+            if not self.aliased:
+                self._shard_segment(layout).copy_(self._own_rows_of(value, layout))
+            if self.keep_full:
+                self.gathered_version = self._master_version()  # the full copy is current
 
     def _shard_segment(self, layout: ParamLayout) -> Tensor:
         return self.shard_flat[layout.offset : layout.offset + layout.shard_numel]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.deferred import is_deferred, materialize
 from shardwise.precision import MixedPrecision
 from shardwise.units import UnitSpec
 
@@ -21,6 +23,7 @@ def shard(
     strategy: str,
     units: UnitSpec = None,
     precision: str | MixedPrecision | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
 ) -> nn.Module:
@@ -33,7 +36,10 @@ def shard(
     `model.named_parameters()` yields this rank's shards under the original names, so
     any torch optimizer with ordinary param groups steps only shards.
     `precision` (zero strategies): "fp32" (default), "bf16", "fp16" or a
-    `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`; shards stay fp32 masters. `process_group` defaults to the group `sw.init()` formed.
+    `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`; shards stay fp32 masters.
+    A model built under `sw.deferred_init()` is materialized here, one parameter at a
+    time, each rank keeping its rows; its values equal eager init with the same seed.
+    `init_fn(model)`, if given, initializes it further (recorded and replayed the same way). `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
@@ -54,6 +60,8 @@ def shard(
             raise ShardwiseError(
                 "precision is a zero-strategy option; with strategy='ddp' use torch.autocast around the forward"
             )
+        if is_deferred(model):
+            materialize(model, init_fn)  # ddp holds the full model anyway
         state = apply_ddp(model, process_group, find_unused_parameters)
     else:
         from shardwise._zero import apply_zero
@@ -62,7 +70,7 @@ def shard(
             raise ShardwiseError(
                 "find_unused_parameters is a ddp option; the zero strategies handle unused parameters themselves"
             )
-        state = apply_zero(model, strategy, units, process_group, precision)
+        state = apply_zero(model, strategy, units, process_group, precision, init_fn)
     model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
     return model
 

@@ -1,0 +1,137 @@
+"""Deferred init: nothing allocated at build time; shard() brings each rank's rows to life with
+exactly the values eager init gives, at any world size, within shards + one unit of memory."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+from shardwise.models.zoo import ZOO
+
+
+def _deferred_rows_equal_eager(strategy, name):
+    spec = ZOO[name]
+    torch.manual_seed(7)
+    eager = dict(spec.build().named_parameters())
+    after_eager = torch.rand(3)
+    torch.manual_seed(7)
+    with sw.deferred_init():
+        model = spec.build()
+    allocated_at_build = {p.device.type for p in model.parameters()}
+    kwargs = {"find_unused_parameters": spec.skips_params} if strategy == "ddp" else {"units": spec.unit_class}
+    sw.shard(model, strategy=strategy, **kwargs)
+    after_deferred = torch.rand(3)
+    mismatched = []
+    # Compare this rank's own rows with the same rows of the eager model: a gather cannot hide it.
+    for param_name, info in sw.shard_info(model).items():
+        full = eager[param_name].detach()
+        rows = slice(info.row_start, info.row_end)
+        expected = full.reshape(-1)[rows] if full.dim() == 0 else full[rows]
+        if not torch.equal(info.rows.reshape(expected.shape), expected):
+            mismatched.append(param_name)
+    return allocated_at_build, mismatched, torch.equal(after_eager, after_deferred)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zero3_deferred_values_equal_eager(ranks, name, world_size):
+    """Catches deferred init drawing random numbers in another order than eager init (values
+    would then depend on how the model was built or on the world size), a constant such as
+    torch.tensor(1.0) lost on the meta device, or the RNG stream left elsewhere afterwards."""
+    for allocated, mismatched, rng_continues in ranks.run(_deferred_rows_equal_eager, world_size, "zero3", name):
+        assert allocated == {"meta"}
+        assert mismatched == [] and rng_continues
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_other_strategies_deferred_values_equal_eager(ranks, strategy):
+    """Catches a strategy that materializes a deferred model with zeros or garbage."""
+    for _, mismatched, _ in ranks.run(_deferred_rows_equal_eager, 2, strategy, "gpt"):
+        assert mismatched == []
+
+
+def _with_init_fn():
+    def init_fn(model):
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.5)
+    torch.manual_seed(3)
+    eager = ZOO["reused_block"].build()
+    init_fn(eager)
+    torch.manual_seed(3)
+    with sw.deferred_init():
+        model = ZOO["reused_block"].build()
+    sw.shard(model, strategy="zero3", init_fn=init_fn)
+    full = sw.full_parameters(model)
+    return [n for n, p in eager.named_parameters() if not torch.equal(p.detach(), full[n])]
+
+
+def test_user_init_fn_is_replayed_after_construction(ranks):
+    """Catches an init_fn that is ignored, or run in an order that changes its random draws."""
+    assert ranks.run(_with_init_fn, 2) == [[], []]
+
+
+def test_model_on_meta_outside_deferred_init_gets_a_clear_error(ranks):
+    """Catches a plain meta-device model being sharded into zeros without a word."""
+    with pytest.raises(AssertionError, match="not built inside `sw.deferred_init\\(\\)`"):
+        ranks.run(_shard_plain_meta_model, 1)
+
+
+def _shard_plain_meta_model():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    sw.shard(model, strategy="zero3")
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import json, resource, torch, shardwise as sw
+    from shardwise.models.gpt import GPT, GPTConfig, Block
+    torch.set_num_threads(1)
+    sw.init(timeout=120)
+    config = GPTConfig(vocab_size=8192, seq_len=128, d_model=512, n_layers=8, n_heads=8)
+    # One-off process costs are not the model's: the first meta-device op imports torch's
+    # meta kernels (~30 MB), the first shard() its collectives' and hooks' machinery (~5 MB).
+    # A tiny model pays them before the baseline is taken.
+    with sw.deferred_init():
+        warm_up = torch.nn.Linear(2, 2)
+    sw.shard(warm_up, strategy="zero3")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with sw.deferred_init():
+        model = GPT(config)
+    sw.shard(model, strategy="zero3", units=Block)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    units = model._shardwise.units
+    shards = sum(u.shard_flat.numel() * 4 for u in units)
+    largest_unit = max(u.full_flat.numel() * 4 for u in units)
+    full = sum(p.numel() for p in GPT(config).parameters()) * 4 if sw.get_rank() == 0 else 0
+    print(json.dumps(dict(rank=sw.get_rank(), growth=peak - before, shards=shards, unit=largest_unit, full=full)))
+    sw.shutdown()
+""")
+
+
+def test_deferred_zero3_peak_is_shards_plus_one_unit(tmp_path):
+    """Catches shard() materializing the whole model (or several units) on some rank before
+    keeping its rows: the model is 4x one rank's share; each rank's peak RSS growth while
+    building and sharding must stay within 110% of its shards plus one unit.
+
+    Run in fresh processes (ru_maxrss is a lifetime peak) with MALLOC_MMAP_THRESHOLD_=65536,
+    so freed blocks leave RSS (glibc keeps them resident otherwise)."""
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 4
+    full = max(r["full"] for r in reports)
+    for r in reports:
+        assert r["shards"] * 4 <= full * 1.01  # the model really is 4x one rank's share
+        assert r["growth"] <= 1.10 * (r["shards"] + r["unit"]), r
