@@ -17,3 +17,11 @@ def test_parity_with_single_process(ranks, strategy, name, world_size):
     """Catches any wrong gradient, shard, gather, padding, tie or unused-parameter handling:
     5 AdamW steps with two param groups must equal the single-process run (fp32 1e-5/1e-6)."""
     check_parity(ranks, strategy, name, world_size, CONFIGS)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("name", ["gpt", "reused_block", "varying_depth"])
+def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name):
+    """Catches a recompute that runs on freed (zero3) or stale parameters, or whose gradient
+    misses the unit's reduce: checkpointed units must give the reference's numbers."""
+    check_parity(ranks, strategy, name, 2, CONFIGS, shard_kwargs={"checkpoint_activations": True})

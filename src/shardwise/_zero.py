@@ -38,6 +38,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
@@ -78,7 +79,7 @@ class ZeroState:
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
     def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group, precision: MixedPrecision,
-                 init_fn=None):
+                 init_fn=None, checkpoint_activations: bool = False):
         self.strategy = strategy
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -117,6 +118,9 @@ class ZeroState:
         self._reset_step()
         if precision.param_dtype != torch.float32:
             self.root.module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        if checkpoint_activations:
+            for unit in self.units[1:]:
+                _checkpoint_forward(unit.module)
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
@@ -372,6 +376,22 @@ class ZeroState:
         return values
 
 
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Keep only the unit's inputs in forward and recompute it in backward.
+
+    The unit's own hooks stay outside the checkpoint: the recompute calls the original
+    forward directly, after the unit's pre-backward hook has gathered it again, and its
+    uses of the full views feed the same `_GatherUnit` node as the first forward's."""
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
 def _prefix_of(module: nn.Module, module_names: dict[int, str]) -> str:
     name = module_names[id(module)]
     return f"{name}." if name else ""
@@ -422,7 +442,7 @@ def _broadcast_from_rank0(unit: FlatUnit, group) -> None:
 
 
 def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group, precision,
-               init_fn=None) -> ZeroState:
+               init_fn=None, checkpoint_activations: bool = False) -> ZeroState:
     """Shard `model` in place under `strategy` and return its state."""
     group = process_group or dist.group.WORLD
-    return ZeroState(model, strategy, units, group, resolve_precision(precision), init_fn)
+    return ZeroState(model, strategy, units, group, resolve_precision(precision), init_fn, checkpoint_activations)

@@ -24,6 +24,7 @@ def shard(
     units: UnitSpec = None,
     precision: str | MixedPrecision | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
+    checkpoint_activations: bool = False,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
 ) -> nn.Module:
@@ -39,7 +40,9 @@ def shard(
     `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`; shards stay fp32 masters.
     A model built under `sw.deferred_init()` is materialized here, one parameter at a
     time, each rank keeping its rows; its values equal eager init with the same seed.
-    `init_fn(model)`, if given, initializes it further (recorded and replayed the same way). `process_group` defaults to the group `sw.init()` formed.
+    `init_fn(model)`, if given, initializes it further (recorded and replayed the same way).
+    `checkpoint_activations` (zero strategies) recomputes each non-root unit's forward in
+    backward instead of keeping its activations; results are unchanged. `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
@@ -60,6 +63,9 @@ def shard(
             raise ShardwiseError(
                 "precision is a zero-strategy option; with strategy='ddp' use torch.autocast around the forward"
             )
+        if checkpoint_activations:
+            raise ShardwiseError("checkpoint_activations needs units: use a zero strategy, or "
+                                 "torch.utils.checkpoint inside the model with ddp")
         if is_deferred(model):
             materialize(model, init_fn)  # ddp holds the full model anyway
         state = apply_ddp(model, process_group, find_unused_parameters)
@@ -70,7 +76,7 @@ def shard(
             raise ShardwiseError(
                 "find_unused_parameters is a ddp option; the zero strategies handle unused parameters themselves"
             )
-        state = apply_zero(model, strategy, units, process_group, precision, init_fn)
+        state = apply_zero(model, strategy, units, process_group, precision, init_fn, checkpoint_activations)
     model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
     return model
 
