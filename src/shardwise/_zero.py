@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise import _collectives as coll
 from shardwise.errors import ShardwiseError
 from shardwise.flat_unit import FlatUnit
+from shardwise.offload import parse_offload, register_offloaded
 from shardwise.deferred import is_deferred, record, replay
 from shardwise.precision import MixedPrecision, resolve_precision
 from shardwise.units import UnitSpec, build_units
@@ -79,7 +80,7 @@ class ZeroState:
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
     def __init__(self, model: nn.Module, strategy: str, units: UnitSpec, group, precision: MixedPrecision,
-                 init_fn=None, checkpoint_activations: bool = False):
+                 init_fn=None, checkpoint_activations: bool = False, offload: str | None = None):
         self.strategy = strategy
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -88,13 +89,18 @@ class ZeroState:
         _check_same_model_on_every_rank(model, group)
         keep_full = strategy in ("zero1", "zero2")
         self.precision = precision
+        if offload is not None and strategy != "zero3":
+            raise ShardwiseError(f"offload needs strategy='zero3' ({strategy} keeps full parameters in memory, "
+                                 "which is most of what offload would move)")
+        self.store = parse_offload(offload, self.rank)
         # Deferred: meta aliases of the parameters, by name, for the init replay below.
         deferred = {n: p.detach() for n, p in model.named_parameters()} if is_deferred(model) else None
         extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
         self.units = []
         for plan in plans:  # one unit at a time: zero3's peak is one unit's full values
             unit = FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
-                            keep_full=keep_full, keep_full_grad=strategy == "zero1", precision=precision)
+                            keep_full=keep_full, keep_full_grad=strategy == "zero1", precision=precision,
+                            store=self.store)
             if deferred is None:
                 _broadcast_from_rank0(unit, group)
             unit.take_shards()
@@ -105,6 +111,10 @@ class ZeroState:
             where = {l.owned.name: (u, i) for u in self.units for i, l in enumerate(u.layouts)}
             replay(deferred, lambda name, value: where[name][0].set_value(where[name][1], value),
                    device=self.units[0].device, extra_log=extra_log)
+        if self.store is not None:
+            for unit in self.units:
+                self.store.release(unit.shard_flat)  # written once; the step pages it back in
+            register_offloaded(self.store, [unit.shard_params for unit in self.units])
         if precision.buffer_dtype is not None:
             for buffer in model.buffers():
                 if buffer.is_floating_point():
@@ -442,7 +452,8 @@ def _broadcast_from_rank0(unit: FlatUnit, group) -> None:
 
 
 def apply_zero(model: nn.Module, strategy: str, units: UnitSpec, process_group, precision,
-               init_fn=None, checkpoint_activations: bool = False) -> ZeroState:
+               init_fn=None, checkpoint_activations: bool = False, offload: str | None = None) -> ZeroState:
     """Shard `model` in place under `strategy` and return its state."""
     group = process_group or dist.group.WORLD
-    return ZeroState(model, strategy, units, group, resolve_precision(precision), init_fn, checkpoint_activations)
+    return ZeroState(model, strategy, units, group, resolve_precision(precision), init_fn,
+                     checkpoint_activations, offload)

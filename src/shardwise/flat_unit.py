@@ -69,11 +69,12 @@ class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
     def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, keep_full: bool,
-                 keep_full_grad: bool, precision: MixedPrecision):
+                 keep_full_grad: bool, precision: MixedPrecision, store=None):
         self.module, self.path = plan.module, plan.path
         self.rank, self.world_size, self.group = rank, world_size, group
         self.keep_full = keep_full
         self.keep_full_grad = keep_full_grad  # zero1: full grads live until the step
+        self.store = store  # offload: the master shards live in a memory-mapped file
         self.layouts, self.shard_total = _layout(plan.params, world_size)
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
@@ -136,7 +137,8 @@ class FlatUnit:
                         view.copy_(original.detach())
                 shard_tensors = [self._own_rows(self.full_flat, l).view(l.shard_shape) for l in self.layouts]
             else:
-                self.shard_flat = torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
+                self.shard_flat = self.store.zeros(self.shard_total, self.dtype) if self.store is not None \
+                    else torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
                 for layout, original in zip(self.layouts, originals):
                     if original is not None:
                         self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
@@ -223,6 +225,8 @@ class FlatUnit:
         gathered = pending.wait()
         self._refill(gathered, self.full_flat)
         self.resident = True
+        if self.store is not None:
+            self.store.release(self.shard_flat)  # read for the gather; back to disk
         self.gathered_version = self._master_version()
 
     def _copy_out(self, gathered: Tensor, target: Tensor) -> None:

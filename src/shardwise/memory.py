@@ -34,3 +34,22 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     for unit in getattr(engine, "units", ()):
         tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
     return sum(_storages_of(tensors).values())
+
+
+def resident_model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Like `model_state_bytes`, but offloaded (memory-mapped) state counts only for the
+    pages of it this process has resident right now."""
+    engine = getattr(model, "_shardwise", None)
+    store = getattr(engine, "store", None)
+    if store is None:
+        return model_state_bytes(model, optimizer)
+    tensors = []
+    for param in model.parameters():
+        tensors += [param, param.grad]
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    for unit in engine.units:
+        tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
+    in_memory = [t for t in tensors if isinstance(t, torch.Tensor) and not store.holds(t)]
+    return sum(_storages_of(in_memory).values()) + store.resident_bytes()

@@ -25,6 +25,7 @@ def shard(
     precision: str | MixedPrecision | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     checkpoint_activations: bool = False,
+    offload: str | None = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
 ) -> nn.Module:
@@ -42,7 +43,9 @@ def shard(
     time, each rank keeping its rows; its values equal eager init with the same seed.
     `init_fn(model)`, if given, initializes it further (recorded and replayed the same way).
     `checkpoint_activations` (zero strategies) recomputes each non-root unit's forward in
-    backward instead of keeping its activations; results are unchanged. `process_group` defaults to the group `sw.init()` formed.
+    backward instead of keeping its activations; results are unchanged.
+    `offload="disk:PATH"` (zero3) keeps the fp32 master shards and the optimizer state
+    in memory-mapped files under PATH and steps the optimizer one unit at a time. `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
@@ -63,6 +66,8 @@ def shard(
             raise ShardwiseError(
                 "precision is a zero-strategy option; with strategy='ddp' use torch.autocast around the forward"
             )
+        if offload is not None:
+            raise ShardwiseError("offload needs strategy='zero3'; ddp keeps everything in memory")
         if checkpoint_activations:
             raise ShardwiseError("checkpoint_activations needs units: use a zero strategy, or "
                                  "torch.utils.checkpoint inside the model with ddp")
@@ -76,7 +81,8 @@ def shard(
             raise ShardwiseError(
                 "find_unused_parameters is a ddp option; the zero strategies handle unused parameters themselves"
             )
-        state = apply_zero(model, strategy, units, process_group, precision, init_fn, checkpoint_activations)
+        state = apply_zero(model, strategy, units, process_group, precision, init_fn, checkpoint_activations,
+                           offload)
     model._shardwise = state  # a plain attribute: not a module, so not in state_dict()
     return model
 
