@@ -185,6 +185,24 @@ def test_cache_spills_to_file_and_reads_back_exactly(tmp_path):
         cache.fetch(torch.tensor([0, 1, 2]), compute)
 
 
+def test_cache_advance_runs_only_new_layers_and_keeps_a_subset(tmp_path):
+    """Catches an advance that recomputes the old prefix, keeps the shorter prefix's values,
+    keeps samples now another replica's, or leaves the old file behind."""
+    sampler = StickySampler(32, 8, num_homes=2)
+    cache = ActivationCache(sampler, memory_bytes=4 * 2 * 4, directory=str(tmp_path))  # 4 of 8 in memory
+    cache.reset(depth=1, capacity=16)
+    idx = torch.tensor([0, 2, 4, 6, 1, 3, 8, 10])
+    old = torch.randn(8, 2)
+    cache.fetch(idx, lambda i: old)
+    old_files = list(tmp_path.rglob("*.bin"))
+    cache.advance(2, 8, lambda x: x * 3 + 1, keep=lambda i: sampler.replica_of(i, 2) == 0)
+    kept = sampler.replica_of(idx, 2) == 0  # home 0: even indices
+    assert cache.depth == 2 and cache.num_cached == int(kept.sum()) == 6
+    cached, hit = cache.lookup(idx)
+    assert torch.equal(hit, kept) and torch.equal(cached, old[kept] * 3 + 1)
+    assert not any(os.path.exists(f) for f in old_files)
+
+
 def test_measure_layer_times():
     """Catches a measurement that leaves gradients behind (they would leak into the first step)."""
     layers = [nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)]

@@ -45,20 +45,18 @@ def _batches(sampler: StickySampler, steps: int) -> list[torch.Tensor]:
     return out[:steps]
 
 
-def _reference(n_layers: int, num_homes: int, steps: int, freeze_at: int | None = None,
-               num_frozen: int = 0) -> RunResult:
-    """One process, whole global batch per step; after `freeze_at` steps, layers
-    [0, num_frozen) of the chain stop training (requires_grad=False: AdamW skips them)."""
+def _reference(n_layers: int, num_homes: int, steps: int, freezes: dict[int, int] | None = None) -> RunResult:
+    """One process, whole global batch per step; from step s on, layers [0, freezes[s]) of
+    the chain stop training (requires_grad=False: AdamW skips them)."""
     model = _model(n_layers)
     inputs, targets = _data()
     optimizer = make_optimizer(model)
     chain = chain_layers(model)
     losses = []
     for step, batch in enumerate(_batches(StickySampler(NUM_SAMPLES, GLOBAL_BATCH, num_homes=num_homes), steps)):
-        if step == freeze_at:
-            for i in range(num_frozen):
-                for _, p in chain.layer_params(i):
-                    p.requires_grad_(False)
+        for i in range((freezes or {}).get(step, 0)):
+            for _, p in chain.layer_params(i):
+                p.requires_grad_(False)
         model.zero_grad(set_to_none=True)
         loss = model(inputs[batch], targets[batch])
         loss.backward()
@@ -114,43 +112,45 @@ def test_pipeline_matches_single_process(ranks, world_size, num_stages):
 
 # ---- freezing + activation cache + re-packing --------------------------------------
 
-FREEZE_LAYERS = 2  # the embedding (with the tied head weight) and the first block
+# After epoch 0 the embedding (with the tied head weight) freezes; after epoch 1 the first
+# block too. With 6 equal-cost layers on 4 stages (budget 2 layers a stage), the first
+# freeze keeps 4 stages and the second re-packs to 2 stages x 2 replicas.
+FREEZES = {1: 1, 2: 2}  # epoch -> frozen layers from its start
 
 
 def _freeze_on_rank(repack: bool, cache_memory_bytes: int) -> dict:
-    """4 ranks, 4 stages, a 6-layer chain with equal costs: epoch 0 trains everything, then
-    layers [0, 2) freeze; epoch 1 fills the cache, epoch 2 reads it back."""
+    """4 ranks, 4 stages, 4 epochs of 4 steps, freezing as FREEZES says."""
     config = PipelineConfig(num_stages=4, num_microbatches=MICRO, schedule="1f1b", balance=(1.0,) * 6,
                             repack=repack, cache=True, cache_memory_bytes=cache_memory_bytes)
     trainer = _trainer(4, config)
     chain = trainer.chain
-    losses = [trainer.step(b) for b in trainer.sampler.batches(0)]
-    trainer.freeze(FREEZE_LAYERS)
-    frozen = {n: p for i in range(FREEZE_LAYERS) for n, p in chain.layer_params(i)}
-    at_freeze = {n: p.detach().clone() for n, p in frozen.items()}
-    replica, stage = trainer.layout.coords(trainer.rank)
-    cache_counts = []
-    for epoch in (1, 2):
+    losses, cache_counts, at_freeze = [], [], {}
+    for epoch in range(4):
+        if epoch in FREEZES:
+            trainer.freeze(FREEZES[epoch])
+            for i in range(FREEZES[epoch]):
+                for n, p in chain.layer_params(i):
+                    at_freeze.setdefault(n, p.detach().clone())
         hits, misses = trainer.cache.hits, trainer.cache.misses
         losses += [trainer.step(b) for b in trainer.sampler.batches(epoch)]
         cache_counts.append((trainer.cache.hits - hits, trainer.cache.misses - misses))
-    optimized = {id(p) for group in (trainer.optimizer.param_groups if trainer.optimizer else []) for p in group["params"]}
+    frozen = {n: chain.params[n] for n in at_freeze}
+    optimizer = trainer.optimizer
+    optimized = {id(p) for group in (optimizer.param_groups if optimizer else []) for p in group["params"]}
     report = {
         "layout": (trainer.layout.num_stages, trainer.layout.num_replicas),
-        "stage": stage,
+        "stage": trainer.layout.coords(trainer.rank)[1],
         "frozen_unchanged": all(torch.equal(p, at_freeze[n]) for n, p in frozen.items()),
         "frozen_untouched": all(p.grad is None and not p.requires_grad and id(p) not in optimized
-                                and (trainer.optimizer is None or p not in trainer.optimizer.state)
-                                for p in frozen.values()),
+                                and (optimizer is None or p not in optimizer.state) for p in frozen.values()),
         "cache_counts": cache_counts,
     }
-    if stage == 0:
+    if report["stage"] == 0:
         cache = trainer.cache
         held = torch.nonzero(cache._slot_of >= 0).flatten()
         cached, hit = cache.lookup(held)
-        recomputed = trainer.run_prefix(held)
         report.update(num_cached=len(held), all_hit=bool(hit.all()), bytes_on_disk=cache.bytes_on_disk,
-                      cache_max_diff=float((cached - recomputed).abs().max()))
+                      cache_max_diff=float((cached - trainer.run_prefix(held)).abs().max()))
     report["result"] = RunResult(losses, [], trainer.full_parameters())
     return report
 
@@ -158,28 +158,32 @@ def _freeze_on_rank(repack: bool, cache_memory_bytes: int) -> dict:
 @pytest.mark.parametrize("repack", [True, False], ids=["repack", "no-repack"])
 def test_freeze_cache_repack_matches_single_process(ranks, repack):
     """Catches a frozen layer that still trains (weight decay, a stale gradient, optimizer
-    state kept), a cache that returns another sample's or another prefix's activations, a
-    cache that never hits (recomputes every epoch), and parameters or optimizer state lost
-    or mixed up when layers move to other ranks on re-packing (4 stages -> 2 stages x 2
-    replicas): 12 steps with a freeze after 4 must equal one process that stops training
-    the same layers (fp32 1e-5/1e-6; both runs, with and without re-packing, so training
-    after re-packing equals training without it within that bound)."""
+    state kept), a cache that returns another sample's or a shorter prefix's activations,
+    one that recomputes what it holds (a fill epoch after every freeze), and parameters or
+    optimizer state lost or mixed up when layers move to other ranks on re-packing (4
+    stages -> 2 stages x 2 replicas): 16 steps with freezes after 4 and 8 must equal one
+    process that stops training the same layers (fp32 1e-5/1e-6, with and without
+    re-packing, so training after re-packing equals training without it within that bound)."""
     reports = ranks.run(_freeze_on_rank, 4, repack, 16 * 1024, timeout=120)
-    reference = _reference(4, num_homes=4, steps=12, freeze_at=4, num_frozen=FREEZE_LAYERS)
+    reference = _reference(4, num_homes=4, steps=16, freezes={4 * e: k for e, k in FREEZES.items()})
     assert reports[0]["layout"] == ((2, 2) if repack else (4, 1))
     for rank, report in enumerate(reports):
         assert report["frozen_unchanged"], f"rank {rank}: a frozen parameter changed"
         assert report["frozen_untouched"], f"rank {rank}: a frozen parameter has a gradient or optimizer state"
         assert_close_runs(reference, report["result"])
-    first_stages = [r for r in reports if r["stage"] == 0]
-    samples_per_epoch = 4 * GLOBAL_BATCH // len(first_stages)  # 4 steps, this replica's slice
-    for report in first_stages:
-        # Exact: each sample's cached row came from the same layers on the same inputs.
-        assert report["cache_max_diff"] == 0.0, "cached activations differ from recomputed ones"
-        assert report["num_cached"] == samples_per_epoch and report["all_hit"]
+    n = 4 * GLOBAL_BATCH  # samples a replica sees in an epoch at 1 replica; half that at 2
+    # (hits, misses) per epoch: epoch 1 fills the cache; the second freeze carries it forward
+    # on rank 0 (which keeps its half of the samples after the re-pack), while rank 2 is a
+    # first stage for the first time and fills its own.
+    expected = {0: [(0, 0), (0, n), (n // 2, 0), (n // 2, 0)], 2: [(0, 0), (0, 0), (0, n // 2), (n // 2, 0)]} \
+        if repack else {0: [(0, 0), (0, n), (n, 0), (n, 0)]}
+    for rank, counts in expected.items():
+        report = reports[rank]
+        assert report["cache_counts"] == counts, f"rank {rank}: cache (hits, misses) per epoch"
+        # Exact: each cached row came from the same layers on the same inputs.
+        assert report["cache_max_diff"] == 0.0, f"rank {rank}: cached activations differ from recomputed ones"
+        assert report["num_cached"] == counts[-1][0] and report["all_hit"]
         assert report["bytes_on_disk"] > 0, "the 16 KiB budget should have spilled to the memory-mapped file"
-        assert report["cache_counts"] == [(0, samples_per_epoch), (samples_per_epoch, 0)], \
-            "epoch 1 should fill the cache and epoch 2 read every sample from it"
 
 
 def _auto_freeze_on_rank() -> list[tuple[int, int, int]]:
@@ -198,3 +202,17 @@ def test_auto_freeze_grows_by_alpha_and_repacks(ranks):
     results = ranks.run(_auto_freeze_on_rank, 2, timeout=60)
     assert results[0] == results[1]
     assert results[0] == [(0, 2, 1), (0, 2, 1), (2, 1, 2), (3, 1, 2)]
+
+
+def _time_balance_on_rank() -> tuple[list[float], tuple, float]:
+    trainer = _trainer(2, PipelineConfig(num_stages=2, num_microbatches=MICRO, balance="time", cache=False))
+    loss = trainer.step(trainer.sampler.batches(0)[0])
+    return trainer.costs, trainer.layout.bounds, loss
+
+
+def test_time_balance_is_the_same_on_every_rank(ranks):
+    """Catches ranks that each measure their own layer times and cut different stages (their
+    pipelines would mispair sends and hang or train the wrong layers)."""
+    results = ranks.run(_time_balance_on_rank, 2, timeout=60)
+    assert results[0] == results[1]
+    assert all(c > 0 for c in results[0][0])

@@ -73,6 +73,10 @@ class StickySampler:
         size = self.global_batch_size // num_replicas
         return batch[replica * size : (replica + 1) * size]
 
+    def replica_of(self, indices: Tensor, num_replicas: int) -> Tensor:
+        """The replica each sample index goes to when there are `num_replicas`."""
+        return (indices % self.num_homes) // (self.num_homes // num_replicas)
+
     def samples_per_replica(self, num_replicas: int) -> int:
         """Distinct samples one replica sees (its homes' samples): the most one cache holds."""
         return self.per_home * (self.num_homes // num_replicas)
@@ -83,8 +87,9 @@ class ActivationCache:
     then in a memory-mapped file under `directory` (a fresh temporary directory if None).
 
     `reset(depth, capacity)` starts over for a prefix of `depth` layers (cached outputs
-    of a shorter prefix are not outputs of the longer one); `fetch(indices, compute)`
-    returns every sample's output, computing only the misses.
+    of a shorter prefix are not outputs of the longer one); `advance` turns them into
+    outputs of a longer prefix by running only the layers frozen since;
+    `fetch(indices, compute)` returns every sample's output, computing only the misses.
     """
 
     def __init__(self, sampler: StickySampler, *, memory_bytes: int, directory: str | None = None):
@@ -109,6 +114,24 @@ class ActivationCache:
         self.depth, self.capacity = depth, capacity
         self.hits = self.misses = 0
 
+    def advance(self, depth: int, capacity: int, run_new_layers: Callable[[Tensor], Tensor],
+                keep: Callable[[Tensor], Tensor] | None = None, chunk: int = 256) -> None:
+        """Hold outputs of a longer, `depth`-layer prefix without recomputing the old one:
+        every held output goes through `run_new_layers` (the layers frozen since) and is
+        stored again, `chunk` samples at a time; samples for which `keep(indices)` is False
+        (another replica's after a re-pack) are dropped."""
+        held = torch.nonzero(self._slot_of >= 0).flatten()
+        if keep is not None:
+            held = held[keep(held)]
+        old_slot_of, old_memory, old_disk, old_dir = self._slot_of, self._memory, self._disk, self._dir
+        self._dir = None  # the old file stays until everything is read out of it
+        self.close()
+        self.depth, self.capacity = depth, capacity
+        for part in held.split(chunk):
+            self._store(part, run_new_layers(_read_slots(old_slot_of[part], old_memory, old_disk)))
+        if old_dir is not None:
+            shutil.rmtree(old_dir, ignore_errors=True)
+
     @property
     def num_cached(self) -> int:
         """Samples held."""
@@ -130,7 +153,7 @@ class ActivationCache:
         hit = slots >= 0
         if not bool(hit.any()):
             return None, hit
-        return self._read(slots[hit]), hit
+        return _read_slots(slots[hit], self._memory, self._disk), hit
 
     def fetch(self, indices: Tensor, compute: Callable[[Tensor], Tensor]) -> Tensor:
         """Outputs for `indices`: cached ones read back, the others `compute(missing)`d and stored."""
@@ -163,16 +186,6 @@ class ActivationCache:
         # Slot of every sample index the sampler can hand out; -1: not cached.
         return torch.full((self.sampler.per_home * self.sampler.num_homes,), -1, dtype=torch.long)
 
-    def _read(self, slots: Tensor) -> Tensor:
-        n_memory = len(self._memory)
-        in_memory = slots < n_memory
-        if bool(in_memory.all()):
-            return self._memory[slots]
-        out = torch.empty((len(slots), *self._memory.shape[1:]), dtype=self._memory.dtype)
-        out[in_memory] = self._memory[slots[in_memory]]
-        out[~in_memory] = self._disk[slots[~in_memory] - n_memory]
-        return out
-
     def _store(self, indices: Tensor, values: Tensor) -> None:
         if self._memory is None:
             self._allocate(values.shape[1:], values.dtype)
@@ -203,3 +216,15 @@ class ActivationCache:
             self._disk = flat.view(n_disk, *sample_shape)
         else:
             self._disk = torch.empty((0, *sample_shape), dtype=dtype)
+
+
+def _read_slots(slots: Tensor, memory: Tensor, disk: Tensor) -> Tensor:
+    # Slots below len(memory) are in memory, the rest in the file, in slot order.
+    n_memory = len(memory)
+    in_memory = slots < n_memory
+    if bool(in_memory.all()):
+        return memory[slots]
+    out = torch.empty((len(slots), *memory.shape[1:]), dtype=memory.dtype)
+    out[in_memory] = memory[slots[in_memory]]
+    out[~in_memory] = disk[slots[~in_memory] - n_memory]
+    return out

@@ -4,6 +4,12 @@ one, and the process groups it needs.
 Ranks are numbered replica-major: rank = replica * num_stages + stage, so each replica's
 pipeline is a run of consecutive ranks and re-packing to fewer stages turns the freed
 ranks into whole new replicas (PipeTransformer's AutoPipe + AutoDP).
+
+Note [cache across re-packs]: a rank that is a first stage both before and after a
+re-pack from S to S' stages gets a subset of the samples it had: its replica's homes
+(StickySampler, H homes, W ranks) start at home rank * H / W in both layouts, and number
+H * S' / W <= H * S / W. So its activation cache is carried forward (only the newly
+frozen layers run over what it holds) instead of recomputed (trainer._update_cache).
 """
 
 from __future__ import annotations

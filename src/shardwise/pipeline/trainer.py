@@ -225,16 +225,12 @@ class PipeTrainer:
 
     def run_prefix(self, indices: Tensor) -> Tensor:
         """The frozen prefix's outputs for samples `indices`, computed (not from the cache)."""
-        with torch.no_grad():
-            x = self.inputs[indices]
-            for layer in self.chain.layers[: self.layout.num_frozen]:
-                x = layer(x)
-        return x
+        return _run_no_grad(self.chain.layers[: self.layout.num_frozen], self.inputs[indices])
 
     # ---- layout changes ----------------------------------------------------------
 
     def _apply_layout(self, layout: Layout, states: State) -> None:
-        chain = self.chain
+        chain, old = self.chain, self.layout
         self.layout = layout
         replica, stage = layout.coords(self.rank)
         holders = {name: layout.stages_holding(chain, name) for name in chain.params}
@@ -256,12 +252,24 @@ class PipeTrainer:
                               for stages, group in sorted(self.groups.tie.items())]
         self._owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
         self._reset_grad_norms()
-        # Called only when the frozen prefix changed: cached outputs are of a shorter prefix.
-        if self.cache is not None:
-            if stage == 0 and layout.num_frozen > 0:
-                self.cache.reset(layout.num_frozen, self.sampler.samples_per_replica(layout.num_replicas))
-            else:
-                self.cache.close()
+        self._update_cache(old, layout)
+
+    def _update_cache(self, old: Layout, new: Layout) -> None:
+        # Called only when the frozen prefix grew: held outputs are of a shorter prefix. A
+        # rank that stays a first stage keeps a subset of its samples (Note [cache across
+        # re-packs] in layout.py): it runs only the newly frozen layers over what it holds.
+        if self.cache is None:
+            return
+        replica, stage = new.coords(self.rank)
+        capacity = self.sampler.samples_per_replica(new.num_replicas)
+        if stage != 0 or new.num_frozen == 0:
+            self.cache.close()
+        elif old.coords(self.rank)[1] == 0 and 0 < old.num_frozen < new.num_frozen and self.cache.num_cached:
+            layers = self.chain.layers[old.num_frozen : new.num_frozen]
+            self.cache.advance(new.num_frozen, capacity, lambda x: _run_no_grad(layers, x),
+                               keep=lambda idx: self.sampler.replica_of(idx, new.num_replicas) == replica)
+        else:
+            self.cache.reset(new.num_frozen, capacity)
 
     def _gather(self, with_state: bool) -> State:
         """Bring every active layer's values (and optimizer state) from its stage in replica 0
@@ -314,6 +322,13 @@ class PipeTrainer:
         for layer, sq in enumerate(squares):
             self._norm_sums[layer] += math.sqrt(sq)
         self._norm_steps += 1
+
+
+def _run_no_grad(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
+    with torch.no_grad():
+        for layer in layers:
+            x = layer(x)
+    return x
 
 
 def grouped_adamw(lr: Sequence[float] = (1e-2, 3e-3), weight_decay: Sequence[float] = (0.1, 0.0),
