@@ -219,7 +219,7 @@ def _divergent_grads(strategy):
     return mismatches
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_rank_divergent_branch_neither_hangs_nor_mixes_units(ranks, strategy):
     """Catches a unit used on one rank only hanging the others, or its collective pairing
     with another unit's: the branch's gradient must be rank 0's, averaged with rank 1's zeros."""

@@ -120,10 +120,15 @@ class ZeroState:
                 if buffer.is_floating_point():
                     buffer.data = buffer.data.to(precision.buffer_dtype)
         self.root = self.units[0]
+        # Note [collective order]: reduce-scatters get their own group, so their sequence
+        # never interleaves with zero3's backward gathers in a rank-dependent way. (A new
+        # group needs every rank of the default group, so a user's subgroup is reused.)
+        reduce_group = dist.new_group(backend=dist.get_backend(group)) if group == dist.group.WORLD else group
+        for unit in self.units:
+            unit.reduce_group = reduce_group
+        self._max_in_flight = 2 if keep_full else 1  # zero3: current + one prefetched
         self.reduce_order = list(reversed(self.units))  # Note [collective order]
         self.sync_grads = True
-        self.prefetch = True
-        self.last_forward_order: list[FlatUnit] = []
         self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
         self._reset_step()
         if precision.param_dtype != torch.float32:
@@ -139,10 +144,10 @@ class ZeroState:
 
     def _reset_step(self) -> None:
         self.windowed: set[int] = set()  # units whose _GatherUnit ran in this forward
-        self.forward_order: list[FlatUnit] = []
         self.open_units: list[FlatUnit] = []
         self.prefetching: dict[int, tuple[FlatUnit, coll.Pending]] = {}  # in-flight gathers
-        self.gather_queue: list[FlatUnit] = []  # zero1/2: stale units, in fixed order, not yet issued
+        self.gather_queue: list[FlatUnit] = []  # forward: units to gather, in fixed order, not yet issued
+        self.backward_queue: list[FlatUnit] = []  # zero3 backward: the same, in reverse order
         self.reduced: set[int] = set()
         self.ready_grads: dict[int, list] = {}  # units whose grads wait for their turn to reduce
         self.next_reduce = 0  # position in self.reduce_order
@@ -186,8 +191,8 @@ class ZeroState:
             self._close_window()
         self._reset_step()
         self.in_window = True
-        if self.root.keep_full:
-            self.gather_queue = [u for u in self.units if u.needs_gather()]
+        # The same list on every rank (zero3: every unit; zero1/2: units the step changed).
+        self.gather_queue = [u for u in self.units if u.needs_gather()]
 
     def _open_window(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
@@ -198,63 +203,61 @@ class ZeroState:
             fulls = [view.view(view.shape) for view in unit.full_views]
         unit.install_full(list(fulls))
         self.windowed.add(id(unit))
-        self.forward_order.append(unit)
-        if unit.keep_full:
-            self._issue_queued(up_to=None)
-        else:
+        if not unit.keep_full:
             self._free_idle(keep={id(unit)})
-            self._prefetch_after(unit, self.last_forward_order)
+        self._issue_queued(self.gather_queue, up_to=None)
 
     def _end_forward(self) -> None:
-        self.last_forward_order = list(self.forward_order)
-        while self.gather_queue or self.prefetching:  # stale units this forward did not run
-            self._issue_queued(up_to=None)
-            for unit, handle in list(self.prefetching.values()):
-                del self.prefetching[id(unit)]
-                unit.finish_gather(handle)
+        self._drain(self.gather_queue)  # units this rank did not run still take their gather
         if not self.root.keep_full:
-            # The last unit to run is the first one backward needs: keep it (as FSDP2 keeps
-            # its root), saving one gather per step at no extra peak.
-            last = {id(self.forward_order[-1])} if self.forward_order and torch.is_grad_enabled() else set()
+            # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
+            # its root), one gather fewer per step. "Last" by registration, not by this
+            # rank's forward, so every rank keeps the same one (Note [collective order]).
+            last = {id(self.units[-1])} if torch.is_grad_enabled() else set()
             self._free_idle(keep={id(self.root)} | last)
+            self.backward_queue = [u for u in reversed(self.units) if not u.resident]
         if not torch.is_grad_enabled():
             self._close_window()
 
+    def _drain(self, queue: list[FlatUnit]) -> None:
+        while queue or self.prefetching:
+            self._issue_queued(queue, up_to=None)
+            for unit, handle in list(self.prefetching.values()):
+                del self.prefetching[id(unit)]
+                unit.finish_gather(handle)  # freed (or kept) by the caller, the same on every rank
+
     # ---- gathering ---------------------------------------------------------------
 
-    def _issue_queued(self, up_to: FlatUnit | None) -> None:
-        """zero1/2: issue queued re-gathers in their fixed order, through `up_to` if given,
-        else just enough to keep two in flight (Note [collective order])."""
-        while self.gather_queue:
-            if up_to is None and len(self.prefetching) >= 2:
+    def _issue_queued(self, queue: list[FlatUnit], up_to: FlatUnit | None) -> None:
+        """Issue queued gathers in their fixed order, through `up_to` if given, else just
+        enough to keep the policy's number in flight (Note [collective order])."""
+        while queue:
+            if up_to is None and len(self.prefetching) >= self._max_in_flight:
                 return
-            unit = self.gather_queue.pop(0)
+            unit = queue.pop(0)
             self.prefetching[id(unit)] = (unit, unit.start_gather(async_op=True))
             if unit is up_to:
                 return
 
-    def _ensure_gathered(self, unit: FlatUnit) -> None:
-        if unit in self.gather_queue:
-            self._issue_queued(up_to=unit)
-        in_flight = self.prefetching.pop(id(unit), None)
-        if in_flight is not None:
-            unit.finish_gather(in_flight[1])
+    def _ensure_gathered(self, unit: FlatUnit, queue: list[FlatUnit] | None = None) -> None:
+        queue = self.gather_queue if queue is None else queue
+        if unit in queue:
+            self._issue_queued(queue, up_to=unit)
+        if id(unit) in self.prefetching:
+            # Gathers land in issue order: those queued before this unit first. A zero3 unit
+            # among them that is not running is one this rank skipped: drop it again.
+            for other, handle in list(self.prefetching.values()):
+                del self.prefetching[id(other)]
+                other.finish_gather(handle)
+                if other is unit:
+                    break
+                if not other.keep_full and not any(other is u for u in self.open_units):
+                    other.free()
         elif unit.needs_gather():
             unit.finish_gather(unit.start_gather(async_op=False))
         if not unit.keep_full:
             resident = sum(1 for u in self.units if u is not self.root and u.resident)
             self.peak_resident_units = max(self.peak_resident_units, resident)
-
-    def _prefetch_after(self, unit: FlatUnit, order: list[FlatUnit]) -> None:
-        """Start gathering the unit that came after `unit` last time, while `unit` computes."""
-        if not self.prefetch or unit not in order:
-            return
-        position = order.index(unit)
-        for candidate in order[position + 1 :]:
-            if candidate is not unit:
-                if id(candidate) not in self.prefetching and candidate.needs_gather():
-                    self.prefetching[id(candidate)] = (candidate, candidate.start_gather(async_op=True))
-                return
 
     def _free_idle(self, keep: set[int]) -> None:
         busy = keep | {id(u) for u in self.open_units} | set(self.prefetching)
@@ -270,9 +273,8 @@ class ZeroState:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if id(unit) in self.reduced:
             return
-        self._ensure_gathered(unit)
-        backward_order = list(reversed(self.forward_order))
-        self._prefetch_after(unit, backward_order)
+        self._ensure_gathered(unit, self.backward_queue)
+        self._issue_queued(self.backward_queue, up_to=None)  # prefetch the next one
 
     def on_unit_grads(self, unit: FlatUnit, grads: list) -> None:
         """All uses of `unit` in this step have their gradients: reduce or accumulate them."""
@@ -316,6 +318,7 @@ class ZeroState:
         unit.end_accumulation()
 
     def _end_backward(self) -> None:
+        self._drain(self.backward_queue)  # units this rank's backward never reached
         if self.sync_grads:
             # Units not reduced yet: zero1's kept grads, and units unused this step on this
             # rank (zeros). Same fixed order as during backward (Note [collective order]).

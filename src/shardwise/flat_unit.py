@@ -75,6 +75,7 @@ class FlatUnit:
         self.keep_full = keep_full
         self.keep_full_grad = keep_full_grad  # zero1: full grads live until the step
         self.store = store  # offload: the master shards live in a memory-mapped file
+        self.reduce_group = group  # the engine may give reduce-scatters a group of their own
         self.layouts, self.shard_total = _layout(plan.params, world_size)
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
@@ -324,7 +325,7 @@ class FlatUnit:
         for column, i in enumerate(indices):
             if grads[i] is not None:
                 flags[:, column] = 1.0
-        return coll.reduce_scatter_avg(packed, self.world_size, self.group, async_op), indices
+        return coll.reduce_scatter_avg(packed, self.world_size, self.reduce_group, async_op), indices
 
     def finish_reduce(self, pending: coll.Pending, indices: list[int]) -> None:
         """Hand each trainable shard its averaged gradient rows (accumulating onto an existing grad)."""
