@@ -22,8 +22,7 @@ def _storages_of(tensors) -> dict[int, int]:
     return found
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes this rank holds for parameters, gradients, optimizer state and engine buffers."""
+def _model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list:
     tensors = []
     for param in model.parameters():
         tensors += [param, param.grad]
@@ -33,23 +32,20 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     engine = getattr(model, "_shardwise", None)
     for unit in getattr(engine, "units", ()):
         tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
-    return sum(_storages_of(tensors).values())
+    return tensors
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes this rank holds for parameters, gradients, optimizer state and engine buffers."""
+    return sum(_storages_of(_model_state_tensors(model, optimizer)).values())
 
 
 def resident_model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Like `model_state_bytes`, but offloaded (memory-mapped) state counts only for the
     pages of it this process has resident right now."""
-    engine = getattr(model, "_shardwise", None)
-    store = getattr(engine, "store", None)
+    store = getattr(getattr(model, "_shardwise", None), "store", None)
+    tensors = _model_state_tensors(model, optimizer)
     if store is None:
-        return model_state_bytes(model, optimizer)
-    tensors = []
-    for param in model.parameters():
-        tensors += [param, param.grad]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-    for unit in engine.units:
-        tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
+        return sum(_storages_of(tensors).values())
     in_memory = [t for t in tensors if isinstance(t, torch.Tensor) and not store.holds(t)]
     return sum(_storages_of(in_memory).values()) + store.resident_bytes()
