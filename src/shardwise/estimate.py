@@ -16,8 +16,10 @@ F = N·S the padded full size (t: trainable parameters only):
 
 plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
 trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
-With `offload="disk:PATH"` the fp32 master shards and the optimizer state live in
-memory-mapped files: they are reported as `offloaded`, not resident.
+With `offload="disk:PATH"` (zero3) the fp32 master shards and the optimizer's
+param-sized state live in memory-mapped files: they are reported as `offloaded`, not
+resident; the step pages in one unit's masters and state at a time (offload.py), which
+counts with the transient buffers.
 
 Note [transient buffers]: `gather_buffers` is what a step holds only while it runs,
 besides activations. zero3: the root unit (gathered for the whole forward), at most two
@@ -38,7 +40,9 @@ log-softmax and its gradient at the start of backward. Calibrated against peak R
 MALLOC_MMAP_THRESHOLD_=65536 (tests/test_estimate.py checks it stays within 25%).
 
 `runtime` is Python + torch + shardwise + a gloo process group: 270 MiB of RSS per rank
-(224 MiB for one process without a group), measured on torch 2.13 CPU.
+right after `sw.init()`, and about 30 MiB more once a step has run (malloc arenas of small
+blocks, oneDNN scratch, gloo's buffers, autograd's graph), so 300 MiB per rank (224 MiB
+for one process without a group); measured on torch 2.13 CPU by bench/max_model.py.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from shardwise.precision import MixedPrecision, resolve_precision
 from shardwise.units import UnitSpec, build_units
 
 MIB = 2**20
-RUNTIME_BYTES = 270 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
+RUNTIME_BYTES = 300 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
@@ -166,8 +170,11 @@ def estimate(
     if strategy == "ddp" and policy.param_dtype != torch.float32:
         raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
                              "around the forward (and estimate it as fp32)")
-    if offload is not None and (strategy == "ddp" or not str(offload).startswith("disk:")):
-        raise ShardwiseError(f"offload={offload!r}: only 'disk:PATH' with a zero strategy is estimated")
+    if offload is not None and strategy != "zero3":
+        raise ShardwiseError(f"offload needs strategy='zero3' ({strategy} keeps full parameters in memory, "
+                             "which is most of what offload would move)")
+    if offload is not None and not (isinstance(offload, str) and offload.startswith("disk:") and len(offload) > 5):
+        raise ShardwiseError(f"offload={offload!r} is not understood: use None or 'disk:PATH'")
 
     notes: list[str] = []
     layout_size = 1 if strategy == "ddp" else world_size  # ddp holds whole, unpadded tensors
@@ -197,8 +204,10 @@ def estimate(
             plan_units, strategy, master, c, r, state_per_elem, state_per_tensor, offload is not None)
         gather = _zero_transient(plan_units, strategy, c, r)
     if offload is not None:
+        # The optimizer steps one unit at a time: that unit's masters and state are paged in.
+        gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
         notes.append("fp32 master shards and optimizer state in memory-mapped files under "
-                     f"{offload[len('disk:'):] or '.'}; the step pages them in a chunk at a time")
+                     f"{offload[len('disk:'):]}; the step pages in one unit at a time")
 
     activations = 0
     if batch is not None:
@@ -265,7 +274,7 @@ def _zero_state(plan_units, strategy, m, c, r, state_per_elem, state_per_tensor,
     for u in plan_units:
         masters = m * u.shard
         # zero1/2 at c == m: the shards are views of the kept full buffer (flat_unit.aliased).
-        aliased = keep_full and c == m and not offload
+        aliased = keep_full and c == m
         if keep_full:
             parameters += c * u.full
         if not aliased:
@@ -273,7 +282,9 @@ def _zero_state(plan_units, strategy, m, c, r, state_per_elem, state_per_tensor,
                 offloaded += masters
             else:
                 parameters += masters
-        state = state_per_elem * m * u.trainable_shard + state_per_tensor * u.num_trainable
+        # Param-sized state goes to the files; Adam's `step` counters stay in memory.
+        state = state_per_elem * m * u.trainable_shard
+        optimizer_state += state_per_tensor * u.num_trainable
         if offload:
             offloaded += state
         else:
