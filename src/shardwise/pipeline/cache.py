@@ -101,7 +101,7 @@ class ActivationCache:
         self._dir: str | None = None
         self.depth = 0
         self.capacity = 0
-        self.hits = self.misses = 0
+        self.hits = self.misses = 0  # samples served from the cache / computed, since it was made
         self._slot_of = self._no_slots()
         self._num_cached = 0
         self._memory: Tensor | None = None
@@ -112,7 +112,6 @@ class ActivationCache:
         `capacity` samples."""
         self.close()
         self.depth, self.capacity = depth, capacity
-        self.hits = self.misses = 0
 
     def advance(self, depth: int, capacity: int, run_new_layers: Callable[[Tensor], Tensor],
                 keep: Callable[[Tensor], Tensor] | None = None, chunk: int = 256) -> None:

@@ -50,7 +50,8 @@ class PipelineConfig:
 
     `num_stages`: pipeline length at the start (must divide the world size; the other
     factor is the number of data-parallel replicas). `num_microbatches` per replica per
-    step. `schedule`: "gpipe" or "1f1b". `balance`: cut stages by "params" (parameter
+    step at the start; a re-packed, shorter pipeline keeps the micro-batch size (its
+    bubble shrinks with it), so it runs num_microbatches x new / old stages of them. `schedule`: "gpipe" or "1f1b". `balance`: cut stages by "params" (parameter
     count), "time" (measured forward + backward per layer), or a list of per-layer costs.
     `repack`: when the frozen prefix grows, run the active layers on fewer stages and
     use the freed ranks as replicas. `cache`: keep the frozen prefix's outputs per sample
@@ -191,7 +192,7 @@ class PipeTrainer:
     def end_epoch(self) -> int:
         """Give the policy this epoch's gradient norm per layer and apply its decision;
         returns the frozen prefix length."""
-        norms = torch.tensor(self._norm_sums, dtype=torch.float64) / max(self._norm_steps, 1)
+        norms = self._norm_sums / max(self._norm_steps, 1)
         dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group)  # each layer's norm lives on its stage
         self.policy.record(norms.tolist())
         self._reset_grad_norms()
@@ -240,7 +241,7 @@ class PipeTrainer:
         module = nn.Sequential(*chain.layers[start:end])
         stage_runner = PipelineStage(module, stage, layout.num_stages, self.device, group=self.groups.pipe)
         self._schedule = SCHEDULES[self.config.schedule](
-            stage_runner, self.config.num_microbatches, loss_fn=self.loss_fn)
+            stage_runner, self._num_microbatches(layout), loss_fn=self.loss_fn)
         named = {n: p for i in range(start, end) for n, p in chain.layer_params(i) if p.requires_grad}
         self._named = list(named.items())
         self.optimizer = self.make_optimizer(self._named) if self._named else None
@@ -250,7 +251,9 @@ class PipeTrainer:
         self._data_params = [p for n, p in self._named if len(holders[n]) == 1]
         self._tied_buckets = [([p for n, p in self._named if holders[n] == stages], group)
                               for stages, group in sorted(self.groups.tie.items())]
-        self._owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
+        owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
+        self._owned_params = [p for _, p in owned]
+        self._owned_layers = torch.tensor([layer for layer, _ in owned], dtype=torch.long)
         self._reset_grad_norms()
         self._update_cache(old, layout)
 
@@ -307,20 +310,29 @@ class PipeTrainer:
             return self.cache.fetch(indices, self.run_prefix)
         return self.run_prefix(indices)
 
+    def _num_microbatches(self, layout: Layout) -> int:
+        # The first layout's micro-batch size: M x S' / S micro-batches of the replica's
+        # B x S' / W samples. When M x S' / S is not an integer, keep M (smaller ones). Both
+        # split the replica batch evenly (B is a multiple of W x M) and satisfy 1F1B's
+        # micro-batches >= stages (M >= S >= S').
+        m, s = self.config.num_microbatches, self.config.num_stages
+        if (m * layout.num_stages) % s != 0:
+            return m
+        return max(m * layout.num_stages // s, 1)
+
     def _reset_grad_norms(self) -> None:
-        self._norm_sums = [0.0] * self.chain.num_layers
+        self._norm_sums = torch.zeros(self.chain.num_layers, dtype=torch.float64)
         self._norm_steps = 0
 
     def _record_grad_norms(self) -> None:
         # Only the automatic rule reads them; a tied parameter counts in its owner layer.
-        if self.policy.threshold is None:
+        # Kept as tensors (no per-parameter .item()): this runs every step.
+        if self.policy.threshold is None or not self._owned_params:
             return
-        squares = [0.0] * self.chain.num_layers
-        for layer, p in self._owned:
-            if p.grad is not None:
-                squares[layer] += float(p.grad.float().pow(2).sum())
-        for layer, sq in enumerate(squares):
-            self._norm_sums[layer] += math.sqrt(sq)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._owned_params]
+        squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
+        per_layer = torch.zeros(self.chain.num_layers, dtype=torch.float64).index_add_(0, self._owned_layers, squares)
+        self._norm_sums += per_layer.sqrt()
         self._norm_steps += 1
 
 
