@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated strategies to run one after another, from {sw.STRATEGIES} "
                              "(default: ddp,zero3)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (default: 2)")
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps (default: 300)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default: 8)")
     parser.add_argument("--seq", type=int, default=128, help="characters per sequence (default: 128)")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
