@@ -120,6 +120,9 @@ def _add_common(parser) -> None:
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences per rank per step, for activations (GPT models only)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
+    parser.add_argument("--checkpoint-activations", action="store_true",
+                        help="recompute each unit's forward in backward (zero strategies): activations of one "
+                             "block at a time plus each block's input")
 
 
 def run(args) -> int:
@@ -128,7 +131,8 @@ def run(args) -> int:
         model, units = build_model(args.model)
         if args.command == "estimate":
             print(estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
-                           args.offload, args.batch, args.seq, units=units))
+                           args.offload, args.batch, args.seq, units=units,
+                           checkpoint_activations=args.checkpoint_activations))
             return 0
         return _print_plan(model, units, args)
     except ShardwiseError as error:
@@ -139,7 +143,7 @@ def run(args) -> int:
 def _print_plan(model, units, args) -> int:
     memory = parse_bytes(args.memory)
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
-                   offload_dir=args.offload_dir, units=units)
+                   offload_dir=args.offload_dir, checkpoint_activations=args.checkpoint_activations, units=units)
     num_params = sum(p.numel() for p in model.parameters())
     batch = f", batch {args.batch}" if args.batch else ", no activations (pass --batch)"
     print(f"{args.model}: {num_params / 1e6:.1f}M parameters, {args.world_size} ranks, "
@@ -151,8 +155,9 @@ def _print_plan(model, units, args) -> int:
         verdict = "fits  <- cheapest that fits" if option is best else ("fits" if option.fits else option.reason)
         print(f"  {option.label:<{width}}{total}   {verdict}")
     if best is None:
-        print("nothing fits: add ranks, lower the batch, or raise the budget")
+        print("nothing fits: add ranks, lower the batch, checkpoint activations, or raise the budget")
         return 1
     offload = f', offload="{best.offload}"' if best.offload else ""
-    print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{offload})')
+    recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
+    print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{offload}{recompute})')
     return 0

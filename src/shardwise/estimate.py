@@ -36,8 +36,12 @@ rank, width D, L blocks, vocabulary V, in the compute dtype's c bytes:
 16.5·D per block is what autograd saves (LayerNorm inputs, the qkv output, attention
 output and its re-layout, the MLP's 4·D input and GELU output: measured 16.4·D at fp32
 and bf16 with `saved_tensors_hooks`), 2·D the final LayerNorm, 3·V the logits, their
-log-softmax and its gradient at the start of backward. Calibrated against peak RSS with
-MALLOC_MMAP_THRESHOLD_=65536 (tests/test_estimate.py checks it stays within 25%).
+log-softmax and its gradient at the start of backward. With `checkpoint_activations` a
+block keeps only its input (D) and one block at a time is recomputed in backward: its
+16.5·D plus the gradients its backward makes, 36·D in all (measured), so
+    activations = c · B · T · (D·L + 36·D + 2·D + 3·V).
+Calibrated against peak RSS with MALLOC_MMAP_THRESHOLD_=65536 (tests/test_estimate.py
+checks both within 25%).
 
 `runtime` is Python + torch + shardwise + a gloo process group: 270 MiB of RSS per rank
 right after `sw.init()`, and about 30 MiB more once a step has run (malloc arenas of small
@@ -64,6 +68,7 @@ _STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
 _OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0)}
 _ACT_PER_BLOCK = 16.5  # saved elements per token per block, in units of D (Note [activations])
+_ACT_RECOMPUTE = 36  # checkpointed: one block recomputed in backward, in units of D
 _ACT_LOGITS = 3  # logits, log-softmax, and the logits' gradient, in units of V
 
 
@@ -146,6 +151,7 @@ def estimate(
     unit_params: int | None = None,
     num_layers: int | None = None,
     config=None,
+    checkpoint_activations: bool = False,
     runtime: int | None = None,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
@@ -157,6 +163,7 @@ def estimate(
     `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
     `offload`: None or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
     sequence, for activations; they need a GPT model or `config=GPTConfig(...)`.
+    `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
     """
     if strategy not in _STRATEGIES:
@@ -170,6 +177,8 @@ def estimate(
     if strategy == "ddp" and policy.param_dtype != torch.float32:
         raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
                              "around the forward (and estimate it as fp32)")
+    if checkpoint_activations and strategy == "ddp":
+        raise ShardwiseError("checkpoint_activations needs units: use a zero strategy")
     if offload is not None and strategy != "zero3":
         raise ShardwiseError(f"offload needs strategy='zero3' ({strategy} keeps full parameters in memory, "
                              "which is most of what offload would move)")
@@ -211,7 +220,7 @@ def estimate(
 
     activations = 0
     if batch is not None:
-        activations = _gpt_activations(config, batch, seq, c)
+        activations = _gpt_activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload, num_params,
@@ -312,7 +321,7 @@ def _zero_transient(plan_units, strategy, c, r) -> int:
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
 
 
-def _gpt_activations(config, batch: int, seq: int | None, c: int) -> int:
+def _gpt_activations(config, batch: int, seq: int | None, c: int, checkpointed: bool = False) -> int:
     """Note [activations]."""
     needed = ("d_model", "n_layers", "vocab_size")
     if config is None or not all(hasattr(config, name) for name in needed):
@@ -321,7 +330,11 @@ def _gpt_activations(config, batch: int, seq: int | None, c: int) -> int:
     seq = seq if seq is not None else config.seq_len
     d, layers, vocab = config.d_model, config.n_layers, config.vocab_size
     ratio = getattr(config, "mlp_ratio", 4) / 4  # the 16.5·D per block was measured at mlp_ratio 4
-    per_token = (_ACT_PER_BLOCK - 8 + 8 * ratio) * d * layers + 2 * d + _ACT_LOGITS * vocab
+    per_block = _ACT_PER_BLOCK - 8 + 8 * ratio
+    if checkpointed:
+        per_token = d * layers + (_ACT_RECOMPUTE - 8 + 8 * ratio) * d + 2 * d + _ACT_LOGITS * vocab
+    else:
+        per_token = per_block * d * layers + 2 * d + _ACT_LOGITS * vocab
     return int(c * batch * seq * per_token)
 
 
@@ -362,10 +375,11 @@ def offload_available() -> bool:
 
 def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, optimizer: str = "adamw",
          batch: int | None = None, seq: int | None = None, offload_dir: str = "/tmp/shardwise-offload",
-         **estimate_kwargs) -> list[PlanOption]:
+         checkpoint_activations: bool = False, **estimate_kwargs) -> list[PlanOption]:
     """Weigh every configuration in PLAN_ORDER against `memory` bytes per rank.
 
     The first option with `fits` is the cheapest that fits; each other says why not.
+    `checkpoint_activations` applies to the zero options (ddp has no units to recompute).
     Extra keyword arguments go to `estimate` (units=, unit_params=, config=, runtime=).
     """
     options = []
@@ -377,7 +391,7 @@ def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, 
                                       "not available: this version's sw.shard has no offload="))
             continue
         est = estimate(model_or_num_params, strategy, world_size, precision, optimizer, offload, batch, seq,
-                       **estimate_kwargs)
+                       checkpoint_activations=checkpoint_activations and strategy != "ddp", **estimate_kwargs)
         fits = est.total <= memory
         options.append(PlanOption(strategy, precision, offload, est, fits, "" if fits else _why_not(est, memory)))
     return options
@@ -390,7 +404,7 @@ def _why_not(est: MemoryEstimate, memory: int) -> str:
     text = f"{_gib(est.total)} > {_gib(memory)} by {_gib(over)}; largest: {name} {_gib(largest)}"
     floor = est.activations + est.runtime
     if floor > memory:
-        text += f" (activations + runtime alone need {_gib(floor)}: use a smaller batch)"
+        text += f" (activations + runtime alone need {_gib(floor)}: lower the batch or checkpoint activations)"
     return text
 
 
