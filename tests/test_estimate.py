@@ -211,7 +211,7 @@ def test_estimate_command_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert code == 0
     for row in ("parameters", "gradients", "optimizer state", "gather/reduce buffers", "activations",
-                "runtime", "total per rank"):
+                "runtime", "peak per rank"):
         assert row in out, (row, out)
     assert "zero3+bf16" in out and "29.4M parameters" in out
 

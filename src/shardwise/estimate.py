@@ -43,10 +43,17 @@ block keeps only its input (D) and one block at a time is recomputed in backward
 Calibrated against peak RSS with MALLOC_MMAP_THRESHOLD_=65536 (tests/test_estimate.py
 checks both within 25%).
 
+Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep their
+gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
+each unit's gradient shard in backward, just as that unit's activations are freed, and
+`zero_grad()` drops them, so at any moment the two together are at most the larger of
+the two: the peak counts max(gradients, activations). Checked against bench/max_model.py's
+measured peaks (within 5% at every probe of its 2 GiB run, offload included).
+
 `runtime` is Python + torch + shardwise + a gloo process group: 270 MiB of RSS per rank
-right after `sw.init()`, and about 30 MiB more once a step has run (malloc arenas of small
-blocks, oneDNN scratch, gloo's buffers, autograd's graph), so 300 MiB per rank (224 MiB
-for one process without a group); measured on torch 2.13 CPU by bench/max_model.py.
+right after `sw.init()`, and about 60 MiB more once steps run (malloc arenas of small
+blocks, oneDNN scratch, gloo's buffers, autograd's graph), so 330 MiB per rank (224 MiB
+for one process without a group): torch 2.13 CPU, fitted on bench/max_model.py's probes.
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from shardwise.precision import MixedPrecision, resolve_precision
 from shardwise.units import UnitSpec, build_units
 
 MIB = 2**20
-RUNTIME_BYTES = 300 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
+RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
@@ -102,6 +109,7 @@ class MemoryEstimate:
     runtime: int
     offloaded: int = 0  # in memory-mapped files, not resident
     notes: tuple[str, ...] = field(default_factory=tuple)
+    gradients_kept: bool = True  # Note [peak]: False when gradients exist only from backward to zero_grad
 
     @property
     def model_state(self) -> int:
@@ -110,7 +118,13 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.gather_buffers + self.activations + self.runtime
+        """The predicted peak RSS of a rank (Note [peak])."""
+        if self.gradients_kept:
+            grads_and_activations = self.gradients + self.activations
+        else:
+            grads_and_activations = max(self.gradients, self.activations)
+        return (self.parameters + self.optimizer_state + grads_and_activations + self.gather_buffers
+                + self.runtime)
 
     @property
     def label(self) -> str:
@@ -130,7 +144,10 @@ class MemoryEstimate:
         for name, value in self.rows():
             if name == "total per rank":
                 lines.append("  " + "-" * 38)
+                name = "peak per rank"
             lines.append(f"  {name:<26}{value / MIB:>12,.1f}")
+        if not self.gradients_kept and self.activations:
+            lines.append("  (gradient shards appear in backward as activations go: the peak counts the larger)")
         if self.offloaded:
             lines.append(f"  {'in files (not resident)':<26}{self.offloaded / MIB:>12,.1f}")
         lines += [f"  note: {note}" for note in self.notes]
@@ -225,7 +242,7 @@ def estimate(
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes))
+                          offloaded, tuple(notes), gradients_kept=strategy in ("ddp", "zero1"))
 
 
 def _name_of(policy: MixedPrecision) -> str:
