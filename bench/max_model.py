@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="start from the probes in OUT/max_model.json (same settings): each config in "
                         "--configs gets --max-runs more probes; the others keep their earlier rows")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: rewrite OUT/max_model.{md,png} from OUT/max_model.json, with the "
+                        "estimates recomputed by this version's sw.estimate")
     # Set by the launcher only.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -371,7 +374,8 @@ def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
 def run_launcher(args) -> None:
     import shardwise as sw
 
-    configs = [c for c in args.configs.split(",") if c]
+    configs = [] if args.report else [c for c in args.configs.split(",") if c]
+    args.resume = args.resume or args.report
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
@@ -412,7 +416,13 @@ def _earlier_rows(args) -> dict:
     differ = [k for k in _SAME if earlier["settings"].get(k) != getattr(args, k)]
     if differ:
         sys.exit(f"--resume: {path} was made with other settings ({', '.join(differ)})")
-    return {row["config"]: row for row in earlier["rows"] if "unavailable" not in row}
+    rows = {row["config"]: row for row in earlier["rows"] if "unavailable" not in row}
+    for config, row in rows.items():  # the estimator may have changed since: recompute its figures
+        row["predicted_layers"], row["predicted_total_bytes"] = predicted_layers(args, config)
+        row["predicted_params"] = num_params_of(args, row["predicted_layers"])
+        for result in row["probes"]:
+            result["estimated_total_bytes"] = estimated_total(args, config, result["layers"])
+    return rows
 
 
 def write_results(args, rows: list[dict], started: float, has_offload: bool) -> str:
@@ -421,7 +431,7 @@ def write_results(args, rows: list[dict], started: float, has_offload: bool) -> 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("worker", "config", "layers", "out_dir", "num_params", "resume")}
+                if k not in ("worker", "config", "layers", "out_dir", "num_params", "resume", "report")}
     meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "wall_s": time.time() - started,
             "deferred_init": hasattr(sw, "deferred_init"), "offload": has_offload,
             "allocator": "MALLOC_MMAP_THRESHOLD_=65536"}
