@@ -460,7 +460,11 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
              f"{args.budget_bytes / GIB:.2f} GiB; batch {args.batch} × seq {args.seq} per rank, gloo, 1 thread per "
              f"rank, {meta['allocator']}. shardwise zero* built under "
              f"{'sw.deferred_init()' if meta['deferred_init'] else 'eager init (no sw.deferred_init yet)'}; "
-             f"FSDP2 on meta + to_empty. Fits/fails: probes at that depth (≥: the scan stopped at the offload cap).",
+             f"FSDP2 on meta + to_empty. Max layers: the deepest probe that fit (≥: the scan stopped at the "
+             f"offload cap); first depth over: the shallowest probe over budget (—: none was probed); estimated: "
+             f"sw.estimate's peak at the max depth; estimator's depth: its own prediction. "
+             f"{sum(len(r.get('probes', [])) for r in rows)} probes, "
+             f"{sum(p['wall_s'] for r in rows for p in r.get('probes', [])) / 60:.0f} min of probe time.",
              "", "| config | max layers | max params | × torch DDP | × shardwise ddp | × FSDP2 | peak RSS MiB "
              "| estimated MiB | first depth over | estimator's depth | probes |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
