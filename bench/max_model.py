@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from strategies import stop  # a sibling script: bench/ is on sys.path when run as a script
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB, GIB = 2**20, 2**30
 # config: (label, estimator strategy, precision, offload)
@@ -276,7 +278,7 @@ def probe(args, config: str, layers: int) -> dict:
                 error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
             except subprocess.TimeoutExpired:
                 error = f"timed out after {args.timeout:.0f} s"
-                _stop(proc, out_dir)
+                stop(proc, out_dir)  # bench/strategies.py's: SIGTERM torchrun, then kill stray ranks
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
         tail = log.read_text()[-2000:]
     over = [r for r in ranks if r.get("over_budget") or r["peak_rss_bytes"] > args.budget_bytes]
@@ -291,20 +293,6 @@ def probe(args, config: str, layers: int) -> dict:
     if ranks:
         result["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ranks)
     return result
-
-
-def _stop(proc: subprocess.Popen, out_dir: str) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for pid_file in Path(out_dir).glob("pid*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def search(args, config: str, cap_params: int | None, log, earlier: list[dict] = ()) -> dict:
