@@ -39,7 +39,6 @@ import json
 import math
 import os
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
