@@ -1,6 +1,7 @@
 """Deferred init: nothing allocated at build time; shard() brings each rank's rows to life with
 exactly the values eager init gives, at any world size, within shards + one unit of memory."""
 
+import json
 import os
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def _shard_plain_meta_model():
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, resource, torch, shardwise as sw
+    import json, pathlib, resource, sys, torch, shardwise as sw
     from shardwise.models.gpt import GPT, GPTConfig, Block
     torch.set_num_threads(1)
     sw.init(timeout=120)
@@ -110,7 +111,9 @@ PEAK_SCRIPT = textwrap.dedent("""
     shards = sum(u.shard_flat.numel() * 4 for u in units)
     largest_unit = max(u.full_flat.numel() * 4 for u in units)
     full = sum(p.numel() for p in GPT(config).parameters()) * 4 if sw.get_rank() == 0 else 0
-    print(json.dumps(dict(rank=sw.get_rank(), growth=peak - before, shards=shards, unit=largest_unit, full=full)))
+    # One file per rank: four ranks printing to one pipe can interleave their lines.
+    report = dict(rank=sw.get_rank(), growth=peak - before, shards=shards, unit=largest_unit, full=full)
+    pathlib.Path(sys.argv[1], f"rank{sw.get_rank()}.json").write_text(json.dumps(report))
     sw.shutdown()
 """)
 
@@ -126,10 +129,9 @@ def test_deferred_zero3_peak_is_shards_plus_one_unit(tmp_path):
     script.write_text(PEAK_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(script)], capture_output=True, text=True, timeout=300, env=env)
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert len(reports) == 4
     full = max(r["full"] for r in reports)
     for r in reports:
