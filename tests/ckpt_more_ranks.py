@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -107,27 +109,45 @@ def load_gpt_error(strategy: str, path: str) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _writes_fail_on(rank: int, fail) -> Iterator[None]:
+    """On `rank`, let the save write three chunks, then call `fail(file)` instead of writing
+    (so the file exists and is partly written). Restored after: rank processes are reused."""
+    original = _ckpt_files._write_chunk
+    calls = [0]
+
+    def failing(file, data):
+        calls[0] += 1
+        if calls[0] > 3:
+            fail(file)
+        original(file, data)
+
+    if dist.get_rank() == rank:
+        _ckpt_files._write_chunk = failing
+    try:
+        yield
+    finally:
+        _ckpt_files._write_chunk = original
+
+
+def _disk_full(file) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _die(file) -> None:
+    file.flush()
+    os._exit(17)
+
+
 def save_with_full_disk(strategy: str, path: str, failing_rank: int) -> str:
     """Save while `failing_rank`'s writes fail with ENOSPC; the error message every rank got."""
     model, optim = build_model("gpt", strategy)
     run_steps(model, optim, "gpt", strategy, 0, 1)
-    original = _ckpt_files._write_chunk
-    calls = [0]
-
-    def full_disk(file, data):
-        calls[0] += 1
-        if calls[0] > 3:  # a few chunks in: the file exists and is partly written
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        original(file, data)
-
-    if dist.get_rank() == failing_rank:
-        _ckpt_files._write_chunk = full_disk
-    try:
-        sw.save(path, model, optim, step=1)
-    except sw.ShardwiseError as error:
-        return str(error)
-    finally:
-        _ckpt_files._write_chunk = original  # the rank process is reused by later tests
+    with _writes_fail_on(failing_rank, _disk_full):
+        try:
+            sw.save(path, model, optim, step=1)
+        except sw.ShardwiseError as error:
+            return str(error)
     return ""
 
 
@@ -135,22 +155,8 @@ def save_and_die(strategy: str, path: str, dying_rank: int) -> None:
     """Save, and kill `dying_rank`'s process partway through writing its file."""
     model, optim = build_model("gpt", strategy)
     run_steps(model, optim, "gpt", strategy, 0, 1)
-    original = _ckpt_files._write_chunk
-    calls = [0]
-
-    def die(file, data):
-        calls[0] += 1
-        if calls[0] > 3:
-            file.flush()
-            os._exit(17)
-        original(file, data)
-
-    if dist.get_rank() == dying_rank:
-        _ckpt_files._write_chunk = die
-    try:
+    with _writes_fail_on(dying_rank, _die):
         sw.save(path, model, optim, step=1)
-    finally:
-        _ckpt_files._write_chunk = original
 
 
 # ---- memory ----------------------------------------------------------------------------
