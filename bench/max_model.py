@@ -3,6 +3,7 @@
     python bench/max_model.py                  # world size 4, 2 GiB of RSS per rank (~20 min here)
     python bench/max_model.py --quick          # 1 GiB per rank, fewer probes (a few minutes)
     python bench/max_model.py --budget 3GiB --configs zero3,zero3_bf16
+    python bench/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
@@ -88,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="start from the probes in OUT/max_model.json (same settings): each config in "
                         "--configs gets --max-runs more probes; the others keep their earlier rows")
+    p.add_argument("--redo", action="store_true",
+                   help="with --resume: forget the earlier probes of the configs in --configs (after a "
+                        "change to the code they measure) and search them again from the start")
     p.add_argument("--report", action="store_true",
                    help="run nothing: rewrite OUT/max_model.{md,png} from OUT/max_model.json, with the "
                         "estimates recomputed by this version's sw.estimate")
@@ -384,8 +388,8 @@ def run_launcher(args) -> None:
         if config == "zero3_offload" and by.get("zero3", {}).get("max_params"):
             cap = int(args.offload_cap * by["zero3"]["max_params"])
         print(f"{config} ({time.time() - started:.0f} s in)", flush=True)
-        row = search(args, config, cap, lambda text: print(text, flush=True),
-                     earlier.get(config, {}).get("probes", []))
+        kept = [] if args.redo else earlier.get(config, {}).get("probes", [])
+        row = search(args, config, cap, lambda text: print(text, flush=True), kept)
         row["wall_s"] = sum(p["wall_s"] for p in row["probes"])
         rows.append(row)
         by[config] = row
@@ -418,7 +422,7 @@ def write_results(args, rows: list[dict], started: float, has_offload: bool) -> 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items()
-                if k not in ("worker", "config", "layers", "out_dir", "num_params", "resume", "report")}
+                if k not in ("worker", "config", "layers", "out_dir", "num_params", "resume", "redo", "report")}
     meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "wall_s": time.time() - started,
             "deferred_init": hasattr(sw, "deferred_init"), "offload": has_offload,
             "allocator": "MALLOC_MMAP_THRESHOLD_=65536"}
