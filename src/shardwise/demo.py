@@ -102,7 +102,7 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
         losses.append(mean_loss.item())
         step_times.append(time.perf_counter() - start)
         if progress is not None:
-            progress.set_postfix(loss=f"{losses[-1]:.3f}")
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # update() redraws
             progress.update()
 
     mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0,
@@ -126,7 +126,9 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
 def _progress(total: int, strategy: str):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{strategy} rank 0", unit="step", dynamic_ncols=True)
+    # In a log file (CI) every redraw is a new line: refresh every 10 s there, not 10 times a second.
+    every = 0.1 if sys.stderr.isatty() else 10.0
+    return tqdm(total=total, desc=f"{strategy} rank 0", unit="step", dynamic_ncols=True, mininterval=every)
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
