@@ -283,6 +283,11 @@ class ZeroState:
         if not self.callback_queued:  # a graph that reached no unit output hook
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not unit.keep_full and unit is not self.root:
+            # Every use's backward has run: the full values are no longer needed. Freed before
+            # the reduce packs the gradients, so the two are never held together (one unit's
+            # worth less at the backward peak; bench/max_model.py).
+            unit.free()
         if not self.sync_grads:
             unit.accumulate(grads)
         else:
@@ -293,8 +298,6 @@ class ZeroState:
                 grads = unit.full_grad_list()
             self.ready_grads[id(unit)] = grads
             self._launch_ready_reduces()
-        if not unit.keep_full and unit is not self.root:
-            unit.free()  # every use's backward has run: the full values are no longer needed
 
     def _launch_ready_reduces(self) -> None:
         """Reduce ready units in the fixed order, stopping at the first not ready yet."""
