@@ -25,8 +25,8 @@ Note [transient buffers]: `gather_buffers` is what a step holds only while it ru
 besides activations. zero3: the root unit (gathered for the whole forward), at most two
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
-(the tied head's gradient waits there for the embedding's) and up to two packed
-reduce-scatter inputs (r·F). zero1/zero2 keep their full parameters, so only the two
+(the tied head's gradient waits there for the embedding's) and one packed reduce
+input (r·F: one reduce in flight, _zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep their full parameters, so only the two
 in-flight re-gathers and the same backward buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket.
 
@@ -332,7 +332,7 @@ def _zero_transient(plan_units, strategy, c, r) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    backward = c * biggest + c * root.full + 2 * r * biggest  # unit grads, root grads, packed reduces
+    backward = c * biggest + c * root.full + r * biggest  # unit grads, root grads, the packed reduce
     if strategy == "zero3":
         return c * root.full + 3 * c * biggest + backward
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
