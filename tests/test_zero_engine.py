@@ -19,10 +19,9 @@ STEPS = 3
 # ---- communication schedule ------------------------------------------------------
 
 def _count_collectives(name):
-    """Per step: all-gathers in forward and backward, reduces, and the unit count. A reduce is a
-    reduce-scatter, or on gloo an all-reduce (Note [gloo reduce-scatter] in _collectives.py)."""
+    """Per step: all-gathers in forward and backward, reduce-scatters, and the unit count."""
     calls = {"gather": 0, "reduce": 0}
-    real_gather, real_reduce, real_all_reduce = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+    real_gather, real_reduce = dist.all_gather_single, dist.reduce_scatter_single
 
     def gather(*args, **kwargs):
         calls["gather"] += 1
@@ -32,10 +31,6 @@ def _count_collectives(name):
         calls["reduce"] += 1
         return real_reduce(*args, **kwargs)
 
-    def all_reduce(*args, **kwargs):
-        calls["reduce"] += 1
-        return real_all_reduce(*args, **kwargs)
-
     spec = ZOO[name]
     model = build(name)
     sw.shard(model, strategy="zero3", units=spec.unit_class)
@@ -43,7 +38,7 @@ def _count_collectives(name):
     num_units = len(model._shardwise.units)
     trainable_units = sum(1 for u in model._shardwise.units if u.trainable())
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = gather, reduce, all_reduce
+    dist.all_gather_single, dist.reduce_scatter_single = gather, reduce
     counts = []
     try:
         for step in range(STEPS):
@@ -57,7 +52,7 @@ def _count_collectives(name):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce = real_gather, real_reduce, real_all_reduce
+        dist.all_gather_single, dist.reduce_scatter_single = real_gather, real_reduce
     return counts, num_units, trainable_units
 
 

@@ -11,7 +11,6 @@ Every call names its process group: nothing here reads global state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +24,11 @@ class Pending:
 
     work: object | None  # dist.Work, or None when it already completed
     output: Tensor
-    finish: Callable[[Tensor], Tensor] | None = None  # turns the landed buffer into the result
 
     def wait(self) -> Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.finish is not None:
-            self.output, self.finish = self.finish(self.output), None
         return self.output
 
 
@@ -44,20 +40,7 @@ def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool) -> Pe
 
 
 def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool) -> Pending:
-    """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows.
-
-    Note [gloo reduce-scatter]: gloo's reduce-scatter is slower than its all-reduce of the
-    same buffer, although it moves half the bytes: measured here (2 cores, one thread per
-    rank, median of 9) for a 12 MB unit, 34 vs 19 ms at 2 ranks and 68 vs 31 ms at 4; an
-    all-reduce in place plus taking this rank's rows took 21 and 50 ms. So on gloo the
-    reduce is an all-reduce (SUM: gloo has no AVG all-reduce) of the packed buffer, which
-    exists anyway, and the average of our rows is taken when it lands: same memory, same
-    result. NCCL's reduce-scatter is the real thing and keeps it.
-    """
-    if dist.get_backend(group) == dist.Backend.GLOO:
-        rank = dist.get_rank(group)
-        work = dist.all_reduce(packed, group=group, async_op=async_op)
-        return Pending(work, packed, lambda summed: summed.view(world_size, -1)[rank] / world_size)
+    """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
     shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
     work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     return Pending(work, shard)
