@@ -40,7 +40,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from strategies import stop  # a sibling script: bench/ is on sys.path when run as a script
+from strategies import run_logged  # a sibling script: bench/ is on sys.path when run as a script
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB, GIB = 2**20, 2**30
@@ -273,17 +272,9 @@ def probe(args, config: str, layers: int) -> dict:
                str(num_params_of(args, layers))]
         for flag in ("d_model", "vocab", "seq", "batch", "steps"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        log = Path(out_dir, "output.log")
-        with open(log, "w") as sink:  # a file, not a pipe: a rank left behind never blocks us
-            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-            try:
-                proc.wait(timeout=args.timeout)
-                error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                error = f"timed out after {args.timeout:.0f} s"
-                stop(proc, out_dir)  # bench/strategies.py's: SIGTERM torchrun, then kill stray ranks
+        error, log = run_logged(cmd, env, out_dir, args.timeout)  # kills stray ranks on a timeout
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
-        tail = log.read_text()[-2000:]
+        tail = log[-2000:]
     over = [r for r in ranks if r.get("over_budget") or r["peak_rss_bytes"] > args.budget_bytes]
     result = {"layers": layers, "num_params": num_params_of(args, layers), "wall_s": time.time() - started,
               "ranks": sorted(ranks, key=lambda r: r["rank"])}
@@ -363,8 +354,6 @@ def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
 
 
 def run_launcher(args) -> None:
-    import shardwise as sw
-
     configs = [] if args.report else [c for c in args.configs.split(",") if c]
     args.resume = args.resume or args.report
     unknown = set(configs) - set(CONFIGS)

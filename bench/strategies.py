@@ -226,20 +226,27 @@ def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # Note [two RSS runs]
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = worker_argv(args, config, world_size, warmup, steps, out_dir)
-        log = Path(out_dir, "output.log")
-        # Output to a file, not a pipe: a rank left behind can never block the launcher's read.
-        with open(log, "w") as sink:
-            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-            try:
-                proc.wait(timeout=args.timeout)
-                error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-            except subprocess.TimeoutExpired:
-                error = f"timed out after {args.timeout} s"
-                stop(proc, out_dir)
+        error, log = run_logged(cmd, env, out_dir, args.timeout)
         if error:
-            return {"error": error, "output_tail": log.read_text()[-3000:]}
+            return {"error": error, "output_tail": log[-3000:]}
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
+
+
+def run_logged(cmd: list[str], env: dict, out_dir: str, timeout: float) -> tuple[str | None, str]:
+    """Run `cmd` (torchrun) with its output in OUT_DIR/output.log; (error or None, the log).
+
+    A file, not a pipe: a rank left behind can never block the launcher's read."""
+    log = Path(out_dir, "output.log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=timeout)
+            error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"timed out after {timeout:.0f} s"
+            stop(proc, out_dir)
+    return error, log.read_text()
 
 
 def stop(proc: subprocess.Popen, out_dir: str) -> None:
