@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---- one rank ----------------------------------------------------------------------
 
 
-def _rss(field: str) -> int:
+def rss_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM, ...) in bytes; 0 where there is none."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -72,13 +73,13 @@ def _timed(fn) -> tuple[float, int]:
             f.write("5")  # reset VmHWM to the current RSS
     except OSError:
         pass
-    before = _rss("VmRSS")
+    before = rss_bytes("VmRSS")
     dist.barrier()
     start = time.perf_counter()
     fn()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), _rss("VmHWM") - before
+    return elapsed.item(), rss_bytes("VmHWM") - before
 
 
 def run_worker(args) -> None:

@@ -48,7 +48,8 @@ from pathlib import Path
 
 import torch
 
-from strategies import run_logged  # a sibling script: bench/ is on sys.path when run as a script
+from checkpoint import rss_bytes  # sibling scripts: bench/ is on sys.path when run as a script
+from strategies import run_logged
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB, GIB = 2**20, 2**30
@@ -119,18 +120,13 @@ def gpt_config(args, layers: int):
 # ---- one rank ----------------------------------------------------------------------
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(key))
-
-
 def _watch_rss(budget: int, out_dir: str, rank: int) -> None:
     """Stop this rank the moment its RSS passes `budget` (here the launcher's budget times
     `--kill-at`): the probe has failed by far, and the rest of it would only spend time.
     A probe that ends is judged by ru_maxrss against the budget itself."""
     def watch():
         while True:
-            rss = _status("VmRSS")
+            rss = rss_bytes("VmRSS")
             if rss > budget:
                 Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "over_budget": True,
                                                                          "peak_rss_bytes": rss}))
@@ -205,11 +201,11 @@ def run_worker(args) -> None:
 
     sw.init()
     world_size = dist.get_world_size()
-    rss_runtime = _status("VmRSS")
+    rss_runtime = rss_bytes("VmRSS")
     started = time.perf_counter()
     module, optimizer, init = build(args, rank, world_size)
     built_s = time.perf_counter() - started
-    rss_built = _status("VmRSS")
+    rss_built = rss_bytes("VmRSS")
     num_params = args.num_params
     gen = torch.Generator().manual_seed(1000 + rank)
     losses, step_s = [], []
