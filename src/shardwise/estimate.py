@@ -26,8 +26,9 @@ besides activations. zero3: the root unit (gathered for the whole forward), at m
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
 (the tied head's gradient waits there for the embedding's) and one packed reduce
-input (r·F: one reduce in flight, _zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep their full parameters, so only the two
-in-flight re-gathers and the same backward buffers count. ddp: autograd's copy of the
+input (r·F: one reduce in flight, _zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
+their full parameters, so only the two in-flight re-gathers and the same backward
+buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket.
 
 Note [activations]: for `shardwise.models.gpt.GPT` with B sequences of T tokens per
@@ -346,12 +347,12 @@ def _gpt_activations(config, batch: int, seq: int | None, c: int, checkpointed: 
                              "config=GPTConfig(...), or leave batch=None")
     seq = seq if seq is not None else config.seq_len
     d, layers, vocab = config.d_model, config.n_layers, config.vocab_size
-    ratio = getattr(config, "mlp_ratio", 4) / 4  # the 16.5·D per block was measured at mlp_ratio 4
-    per_block = _ACT_PER_BLOCK - 8 + 8 * ratio
+    # Both constants were measured at mlp_ratio 4, where the MLP's share is 8·D.
+    mlp_change = 8 * getattr(config, "mlp_ratio", 4) / 4 - 8
     if checkpointed:
-        per_token = d * layers + (_ACT_RECOMPUTE - 8 + 8 * ratio) * d + 2 * d + _ACT_LOGITS * vocab
+        per_token = d * layers + (_ACT_RECOMPUTE + mlp_change) * d + 2 * d + _ACT_LOGITS * vocab
     else:
-        per_token = per_block * d * layers + 2 * d + _ACT_LOGITS * vocab
+        per_token = (_ACT_PER_BLOCK + mlp_change) * d * layers + 2 * d + _ACT_LOGITS * vocab
     return int(c * batch * seq * per_token)
 
 

@@ -51,8 +51,9 @@ class PipelineConfig:
     `num_stages`: pipeline length at the start (must divide the world size; the other
     factor is the number of data-parallel replicas). `num_microbatches` per replica per
     step at the start; a re-packed, shorter pipeline keeps the micro-batch size (its
-    bubble shrinks with it), so it runs num_microbatches x new / old stages of them. `schedule`: "gpipe" or "1f1b". `balance`: cut stages by "params" (parameter
-    count), "time" (measured forward + backward per layer), or a list of per-layer costs.
+    bubble shrinks with it), so it runs num_microbatches x new / old stages of them.
+    `schedule`: "gpipe" or "1f1b". `balance`: cut stages by "params" (parameter count),
+    "time" (measured forward + backward per layer), or a list of per-layer costs.
     `repack`: when the frozen prefix grows, run the active layers on fewer stages and
     use the freed ranks as replicas. `cache`: keep the frozen prefix's outputs per sample
     (`cache_memory_bytes` in memory per rank, the rest in a file under `cache_dir`).
