@@ -5,7 +5,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 STRATEGY ?=
 
-.PHONY: demo test test-all bench setup clean
+.PHONY: demo test test-all lint bench setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
@@ -19,9 +19,11 @@ demo: $(STAMP)
 	$(PY) -m shardwise.demo $(if $(STRATEGY),--strategy $(STRATEGY),)
 
 test: $(STAMP)
+	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest -q tests
 
 test-all: $(STAMP)
+	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest -q tests -m "slow or not slow"
 
 bench: $(STAMP)

@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default: 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default: 1)")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--max-runs", type=int, default=None, help="probes per config (default: 2: the estimator's depth, then where its measured peak points)")
+    p.add_argument("--max-runs", type=int, default=None,
+                   help="probes per config (default: 2: the estimator's depth, then where its measured peak points)")
     p.add_argument("--offload-cap", type=float, default=2.2,
                    help="stop zero3 + offload once it fits this many times zero3's parameters (default: 2.2)")
     p.add_argument("--offload-dir", default=None, help="where offload files go (default: a temporary dir)")
@@ -103,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     p.add_argument("--num-params", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from shardwise.cli_estimate import parse_bytes
+    from shardwise.cli.estimate import parse_bytes
 
     args.budget_bytes = args.budget_bytes or parse_bytes(args.budget or ("1GiB" if args.quick else "2GiB"))
     args.max_runs = args.max_runs or 2
@@ -264,7 +265,8 @@ def probe(args, config: str, layers: int) -> dict:
     with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory(dir=args.offload_dir) as off:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
                __file__, "--worker", "--config", config, "--layers", str(layers), "--out-dir", out_dir,
-               "--budget-bytes", str(args.budget_bytes), "--kill-at", str(args.kill_at), "--offload-dir", off, "--num-params",
+               "--budget-bytes", str(args.budget_bytes), "--kill-at", str(args.kill_at), "--offload-dir", off,
+               "--num-params",
                str(num_params_of(args, layers))]
         for flag in ("d_model", "vocab", "seq", "batch", "steps"):
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -419,9 +421,12 @@ def write_results(args, rows: list[dict], started: float, has_offload: bool) -> 
 
 
 def _has_offload() -> bool:
-    from shardwise.estimate import offload_available
+    """Whether the shardwise under test takes `offload=` (this script also measures older checkouts)."""
+    import inspect
 
-    return offload_available()
+    from shardwise import shard
+
+    return "offload" in inspect.signature(shard).parameters
 
 
 def markdown(rows: list[dict], args, meta: dict) -> str:

@@ -93,7 +93,7 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build_trainer(args, inputs, targets, *, freeze: bool, lr: float, init: dict | None = None):
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.pipeline import FreezePolicy, PipeTrainer, PipelineConfig, chain_layers, grouped_adamw
+    from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
 
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,

@@ -1,8 +1,8 @@
-"""Shared fixtures: one pool of real gloo ranks for the whole session (see harness.py)."""
+"""Shared fixtures: one pool of real gloo ranks for the whole session (see helpers/harness.py)."""
 
 import pytest
 
-from harness import RankPool
+from helpers.harness import RankPool
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from ckpt_ranks import load_then_continue, save_then_continue
+from helpers.ckpt_ranks import load_then_continue, save_then_continue
 from shardwise.testing import RunResult, assert_close_runs
 
 STRATEGIES = ["none", "ddp", "zero1", "zero2", "zero3"]
@@ -109,7 +109,7 @@ def test_resume_equals_uninterrupted_run(ranks, tmp_path, strategy):
     rank, the sampler restarting its epoch or losing its shuffle, the LR schedule or AdamW's
     step counters starting over. Stop at step 5 and resume in a fresh model with other
     seeds: steps 5-9 must be bitwise those of the uninterrupted 10-step run, data included."""
-    from ckpt_more_ranks import resume_run
+    from helpers.ckpt_more_ranks import resume_run
 
     path = str(tmp_path / "step-5")
     full = ranks.run(resume_run, 2, strategy, 10, timeout=120)
@@ -135,7 +135,7 @@ def test_export_loads_without_shardwise(ranks, tmp_path):
     instead of the full tensor, a tie stored twice or not re-tied, a wrong dtype or name."""
     import safetensors.torch
 
-    from ckpt_more_ranks import train_and_export
+    from helpers.ckpt_more_ranks import train_and_export
     from shardwise.models.zoo import build
 
     path = tmp_path / "model.safetensors"
@@ -161,7 +161,7 @@ def test_plain_sources_load_into_a_sharded_model(ranks, tmp_path):
     loaded into sharded models at 2 ranks."""
     import safetensors.torch
 
-    from ckpt_more_ranks import load_plain
+    from helpers.ckpt_more_ranks import load_plain
     from shardwise.models.zoo import build
 
     source = build("gpt", seed=5)
@@ -184,7 +184,7 @@ def test_dcp_round_trip_reshards(ranks, tmp_path, a, n, b, m):
     """Catches sw.dcp_state_dict exposing padding or wrong offsets to DCP: saved by DCP at
     one world size and strategy, loaded by DCP in place at another (odd shapes: a scalar,
     an empty and a 3-row parameter), parameters and optimizer state equal bitwise."""
-    from ckpt_more_ranks import dcp_load, dcp_save
+    from helpers.ckpt_more_ranks import dcp_load, dcp_save
 
     path = str(tmp_path / "dcp")
     saved = ranks.run(dcp_save, n, a, path, timeout=120)[0]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import shardwise as sw
-from ckpt_more_ranks import load_gpt_error, save_and_die, save_gpt, save_with_full_disk
+from helpers.ckpt_more_ranks import load_gpt_error, save_and_die, save_gpt, save_with_full_disk
 from shardwise.models.zoo import build
 
 
@@ -128,7 +128,7 @@ def test_disk_full_during_save(ranks, good):
 def test_rank_killed_mid_save(ranks, good):
     """Catches a crash mid-save leaving a directory that sw.latest or sw.load takes for a
     checkpoint; a later save to the same name must clean the leftover up and succeed."""
-    from harness import RankFailed
+    from helpers.harness import RankFailed
 
     root, checkpoint, _ = good
     # The harness reports the death, or rank 0's collective breaking on it (gloo's wording

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import shardwise as sw
-from parity import check_parity, run_on_rank
+from helpers.parity import check_parity, run_on_rank
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch
 

@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw

@@ -17,7 +17,7 @@ import shardwise as sw
 from shardwise import cli
 from shardwise.errors import ShardwiseError
 from shardwise.estimate import estimate, plan
-from shardwise.memory import model_state_bytes, resident_model_state_bytes
+from shardwise.estimate.measure import model_state_bytes, resident_model_state_bytes
 from shardwise.models.gpt import GPT, Block, GPTConfig
 
 # Odd vocabulary and sequence length: dim-0 padding shows at world size 2.
@@ -252,7 +252,7 @@ def test_plan_builds_a_user_model_on_meta(tmp_path):
     options = None
     sys.path.insert(0, str(tmp_path))
     try:
-        from shardwise.cli_estimate import build_model, parse_bytes
+        from shardwise.cli.estimate import build_model, parse_bytes
 
         model, _ = build_model("big_model:build")
         assert all(p.device.type == "meta" for p in model.parameters())

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailed, RankTimeout
+from helpers.harness import RankFailed, RankTimeout
 
 
 def _all_reduce_rank():

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from parity import check_parity
-from shardwise.memory import model_state_bytes, resident_model_state_bytes
+from helpers.parity import check_parity
+from shardwise.estimate.measure import model_state_bytes, resident_model_state_bytes
 from shardwise.models.gpt import GPT, Block, GPTConfig
 
 

@@ -14,8 +14,14 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.pipeline import (
-    ActivationCache, FreezePolicy, PipelineConfig, StickySampler, chain_layers, measure_layer_times,
-    partition, plan_layout,
+    ActivationCache,
+    FreezePolicy,
+    PipelineConfig,
+    StickySampler,
+    chain_layers,
+    measure_layer_times,
+    partition,
+    plan_layout,
 )
 
 # ---- layers --------------------------------------------------------------------

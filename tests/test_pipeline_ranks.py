@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.pipeline import FreezePolicy, PipeTrainer, PipelineConfig, StickySampler, chain_layers, grouped_adamw
+from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, StickySampler, chain_layers, grouped_adamw
 from shardwise.testing import RunResult, assert_close_runs, make_optimizer
 
 NUM_SAMPLES = 64

@@ -85,7 +85,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(ranks):
 def test_precision_validation():
     """Catches a typo'd precision or an integer dtype getting past shard()."""
     with pytest.raises(sw.ShardwiseError, match="precision='bf8'"):
-        from shardwise.precision import resolve_precision
+        from shardwise.config import resolve_precision
         resolve_precision("bf8")
     with pytest.raises(sw.ShardwiseError, match="param_dtype"):
         sw.MixedPrecision(param_dtype=torch.int8)

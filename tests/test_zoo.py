@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from shardwise.models import ZOO, GPT, GPTConfig, build
+from shardwise.models import GPT, ZOO, GPTConfig, build
 from shardwise.testing import (
     RunResult,
     assert_close_runs,

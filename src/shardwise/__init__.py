@@ -1,34 +1,38 @@
 """shardwise: sharded data-parallel training that keeps parameter sharing exact.
 
-Public API only; see README.md for the files to read in order.
+Public API only; see README.md for the files to read in order. The tree is the
+architecture: config.py (the options, each rule once) → engine/ (shard() and what it
+drives) → checkpoint/, estimate/, pipeline/ (built on the engine) → cli/ and demo.py.
 """
 
+from shardwise._version import __version__
+from shardwise.checkpoint import LoadReport, dcp_state_dict, export, latest, load, save
+from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
+from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
+from shardwise.engine.deferred import deferred_init
+from shardwise.engine.grads import clip_grad_norm_, no_sync
+from shardwise.engine.precision import LossScaler
 from shardwise.errors import ShardwiseError
 from shardwise.estimate import MemoryEstimate, estimate, plan
-from shardwise.grads import clip_grad_norm_, no_sync
-from shardwise.deferred import deferred_init
-from shardwise.precision import LossScaler, MixedPrecision
-from shardwise.strategies import STRATEGIES, ShardInfo, full_parameters, shard, shard_info
-from shardwise.checkpoint import LoadReport, export, latest, load, save
-from shardwise._ckpt_dcp import dcp_state_dict
 from shardwise.sampler import ResumableSampler
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "LossScaler",
-    "MixedPrecision",
+    "DiskOffload",
     "LoadReport",
+    "LossScaler",
     "MemoryEstimate",
+    "MixedPrecision",
     "ResumableSampler",
     "STRATEGIES",
+    "ShardConfig",
     "ShardInfo",
     "ShardwiseError",
+    "__version__",
     "clip_grad_norm_",
     "dcp_state_dict",
-    "estimate",
     "deferred_init",
+    "estimate",
     "export",
     "full_parameters",
     "get_rank",

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.memory import model_state_bytes
+from shardwise.estimate.measure import model_state_bytes
 from shardwise.models.gpt import GPT, Block, GPTConfig
 
 BYTE_VOCAB = 256  # character level on bytes: every file decodes, no tokenizer to ship

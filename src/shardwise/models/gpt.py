@@ -3,6 +3,23 @@
 Pre-LN transformer blocks with causal self-attention and a GELU MLP; the output
 head shares its weight with the token embedding (tied), which is the sharing case
 every real language model has.
+
+It implements shardwise's two model interfaces (shardwise/interfaces.py): `GPT.pipeline_layers()`
+for the pipeline and `GPTConfig.activation_bytes()` (also on `GPT`) for the estimator.
+
+Note [activations]: with B sequences of T tokens per rank, width D, L blocks,
+vocabulary V, in the compute dtype's c bytes:
+    activations = c · B · T · (16.5·D·L + 2·D + 3·V)
+16.5·D per block is what autograd saves (LayerNorm inputs, the qkv output, attention
+output and its re-layout, the MLP's 4·D input and GELU output: measured 16.4·D at fp32
+and bf16 with `saved_tensors_hooks`), 2·D the final LayerNorm, 3·V the logits, their
+log-softmax and its gradient at the start of backward. With checkpointed blocks a
+block keeps only its input (D) and one block at a time is recomputed in backward: its
+16.5·D plus the gradients its backward makes, 36·D in all (measured), so
+    activations = c · B · T · (D·L + 36·D + 2·D + 3·V).
+Both constants were measured at mlp_ratio 4, where the MLP's share is 8·D; another ratio
+moves it by 8·D·(ratio/4 - 1). Calibrated against peak RSS with MALLOC_MMAP_THRESHOLD_=65536
+(tests/test_estimate.py checks both within 25%).
 """
 
 from __future__ import annotations
@@ -12,6 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+_ACT_PER_BLOCK = 16.5  # saved elements per token per block, in units of D (Note [activations])
+_ACT_RECOMPUTE = 36  # checkpointed: one block recomputed in backward, in units of D
+_ACT_LOGITS = 3  # logits, log-softmax, and the logits' gradient, in units of V
 
 
 @dataclass(frozen=True)
@@ -35,6 +56,17 @@ class GPTConfig:
                 f"GPTConfig.d_model ({self.d_model}) must be divisible by n_heads "
                 f"({self.n_heads}); pick n_heads that divides d_model"
             )
+
+    def activation_bytes(self, batch: int, seq: int | None, dtype_bytes: int, checkpointed: bool) -> int:
+        """Bytes autograd keeps per rank for one step (Note [activations])."""
+        seq = seq if seq is not None else self.seq_len
+        d, layers, vocab = self.d_model, self.n_layers, self.vocab_size
+        mlp_change = 8 * self.mlp_ratio / 4 - 8
+        if checkpointed:
+            per_token = d * layers + (_ACT_RECOMPUTE + mlp_change) * d + 2 * d + _ACT_LOGITS * vocab
+        else:
+            per_token = (_ACT_PER_BLOCK + mlp_change) * d * layers + 2 * d + _ACT_LOGITS * vocab
+        return int(dtype_bytes * batch * seq * per_token)
 
 
 class Block(nn.Module):
@@ -109,6 +141,38 @@ class GPT(nn.Module):
         # Mean over every token: equal-size batch slices average to the full-batch loss.
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Embedding, one layer per block, head: the chain the pipeline cuts into stages."""
+        return [GPTEmbedding(self), *self.blocks, GPTHead(self)]
+
+    def activation_bytes(self, batch: int, seq: int | None, dtype_bytes: int, checkpointed: bool) -> int:
+        """Bytes autograd keeps per rank for one step (Note [activations])."""
+        return self.cfg.activation_bytes(batch, seq, dtype_bytes, checkpointed)
+
     def num_params(self) -> int:
         """Number of distinct parameter elements (the tied weight counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's first pipeline layer: token plus position embedding (the model's own modules)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.tok_emb = model.tok_emb
+        self.pos_emb = model.pos_emb
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
+
+
+class GPTHead(nn.Module):
+    """The GPT's last pipeline layer: final LayerNorm and the output head (tied to the token embedding)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f = model.ln_f
+        self.head = model.head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.ln_f(x))

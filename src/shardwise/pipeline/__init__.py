@@ -13,7 +13,7 @@ from shardwise.pipeline.cache import ActivationCache, StickySampler
 from shardwise.pipeline.freeze import FreezePolicy
 from shardwise.pipeline.layers import LayerChain, chain_layers
 from shardwise.pipeline.layout import Layout, plan_layout
-from shardwise.pipeline.trainer import EpochStats, PipeTrainer, PipelineConfig, grouped_adamw
+from shardwise.pipeline.trainer import EpochStats, PipelineConfig, PipeTrainer, grouped_adamw
 
 __all__ = [
     "ActivationCache",

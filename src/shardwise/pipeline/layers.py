@@ -19,33 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor, nn
+from torch import nn
 
 from shardwise.errors import ShardwiseError
-
-
-class GPTEmbedding(nn.Module):
-    """The GPT's first layer: token embedding plus position embedding (the model's own modules)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.tok_emb = model.tok_emb
-        self.pos_emb = model.pos_emb
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.tok_emb(idx) + self.pos_emb[: idx.shape[1]]
-
-
-class GPTHead(nn.Module):
-    """The GPT's last layer: final LayerNorm and the output head (tied to the token embedding)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.ln_f = model.ln_f
-        self.head = model.head
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.ln_f(x))
+from shardwise.interfaces import LayeredModel
 
 
 @dataclass
@@ -85,31 +62,26 @@ class LayerChain:
 def chain_layers(model: nn.Module | list[nn.Module]) -> LayerChain:
     """Cut `model` into a `LayerChain`.
 
-    Accepts a GPT-shaped model (`tok_emb`, `pos_emb`, `blocks` as an `nn.ModuleList`,
-    `ln_f`, `head`: embedding layer, one layer per block, head layer), an
+    Accepts a model that implements `pipeline_layers()` (shardwise.interfaces.LayeredModel,
+    as the zoo GPT does: embedding layer, one layer per block, head layer), an
     `nn.Sequential` or `nn.ModuleList` (one layer per child), or a plain list of
     modules (named as an `nn.ModuleList` of them would be: "0.weight", ...).
     """
     if isinstance(model, list):
         model = nn.ModuleList(model)
-    if _is_gpt_shaped(model):
-        layers = [GPTEmbedding(model), *model.blocks, GPTHead(model)]
+    if isinstance(model, LayeredModel):
+        layers = list(model.pipeline_layers())
     elif isinstance(model, (nn.Sequential, nn.ModuleList)):
         layers = list(model)
     else:
         raise ShardwiseError(
             f"chain_layers does not know how to cut a {type(model).__name__} into layers; pass an "
-            "nn.Sequential, a list of modules, or a model with tok_emb, pos_emb, blocks (nn.ModuleList), "
-            "ln_f and head attributes"
+            "nn.Sequential, a list of modules, or give the model a `pipeline_layers()` method that returns "
+            "its layers in order (shardwise.interfaces.LayeredModel; shardwise.models.gpt.GPT has one)"
         )
     if not layers:
         raise ShardwiseError("the model has no layers to put in a pipeline")
     return _name_layers(model, layers)
-
-
-def _is_gpt_shaped(model: nn.Module) -> bool:
-    attrs = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
-    return all(hasattr(model, a) for a in attrs) and isinstance(model.blocks, nn.ModuleList)
 
 
 def _name_layers(root: nn.Module, layers: list[nn.Module]) -> LayerChain:

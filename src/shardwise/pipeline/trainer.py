@@ -174,7 +174,7 @@ class PipeTrainer:
         if self.optimizer is not None:
             self.optimizer.step()
         # Only last stages hold losses; the sum over them of (replica mean / replicas) is the global mean.
-        local = sum(l.item() for l in losses) / len(losses) / self.layout.num_replicas if last else 0.0
+        local = sum(loss.item() for loss in losses) / len(losses) / self.layout.num_replicas if last else 0.0
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total, group=self.group)
         return total.item()
@@ -290,7 +290,8 @@ class PipeTrainer:
         balance = self.config.balance
         if not isinstance(balance, str):
             if len(balance) != self.chain.num_layers:
-                raise ShardwiseError(f"PipelineConfig.balance has {len(balance)} costs for {self.chain.num_layers} layers")
+                raise ShardwiseError(f"PipelineConfig.balance has {len(balance)} costs for "
+                                    f"{self.chain.num_layers} layers")
             return [float(c) for c in balance]
         if balance == "params":
             return param_costs(self.chain)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.config import ShardConfig
 from shardwise.errors import ShardwiseError
 
 
@@ -34,7 +35,7 @@ class _ForwardProxy(nn.Module):
         return self._original_forward(*args, **kwargs)
 
 
-class DDPState:
+class DDPEngine:
     """What `shard(..., strategy="ddp")` attaches to the model as `model._shardwise`."""
 
     strategy = "ddp"
@@ -79,11 +80,10 @@ class DDPState:
         return [p for p in model.parameters() if p.grad is not None]
 
 
-def apply_ddp(model: nn.Module, process_group, find_unused_parameters: bool) -> DDPState:
-    """Wrap `model` with DDP in place (see the module docstring) and return its state."""
+def apply_ddp(model: nn.Module, group: dist.ProcessGroup, config: ShardConfig) -> DDPEngine:
+    """Wrap `model` with DDP in place (see the module docstring) and return its engine."""
     if not any(p.requires_grad for p in model.parameters()):
         raise ShardwiseError("the model has no trainable parameter (all have requires_grad=False): nothing to train")
-    group = process_group or dist.group.WORLD
-    state = DDPState(model, group, find_unused_parameters)
-    model.forward = state.forward  # instance attribute: model(x) now goes through DDP
-    return state
+    engine = DDPEngine(model, group, config.find_unused_parameters)
+    model.forward = engine.forward  # instance attribute: model(x) now goes through DDP
+    return engine

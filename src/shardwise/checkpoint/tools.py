@@ -6,8 +6,8 @@ import datetime
 import os
 from pathlib import Path
 
-from shardwise._ckpt_files import DTYPE_OF_CODE, FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise._ckpt_sources import CheckpointDir, SourceTensor, open_source, read_index
+from shardwise.checkpoint.files import DTYPE_OF_CODE, FileWriter, TensorSpec, dtype_code, file_digest
+from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source, read_index
 from shardwise.errors import ShardwiseError
 
 _MB = 1e6
@@ -28,7 +28,7 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
     """Lines describing checkpoint directory `path`, and whether every file verified.
 
     With `verify`, every file is read whole and its digest recomputed (Note [chunk
-    checksums] in _ckpt_files.py): slow for a big checkpoint, and the one complete check.
+    checksums] in files.py): slow for a big checkpoint, and the one complete check.
     """
     path = Path(path)
     index = read_index(path)
@@ -132,7 +132,8 @@ def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
                 continue
             if x.shape != y.shape or x.dtype != y.dtype:
                 changed += 1
-                lines.append(f"~ {name}: {list(x.shape)} {dtype_code(x.dtype)} vs {list(y.shape)} {dtype_code(y.dtype)}")
+                lines.append(f"~ {name}: {list(x.shape)} {dtype_code(x.dtype)} "
+                             f"vs {list(y.shape)} {dtype_code(y.dtype)}")
             elif values:
                 rows = x.shape[0] if x.shape else 1
                 delta = (x.read(0, rows, None).double() - y.read(0, rows, None).double()).abs()
@@ -141,7 +142,8 @@ def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
                     changed += 1
                     lines.append(f"~ {name}: values differ, max |a - b| = {largest:.3g}")
         if (first.optimizer is None) != (second.optimizer is None):
-            lines.append(f"  optimizer state: {'yes' if first.optimizer else 'no'} vs {'yes' if second.optimizer else 'no'}")
+            has = ['yes' if c.optimizer else 'no' for c in (first, second)]
+            lines.append(f"  optimizer state: {has[0]} vs {has[1]}")
         same = not (only_a or only_b or changed)
         lines.append("same keys, shapes and dtypes" + (" and values" if values else "") if same else
                      f"differ: {len(only_a)} only in the first, {len(only_b)} only in the second, {changed} changed")

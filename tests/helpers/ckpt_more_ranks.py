@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise as sw
-from ckpt_ranks import build_model, run_steps
-from shardwise import _ckpt_files
+from helpers.ckpt_ranks import build_model, run_steps
+from shardwise.checkpoint import files as _ckpt_files
 
 # ---- resume ----------------------------------------------------------------------------
 
@@ -225,7 +225,7 @@ def dcp_save(strategy: str, path: str) -> dict:
     """Train 2 steps, save through DCP with sw.dcp_state_dict; the full params and state."""
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_ranks import full_optimizer_state
+    from helpers.ckpt_ranks import full_optimizer_state
 
     model, optim = build_model("odd_shapes", strategy)
     run_steps(model, optim, "odd_shapes", strategy, 0, 2)
@@ -237,7 +237,7 @@ def dcp_load(strategy: str, path: str) -> dict:
     """A fresh model (another seed) with one step of optimizer state, loaded in place through DCP."""
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_ranks import full_optimizer_state
+    from helpers.ckpt_ranks import full_optimizer_state
 
     model, optim = build_model("odd_shapes", strategy, seed=4)
     run_steps(model, optim, "odd_shapes", strategy, 5, 6)  # creates the state DCP loads into

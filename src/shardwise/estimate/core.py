@@ -1,6 +1,6 @@
 """`sw.estimate`: what one rank will hold for a training job, before anything is built.
 
-The model-state figures follow the engine's own buffers (flat_unit.py), unit by unit,
+The model-state figures follow the engine's own buffers (engine/flat_unit.py), unit by unit,
 padding included, so they are the bytes `memory.model_state_bytes` counts after
 `optimizer.step()` and before `zero_grad()` (tests/test_estimate.py holds every
 strategy × precision to 5%). With m the master dtype's bytes (4: fp32), c the compute
@@ -18,7 +18,7 @@ plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
 trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
 With `offload="disk:PATH"` (zero3) the fp32 master shards and the optimizer's
 param-sized state live in memory-mapped files: they are reported as `offloaded`, not
-resident; the step pages in one unit's masters and state at a time (offload.py), which
+resident; the step pages in one unit's masters and state at a time (engine/offload.py), which
 counts with the transient buffers.
 
 Note [transient buffers]: `gather_buffers` is what a step holds only while it runs,
@@ -26,23 +26,15 @@ besides activations. zero3: the root unit (gathered for the whole forward), at m
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
 (the tied head's gradient waits there for the embedding's) and one packed reduce
-input (r·F: one reduce in flight, _zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
+input (r·F: one reduce in flight, engine/zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
 their full parameters, so only the two in-flight re-gathers and the same backward
 buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket.
 
-Note [activations]: for `shardwise.models.gpt.GPT` with B sequences of T tokens per
-rank, width D, L blocks, vocabulary V, in the compute dtype's c bytes:
-    activations = c · B · T · (16.5·D·L + 2·D + 3·V)
-16.5·D per block is what autograd saves (LayerNorm inputs, the qkv output, attention
-output and its re-layout, the MLP's 4·D input and GELU output: measured 16.4·D at fp32
-and bf16 with `saved_tensors_hooks`), 2·D the final LayerNorm, 3·V the logits, their
-log-softmax and its gradient at the start of backward. With `checkpoint_activations` a
-block keeps only its input (D) and one block at a time is recomputed in backward: its
-16.5·D plus the gradients its backward makes, 36·D in all (measured), so
-    activations = c · B · T · (D·L + 36·D + 2·D + 3·V).
-Calibrated against peak RSS with MALLOC_MMAP_THRESHOLD_=65536 (tests/test_estimate.py
-checks both within 25%).
+Note [activations]: a model (or `config=`) that implements `activation_bytes(batch, seq,
+dtype_bytes, checkpointed)` (shardwise.interfaces.ActivationSized) says what autograd keeps;
+`shardwise.models.gpt` has the measured formula (its Note [activations]). Without it,
+`batch=` is refused with a message naming the method, and activations count as 0.
 
 Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep their
 gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
@@ -65,19 +57,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from shardwise.config import MixedPrecision, ShardConfig
+from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
-from shardwise.precision import MixedPrecision, resolve_precision
-from shardwise.units import UnitSpec, build_units
+from shardwise.interfaces import ActivationSized
 
 MIB = 2**20
 RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
-_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
 _OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0)}
-_ACT_PER_BLOCK = 16.5  # saved elements per token per block, in units of D (Note [activations])
-_ACT_RECOMPUTE = 36  # checkpointed: one block recomputed in backward, in units of D
-_ACT_LOGITS = 3  # logits, log-softmax, and the logits' gradient, in units of V
 
 
 @dataclass(frozen=True)
@@ -180,28 +169,20 @@ def estimate(
     one unit (conservative for zero3). `precision`: "fp32" | "bf16" | "fp16" | a
     `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
     `offload`: None or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
-    sequence, for activations; they need a GPT model or `config=GPTConfig(...)`.
+    sequence, for activations; they need a model or `config=` with `activation_bytes()`
+    (shardwise.interfaces.ActivationSized: the zoo GPT and its `GPTConfig` have it).
     `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
     """
-    if strategy not in _STRATEGIES:
-        raise ShardwiseError(f"strategy={strategy!r} is not one of {_STRATEGIES}")
+    # The same rules as shard(), from the same place (shardwise/config.py).
+    shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
+                                  checkpoint_activations=checkpoint_activations)
+    policy, offload = shard_config.precision, shard_config.offload
+    precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardwiseError(f"world_size={world_size!r} must be a positive int")
     if optimizer not in _OPTIMIZERS:
         raise ShardwiseError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZERS)}")
-    policy = resolve_precision(precision)
-    precision_name = precision if isinstance(precision, str) else _name_of(policy)
-    if strategy == "ddp" and policy.param_dtype != torch.float32:
-        raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
-                             "around the forward (and estimate it as fp32)")
-    if checkpoint_activations and strategy == "ddp":
-        raise ShardwiseError("checkpoint_activations needs units: use a zero strategy")
-    if offload is not None and strategy != "zero3":
-        raise ShardwiseError(f"offload needs strategy='zero3' ({strategy} keeps full parameters in memory, "
-                             "which is most of what offload would move)")
-    if offload is not None and not (isinstance(offload, str) and offload.startswith("disk:") and len(offload) > 5):
-        raise ShardwiseError(f"offload={offload!r} is not understood: use None or 'disk:PATH'")
 
     notes: list[str] = []
     layout_size = 1 if strategy == "ddp" else world_size  # ddp holds whole, unpadded tensors
@@ -210,7 +191,7 @@ def estimate(
         plan_units = _units_of_model(model, units, layout_size)
         num_params = sum(p.numel() for p in model.parameters())
         master = _master_bytes(model)
-        config = config if config is not None else getattr(model, "cfg", None)
+        config = config if config is not None else model
     else:
         num_params = int(model_or_num_params)
         plan_units = _units_of_count(num_params, layout_size, unit_params, num_layers, notes)
@@ -228,27 +209,22 @@ def estimate(
         offloaded = 0
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
-            plan_units, strategy, master, c, r, state_per_elem, state_per_tensor, offload is not None)
-        gather = _zero_transient(plan_units, strategy, c, r)
+            plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
+        gather = _zero_transient(plan_units, shard_config, c, r)
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
         notes.append("fp32 master shards and optimizer state in memory-mapped files under "
-                     f"{offload[len('disk:'):]}; the step pages in one unit at a time")
+                     f"{offload.path}; the step pages in one unit at a time")
 
     activations = 0
     if batch is not None:
-        activations = _gpt_activations(config, batch, seq, c, checkpoint_activations)
+        activations = _activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
-    return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload, num_params,
+    return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes), gradients_kept=strategy in ("ddp", "zero1"))
-
-
-def _name_of(policy: MixedPrecision) -> str:
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return names.get(policy.param_dtype, str(policy.param_dtype))
+                          offloaded, tuple(notes), gradients_kept=shard_config.keeps_full_grads)
 
 
 def _master_bytes(model: nn.Module) -> int:
@@ -294,9 +270,9 @@ def _units_of_count(num_params: int, world_size: int, unit_params: int | None, n
     return [unit(n) for n in sizes]
 
 
-def _zero_state(plan_units, strategy, m, c, r, state_per_elem, state_per_tensor, offload):
+def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
     """(parameters, gradients, optimizer state, offloaded) for zero1/2/3 (module docstring table)."""
-    keep_full = strategy in ("zero1", "zero2")
+    keep_full, offload = config.keeps_full_params, config.offload is not None
     parameters = gradients = optimizer_state = offloaded = 0
     for u in plan_units:
         masters = m * u.shard
@@ -321,7 +297,7 @@ def _zero_state(plan_units, strategy, m, c, r, state_per_elem, state_per_tensor,
         # The reduce-scatter output: this rank's rows plus one "used" flag per tensor. The shard
         # grads are views of it when r == m, else fp32 copies and the output is freed.
         reduced = r * (u.trainable_shard + u.num_trainable) if r == m else m * u.trainable_shard
-        if strategy == "zero1":
+        if config.keeps_full_grads:
             # Full grads kept (over the whole unit); shard grads are views of them when r == m.
             gradients += r * u.full + (0 if r == m else reduced)
         else:
@@ -329,102 +305,21 @@ def _zero_state(plan_units, strategy, m, c, r, state_per_elem, state_per_tensor,
     return parameters, gradients, optimizer_state, offloaded
 
 
-def _zero_transient(plan_units, strategy, c, r) -> int:
+def _zero_transient(plan_units, config: ShardConfig, c, r) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
     backward = c * biggest + c * root.full + r * biggest  # unit grads, root grads, the packed reduce
-    if strategy == "zero3":
+    if not config.keeps_full_params:  # zero3
         return c * root.full + 3 * c * biggest + backward
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
 
 
-def _gpt_activations(config, batch: int, seq: int | None, c: int, checkpointed: bool = False) -> int:
+def _activations(sizer, batch: int, seq: int | None, c: int, checkpointed: bool) -> int:
     """Note [activations]."""
-    needed = ("d_model", "n_layers", "vocab_size")
-    if config is None or not all(hasattr(config, name) for name in needed):
-        raise ShardwiseError("activations need a GPT's sizes: pass a shardwise.models.gpt.GPT model or "
-                             "config=GPTConfig(...), or leave batch=None")
-    seq = seq if seq is not None else config.seq_len
-    d, layers, vocab = config.d_model, config.n_layers, config.vocab_size
-    # Both constants were measured at mlp_ratio 4, where the MLP's share is 8·D.
-    mlp_change = 8 * getattr(config, "mlp_ratio", 4) / 4 - 8
-    if checkpointed:
-        per_token = d * layers + (_ACT_RECOMPUTE + mlp_change) * d + 2 * d + _ACT_LOGITS * vocab
-    else:
-        per_token = (_ACT_PER_BLOCK + mlp_change) * d * layers + 2 * d + _ACT_LOGITS * vocab
-    return int(c * batch * seq * per_token)
-
-
-# ---- planning ----------------------------------------------------------------------
-
-# Cheapest first: each step down the list communicates more (zero3 gathers parameters
-# twice per step, 1.5x ddp's volume), computes in lower precision, or waits on a disk.
-PLAN_ORDER = (("ddp", "fp32", False), ("zero1", "fp32", False), ("zero2", "fp32", False),
-              ("zero3", "fp32", False), ("zero3", "bf16", False), ("zero3", "fp32", True),
-              ("zero3", "bf16", True))
-
-
-@dataclass(frozen=True)
-class PlanOption:
-    """One configuration the planner weighed: its estimate, whether it fits, and why not."""
-
-    strategy: str
-    precision: str
-    offload: str | None
-    estimate: MemoryEstimate | None  # None when the configuration is not available
-    fits: bool
-    reason: str  # why it does not fit (or is not available); "" when it fits
-
-    @property
-    def label(self) -> str:
-        parts = [self.strategy] + ([self.precision] if self.precision != "fp32" else [])
-        return "+".join(parts + (["offload"] if self.offload else []))
-
-
-def offload_available() -> bool:
-    """Whether this version's `sw.shard` takes `offload=`."""
-    import inspect
-
-    from shardwise.strategies import shard
-
-    return "offload" in inspect.signature(shard).parameters
-
-
-def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, optimizer: str = "adamw",
-         batch: int | None = None, seq: int | None = None, offload_dir: str = "/tmp/shardwise-offload",
-         checkpoint_activations: bool = False, **estimate_kwargs) -> list[PlanOption]:
-    """Weigh every configuration in PLAN_ORDER against `memory` bytes per rank.
-
-    The first option with `fits` is the cheapest that fits; each other says why not.
-    `checkpoint_activations` applies to the zero options (ddp has no units to recompute).
-    Extra keyword arguments go to `estimate` (units=, unit_params=, config=, runtime=).
-    """
-    options = []
-    has_offload = offload_available()
-    for strategy, precision, offloaded in PLAN_ORDER:
-        offload = f"disk:{offload_dir}" if offloaded else None
-        if offloaded and not has_offload:
-            options.append(PlanOption(strategy, precision, offload, None, False,
-                                      "not available: this version's sw.shard has no offload="))
-            continue
-        est = estimate(model_or_num_params, strategy, world_size, precision, optimizer, offload, batch, seq,
-                       checkpoint_activations=checkpoint_activations and strategy != "ddp", **estimate_kwargs)
-        fits = est.total <= memory
-        options.append(PlanOption(strategy, precision, offload, est, fits, "" if fits else _why_not(est, memory)))
-    return options
-
-
-def _why_not(est: MemoryEstimate, memory: int) -> str:
-    over = est.total - memory
-    parts = sorted(est.rows()[:-1], key=lambda row: row[1], reverse=True)
-    name, largest = parts[0]
-    text = f"{_gib(est.total)} > {_gib(memory)} by {_gib(over)}; largest: {name} {_gib(largest)}"
-    floor = est.activations + est.runtime
-    if floor > memory:
-        text += f" (activations + runtime alone need {_gib(floor)}: lower the batch or checkpoint activations)"
-    return text
-
-
-def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB"
+    if not isinstance(sizer, ActivationSized):
+        raise ShardwiseError(
+            "activations need the model's sizes: pass a model (or config=) with an `activation_bytes(batch, "
+            "seq, dtype_bytes, checkpointed)` method (shardwise.interfaces.ActivationSized; "
+            "shardwise.models.gpt.GPT and GPTConfig have one), or leave batch=None")
+    return int(sizer.activation_bytes(batch, seq, c, checkpointed))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parity import check_parity
+from helpers.parity import check_parity
 from shardwise.models.zoo import ZOO
 
 # (accum, clip): plain steps, then 2 micro-batches under no_sync with clipping (the

@@ -1,22 +1,84 @@
-"""The inside of `sw.load`: match names, check, then read each rank's rows into the model,
-its optimizer state, scheduler, stateful objects and RNGs (checkpoint.py has the contract)."""
+"""`sw.load`: match names, check, then read each rank's rows into the model, its optimizer
+state, scheduler, stateful objects and RNGs (save.py's docstring has the format)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
-from shardwise import _ckpt_state as st
-from shardwise._ckpt_sources import CheckpointDir, LoadReport, Source, match
+from shardwise.checkpoint.names import Rename, clean_name, make_renamer, persistent_buffers
+from shardwise.checkpoint.optim_state import optimizer_names
+from shardwise.checkpoint.ranks import all_gather_object, group_of, row_view
+from shardwise.checkpoint.report import LoadReport, match
+from shardwise.checkpoint.sources import CheckpointDir, Source, open_source
+from shardwise.checkpoint.values import from_json, like_current, restore_rng
+from shardwise.engine.info import shard_info
 from shardwise.errors import ShardwiseError
-from shardwise.strategies import shard_info
 
 
-def load_into(source: Source, model, optim, scheduler, objects, strict, restore_rng, rank, world) -> LoadReport:
-    """Load `source` into `model` (and the rest) on this rank; strict refusals happen before any write."""
-    infos = {st.clean_name(raw): info for raw, info in shard_info(model).items()}
-    buffers = st.persistent_buffers(model)
+def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
+         strict: bool = True, rename: Rename = None, restore_rng: bool | None = None,
+         **objects) -> LoadReport:
+    """Load a checkpoint into `model` (and `optim`, `scheduler`) in place; every rank calls it.
+
+    `path` is a checkpoint directory, a single `.safetensors` file (an export, a hub
+    model) or a `torch.save`d state dict (read with `weights_only=True`). Any strategy
+    and world size loads any checkpoint: each rank reads only the rows it holds.
+    Names are matched after stripping wrapper prefixes (`module.`, `_orig_mod.`,
+    `_fsdp_wrapped_module.`) on both sides and applying `rename` to the checkpoint's
+    names (a dict of exact names, or a list of `(regex, replacement)` pairs).
+
+    `strict=True` raises a ShardwiseError carrying the report when anything is missing,
+    unexpected or shaped differently, before changing anything; `strict=False` loads
+    what matches (fine-tuning a new head) and returns the report (`print(report)`).
+    RNG states are restored when resuming (`optim` given, same world size) unless
+    `restore_rng` says otherwise. Objects passed as keywords (`sampler=...`) get the
+    state saved under the same keyword.
+    """
+    group, rank, world = group_of(model)
+    source, report, error = None, None, None
+    try:
+        source = open_source(path, make_renamer(rename))
+        report = _load_into(LoadJob(source, model, optim, scheduler, objects, strict, restore_rng, rank, world))
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+        error = exc
+    finally:
+        if source is not None:
+            source.close()
+    # One agreement point: a rank that found a corrupt file makes every rank raise, none hangs.
+    messages = all_gather_object(None if error is None else str(error), group, world)
+    if error is not None:
+        raise error
+    failed = [(r, message) for r, message in enumerate(messages) if message is not None]
+    if failed:
+        raise ShardwiseError(f"rank {failed[0][0]} could not load {path}: {failed[0][1]}")
+    return report
+
+
+@dataclass
+class LoadJob:
+    """One `sw.load` call on this rank: what it reads from, what it fills, and how."""
+
+    source: Source
+    model: nn.Module
+    optim: torch.optim.Optimizer | None
+    scheduler: object | None
+    objects: dict  # keyword objects with load_state_dict (sampler=...)
+    strict: bool
+    restore_rng: bool | None  # None: restore when resuming (optim given)
+    rank: int
+    world: int
+
+
+def _load_into(job: LoadJob) -> LoadReport:
+    """Load `job.source` into the model (and the rest) on this rank; strict refusals happen before any write."""
+    source, model, optim, scheduler, objects = job.source, job.model, job.optim, job.scheduler, job.objects
+    infos = {clean_name(raw): info for raw, info in shard_info(model).items()}
+    buffers = persistent_buffers(model)
     report = LoadReport(source.description, extra=dict(source.extra))
-    targets = {name: (tuple(info.full_shape), [name, *map(st.clean_name, info.aliases)])
+    targets = {name: (tuple(info.full_shape), [name, *map(clean_name, info.aliases)])
                for name, info in infos.items()}
     for name, buffer in buffers.items():
         targets.setdefault(name, (tuple(buffer.shape), [name]))
@@ -28,7 +90,7 @@ def load_into(source: Source, model, optim, scheduler, objects, strict, restore_
     for key in objects:
         if key not in source.objects:
             report.problems.append(f"the checkpoint holds no state for {key}= (pass it to sw.save as well)")
-    if strict and not report.ok:
+    if job.strict and not report.ok:
         raise ShardwiseError(f"{report}\nstrict=True refuses a partial load: fix the names (rename=...), or pass "
                              "strict=False to load what matches (fine-tuning a changed head).")
     rows = {name: (infos[name].row_start, infos[name].row_end) if name in infos else
@@ -39,7 +101,7 @@ def load_into(source: Source, model, optim, scheduler, objects, strict, restore_
         for name, tensor in pairs.items():
             if name in infos:
                 info = infos[name]
-                _read_into(tensor, *rows[name], st.row_view(info.param, info, *rows[name]))
+                _read_into(tensor, *rows[name], row_view(info.param, info, *rows[name]))
             else:
                 buffer = buffers[name]
                 _read_into(tensor, *rows[name], buffer.reshape(-1) if buffer.dim() == 0 else buffer)
@@ -47,11 +109,12 @@ def load_into(source: Source, model, optim, scheduler, objects, strict, restore_
         if optim is not None and source.optimizer is not None:
             _load_optimizer(source, optim, infos, pairs)
     if scheduler is not None and source.scheduler is not None:
-        scheduler.load_state_dict(st.from_json(source.scheduler))
+        scheduler.load_state_dict(from_json(source.scheduler))
     for key, obj in objects.items():
         if key in source.objects:
-            obj.load_state_dict(st.from_json(source.objects[key]))
-    _maybe_restore_rng(source, report, optim is not None if restore_rng is None else restore_rng, rank, world)
+            obj.load_state_dict(from_json(source.objects[key]))
+    wanted = optim is not None if job.restore_rng is None else job.restore_rng
+    _maybe_restore_rng(source, report, wanted, job.rank, job.world)
     return report
 
 
@@ -74,7 +137,7 @@ def _check_optimizer(source: Source, optim, infos, pairs, report: LoadReport) ->
         return
     if saved["class"] != type(optim).__name__:
         report.problems.append(f"the optimizer state was saved from {saved['class']}, not {type(optim).__name__}")
-    names = st.optimizer_names(optim, infos)
+    names = optimizer_names(optim, infos)
     if len(saved["param_groups"]) != len(optim.param_groups):
         report.problems.append(f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, the "
                                f"optimizer {len(optim.param_groups)}; their settings were not loaded")
@@ -90,12 +153,12 @@ def _check_optimizer(source: Source, optim, infos, pairs, report: LoadReport) ->
 def _load_optimizer(source: Source, optim, infos, pairs) -> None:
     """Param group settings, then each param's state: scalars from JSON, rows from files."""
     saved = source.optimizer
-    names = st.optimizer_names(optim, infos)
+    names = optimizer_names(optim, infos)
     same_groups = len(saved["param_groups"]) == len(optim.param_groups)
     for index, group in enumerate(optim.param_groups):
         if same_groups:
             for key, value in saved["param_groups"][index]["options"].items():
-                group[key] = st.like_current(st.from_json(value), group.get(key))
+                group[key] = like_current(from_json(value), group.get(key))
         on_device = bool(group.get("fused") or group.get("capturable"))
         for param in group["params"]:
             name = names[id(param)]
@@ -105,12 +168,12 @@ def _load_optimizer(source: Source, optim, infos, pairs) -> None:
                 continue
             info = infos[name]
             device = param.device if on_device else "cpu"
-            new = {key: st.from_json(value, device) for key, value in saved_state["scalars"].items()}
+            new = {key: from_json(value, device) for key, value in saved_state["scalars"].items()}
             for key in saved_state["tensors"]:
                 tensor = source.optimizer_tensor(pairs[name].name, key)
                 floating = tensor.dtype.is_floating_point and param.dtype.is_floating_point
                 buffer = torch.zeros(param.shape, dtype=param.dtype if floating else tensor.dtype, device=param.device)
-                _read_into(tensor, info.row_start, info.row_end, st.row_view(buffer, info, info.row_start, info.row_end))
+                _read_into(tensor, info.row_start, info.row_end, row_view(buffer, info, info.row_start, info.row_end))
                 new[key] = buffer
             optim.state[param] = new
 
@@ -127,5 +190,5 @@ def _maybe_restore_rng(source: Source, report: LoadReport, wanted: bool, rank: i
     if saved is None:
         report.notes.append("RNG states not restored: the checkpoint holds none for this rank")
         return
-    st.restore_rng(*saved)
+    restore_rng(*saved)
     report.rng_restored = True

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardwise.config import DiskOffload
 from shardwise.errors import ShardwiseError
 
 
@@ -76,16 +77,9 @@ class DiskStore:
         return total
 
 
-def parse_offload(offload: str | None, rank: int) -> DiskStore | None:
-    """`None` or `"disk:PATH"` -> the rank's store."""
-    if offload is None:
-        return None
-    if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > 5:
-        return DiskStore(offload[5:], rank)
-    if offload == "cpu":
-        raise ShardwiseError("offload='cpu' moves state off a GPU; this model computes on the CPU already. "
-                             "Use offload='disk:PATH' to move it to memory-mapped files")
-    raise ShardwiseError(f"offload={offload!r} is not understood: use None or 'disk:PATH'")
+def open_store(offload: DiskOffload | None, rank: int) -> DiskStore | None:
+    """The rank's store for an offload policy (None: nothing offloaded)."""
+    return None if offload is None else DiskStore(offload.path, rank)
 
 
 _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)

@@ -1,46 +1,15 @@
-"""The `shardwise` command."""
+"""`shardwise ckpt inspect|export|diff`: checkpoints without a model or a process group."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import shardwise
+from shardwise.checkpoint import tools
+from shardwise.errors import ShardwiseError
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="shardwise",
-        description="Sharded data-parallel training (ZeRO 1/2/3) that keeps parameter sharing exact.",
-    )
-    parser.add_argument("--version", action="version", version=f"shardwise {shardwise.__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    commands.add_parser(
-        "demo", add_help=False,
-        help="train the small GPT on the Python standard library's source on 2 ranks "
-             "(`shardwise demo --help` for its options)",
-    )
-    _add_ckpt_commands(commands)
-    from shardwise import cli_estimate
-
-    cli_estimate.add_commands(commands)
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from shardwise import demo
-
-        return demo.main(rest)
-    if args.command in ("estimate", "plan") and not rest:
-        return cli_estimate.run(args)
-    if args.command == "ckpt" and not rest:
-        return _run_ckpt(args, parser)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    parser.print_help()
-    return 0
-
-
-def _add_ckpt_commands(commands) -> None:
+def add_commands(commands) -> None:
+    """`shardwise ckpt inspect|export|diff`."""
     ckpt = commands.add_parser(
         "ckpt", help="inspect, export or compare checkpoints (`shardwise ckpt --help`)",
         description="Work with checkpoints that sw.save wrote; no model and no process group needed.",
@@ -74,20 +43,18 @@ def _add_ckpt_commands(commands) -> None:
     ckpt.set_defaults(ckpt_parser=ckpt)
 
 
-def _run_ckpt(args, parser) -> int:
-    from shardwise import _ckpt_tools
-    from shardwise.errors import ShardwiseError
-
+def run(args) -> int:
+    """Run the parsed `shardwise ckpt ...` command; its exit status."""
     try:
         if args.action == "inspect":
-            lines, ok = _ckpt_tools.inspect(args.dir, verify=not args.no_verify)
+            lines, ok = tools.inspect(args.dir, verify=not args.no_verify)
             print("\n".join(lines))
             return 0 if ok else 1
         if args.action == "export":
-            print(f"wrote {_ckpt_tools.export_checkpoint(args.dir, args.out)}")
+            print(f"wrote {tools.export_checkpoint(args.dir, args.out)}")
             return 0
         if args.action == "diff":
-            lines, same = _ckpt_tools.diff(args.dir, args.other, values=args.values)
+            lines, same = tools.diff(args.dir, args.other, values=args.values)
             print("\n".join(lines))
             return 0 if same else 1
     except ShardwiseError as error:
@@ -95,7 +62,3 @@ def _run_ckpt(args, parser) -> int:
         return 2
     args.ckpt_parser.print_help()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

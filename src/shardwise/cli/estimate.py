@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
-from shardwise.estimate import MIB, estimate, plan
+from shardwise.estimate.core import MIB, estimate
+from shardwise.estimate.plan import plan
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}

@@ -1,4 +1,6 @@
-"""Mixed precision: a small policy, and a loss scaler whose overflow check all ranks agree on.
+"""Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
+
+The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
 Shards stay the optimizer's fp32 masters; a gathered unit holds its full values in
 `param_dtype`, so forward and backward compute in it; gradients are reduced in
@@ -8,43 +10,24 @@ of every sum, a known source of instability at scale) and land on the fp32 shard
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from shardwise.errors import ShardwiseError
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from torch.utils._pytree import tree_map
 
 
-@dataclass(frozen=True)
-class MixedPrecision:
-    """`param_dtype`: gathered parameters and compute. `reduce_dtype`: gradient reduction.
-    `buffer_dtype`: module buffers (None keeps them as they are)."""
+def cast_floating_inputs(dtype: torch.dtype):
+    """A forward pre-hook (with kwargs) casting floating inputs to `dtype`, as FSDP2 casts
+    forward inputs; integer inputs such as token ids are left alone."""
+    def cast(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
 
-    param_dtype: torch.dtype = torch.float32
-    reduce_dtype: torch.dtype = torch.float32
-    buffer_dtype: torch.dtype | None = None
+    def hook(module, args, kwargs):
+        return tree_map(cast, args), tree_map(cast, kwargs)
 
-    def __post_init__(self):
-        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
-                raise ShardwiseError(f"MixedPrecision.{field}={value!r} must be a floating torch.dtype, "
-                                     "e.g. torch.bfloat16")
-
-
-def resolve_precision(precision: str | MixedPrecision | None) -> MixedPrecision:
-    """`"fp32" | "bf16" | "fp16"` (compute in that dtype, reduce in fp32) or a policy."""
-    if precision is None:
-        return MixedPrecision()
-    if isinstance(precision, MixedPrecision):
-        return precision
-    if precision not in _DTYPES:
-        raise ShardwiseError(f"precision={precision!r} is not one of {sorted(_DTYPES)} or a MixedPrecision(...)")
-    return MixedPrecision(param_dtype=_DTYPES[precision])
+    return hook
 
 
 class LossScaler:

@@ -15,8 +15,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise import _ckpt_state as st
-from shardwise.strategies import ShardInfo, shard_info
+from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
+from shardwise.checkpoint.ranks import group_of, is_sharded, row_view
+from shardwise.engine.info import ShardInfo, shard_info
 
 
 def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict:
@@ -30,28 +32,28 @@ def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
     is included for parameters that have some (as with DCP's own helpers, take a step
     before loading into a fresh optimizer). Every rank calls it.
     """
-    group, _, _ = st.group_of(model)
-    sharded = st.is_sharded(model)
+    group, _, _ = group_of(model)
+    sharded = is_sharded(model)
     mesh = DeviceMesh.from_group(group, device_type=_device_type(model)) if sharded else None
     infos = shard_info(model)
 
     def wrap(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
         if not sharded:
             return tensor.detach()
-        rows = st.row_view(tensor, info, info.row_start, info.row_end)
+        rows = row_view(tensor, info, info.row_start, info.row_end)
         shape = tuple(info.full_shape) or (1,)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
-    out: dict = {"model": {st.clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
+    out: dict = {"model": {clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
     if optim is not None:
-        names = st.optimizer_names(optim, infos)
-        by_name = {st.clean_name(name): info for name, info in infos.items()}
-        scalar_keys = st.scalar_state_keys(optim)
+        names = optimizer_names(optim, infos)
+        by_name = {clean_name(name): info for name, info in infos.items()}
+        scalar_keys = scalar_state_keys(optim)
         out["optim"] = {}
         for param, state in optim.state.items():
             name = names[id(param)]
-            rows, _ = st.split_state(name, param, state, scalar_keys)
+            rows, _ = split_state(name, param, state, scalar_keys)
             entry = {key: wrap(value, by_name[name]) for key, value in rows.items()}
             entry.update({key: value for key, value in state.items()
                           if key not in rows and isinstance(value, torch.Tensor)})

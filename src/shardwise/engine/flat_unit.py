@@ -13,6 +13,18 @@ rank's chunk, under its original name. Two memory layouts, one per policy:
   is directly the all-gather's input; `full_flat` is allocated only while the unit
   is gathered and its storage is released (resized to 0) afterwards.
 
+Note [unit lifecycle]: a unit's full values are in one of three states, changed only by
+`_move`, which refuses any other transition (a use-after-free becomes an error, not a
+wrong number):
+
+    SHARDED --start_gather--> GATHERING --finish_gather--> GATHERED --free (zero3)--> SHARDED
+                                   ^-----------start_gather (rows changed, zero1/2)----'
+
+zero1/zero2 start GATHERED and stay there (their full values are kept); zero3 starts
+SHARDED. Gradients have their own phase (`GradPhase`): IDLE until a backward hands the
+unit gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE
+once the reduce-scatter has landed (`end_accumulation`).
+
 Note [version counters]: autograd saves the full views for backward. Refilling their
 storage after a free would bump the version counter and make autograd refuse the
 saved tensors, although the values written back are identical; `_refill` therefore
@@ -21,48 +33,38 @@ writes under `_unsafe_preserve_version_counter`, as FSDP2 does.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import enum
 
 import torch
 from torch import Tensor, nn
 
-from shardwise import _collectives as coll
+import shardwise.engine.collectives as coll
+from shardwise.config import MixedPrecision
+from shardwise.engine.param_layout import ParamLayout, lay_out
+from shardwise.engine.units import UnitPlan
 from shardwise.errors import ShardwiseError
-from shardwise.precision import MixedPrecision
-from shardwise.units import OwnedParam, UnitPlan
 
 
-@dataclass
-class ParamLayout:
-    """Where one owned parameter lives in the unit's flat buffers."""
+class Residency(enum.Enum):
+    """Where a unit's full values are (Note [unit lifecycle])."""
 
-    owned: OwnedParam
-    shape: torch.Size  # the full shape users see
-    rows: int  # dim-0 rows of the full value (1 for a 0-D scalar)
-    row_numel: int  # elements per row
-    rows_per_rank: int  # c: rows each rank holds, padding included
-    offset: int  # start in one rank's shard segment
-
-    @property
-    def shard_numel(self) -> int:
-        return self.rows_per_rank * self.row_numel
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
+    SHARDED = "sharded"  # only this rank's rows exist; full_flat has no storage
+    GATHERING = "gathering"  # an all-gather into full_flat is in flight
+    GATHERED = "gathered"  # full_flat holds every rank's rows
 
 
-def _layout(owned: list[OwnedParam], world_size: int) -> tuple[list[ParamLayout], int]:
-    layouts, offset = [], 0
-    for entry in owned:
-        shape = entry.param.shape
-        rows = shape[0] if len(shape) else 1
-        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-        rows_per_rank = math.ceil(rows / world_size)
-        layouts.append(ParamLayout(entry, shape, rows, row_numel, rows_per_rank, offset))
-        offset += rows_per_rank * row_numel
-    return layouts, offset
+class GradPhase(enum.Enum):
+    """Whether a unit holds full gradients waiting for their reduce (Note [unit lifecycle])."""
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"  # full gradients summing in full_grad (zero1; no_sync)
+
+
+_TRANSITIONS = {
+    Residency.SHARDED: {Residency.GATHERING},
+    Residency.GATHERING: {Residency.GATHERED},
+    Residency.GATHERED: {Residency.SHARDED, Residency.GATHERING},
+}
 
 
 class FlatUnit:
@@ -76,7 +78,7 @@ class FlatUnit:
         self.keep_full_grad = keep_full_grad  # zero1: full grads live until the step
         self.store = store  # offload: the master shards live in a memory-mapped file
         self.reduce_group = group  # the engine may give reduce-scatters a group of their own
-        self.layouts, self.shard_total = _layout(plan.params, world_size)
+        self.layouts, self.shard_total = lay_out(plan.params, world_size)
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
             raise ShardwiseError(
@@ -98,11 +100,24 @@ class FlatUnit:
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
         self.full_grad: Tensor | None = None  # accumulated full gradients (zero1; no_sync)
-        self.accumulating = False  # inside an accumulation window (since the last reduce)
+        self.grad_phase = GradPhase.IDLE
         self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
         self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
         self.gathered_version = -1  # full_flat._version right after the last gather (keep_full)
-        self.resident = True
+        self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
+        self.pending_gather: coll.Pending | None = None  # the all-gather in flight (GATHERING)
+
+    def _move(self, to: Residency) -> None:
+        """The one place a unit's residency changes (Note [unit lifecycle])."""
+        if to not in _TRANSITIONS[self.residency]:
+            raise RuntimeError(f"shardwise engine bug: unit {self.path or '<root>'} cannot go from "
+                               f"{self.residency.value} to {to.value}")
+        self.residency = to
+
+    @property
+    def resident(self) -> bool:
+        """Whether the full values are usable now."""
+        return self.residency is Residency.GATHERED
 
     # ---- set-up ------------------------------------------------------------------
 
@@ -128,7 +143,7 @@ class FlatUnit:
         value: how deferred init hands over freshly initialized tensors."""
         values = values or {}
         with torch.no_grad():
-            originals = [values.get(i, l.owned.param) for i, l in enumerate(self.layouts)]
+            originals = [values.get(i, layout.owned.param) for i, layout in enumerate(self.layouts)]
             # A deferred (meta) parameter has no value yet: its rows stay zero until set_value.
             originals = [None if o.device.type == "meta" else o for o in originals]
             if self.aliased:
@@ -136,14 +151,15 @@ class FlatUnit:
                 for view, original in zip(self.full_views, originals):
                     if original is not None:
                         view.copy_(original.detach())
-                shard_tensors = [self._own_rows(self.full_flat, l).view(l.shard_shape) for l in self.layouts]
+                shard_tensors = [self._own_rows(self.full_flat, layout).view(layout.shard_shape)
+                                 for layout in self.layouts]
             else:
                 self.shard_flat = self.store.zeros(self.shard_total, self.dtype) if self.store is not None \
                     else torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
                 for layout, original in zip(self.layouts, originals):
                     if original is not None:
                         self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
-                shard_tensors = [self._shard_segment(l).view(l.shard_shape) for l in self.layouts]
+                shard_tensors = [self._shard_segment(layout).view(layout.shard_shape) for layout in self.layouts]
                 if self.keep_full:  # low-precision zero1/zero2: the kept full values, cast once
                     self.full_flat.zero_()
                     for view, original in zip(self.full_views, originals):
@@ -210,30 +226,35 @@ class FlatUnit:
     def needs_gather(self) -> bool:
         if self.keep_full:
             return self._master_version() != self.gathered_version  # the optimizer moved our rows
-        return not self.resident
+        return self.residency is Residency.SHARDED
 
     def _send_buffer(self, dtype: torch.dtype) -> Tensor:
         """This rank's rows of every parameter as one flat tensor in `dtype`: the all-gather's input."""
         if self.aliased:  # the shards are scattered views into full_flat: pack them
-            return torch.cat([self._own_rows(self.full_flat, l) for l in self.layouts] or [self.full_flat[:0]])
+            rows = [self._own_rows(self.full_flat, layout) for layout in self.layouts]
+            return torch.cat(rows or [self.full_flat[:0]])
         return self.shard_flat.to(dtype)  # a no-op at full precision, a cast to param_dtype otherwise
 
-    def start_gather(self, async_op: bool) -> coll.Pending:
+    def start_gather(self, async_op: bool) -> None:
+        """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING)."""
+        self._move(Residency.GATHERING)
         send = self._send_buffer(self.compute_dtype).detach()
-        return coll.all_gather(send, self.world_size, self.group, async_op)
+        self.pending_gather = coll.all_gather(send, self.world_size, self.group, async_op)
 
-    def finish_gather(self, pending: coll.Pending) -> None:
-        gathered = pending.wait()
+    def finish_gather(self) -> None:
+        """Wait for the all-gather and lay the rows out as full values (GATHERING -> GATHERED)."""
+        gathered = self.pending_gather.wait()
+        self.pending_gather = None
         self._refill(gathered, self.full_flat)
-        self.resident = True
+        self._move(Residency.GATHERED)
         if self.store is not None:
             self.store.release(self.shard_flat)  # read for the gather; back to disk
         self.gathered_version = self._master_version()
 
     def _copy_out(self, gathered: Tensor, target: Tensor) -> None:
-        segments = [(l.offset, l.shard_numel) for l in self.layouts]
-        regions = [target[self.world_size * l.offset : self.world_size * (l.offset + l.shard_numel)]
-                   for l in self.layouts]
+        segments = [(layout.offset, layout.shard_numel) for layout in self.layouts]
+        regions = [target[self.world_size * layout.offset : self.world_size * (layout.offset + layout.shard_numel)]
+                   for layout in self.layouts]
         coll.copy_out(gathered, self.world_size, segments, regions)
 
     def _refill(self, gathered: Tensor, target: Tensor) -> None:
@@ -246,9 +267,9 @@ class FlatUnit:
 
     def free(self) -> None:
         """Release the full values (zero3 only; zero1/zero2 keep them)."""
-        if not self.keep_full and self.resident:
+        if not self.keep_full and self.residency is Residency.GATHERED:
             self.full_flat.untyped_storage().resize_(0)
-            self.resident = False
+            self._move(Residency.SHARDED)
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
@@ -283,9 +304,9 @@ class FlatUnit:
 
     def accumulate(self, grads: list[Tensor | None]) -> None:
         """Add this backward's full gradients into `full_grad` (zero1, or under no_sync)."""
-        if not self.accumulating:
+        if self.grad_phase is GradPhase.IDLE:
             self._begin_accumulation()
-            self.accumulating = True
+            self.grad_phase = GradPhase.ACCUMULATING
         with torch.no_grad():
             for index, (layout, grad) in enumerate(zip(self.layouts, grads)):
                 if grad is not None:
@@ -353,7 +374,7 @@ class FlatUnit:
 
     def end_accumulation(self) -> None:
         """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""
-        self.accumulating = False
+        self.grad_phase = GradPhase.IDLE
         self.carried.clear()
         self.used.clear()
         if not self.keep_full_grad:

@@ -1,30 +1,26 @@
-"""What `sw.load` reads from, and the report of what matched.
+"""What `sw.load` reads from: a checkpoint directory, a safetensors file, a torch.save'd state dict.
 
 Three sources, one interface (`Source.tensors`: name -> `SourceTensor`, each able to
 read any row range): a shardwise checkpoint directory (index.json + row slices in
 safetensors files), one safetensors file, or a `torch.save`d state dict (read with
 `weights_only=True`, so no code runs). Names are cleaned of wrapper prefixes and
-renamed on the way in (Note [wrapper prefixes] in _ckpt_state.py).
+renamed on the way in (Note [wrapper prefixes] in names.py).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from shardwise._ckpt_files import DTYPE_OF_CODE, FileReader
-from shardwise._ckpt_state import clean_name
+from shardwise.checkpoint.files import DTYPE_OF_CODE, FileReader
+from shardwise.checkpoint.index import FORMAT, INDEX, VERSION
+from shardwise.checkpoint.names import clean_name
 from shardwise.errors import ShardwiseError
-
-INDEX = "index.json"
-FORMAT = "shardwise-checkpoint"
-VERSION = 1
 
 
 @dataclass
@@ -69,14 +65,15 @@ def not_a_checkpoint(path: Path) -> ShardwiseError:
     partial = sorted(p.name for p in path.iterdir() if p.name.endswith(".partial")) if path.is_dir() else []
     hint = ""
     if inside:
-        hint = f" It holds checkpoints {inside[:5]}{'...' if len(inside) > 5 else ''}: pass one of them, or sw.latest({str(path)!r})."
+        more = '...' if len(inside) > 5 else ''
+        hint = f" It holds checkpoints {inside[:5]}{more}: pass one of them, or sw.latest({str(path)!r})."
     elif partial:
         hint = f" It holds unfinished saves {partial}: a save that crashed before it completed."
     return ShardwiseError(f"{path} is not a shardwise checkpoint: it has no {INDEX}.{hint}")
 
 
 class CheckpointDir(Source):
-    """A directory `sw.save` wrote (see checkpoint.py for the layout)."""
+    """A directory `sw.save` wrote (see save.py for the layout)."""
 
     def __init__(self, path: Path, renamer: Callable[[str], str]):
         super().__init__()
@@ -288,124 +285,3 @@ def open_source(path, renamer: Callable[[str], str]) -> Source:
     if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{"):
         return SafetensorsFile(path, renamer)
     return TorchFile(path, renamer)
-
-
-# ---- the report ----------------------------------------------------------------------
-
-
-@dataclass
-class LoadReport:
-    """What `sw.load` did. Names are the model's, cleaned of wrapper prefixes.
-
-    `missing`: model tensors the source has no value for (they kept their values).
-    `unexpected`: source tensors nothing in the model took. `mismatched`: (name, source
-    shape, model shape) pairs, not loaded. `closest`: for each missing or unexpected name,
-    the most similar name on the other side. `problems`: anything else strict loading
-    refuses (no optimizer state, different param groups, ...). `notes`: information only.
-    `extra`: the JSON values passed to `sw.save(..., **extra)`. `print(report)` shows it all.
-    """
-
-    source: str
-    loaded: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
-    closest: dict[str, str] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)
-    rng_restored: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """True when everything matched: what strict=True requires."""
-        return not (self.missing or self.unexpected or self.mismatched or self.problems)
-
-    def __str__(self) -> str:
-        lines = [f"loaded {len(self.loaded)} tensors from {self.source}"]
-
-        def names(title, items):
-            if items:
-                lines.append(f"{title} ({len(items)}):")
-                for name in items[:_SHOWN]:
-                    near = self.closest.get(name)
-                    lines.append(f"  {name}" + (f"   (closest: {near})" if near else ""))
-                if len(items) > _SHOWN:
-                    lines.append(f"  ... and {len(items) - _SHOWN} more")
-
-        names("missing from the checkpoint, kept their current values", self.missing)
-        names("unexpected in the checkpoint, not loaded", self.unexpected)
-        if self.mismatched:
-            lines.append(f"shape mismatch, not loaded ({len(self.mismatched)}):")
-            lines += [f"  {name}: checkpoint {list(a)}, model {list(b)}" for name, a, b in self.mismatched[:_SHOWN]]
-            if len(self.mismatched) > _SHOWN:
-                lines.append(f"  ... and {len(self.mismatched) - _SHOWN} more")
-        lines += [f"problem: {p}" for p in self.problems]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-_SHOWN = 12  # names listed per kind in str(report); the lists themselves hold all
-
-
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
-    """A rename that would explain most missing names: the checkpoint's names with a prefix
-    added (a model wrapped in a new parent) or removed (the checkpoint's parent dropped)."""
-    counts: dict[tuple[str, str], int] = {}
-    for kind, longer, shorter in (("add", missing, set(unexpected)), ("drop", unexpected, set(missing))):
-        for name in longer:
-            parts = name.split(".")
-            for i in range(1, len(parts)):
-                if ".".join(parts[i:]) in shorter:
-                    key = (kind, ".".join(parts[:i]) + ".")
-                    counts[key] = counts.get(key, 0) + 1
-    if not counts:
-        return None
-    (kind, prefix), count = max(counts.items(), key=lambda item: item[1])
-    if count < max(2, len(missing) // 2):
-        return None
-    escaped = prefix.replace(".", r"\.")
-    if kind == "add":
-        return (f"{count} missing names are checkpoint names with {prefix!r} in front: "
-                f"rename=[(r'^', {prefix!r})] maps them")
-    return (f"{count} missing names are checkpoint names without their {prefix!r} prefix: "
-            f"rename=[(r'^{escaped}', '')] maps them")
-
-
-def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]], report: LoadReport):
-    """Pair each target (name -> (shape, every name it goes by)) with a source tensor; fill the
-    report's missing / unexpected / mismatched / closest. Returns {target name: SourceTensor}."""
-    lookup: dict[str, SourceTensor] = {}
-    for tensor in source.tensors.values():
-        for name in (tensor.name, *tensor.aliases):
-            lookup.setdefault(name, tensor)
-    pairs, used = {}, set()
-    for target, (shape, names) in targets.items():
-        found = [lookup[n] for n in names if n in lookup]
-        if not found:
-            report.missing.append(target)
-            continue
-        used.update(t.name for t in found)
-        if len({t.name for t in found}) > 1:
-            report.notes.append(f"{target} is tied in the model to {[n for n in names if n != target]} but the "
-                                f"checkpoint holds them separately: loaded {found[0].name}, ignored the rest")
-        tensor = found[0]
-        if tuple(tensor.shape) != tuple(shape):
-            report.mismatched.append((target, tuple(tensor.shape), tuple(shape)))
-            continue
-        pairs[target] = tensor
-    report.unexpected.extend(t.name for t in source.tensors.values() if t.name not in used)
-    # Suggestions pair what is left on both sides: a missing name is most likely one of
-    # the unexpected ones under another name (a rename, a new wrapper, a typo).
-    for name in report.missing:
-        near = difflib.get_close_matches(name, report.unexpected, n=1, cutoff=0.5)
-        if near:
-            report.closest[name] = near[0]
-    for name in report.unexpected:
-        near = difflib.get_close_matches(name, report.missing, n=1, cutoff=0.5)
-        if near:
-            report.closest[name] = near[0]
-    hint = _prefix_hint(report.missing, report.unexpected)
-    if hint:
-        report.notes.append(hint)
-    return pairs

@@ -1,0 +1,16 @@
+"""Checkpoints: `sw.save`, `sw.load`, `sw.export`, `sw.latest`, and `sw.dcp_state_dict`.
+
+Read in this order: save.py (the format and Note [atomic save]) → index.py → load.py
+→ sources.py (what a load reads from) → files.py (safetensors I/O, checksums).
+names.py, ranks.py, values.py and optim_state.py are the small pieces both sides share;
+tools.py backs `shardwise ckpt inspect|export|diff`.
+"""
+
+from shardwise.checkpoint.dcp import dcp_state_dict
+from shardwise.checkpoint.export import export
+from shardwise.checkpoint.index import latest
+from shardwise.checkpoint.load import load
+from shardwise.checkpoint.report import LoadReport
+from shardwise.checkpoint.save import save
+
+__all__ = ["LoadReport", "dcp_state_dict", "export", "latest", "load", "save"]

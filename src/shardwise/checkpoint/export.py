@@ -1,0 +1,94 @@
+"""`sw.export`: one plain `model.safetensors` that loads without shardwise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardwise.checkpoint.files import FileWriter, TensorSpec
+from shardwise.checkpoint.names import clean_name, persistent_buffers
+from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
+from shardwise.engine.info import ShardInfo, shard_info
+from shardwise.errors import ShardwiseError
+
+
+def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
+    """Write the model's full parameters and buffers to one plain `model.safetensors`; every rank calls it.
+
+    Streams one parameter at a time (a sharded model gathers each to rank 0, writes it
+    and frees it), so no rank ever holds the whole model. The file loads without
+    shardwise: `safetensors.torch.load_model(model, path)`, or
+    `model.load_state_dict(safetensors.torch.load_file(path), strict=False)`. A tied
+    weight is stored once, under its first name; the file's metadata maps each other
+    name to it (safetensors' own convention), and loading into a model that ties them
+    re-ties them. `duplicate_tied=True` stores every name (the tied bytes once per
+    name), for a plain strict `load_state_dict`. Returns `path`.
+    """
+    group, rank, world = group_of(model)
+    path = Path(path).absolute()
+    sharded = is_sharded(model)
+    specs, producers, metadata = [], [], {"format": "pt"}
+    for raw, info in shard_info(model).items():
+        name = clean_name(raw)
+        produce = (lambda info=info: _gather_full(info, group, rank, world)) if sharded else \
+            (lambda info=info: info.param)
+        names = [name] + [clean_name(a) for a in info.aliases]
+        for alias in names[1:] if not duplicate_tied else ():
+            metadata[alias] = name
+        for spec_name in names if duplicate_tied else names[:1]:
+            specs.append(TensorSpec(spec_name, info.param.dtype, tuple(info.full_shape)))
+            producers.append(produce)
+    for name, buffer in persistent_buffers(model).items():
+        specs.append(TensorSpec(name, buffer.dtype, tuple(buffer.shape)))
+        producers.append(lambda buffer=buffer: buffer)
+    partial = path.with_name(path.name + ".partial")
+    writer, error = None, None
+    if rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer = FileWriter(partial, specs, metadata)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+    for produce in producers:
+        if not sharded and rank != 0:
+            continue
+        value = produce()  # a collective for a sharded model: every rank runs every one
+        if writer is not None and error is None:
+            try:
+                writer.write_next(value)
+            except Exception as exc:  # noqa: BLE001 - keep joining the gathers, report after
+                error = f"{type(exc).__name__}: {exc}"
+    if rank == 0:
+        try:
+            if error is None:
+                writer.close()
+                os.replace(partial, path)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
+            if writer is not None:
+                writer.abort()
+            partial.unlink(missing_ok=True)
+    error = broadcast_object(error, group, rank, world)
+    if error is not None:
+        raise ShardwiseError(f"exporting to {path} failed: {error}")
+    return path
+
+
+def _gather_full(info: ShardInfo, group, rank: int, world: int) -> torch.Tensor | None:
+    """The full value of one sharded parameter on rank 0 (None elsewhere): a collective."""
+    rows = info.full_shape[0] if len(info.full_shape) else 1
+    if rows == 0:
+        return torch.empty(info.full_shape, dtype=info.param.dtype)
+    shard = info.param.detach().contiguous()
+    per_rank = shard.shape[0]
+    full = torch.empty((world * per_rank, *shard.shape[1:]), dtype=shard.dtype, device=shard.device) \
+        if rank == 0 else None
+    parts = [full[i * per_rank : (i + 1) * per_rank] for i in range(world)] if rank == 0 else None
+    torch.distributed.gather(shard, parts, dst=torch.distributed.get_global_rank(group, 0), group=group)
+    if rank != 0:
+        return None
+    return full[:rows].reshape(info.full_shape)

@@ -1,0 +1,82 @@
+"""index.json: what it records (see save.py's docstring) and finding the newest complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from shardwise._version import __version__
+from shardwise.checkpoint.files import dtype_code
+from shardwise.checkpoint.names import clean_name, persistent_buffers
+from shardwise.engine.info import engine_of
+
+INDEX = "index.json"
+FORMAT = "shardwise-checkpoint"
+VERSION = 1
+
+
+def build_index(job, records: list) -> dict:
+    """index.json's content for a `SaveJob` (save.py) from every rank's record of its file."""
+    model, infos, plan, world = job.model, job.infos, job.plan, job.world
+    engine = engine_of(model)
+    params = {}
+    for raw, info in infos.items():
+        params[clean_name(raw)] = {
+            "shape": list(info.full_shape), "dtype": dtype_code(info.param.dtype),
+            "aliases": [clean_name(a) for a in info.aliases],
+            "requires_grad": bool(info.param.requires_grad), "slices": []}
+    buffers = {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype), "slices": []}
+               for name, b in persistent_buffers(model).items()}
+    optimizer = None
+    if plan is not None:
+        optimizer = {"class": plan["class"], "param_groups": plan["groups"], "state": {}}
+        for record, _ in records:  # scalars agree across ranks; the first rank that has them wins
+            for name, scalars in record["optim_scalars"].items():
+                optimizer["state"].setdefault(name, {"scalars": scalars, "tensors": {}})
+            for name, keys in record["optim_tensors"].items():
+                tensors = optimizer["state"].setdefault(name, {"scalars": {}, "tensors": {}})["tensors"]
+                for key, dtype in keys.items():
+                    tensors.setdefault(key, {"shape": params[name]["shape"], "dtype": dtype, "slices": []})
+    for record, _ in records:
+        for entry in record["slices"]:
+            where = {"param": params, "buffer": buffers}.get(entry["kind"])
+            target = where[entry["name"]] if where is not None else \
+                optimizer["state"][entry["name"]]["tensors"][entry["state_key"]]
+            target["slices"].append({k: entry[k] for k in ("file", "key", "rows", "chunk", "crcs")})
+    return {
+        "format": FORMAT, "version": VERSION, "id": job.checkpoint_id, "saved_at": time.time(),
+        "shardwise_version": __version__, "torch_version": torch.__version__,
+        "strategy": getattr(engine, "strategy", None) or "none", "world_size": world,
+        "files": {r["file"]: {"bytes": r["bytes"], "digest": r["digest"]} for r, _ in records},
+        "params": params, "buffers": buffers, "optimizer": optimizer, "scheduler": job.scheduler_state,
+        "rng": [r["rng"] for r, _ in records], "objects": job.objects, "extra": job.values,
+    }
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete shardwise checkpoints directly inside `directory`, oldest first (by save time)."""
+    found = []
+    if not directory.is_dir():
+        return []
+    for child in directory.iterdir():
+        if child.name.startswith(".") or not (child / INDEX).is_file():
+            continue
+        try:
+            index = json.loads((child / INDEX).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(index, dict) and index.get("format") == FORMAT:
+            found.append((index.get("saved_at", 0.0), child.name, child))
+    return [child for *_, child in sorted(found)]
+
+
+def latest(directory) -> Path | None:
+    """The most recently saved complete checkpoint directly inside `directory`, or None.
+
+    Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned.
+    """
+    found = list_checkpoints(Path(directory))
+    return found[-1] if found else None

@@ -1,0 +1,69 @@
+"""Who writes and reads which rows, and the small object collectives a save or load needs."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from shardwise.engine.info import ShardInfo, engine_of
+
+
+def group_of(model: nn.Module):
+    """(group, rank, world_size) of the model's collectives; (None, 0, 1) without a process group."""
+    if not dist.is_initialized():
+        return None, 0, 1
+    engine = engine_of(model)
+    group = getattr(engine, "group", None) or getattr(engine, "process_group", None) or dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when each rank holds only its own rows (zero strategies); ddp and plain models replicate."""
+    engine = engine_of(model)
+    return engine is not None and getattr(engine, "strategy", "ddp") != "ddp"
+
+
+def gather_object(obj, group, rank: int, world: int) -> list | None:
+    """Every rank's `obj` on rank 0 (None elsewhere); no collective when alone."""
+    if group is None or world == 1:
+        return [obj]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
+def broadcast_object(obj, group, rank: int, world: int):
+    """Rank 0's `obj` on every rank."""
+    if group is None or world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def all_gather_object(obj, group, world: int) -> list:
+    if group is None or world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def rows_to_write(info: ShardInfo, rank: int, world: int, sharded: bool) -> tuple[int, int]:
+    """Rows of the full tensor this rank writes: its own shard, or an equal split of a replica."""
+    if sharded:
+        return info.row_start, info.row_end
+    rows = info.full_shape[0] if len(info.full_shape) else 1
+    per_rank = -(-rows // world)
+    start = min(rank * per_rank, rows)
+    return start, min(start + per_rank, rows)
+
+
+def row_view(tensor: Tensor, info: ShardInfo, lo: int, hi: int) -> Tensor:
+    """Rows lo:hi of the full tensor, as a view of `tensor` (the registered param or a state
+    tensor shaped like it); a 0-D tensor counts as one row and comes back 1-D."""
+    local = lo - info.row_start
+    flat = tensor.detach()
+    if len(info.full_shape) == 0:
+        flat = flat.reshape(-1)
+    return flat[local : local + (hi - lo)]

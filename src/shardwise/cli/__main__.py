@@ -1,0 +1,5 @@
+"""`python -m shardwise.cli`."""
+
+from shardwise.cli.main import main
+
+raise SystemExit(main())

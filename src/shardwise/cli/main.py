@@ -1,0 +1,41 @@
+"""The `shardwise` command: `demo`, `estimate`, `plan` and `ckpt` (their code is beside this file)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import shardwise.cli.ckpt as cli_ckpt
+import shardwise.cli.estimate as cli_estimate
+from shardwise._version import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Sharded data-parallel training (ZeRO 1/2/3) that keeps parameter sharing exact.",
+    )
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.add_parser(
+        "demo", add_help=False,
+        help="train the small GPT on the Python standard library's source on 2 ranks "
+             "(`shardwise demo --help` for its options)",
+    )
+    cli_ckpt.add_commands(commands)
+    cli_estimate.add_commands(commands)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from shardwise import demo
+
+        return demo.main(rest)
+    if args.command in ("estimate", "plan") and not rest:
+        return cli_estimate.run(args)
+    if args.command == "ckpt" and not rest:
+        return cli_ckpt.run(args)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    parser.print_help()
+    return 0
+

@@ -1,0 +1,147 @@
+"""The options of `shard()` as typed policies, each rule written once.
+
+`shard()`, the engine and the estimator all consume a `ShardConfig`; its `__post_init__`
+is the one place that says which strategy allows which option (tests/test_config.py
+holds one test per rule). String shortcuts map onto the policies: `precision="bf16"` is
+`MixedPrecision(param_dtype=torch.bfloat16)`, `offload="disk:PATH"` is `DiskOffload(PATH)`.
+
+What each strategy keeps, as the engine and the estimator read it:
+
+| strategy | full params kept | full grads kept until the step | units |
+|----------|------------------|--------------------------------|-------|
+| ddp      | yes (torch DDP)  | yes (DDP's buckets)            | no    |
+| zero1    | yes              | yes                            | yes   |
+| zero2    | yes              | no: reduced per unit           | yes   |
+| zero3    | no: per window   | no: reduced per unit           | yes   |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shardwise.errors import ShardwiseError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+ZERO_STRATEGIES = STRATEGIES[1:]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """`param_dtype`: gathered parameters and compute. `reduce_dtype`: gradient reduction.
+    `buffer_dtype`: module buffers (None keeps them as they are)."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    buffer_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ShardwiseError(f"MixedPrecision.{name}={value!r} must be a floating torch.dtype, "
+                                     "e.g. torch.bfloat16")
+
+    @property
+    def is_full(self) -> bool:
+        """True when nothing is lowered: compute and reduction in fp32."""
+        return self.param_dtype == torch.float32 and self.reduce_dtype == torch.float32 \
+            and self.buffer_dtype in (None, torch.float32)
+
+    @property
+    def label(self) -> str:
+        """The string shortcut for `param_dtype` ("fp32", "bf16", "fp16")."""
+        names = {dtype: name for name, dtype in _DTYPES.items()}
+        return names.get(self.param_dtype, str(self.param_dtype))
+
+
+def resolve_precision(precision: str | MixedPrecision | None) -> MixedPrecision:
+    """`"fp32" | "bf16" | "fp16"` (compute in that dtype, reduce in fp32) or a policy."""
+    if precision is None:
+        return MixedPrecision()
+    if isinstance(precision, MixedPrecision):
+        return precision
+    if precision not in _DTYPES:
+        raise ShardwiseError(f"precision={precision!r} is not one of {sorted(_DTYPES)} or a MixedPrecision(...)")
+    return MixedPrecision(param_dtype=_DTYPES[precision])
+
+
+@dataclass(frozen=True)
+class DiskOffload:
+    """fp32 master shards and optimizer state in memory-mapped files under `path` (zero3)."""
+
+    path: str
+
+    def __post_init__(self):
+        if not isinstance(self.path, str) or not self.path:
+            raise ShardwiseError(f"DiskOffload.path={self.path!r} must be a non-empty directory path")
+
+    @property
+    def spec(self) -> str:
+        """The string form `shard(offload=...)` takes."""
+        return f"disk:{self.path}"
+
+
+def resolve_offload(offload: str | DiskOffload | None) -> DiskOffload | None:
+    """`None`, `"disk:PATH"` or a `DiskOffload` -> the policy (None: nothing offloaded)."""
+    if offload is None or isinstance(offload, DiskOffload):
+        return offload
+    if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > len("disk:"):
+        return DiskOffload(offload[len("disk:"):])
+    if offload == "cpu":
+        raise ShardwiseError("offload='cpu' moves state off a GPU; this model computes on the CPU already. "
+                             "Use offload='disk:PATH' to move it to memory-mapped files")
+    raise ShardwiseError(f"offload={offload!r} is not understood: use None or 'disk:PATH'")
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything `shard()` is asked for besides the model, validated once (module docstring)."""
+
+    strategy: str
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    offload: DiskOffload | None = None
+    checkpoint_activations: bool = False
+    find_unused_parameters: bool = False
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ShardwiseError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if self.strategy == "ddp" and not self.precision.is_full:
+            raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
+                                 "around the forward")
+        if self.offload is not None and self.strategy != "zero3":
+            raise ShardwiseError(f"offload needs strategy='zero3' ({self.strategy} keeps full parameters in "
+                                 "memory, which is most of what offload would move)")
+        if self.checkpoint_activations and self.strategy == "ddp":
+            raise ShardwiseError("checkpoint_activations needs units: use a zero strategy, or "
+                                 "torch.utils.checkpoint inside the model with ddp")
+        if self.find_unused_parameters and self.strategy != "ddp":
+            raise ShardwiseError("find_unused_parameters is a ddp option; the zero strategies handle unused "
+                                 "parameters themselves")
+
+    @classmethod
+    def of(cls, strategy: str, *, precision: str | MixedPrecision | None = None,
+           offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
+           find_unused_parameters: bool = False) -> ShardConfig:
+        """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
+        return cls(strategy, resolve_precision(precision), resolve_offload(offload),
+                   bool(checkpoint_activations), bool(find_unused_parameters))
+
+    @property
+    def keeps_full_params(self) -> bool:
+        """zero1/zero2 (and ddp) keep every full parameter between steps; zero3 gathers per window."""
+        return self.strategy != "zero3"
+
+    @property
+    def keeps_full_grads(self) -> bool:
+        """zero1 (and ddp) keep full gradients until the step; zero2/zero3 reduce them per unit."""
+        return self.strategy in ("ddp", "zero1")
+
+    @property
+    def label(self) -> str:
+        """A short name, e.g. "zero3+bf16+offload"."""
+        parts = [self.strategy] + ([self.precision.label] if self.precision.label != "fp32" else [])
+        return "+".join(parts + (["offload"] if self.offload else []))

@@ -1,0 +1,72 @@
+"""`shard(model, strategy=...)`: the one entry point that applies a strategy in place."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import DiskOffload, MixedPrecision, ShardConfig
+from shardwise.engine.ddp import apply_ddp
+from shardwise.engine.deferred import is_deferred, materialize
+from shardwise.engine.info import engine_of
+from shardwise.engine.units import UnitSpec
+from shardwise.engine.zero import apply_zero
+from shardwise.errors import ShardwiseError
+
+
+def shard(
+    model: nn.Module,
+    *,
+    strategy: str,
+    units: UnitSpec = None,
+    precision: str | MixedPrecision | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    checkpoint_activations: bool = False,
+    offload: str | DiskOffload | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    find_unused_parameters: bool = False,
+) -> nn.Module:
+    """Apply `strategy` to `model` in place and return the same model object.
+
+    `strategy` is one of "ddp", "zero1", "zero2", "zero3"; changing it changes memory,
+    never the result. `units` (zero strategies) sets the grain of communication: a
+    module class, a tuple of classes, a callable `module -> bool`, or None for each
+    child of the largest `nn.ModuleList`; the root is always a unit. After it,
+    `model.named_parameters()` yields this rank's shards under the original names, so
+    any torch optimizer with ordinary param groups steps only shards.
+    `precision` (zero strategies): "fp32" (default), "bf16", "fp16" or a
+    `MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`; shards stay fp32 masters.
+    A model built under `sw.deferred_init()` is materialized here, one parameter at a
+    time, each rank keeping its rows; its values equal eager init with the same seed.
+    `init_fn(model)`, if given, initializes it further (recorded and replayed the same way).
+    `checkpoint_activations` (zero strategies) recomputes each non-root unit's forward in
+    backward instead of keeping its activations; results are unchanged.
+    `offload="disk:PATH"` (zero3) keeps the fp32 master shards and the optimizer state
+    in memory-mapped files under PATH and steps the optimizer one unit at a time.
+    `process_group` defaults to the group `sw.init()` formed.
+    `find_unused_parameters` (ddp only) must be True when some trainable parameter
+    gets no gradient in some step (an unused branch); shardwise raises a clear error
+    at the next step when it was needed and not given.
+    The option rules live in `shardwise.config.ShardConfig`.
+    """
+    config = ShardConfig.of(strategy, precision=precision, offload=offload,
+                            checkpoint_activations=checkpoint_activations,
+                            find_unused_parameters=find_unused_parameters)
+    if engine_of(model) is not None:
+        raise ShardwiseError(
+            f"this model is already sharded with strategy={engine_of(model).strategy!r}; "
+            "build a fresh model (or load a checkpoint into one) to change strategy"
+        )
+    if not dist.is_initialized():
+        raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
+    group = process_group or dist.group.WORLD
+    if config.strategy == "ddp":
+        if is_deferred(model):
+            materialize(model, init_fn)  # ddp holds the full model anyway
+        engine = apply_ddp(model, group, config)
+    else:
+        engine = apply_zero(model, config, units, group, init_fn)
+    model._shardwise = engine  # a plain attribute: not a module, so not in state_dict()
+    return model

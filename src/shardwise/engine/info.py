@@ -1,0 +1,69 @@
+"""What a sharded model tells the layers above it: which rows this rank holds, full values.
+
+Checkpoints, exports and tests reach the engine through these functions only; they work
+on an unsharded model too (every rank then holds every row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def engine_of(model: nn.Module):
+    """The engine `shard()` attached (a `ZeroEngine` or `DDPEngine`), or None for an unsharded model."""
+    return getattr(model, "_shardwise", None)
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value under its original name, on every rank (a copy).
+
+    For a sharded model this gathers the rows of all ranks, so it is a collective:
+    call it on every rank. Meant for tests and small models; checkpoints stream instead.
+    """
+    engine = engine_of(model)
+    if engine is not None and hasattr(engine, "full_parameters"):
+        return engine.full_parameters()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which rows of a parameter this rank holds, for checkpoints and exports.
+
+    `param` is the registered tensor (for a sharded model: this rank's chunk, padded to
+    `rows_per_rank` rows; a 0-D scalar is a 1-row chunk). Rows `row_start:row_end` of
+    the full tensor are `param[: row_end - row_start]`; the rest is padding.
+    `aliases` are every other name the same parameter is registered under (ties).
+    """
+
+    param: torch.Tensor
+    full_shape: torch.Size
+    row_start: int
+    row_end: int
+    aliases: tuple[str, ...]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's real rows (a view of `param`), shaped like the full tensor's rows."""
+        if len(self.full_shape) == 0:
+            return self.param.reshape(-1)[: self.row_end - self.row_start].reshape(
+                () if self.row_end > self.row_start else (0,))
+        return self.param[: self.row_end - self.row_start]
+
+
+def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
+    """Every distinct parameter's shard on this rank, by its first name (as `named_parameters`)."""
+    engine = engine_of(model)
+    if engine is not None and hasattr(engine, "shard_info"):
+        return engine.shard_info()
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(name)
+    info = {}
+    for name, param in model.named_parameters():
+        rows = param.shape[0] if param.dim() else 1
+        info[name] = ShardInfo(param, param.shape, 0, rows, tuple(names_by_param[id(param)][1:]))
+    return info

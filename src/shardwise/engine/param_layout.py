@@ -1,0 +1,47 @@
+"""Where one owned parameter lives in its unit's flat buffers: dim-0 chunks, padded per rank.
+
+A parameter of `rows` rows (a 0-D scalar counts as one) is cut into chunks of
+`rows_per_rank = ceil(rows / world_size)` rows; rank r's chunk sits at `offset` in that
+rank's shard segment, and the full padded value at `world_size * offset` in the full buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.engine.units import OwnedParam
+
+
+@dataclass
+class ParamLayout:
+    """Where one owned parameter lives in the unit's flat buffers."""
+
+    owned: OwnedParam
+    shape: torch.Size  # the full shape users see
+    rows: int  # dim-0 rows of the full value (1 for a 0-D scalar)
+    row_numel: int  # elements per row
+    rows_per_rank: int  # c: rows each rank holds, padding included
+    offset: int  # start in one rank's shard segment
+
+    @property
+    def shard_numel(self) -> int:
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
+
+
+def lay_out(owned: list[OwnedParam], world_size: int) -> tuple[list[ParamLayout], int]:
+    layouts, offset = [], 0
+    for entry in owned:
+        shape = entry.param.shape
+        rows = shape[0] if len(shape) else 1
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        rows_per_rank = math.ceil(rows / world_size)
+        layouts.append(ParamLayout(entry, shape, rows, row_numel, rows_per_rank, offset))
+        offset += rows_per_rank * row_numel
+    return layouts, offset

@@ -1,0 +1,66 @@
+"""`sw.plan`: every configuration weighed against a memory budget, cheapest first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardwise.estimate.core import MemoryEstimate, estimate
+
+# Cheapest first: each step down the list communicates more (zero3 gathers parameters
+# twice per step, 1.5x ddp's volume), computes in lower precision, or waits on a disk.
+PLAN_ORDER = (("ddp", "fp32", False), ("zero1", "fp32", False), ("zero2", "fp32", False),
+              ("zero3", "fp32", False), ("zero3", "bf16", False), ("zero3", "fp32", True),
+              ("zero3", "bf16", True))
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    """One configuration the planner weighed: its estimate, whether it fits, and why not."""
+
+    strategy: str
+    precision: str
+    offload: str | None
+    estimate: MemoryEstimate | None  # None when the configuration is not available
+    fits: bool
+    reason: str  # why it does not fit (or is not available); "" when it fits
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy] + ([self.precision] if self.precision != "fp32" else [])
+        return "+".join(parts + (["offload"] if self.offload else []))
+
+
+def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, optimizer: str = "adamw",
+         batch: int | None = None, seq: int | None = None, offload_dir: str = "/tmp/shardwise-offload",
+         checkpoint_activations: bool = False, **estimate_kwargs) -> list[PlanOption]:
+    """Weigh every configuration in PLAN_ORDER against `memory` bytes per rank.
+
+    The first option with `fits` is the cheapest that fits; each other says why not.
+    `checkpoint_activations` applies to the zero options (ddp has no units to recompute).
+    Extra keyword arguments go to `estimate` (units=, unit_params=, config=, runtime=).
+    """
+    options = []
+    for strategy, precision, offloaded in PLAN_ORDER:
+        offload = f"disk:{offload_dir}" if offloaded else None
+        est = estimate(model_or_num_params, strategy, world_size, precision, optimizer, offload, batch, seq,
+                       checkpoint_activations=checkpoint_activations and strategy != "ddp", **estimate_kwargs)
+        fits = est.total <= memory
+        options.append(PlanOption(strategy, precision, offload, est, fits, "" if fits else _why_not(est, memory)))
+    return options
+
+
+def _why_not(est: MemoryEstimate, memory: int) -> str:
+    over = est.total - memory
+    parts = sorted(est.rows()[:-1], key=lambda row: row[1], reverse=True)
+    name, largest = parts[0]
+    text = f"{_gib(est.total)} > {_gib(memory)} by {_gib(over)}; largest: {name} {_gib(largest)}"
+    floor = est.activations + est.runtime
+    if floor > memory:
+        text += f" (activations + runtime alone need {_gib(floor)}: lower the batch or checkpoint activations)"
+    return text
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:.2f} GiB"

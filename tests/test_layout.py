@@ -1,0 +1,153 @@
+"""The package's layout is its architecture: layers point down, no import cycles, small modules.
+
+Parses every module under src/ with `ast` (imports inside functions count too) and checks
+the layer table below, which README's "Read in this order" follows.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Lower layers never import higher ones; within one group (a subpackage) anything goes
+# except a cycle. Every module of the package must fall in some group.
+LAYERS = {
+    "shardwise._version": 0,
+    "shardwise.errors": 0,
+    "shardwise.config": 1,
+    "shardwise.dist": 1,
+    "shardwise.interfaces": 1,
+    "shardwise.models": 1,  # models hold only the math
+    "shardwise.sampler": 2,
+    "shardwise.engine": 2,
+    "shardwise.checkpoint": 3,
+    "shardwise.estimate": 3,
+    "shardwise.pipeline": 3,
+    "shardwise.testing": 4,
+    "shardwise": 5,  # the public API: __init__.py
+    "shardwise.demo": 6,
+    "shardwise.cli": 7,
+}
+MAX_LINES = 400
+
+
+def module_files(root: Path = SRC) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under `root`."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules `name` imports (the most specific known module of each import)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` imports the submodule when there is one, else a name of pkg.
+            candidates = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                          for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate and candidate not in known:
+                candidate = candidate.rpartition(".")[0]
+            if candidate and candidate != name:
+                targets.add(candidate)
+    return targets
+
+
+def group_of(module: str) -> str:
+    matches = [g for g in LAYERS if module == g or module.startswith(g + ".")]
+    return max(matches, key=len)
+
+
+def layout_problems(root: Path = SRC) -> list[str]:
+    """Every violation of the layout rules in the tree under `root`, as sentences."""
+    files = module_files(root)
+    graph = {name: imports_of(name, path, set(files)) for name, path in files.items()}
+    problems = []
+    for name, targets in graph.items():
+        for target in sorted(targets):
+            mine, theirs = group_of(name), group_of(target)
+            if mine != theirs and LAYERS[theirs] >= LAYERS[mine]:
+                problems.append(f"{name} (layer {LAYERS[mine]}) imports {target} (layer {LAYERS[theirs]}): "
+                                "layers point down only")
+    problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in find_cycles(graph)]
+    for name, path in files.items():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_LINES:
+            problems.append(f"{name}: {lines} lines (at most {MAX_LINES}: split it by idea)")
+    return problems
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected part of `graph` with more than one module."""
+    cycles, done = [], set()
+    for start in sorted(graph):
+        path, on_path = [], set()
+
+        def visit(node: str) -> list[str] | None:
+            if node in on_path:
+                return path[path.index(node):] + [node]
+            if node in done:
+                return None
+            path.append(node)
+            on_path.add(node)
+            for nxt in sorted(graph.get(node, ())):
+                found = visit(nxt)
+                if found:
+                    return found
+            path.pop()
+            on_path.discard(node)
+            done.add(node)
+            return None
+
+        cycle = visit(start)
+        if cycle:
+            cycles.append(cycle)
+            done.update(cycle)
+    return cycles
+
+
+def test_every_module_belongs_to_a_layer():
+    """Catches a new top-level module nobody placed in the layer table."""
+    assert all(group_of(name) for name in module_files())
+
+
+def test_layers_point_down_with_no_cycles_and_small_modules():
+    """Catches an upward import (the engine reaching into checkpoint/, anything importing the CLI),
+    an import cycle (lazy imports included) or a module past 400 lines."""
+    assert layout_problems() == []
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"shardwise/__init__.py": "", "shardwise/engine/__init__.py": "",
+      "shardwise/engine/zero.py": "def f():\n    from shardwise.checkpoint import save\n",
+      "shardwise/checkpoint/__init__.py": "save = 1\n"},
+     "shardwise.engine.zero (layer 2) imports shardwise.checkpoint (layer 3)"),
+    ({"shardwise/__init__.py": "", "shardwise/engine/__init__.py": "",
+      "shardwise/engine/a.py": "from shardwise.engine import b\n",
+      "shardwise/engine/b.py": "from . import a\n"},
+     "import cycle: shardwise.engine.a -> shardwise.engine.b -> shardwise.engine.a"),
+    ({"shardwise/__init__.py": "", "shardwise/errors.py": "x = 1\n" * 401}, "shardwise.errors: 401 lines"),
+])
+def test_the_checker_sees_each_kind_of_problem(tmp_path, files, expected):
+    """Catches a checker that cannot fail: each rule is broken once in a scratch tree."""
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    assert any(expected in problem for problem in layout_problems(tmp_path))
