@@ -56,17 +56,22 @@ def _count_collectives(name):
     return counts, num_units, trainable_units
 
 
+# A, B, A: zero3 frees A when B opens and gathers it again for its second use (Note [unit window]).
+REGATHERS = {"non_consecutive": 1}
+
+
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zero3_communication_schedule(ranks, name):
     """Catches a reused or shared unit gathered once per use, a unit gathered twice in
     backward, or a gradient reduced more (or less) than once per unit per step."""
+    regathers = REGATHERS.get(name, 0)
     for counts, num_units, trainable_units in ranks.run(_count_collectives, 2, name):
         for forward_gathers, backward_gathers, reduces in counts:
-            assert forward_gathers <= num_units, (name, counts, num_units)
+            assert forward_gathers <= num_units + regathers, (name, counts, num_units)
             assert backward_gathers <= num_units, (name, counts, num_units)
             assert reduces == trainable_units, (name, counts, trainable_units)
-        if name != "unused_branch":  # every unit runs every step: each is gathered exactly once
-            assert all(f == num_units for f, _, _ in counts), (name, counts, num_units)
+        if name != "unused_branch":  # every unit runs every step: each gathered once per use window
+            assert all(f == num_units + regathers for f, _, _ in counts), (name, counts, num_units)
 
 
 # ---- memory held ------------------------------------------------------------------

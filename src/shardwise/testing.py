@@ -120,6 +120,13 @@ def _begin_step(model: nn.Module, step: int) -> None:
             return
 
 
+def forward_passes(model: nn.Module, spec: ZooSpec, x: Tensor, y: Tensor) -> Tensor:
+    """The micro-batch's loss: the mean of `spec.forward_passes` forwards, pass i on inputs
+    rolled by i along their last dimension (two forwards before one backward)."""
+    losses = [model(x.roll(i, dims=-1), y) for i in range(spec.forward_passes)]
+    return sum(losses) / len(losses)
+
+
 def _clip_grad_norm(model: nn.Module, max_norm: float) -> Tensor:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
@@ -169,7 +176,7 @@ def train(
             last = i == accum - 1
             ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
             with ctx:
-                loss = model(x, y) / accum
+                loss = forward_passes(model, spec, x, y) / accum
                 loss.backward()
             loss_sum += loss.item()
         if clip is not None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.models.zoo import ZOO, build
-from shardwise.testing import global_batch, make_optimizer, rank_slice
+from shardwise.testing import forward_passes, global_batch, make_optimizer, rank_slice
 
 GLOBAL_BATCH = 8
 
@@ -40,7 +40,7 @@ def run_steps(model, optim, name: str, strategy: str, start: int, end: int) -> l
         model.zero_grad(set_to_none=True)
         optim.zero_grad(set_to_none=True)
         x, y = rank_slice(global_batch(ZOO[name], step, GLOBAL_BATCH), rank, world)
-        loss = model(x, y)
+        loss = forward_passes(model, ZOO[name], x, y)
         loss.backward()
         optim.step()
         value = torch.tensor([loss.item()], dtype=torch.float64)

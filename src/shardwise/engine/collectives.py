@@ -11,39 +11,74 @@ Every call names its process group: nothing here reads global state.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardwise.errors import ShardwiseError
+
 
 @dataclass
 class Pending:
-    """An in-flight collective and what to do with its result once it lands."""
+    """An in-flight collective and what to do with its result once it lands.
+
+    `what` names the collective, the unit and the step, so that a rank which died or stopped
+    calling collectives surfaces on the others as an error saying where they were waiting."""
 
     work: object | None  # dist.Work, or None when it already completed
     output: Tensor
+    what: str = "a collective"
 
     def wait(self) -> Tensor:
         if self.work is not None:
-            self.work.wait()
-            self.work = None
+            work, self.work = self.work, None
+            with named_failure(self.what):
+                work.wait()
         return self.output
 
 
-def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool) -> Pending:
+@contextmanager
+def named_failure(what: str):
+    """Re-raise a collective's failure (a timeout, a peer gone) as an error naming `what`."""
+    try:
+        yield
+    except (RuntimeError, dist.DistBackendError) as error:
+        if isinstance(error, ShardwiseError):
+            raise
+        raise ShardwiseError(
+            f"{what} failed on this rank: {str(error).splitlines()[0]}. Another rank most likely died, hangs, or "
+            "ran a different sequence of steps (a forward or backward this rank did not run); its own error, "
+            "if any, says why. The wait is bounded by sw.init(timeout=...)."
+        ) from error
+
+
+def new_reduce_group(group) -> dist.ProcessGroup:
+    """A second group of `group`'s ranks, for the reduce-scatters alone (Note [collective order]).
+
+    Only `group`'s members call this (local synchronization), so a user's subgroup gets its own
+    reduce group as the world does."""
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+
+
+def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool, what: str = "an all-gather") -> Pending:
     """Gather every rank's flat shard into one rank-major buffer of `world_size * S`."""
     gathered = torch.empty(world_size * shard_flat.numel(), dtype=shard_flat.dtype, device=shard_flat.device)
-    work = dist.all_gather_single(gathered, shard_flat, group=group, async_op=async_op)
-    return Pending(work, gathered)
+    with named_failure(what):
+        work = dist.all_gather_single(gathered, shard_flat, group=group, async_op=async_op)
+    return Pending(work, gathered, what)
 
 
-def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool) -> Pending:
+def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
+                       what: str = "a reduce-scatter") -> Pending:
     """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
     shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
-    work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-    return Pending(work, shard)
+    with named_failure(what):
+        work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    return Pending(work, shard, what)
 
 
 def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor]) -> None:

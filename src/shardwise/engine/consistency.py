@@ -1,4 +1,5 @@
-"""Ranks agree on the model before anything is sharded: same parameters, same starting values."""
+"""Ranks agree on the model: the same parameters (and which are trainable) at `shard()` and
+before every forward, the same starting values, and which units need a re-gather."""
 
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ from shardwise.errors import ShardwiseError
 def check_same_model_on_every_rank(model: nn.Module, group) -> None:
     """Fail at shard() — not with a hang mid-step — when ranks built different models.
 
-    Ranks first compare a hash of (name, shape, dtype) of every parameter: one small
-    all-gather. Only when the hashes differ are the full lists exchanged, to name the
+    Ranks first compare a hash of (name, shape, dtype, requires_grad) of every parameter:
+    one small all-gather. Only when the hashes differ are the full lists exchanged, to name the
     first differing parameter (all_gather_object costs ~4 MB of RSS on first use)."""
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
-    digest = hashlib.sha256(repr(mine).encode()).digest()
-    signature = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
-    signatures = [torch.zeros_like(signature) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(signatures, signature, group=group)
+    mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
+    signatures = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(signatures, torch.tensor([_digest(repr(mine))]), group=group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
     everyone: list = [None] * dist.get_world_size(group)
@@ -38,15 +37,42 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
                 raise ShardwiseError(
                     f"ranks 0 and {rank} built different models: parameter #{index} is "
                     f"{_describe(a)} on rank 0 but {_describe(b)} on rank {rank}. Build the model "
-                    "from the same code and config on every rank (only the data should differ)."
+                    "from the same code and config, and freeze the same parameters, on every rank (only the "
+                    "data should differ)."
                 )
 
 
 def _describe(entry) -> str:
     if entry is None:
         return "absent"
-    name, shape, dtype = entry
-    return f"{name!r} shape {list(shape)} {dtype}"
+    name, shape, dtype, requires_grad = entry
+    return f"{name!r} shape {list(shape)} {dtype} {'trainable' if requires_grad else 'frozen'}"
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def agree_before_forward(units: list[FlatUnit], group) -> list[FlatUnit]:
+    """The units any rank must re-gather before this forward, agreed by every rank.
+
+    One small all-gather carries each rank's "my rows changed" flag per unit (zero1/zero2: a
+    write only some ranks made still re-gathers everywhere, Note [collective order]) and a
+    digest of which parameters are trainable, so a rank that froze or unfroze a parameter
+    the others did not is an error here instead of a gloo abort in the next reduce."""
+    trainable = "".join("1" if shard.requires_grad else "0" for unit in units for shard in unit.shard_params)
+    local = torch.tensor([_digest(trainable)] + [int(unit.needs_gather()) for unit in units])
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world * local.numel(), dtype=local.dtype)
+    dist.all_gather_into_tensor(everyone, local, group=group)
+    rows = everyone.view(world, -1)
+    differ = (rows[:, 0] != rows[0, 0]).nonzero().flatten().tolist()
+    if differ:
+        raise ShardwiseError(
+            f"ranks 0 and {differ[0]} train different parameters: requires_grad was changed on some ranks and "
+            "not on others. Freeze or unfreeze parameters the same way on every rank, between steps."
+        )
+    return [unit for unit, flag in zip(units, rows[:, 1:].amax(0).tolist()) if flag]
 
 
 def broadcast_from_rank0(unit: FlatUnit, group) -> None:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 import shardwise.engine.collectives as coll
 from shardwise.config import MixedPrecision
 from shardwise.engine.param_layout import ParamLayout, lay_out
+from shardwise.engine.shard_param import make_shard
 from shardwise.engine.units import UnitPlan
 from shardwise.errors import ShardwiseError
 
@@ -103,14 +104,20 @@ class FlatUnit:
         self.grad_phase = GradPhase.IDLE
         self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
         self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
-        self.gathered_version = -1  # full_flat._version right after the last gather (keep_full)
+        self.gathered_stamp = -1  # _master_stamp() right after the last gather (keep_full)
+        self.stale = False  # an optimizer stepped these shards since the last gather (optim_hooks.py)
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
         self.pending_gather: coll.Pending | None = None  # the all-gather in flight (GATHERING)
+        self.where = "set-up"  # the engine's step and phase, for errors that name where a rank waited
+
+    @property
+    def label(self) -> str:
+        return repr(self.path) if self.path else "<root>"
 
     def _move(self, to: Residency) -> None:
         """The one place a unit's residency changes (Note [unit lifecycle])."""
         if to not in _TRANSITIONS[self.residency]:
-            raise RuntimeError(f"shardwise engine bug: unit {self.path or '<root>'} cannot go from "
+            raise RuntimeError(f"shardwise engine bug: unit {self.label} cannot go from "
                                f"{self.residency.value} to {to.value}")
         self.residency = to
 
@@ -166,15 +173,14 @@ class FlatUnit:
                         if original is not None:
                             view.copy_(original.detach())
         for layout, tensor in zip(self.layouts, shard_tensors):
-            shard = nn.Parameter(tensor, requires_grad=layout.owned.param.requires_grad)
-            self.shard_params.append(shard)
+            self.shard_params.append(make_shard(layout.owned.param, tensor))  # Note [kept parameter objects]
         self.install_shards()
         for layout in self.layouts:
             # The original full tensor is no longer registered anywhere; dropping our last
             # reference is what actually frees it (4 bytes per parameter otherwise).
             layout.owned.param = None
         if self.keep_full:
-            self.gathered_version = self._master_version()
+            self.gathered_stamp = self._master_stamp()
         else:
             self.free()
 
@@ -188,7 +194,7 @@ class FlatUnit:
             if not self.aliased:
                 self._shard_segment(layout).copy_(self._own_rows_of(value, layout))
             if self.keep_full:
-                self.gathered_version = self._master_version()  # the full copy is current
+                self.gathered_stamp = self._master_stamp()  # the full copy is current
 
     def _shard_segment(self, layout: ParamLayout) -> Tensor:
         return self.shard_flat[layout.offset : layout.offset + layout.shard_numel]
@@ -204,8 +210,11 @@ class FlatUnit:
         padded[: rows.numel()] = rows
         return padded
 
-    def _master_version(self) -> int:
-        return self.full_flat._version if self.aliased else self.shard_flat._version
+    def _master_stamp(self) -> int:
+        """Moves whenever this rank's master rows are written in place (Note [writes the engine
+        must see]): the shards' own version counters plus their flat buffer's."""
+        base = self.full_flat if self.aliased else self.shard_flat
+        return base._version + sum(shard._version for shard in self.shard_params)
 
     # ---- registrations -----------------------------------------------------------
 
@@ -224,8 +233,8 @@ class FlatUnit:
     # ---- gather / free -----------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        if self.keep_full:
-            return self._master_version() != self.gathered_version  # the optimizer moved our rows
+        if self.keep_full:  # the rows changed since the last gather
+            return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
 
     def _send_buffer(self, dtype: torch.dtype) -> Tensor:
@@ -239,7 +248,8 @@ class FlatUnit:
         """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING)."""
         self._move(Residency.GATHERING)
         send = self._send_buffer(self.compute_dtype).detach()
-        self.pending_gather = coll.all_gather(send, self.world_size, self.group, async_op)
+        self.pending_gather = coll.all_gather(send, self.world_size, self.group, async_op,
+                                              what=f"the all-gather of unit {self.label} ({self.where})")
 
     def finish_gather(self) -> None:
         """Wait for the all-gather and lay the rows out as full values (GATHERING -> GATHERED)."""
@@ -249,7 +259,7 @@ class FlatUnit:
         self._move(Residency.GATHERED)
         if self.store is not None:
             self.store.release(self.shard_flat)  # read for the gather; back to disk
-        self.gathered_version = self._master_version()
+        self.gathered_stamp, self.stale = self._master_stamp(), False
 
     def _copy_out(self, gathered: Tensor, target: Tensor) -> None:
         segments = [(layout.offset, layout.shard_numel) for layout in self.layouts]
@@ -346,7 +356,8 @@ class FlatUnit:
         for column, i in enumerate(indices):
             if grads[i] is not None:
                 flags[:, column] = 1.0
-        return coll.reduce_scatter_avg(packed, self.world_size, self.reduce_group, async_op), indices
+        what = f"the gradient reduce-scatter of unit {self.label} ({self.where})"
+        return coll.reduce_scatter_avg(packed, self.world_size, self.reduce_group, async_op, what), indices
 
     def finish_reduce(self, pending: coll.Pending, indices: list[int]) -> None:
         """Hand each trainable shard its averaged gradient rows (accumulating onto an existing grad)."""

@@ -4,47 +4,60 @@
 |-------|--------------------------------|-------------------------------------|
 | zero1 | kept                           | kept until the step (reduced as ready) |
 | zero2 | kept                           | reduce-scattered per unit, freed    |
-| zero3 | gathered per window, freed     | as zero2                            |
+| zero3 | gathered per use, freed        | as zero2                            |
 
 Optimizer state is always sharded: the optimizer only ever sees shards.
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
 
-- pre_forward: `_make_pre_forward` → `_open_window`: unshard (gather the unit, or wait for
-  its prefetch) and install the full views.
-- post_forward: `_make_post_forward` → `_end_forward`: reshard idle zero3 units; register
-  the unit's pre-backward hook on its outputs.
+- pre_forward: `_make_pre_forward` → `_begin_forward` (root) and `_enter_unit`: unshard
+  (gather the unit, or wait for its prefetch) and, once per window, install the full views.
+- post_forward: `_make_post_forward` → `_end_forward` (root): reshard idle zero3 units;
+  register the unit's pre-backward hook on its outputs.
 - pre_backward: `_pre_backward`: unshard again for backward (zero3); prefetch the next unit.
 - post_backward: `post_backward` (from `_GatherUnit.backward`): reshard (zero3), then
-  reduce-scatter or accumulate the unit's gradients.
+  reduce-scatter or accumulate the unit's gradients (reducer.py).
 - finalize_backward: `_finalize_backward`: reduce what is left in the fixed order, wait for
   every reduce, reinstall the shards.
 
-Per step, per unit (Note [unit window]): the unit's first forward call gathers it if
-needed and runs `_GatherUnit`, an autograd function whose outputs are the full
-parameter views. Every later use of the unit in the same forward (a block reused N
-times, a shared module called from two branches) uses those same tensors, so
-autograd sums every use's gradient and runs `_GatherUnit.backward` exactly once, after
-the last use: that is where the unit's gradients are reduced. A unit no rank used this
-step still takes part in the reduce, with zeros, at the end of backward, in a fixed
-order, so nobody waits on a collective that never comes.
+Note [unit window]: a window runs from the first forward after the shards were installed
+to the end of the backward through it. The unit's first use in the window runs
+`_GatherUnit`, an autograd function whose outputs are the full parameter views; every
+later use in the window — a block reused N times, a module shared by two branches, a
+unit used again after others ran (A, B, A), a second forward before one backward
+(`model(a) + model(b)`: siamese and contrastive losses) — uses those same tensors. So
+autograd sums every use's gradient and runs `_GatherUnit.backward` once per backward,
+after the last use: that is where the unit's gradients are reduced, each contribution
+exactly once. Each forward pass reaches those views through a `_Use` node of its own,
+which only that forward's graph holds: a later forward joins the open window while any
+`_Use` node of it is alive (a weak reference: a graph that may still be backwarded keeps
+it alive); once all are gone, nothing can backward through the window and it is closed. zero3
+frees a unit whenever another unit opens and gathers it again at its next use, forward
+or backward: one extra gather for each non-consecutive reuse, which is the price of
+keeping one unit's full values (plus the prefetched one) at a time.
 
-zero1/zero2 re-gather a unit lazily, at its next forward, when the optimizer has
-changed its rows (the full buffer's version counter moved): no call to remember.
+A unit no rank used this step still takes part in the reduce, with zeros, at the end of
+backward, in a fixed order, so nobody waits on a collective that never comes.
+
+zero1/zero2 re-gather a unit before a forward when any rank's rows of it changed (Note
+[writes the engine must see] in shard_param.py), agreed in one small all-gather per
+forward (consistency.agree_before_forward) that also checks every rank trains the same
+parameters.
 
 Note [collective order]: gloo and NCCL pair collectives by their order of issue, so
 every rank must issue the same sequence even when ranks take different branches.
 zero1/zero2 therefore issue their re-gathers, and all stages their reduce-scatters,
 in one fixed unit order (forward: registration order; backward: its reverse); a unit
 whose turn comes before it is ready holds back the ones after it, never reorders
-them. zero3's forward gathers follow the forward itself, so zero3 requires every rank
-to run the same units in each step (as FSDP does); parameters unused by every rank
-and branches inside a unit may still differ.
+them. Reduce-scatters run on a group of their own, so they never interleave with
+gathers. zero3's forward gathers follow the forward itself, so zero3 requires every
+rank to run the same units in each step (as FSDP does); parameters unused by every
+rank and branches inside a unit may still differ.
 """
 
 from __future__ import annotations
 
-import collections
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,28 +68,25 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
-from shardwise.engine.consistency import broadcast_from_rank0, check_same_model_on_every_rank
-from shardwise.engine.deferred import is_deferred, record, replay
+from shardwise.engine.collectives import new_reduce_group
+from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.info import ShardInfo
-from shardwise.engine.offload import open_store, register_offloaded
+from shardwise.engine.offload import open_store
+from shardwise.engine.optim_hooks import watch_units
 from shardwise.engine.precision import cast_floating_inputs
 from shardwise.engine.recompute import checkpoint_forward
+from shardwise.engine.reducer import Reducer
+from shardwise.engine.sharding import shard_units
 from shardwise.engine.units import UnitSpec, build_units
-
-# Reduce-scatters allowed in flight during backward. One overlaps the previous unit's
-# reduce with this unit's backward compute, as FSDP2 does; a second kept one more packed
-# unit-sized gradient buffer alive at the backward peak (bench/max_model.py: zero3's peak
-# 815-825 MiB with 2, 805 with 1, FSDP2 803) for no step-time gain we could measure.
-_MAX_PENDING_REDUCES = 1
 
 
 class _GatherUnit(torch.autograd.Function):
     """Forward: hand out the unit's full views. Backward: give the full grads to the engine."""
 
     @staticmethod
-    def forward(ctx, state, unit, *trainable_shards):
-        ctx.state, ctx.unit, ctx.num_shards = state, unit, len(trainable_shards)
+    def forward(ctx, engine, unit, *trainable_shards):
+        ctx.engine, ctx.unit, ctx.num_shards = engine, unit, len(trainable_shards)
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
         # Fresh view objects every window: autograd attaches this window's graph to them,
         # and a view reused from an earlier window would carry that window's history.
@@ -87,81 +97,68 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.post_backward(ctx.unit, list(grads))
+        ctx.engine.post_backward(ctx.unit, list(grads))
         return (None, None) + (None,) * ctx.num_shards
+
+
+class _Use(torch.autograd.Function):
+    """One forward pass's use of a window's full views (Note [unit window]): an identity whose
+    node only that forward's graph holds, so its weak reference tells whether it can still
+    be backwarded."""
+
+    @staticmethod
+    def forward(ctx, *fulls):
+        ctx.set_materialize_grads(False)
+        outputs = tuple(full.view(full.shape) for full in fulls)
+        ctx.mark_non_differentiable(*[out for out, full in zip(outputs, fulls) if not full.requires_grad])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
 
 
 @dataclass
 class StepState:
-    """What the engine tracks within one forward/backward window; a fresh one every step."""
+    """What the engine tracks within one window (Note [unit window]); a fresh one every window."""
 
-    windowed: set[int] = field(default_factory=set)  # units whose _GatherUnit ran in this forward
+    fulls: dict[int, tuple] = field(default_factory=dict)  # _GatherUnit's outputs, by unit, for this window
+    uses: list = field(default_factory=list)  # weak references to this window's _Use nodes
+    entered: set[int] = field(default_factory=set)  # units used in the current forward pass
     open_units: list[FlatUnit] = field(default_factory=list)  # units whose forward is running
     prefetching: dict[int, FlatUnit] = field(default_factory=dict)  # gathers in flight, in issue order
     gather_queue: list[FlatUnit] = field(default_factory=list)  # forward: units to gather, fixed order
     backward_queue: list[FlatUnit] = field(default_factory=list)  # zero3 backward: the same, reversed
-    reduced: set[int] = field(default_factory=set)  # units whose reduce was issued
-    ready_grads: dict[int, list] = field(default_factory=dict)  # units whose grads wait for their turn
-    next_reduce: int = 0  # position in ZeroEngine.reduce_order
-    pending_reduces: collections.deque = field(default_factory=collections.deque)
     callback_queued: bool = False  # _finalize_backward is queued on autograd's engine
-    in_window: bool = False  # a forward ran and its backward has not finished
+    in_window: bool = False
 
 
 class ZeroEngine:
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None):
-        self.config = config
-        self.strategy = config.strategy
-        self.group = group
+        self.config, self.strategy, self.group = config, config.strategy, group
+        self.precision = config.precision
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         plans = build_units(model, units)
         self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         check_same_model_on_every_rank(model, group)
-        keep_full = config.keeps_full_params
-        self.precision = precision = config.precision
         self.store = open_store(config.offload, self.rank)
-        # Deferred: meta aliases of the parameters, by name, for the init replay below.
-        deferred = {n: p.detach() for n, p in model.named_parameters()} if is_deferred(model) else None
-        extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
-        self.units = []
-        for plan in plans:  # one unit at a time: zero3's peak is one unit's full values
-            unit = FlatUnit(plan, rank=self.rank, world_size=self.world_size, group=group,
-                            keep_full=keep_full, keep_full_grad=config.keeps_full_grads, precision=precision,
-                            store=self.store)
-            if deferred is None:
-                broadcast_from_rank0(unit, group)
-            unit.take_shards()
-            self.units.append(unit)
-        if deferred is not None:
-            # Every rank replays the same recorded init from the same RNG state, so the values
-            # agree without a broadcast; each keeps its rows as each parameter is finished.
-            where = {layout.owned.name: (u, i) for u in self.units for i, layout in enumerate(u.layouts)}
-            replay(deferred, lambda name, value: where[name][0].set_value(where[name][1], value),
-                   device=self.units[0].device, extra_log=extra_log)
-        if self.store is not None:
-            for unit in self.units:
-                self.store.release(unit.shard_flat)  # written once; the step pages it back in
-            register_offloaded(self.store, [unit.shard_params for unit in self.units])
-        if precision.buffer_dtype is not None:
-            for buffer in model.buffers():
-                if buffer.is_floating_point():
-                    buffer.data = buffer.data.to(precision.buffer_dtype)
+        self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn)
         self.root = self.units[0]
-        # Note [collective order]: reduce-scatters get their own group, so their sequence
-        # never interleaves with zero3's backward gathers in a rank-dependent way. (A new
-        # group needs every rank of the default group, so a user's subgroup is reused.)
-        reduce_group = dist.new_group(backend=dist.get_backend(group)) if group == dist.group.WORLD else group
+        reduce_group = new_reduce_group(group)  # Note [collective order]
         for unit in self.units:
             unit.reduce_group = reduce_group
-        self._max_in_flight = 2 if keep_full else 1  # zero3: current + one prefetched
-        self.reduce_order = list(reversed(self.units))  # Note [collective order]
+        watch_units(self.units)
+        self._max_in_flight = 2 if config.keeps_full_params else 1  # zero3: current + one prefetched
+        self.reducer = Reducer(list(reversed(self.units)))  # Note [collective order]
         self.sync_grads = True
+        self.num_steps = 0  # finished backwards, for errors that say where a rank waited
         self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
-        self._reset_step()
-        if precision.param_dtype != torch.float32:
-            self.root.module.register_forward_pre_hook(cast_floating_inputs(precision.param_dtype), with_kwargs=True)
+        self.step = StepState()
+        if self.precision.param_dtype != torch.float32:
+            self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
+                                                       with_kwargs=True)
         if config.checkpoint_activations:
             for unit in self.units[1:]:
                 checkpoint_forward(unit.module)
@@ -169,18 +166,14 @@ class ZeroEngine:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
 
-    # ---- per-step bookkeeping ----------------------------------------------------
-
-    def _reset_step(self) -> None:
-        self.step = StepState()
+    # ---- forward -----------------------------------------------------------------
 
     def _make_pre_forward(self, unit: FlatUnit):
         def hook(module, args):
             if unit is self.root:
                 self._begin_forward()
             self.step.open_units.append(unit)
-            if id(unit) not in self.step.windowed:
-                self._open_window(unit)
+            self._enter_unit(unit)
         return hook
 
     def _make_post_forward(self, unit: FlatUnit):
@@ -196,28 +189,45 @@ class ZeroEngine:
         return hook
 
     def _begin_forward(self) -> None:
-        if self.step.in_window:  # the previous forward never ran backward (evaluation, a dropped loss)
-            self._close_window()
-        self._reset_step()
+        if self.step.in_window and not self._backward_possible():
+            self._close_window()  # evaluation or a dropped loss: no backward can come
         self.step.in_window = True
-        # The same list on every rank (zero3: every unit; zero1/2: units the step changed).
-        self.step.gather_queue = [u for u in self.units if u.needs_gather()]
+        self.step.entered = set()
+        self._set_where("forward")
+        # The same list on every rank (zero3: units not gathered; zero1/2: units whose rows changed).
+        self.step.gather_queue = agree_before_forward(self.units, self.group)
 
-    def _open_window(self, unit: FlatUnit) -> None:
+    def _backward_possible(self) -> bool:
+        self.step.uses = [use for use in self.step.uses if use() is not None]
+        return bool(self.step.uses)
+
+    def _enter_unit(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
-        trainable = [unit.shard_params[i] for i in unit.trainable()]
-        if trainable:
-            fulls = _GatherUnit.apply(self, unit, *trainable)
-        else:  # nothing to differentiate (frozen unit): plain fresh views, no backward hook
-            fulls = [view.view(view.shape) for view in unit.full_views]
-        unit.install_full(list(fulls))
-        self.step.windowed.add(id(unit))
+        if id(unit) not in self.step.entered:  # the unit's first use in this forward pass
+            self.step.entered.add(id(unit))
+            trainable = [unit.shard_params[i] for i in unit.trainable()]
+            if trainable and torch.is_grad_enabled() and id(unit) not in self.step.fulls:
+                self.step.fulls[id(unit)] = _GatherUnit.apply(self, unit, *trainable)
+            fulls = self.step.fulls.get(id(unit))
+            if fulls is None:  # nothing to differentiate (frozen, or no grad): plain fresh views
+                unit.install_full([view.view(view.shape) for view in unit.full_views])
+            elif torch.is_grad_enabled():
+                uses = _Use.apply(*fulls)
+                node = next(use.grad_fn for use in uses if use.grad_fn is not None)
+                self.step.uses.append(weakref.ref(node))
+                unit.install_full(list(uses))
+            else:
+                unit.install_full(list(fulls))
         if not unit.keep_full:
             self._free_idle(keep={id(unit)})
         self._issue_queued(self.step.gather_queue, up_to=None)
 
     def _end_forward(self) -> None:
         self._drain(self.step.gather_queue)  # units this rank did not run still take their gather
+        for unit in self.units:  # the window's views, not this pass's _Use outputs (Note [unit window])
+            if id(unit) in self.step.fulls:
+                unit.install_full(list(self.step.fulls[id(unit)]))
+        backward_possible = self._backward_possible()
         if not self.root.keep_full:
             # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
             # its root), one gather fewer per step. "Last" by registration, not by this
@@ -225,7 +235,7 @@ class ZeroEngine:
             last = {id(self.units[-1])} if torch.is_grad_enabled() else set()
             self._free_idle(keep={id(self.root)} | last)
             self.step.backward_queue = [u for u in reversed(self.units) if not u.resident]
-        if not torch.is_grad_enabled():
+        if not backward_possible:
             self._close_window()
 
     def _drain(self, queue: list[FlatUnit]) -> None:
@@ -263,7 +273,8 @@ class ZeroEngine:
                     break
                 if not other.keep_full and not any(other is u for u in self.step.open_units):
                     other.free()
-        elif unit.needs_gather():
+        elif not unit.keep_full and unit.needs_gather():
+            # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
             unit.start_gather(async_op=False)
             unit.finish_gather()
         if not unit.keep_full:
@@ -278,20 +289,20 @@ class ZeroEngine:
 
     # ---- backward ----------------------------------------------------------------
 
-    def _pre_backward(self, unit: FlatUnit) -> None:
+    def _queue_finalize(self) -> None:
         if not self.step.callback_queued:
             self.step.callback_queued = True
+            self._set_where("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-        if id(unit) in self.step.reduced:
-            return
+
+    def _pre_backward(self, unit: FlatUnit) -> None:
+        self._queue_finalize()
         self._ensure_gathered(unit, self.step.backward_queue)
         self._issue_queued(self.step.backward_queue, up_to=None)  # prefetch the next one
 
     def post_backward(self, unit: FlatUnit, grads: list) -> None:
-        """All uses of `unit` in this step have their gradients: reduce or accumulate them."""
-        if not self.step.callback_queued:  # a graph that reached no unit output hook
-            self.step.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
+        self._queue_finalize()  # also for a graph that reached no unit output hook
         if not unit.keep_full and unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
@@ -299,50 +310,22 @@ class ZeroEngine:
             unit.free()
         if not self.sync_grads:
             unit.accumulate(grads)
-        else:
-            # zero1 keeps its full grads; zero2/zero3 have some only after no_sync micro-batches.
-            # Either way the reduce starts now, overlapping the rest of backward.
-            if unit.keep_full_grad or unit.full_grad is not None:
-                unit.accumulate(grads)
-                grads = unit.full_grad_list()
-            self.step.ready_grads[id(unit)] = grads
-            self._launch_ready_reduces()
-
-    def _launch_ready_reduces(self) -> None:
-        """Reduce ready units in the fixed order, stopping at the first not ready yet."""
-        while self.step.next_reduce < len(self.reduce_order):
-            unit = self.reduce_order[self.step.next_reduce]
-            if id(unit) not in self.step.ready_grads:
-                return
-            self._launch_reduce(unit, self.step.ready_grads.pop(id(unit)))
-            self.step.next_reduce += 1
-
-    def _launch_reduce(self, unit: FlatUnit, grads: list) -> None:
-        self.step.reduced.add(id(unit))
-        if not unit.trainable():
             return
-        while len(self.step.pending_reduces) >= _MAX_PENDING_REDUCES:
-            self._finish_oldest_reduce()
-        pending, indices = unit.start_reduce(grads, async_op=True)
-        self.step.pending_reduces.append((unit, pending, indices))
-
-    def _finish_oldest_reduce(self) -> None:
-        unit, pending, indices = self.step.pending_reduces.popleft()
-        unit.finish_reduce(pending, indices)
-        unit.end_accumulation()
+        # zero1 keeps its full grads; zero2/zero3 have some only after no_sync micro-batches.
+        # Either way the reduce starts now, overlapping the rest of backward.
+        if unit.keep_full_grad or unit.full_grad is not None:
+            unit.accumulate(grads)
+            grads = unit.full_grad_list()
+        self.reducer.add(unit, grads)
 
     def _finalize_backward(self) -> None:
         self._drain(self.step.backward_queue)  # units this rank's backward never reached
         if self.sync_grads:
             # Units not reduced yet: zero1's kept grads, and units unused this step on this
             # rank (zeros). Same fixed order as during backward (Note [collective order]).
-            for unit in self.reduce_order[self.step.next_reduce :]:
-                grads = self.step.ready_grads.pop(id(unit), None)
-                if grads is None:
-                    grads = unit.full_grad_list()
-                self._launch_reduce(unit, grads)
-            while self.step.pending_reduces:
-                self._finish_oldest_reduce()
+            self.reducer.finish()
+        self.reducer.reset()
+        self.num_steps += 1
         self._close_window()
 
     def _close_window(self) -> None:
@@ -351,7 +334,12 @@ class ZeroEngine:
         for unit in self.units:
             unit.install_shards()
             unit.free()
-        self._reset_step()
+        self.step = StepState()
+        self._set_where("between steps")
+
+    def _set_where(self, phase: str) -> None:
+        for unit in self.units:
+            unit.where = f"step {self.num_steps}, {phase}"
 
     # ---- user-facing helpers -----------------------------------------------------
 

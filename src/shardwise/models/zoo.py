@@ -199,6 +199,70 @@ class OddShapes(ZooModel):
         return F.cross_entropy(logits, y)
 
 
+class TwoTower(ZooModel):
+    """Forward pattern: two forwards before one backward (siamese and contrastive training,
+    two-pass losses). The zoo loop calls it twice per micro-batch (`forward_passes=2`, the
+    second time on rolled inputs) and backwards the mean, so every unit is used in two
+    forward passes and both contributions must be reduced."""
+
+    forward_passes = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = ResidualMLP()
+        self.proj = ResidualMLP()
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.mse_loss(self.head(self.proj(self.encoder(x))), y)
+
+
+class NonConsecutive(ZooModel):
+    """Forward pattern: a unit used again after another ran (A, B, A: cyclic layer sharing).
+    Under zero3, A is freed when B runs and must be gathered again for its second use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = ResidualMLP()
+        self.b = ResidualMLP()
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return F.mse_loss(self.head(self.a(self.b(self.a(x)))), y)
+
+
+class RecurrentCell(nn.Module):
+    """h' = tanh(W_x x + W_h h): the unit of `Recurrent`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input = nn.Linear(WIDTH, WIDTH)
+        self.hidden = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x: Tensor, h: Tensor) -> Tensor:
+        return torch.tanh(self.input(x) + self.hidden(h))
+
+
+class Recurrent(ZooModel):
+    """Forward pattern: a recurrent cell applied T=3 times over time steps, with a loss from
+    two forward passes (`forward_passes=2`): one unit used 6 times across two forwards."""
+
+    num_steps = 3
+    forward_passes = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = RecurrentCell()
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = torch.zeros_like(x)
+        for t in range(self.num_steps):
+            h = self.cell(x.roll(t, dims=-1), h)
+        # Summed over features (not averaged): gradients large enough for the grid's clipping to act.
+        return (self.head(h) - y).pow(2).sum(-1).mean()
+
+
 # ---- batches -------------------------------------------------------------------
 
 
@@ -229,7 +293,8 @@ class ZooSpec:
 
     `make_batch(generator, n)` returns n examples; `unit_class` is the repeated block
     class to cut units at (None: the root only); `skips_params` is True when some
-    trainable parameter may get no gradient in a step.
+    trainable parameter may get no gradient in a step; `forward_passes` is how many
+    times the training loop calls the model per micro-batch before one backward.
     """
 
     name: str
@@ -237,6 +302,7 @@ class ZooSpec:
     make_batch: Callable[[torch.Generator, int], tuple[Tensor, Tensor]]
     unit_class: type | None
     skips_params: bool
+    forward_passes: int = 1
 
 
 ZOO: dict[str, ZooSpec] = {
@@ -249,6 +315,9 @@ ZOO: dict[str, ZooSpec] = {
         ZooSpec("unused_branch", UnusedBranch, _float_batch, ResidualMLP, True),
         ZooSpec("frozen", Frozen, _float_batch, ResidualMLP, False),
         ZooSpec("odd_shapes", OddShapes, _class_batch, None, False),
+        ZooSpec("two_tower", TwoTower, _float_batch, ResidualMLP, False, forward_passes=2),
+        ZooSpec("non_consecutive", NonConsecutive, _float_batch, ResidualMLP, False),
+        ZooSpec("recurrent", Recurrent, _float_batch, RecurrentCell, False, forward_passes=2),
     ]
 }
 

@@ -1,0 +1,62 @@
+"""The registered parameter after `shard()`: this rank's rows, in the user's own Parameter object.
+
+Note [kept parameter objects]: an optimizer built before `shard()` (the order Accelerate and
+Hugging Face examples use) holds the model's original `nn.Parameter` objects. So `shard()`
+keeps those objects and changes what they hold: each becomes a `ShardParameter` whose data
+is this rank's rows. Optimizers, param groups and per-parameter settings made earlier keep
+working. Only a parameter built on the meta device (deferred init) cannot change device in
+place; it gets a new object, and the old one is marked so that an optimizer still holding it
+is refused at its first step (optim_hooks.py) instead of training nothing.
+
+Note [writes the engine must see]: zero1/zero2 re-gather a unit only when its rows may have
+changed. Every write path is made visible:
+- in-place ops on the parameter (`p.mul_()` under no_grad, `load_state_dict`, `sw.load`)
+  bump its version counter;
+- `p.data` returns `p.detach()`, which shares that version counter (a plain Parameter's
+  `.data` has its own, so `p.data.clamp_()` went unseen);
+- `p.data = t` copies `t` into the rows (same shape and dtype) or is refused: the rows'
+  storage belongs to the unit's flat buffer;
+- optimizer steps, whose fused kernels bump no version counter, mark the unit stale from a
+  global step hook (optim_hooks.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.errors import ShardwiseError
+
+_set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds storage
+
+
+class ShardParameter(nn.Parameter):
+    """A parameter holding this rank's rows of a sharded tensor (Note [writes the engine must see])."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()  # shares the version counter: writes through it are seen
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value.shape != self.shape or value.dtype != self.dtype or value.device != self.device:
+            raise ShardwiseError(
+                f"cannot set .data of a sharded parameter (this rank's rows: {list(self.shape)} {self.dtype} on "
+                f"{self.device}) to a {list(value.shape)} {value.dtype} tensor on {value.device}: shardwise owns "
+                "its storage. Cast or move the model (model.to(...), .half()) before sw.shard(...), or write "
+                "values in place under torch.no_grad()."
+            )
+        with torch.no_grad():
+            self.copy_(value)
+
+
+def make_shard(original: nn.Parameter, rows: torch.Tensor) -> ShardParameter:
+    """`original` turned into a ShardParameter holding `rows` (Note [kept parameter objects])."""
+    if isinstance(original, nn.Parameter) and original.device.type != "meta" and not isinstance(
+            original, ShardParameter):
+        _set_data(original, rows)
+        original.__class__ = ShardParameter
+        return original
+    shard = ShardParameter(rows, requires_grad=original.requires_grad)
+    original._sw_replaced = True  # read by optim_hooks.refuse_replaced_params
+    return shard

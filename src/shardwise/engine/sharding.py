@@ -1,0 +1,48 @@
+"""Turning a model's parameters into units of shards, one unit at a time (zero strategies' set-up).
+
+The peak during set-up is one unit's full values: each unit takes its rows and frees the
+rest before the next is built. Eager models start from rank 0's values (as DDP does); a
+model built under `sw.deferred_init()` replays its recorded init on every rank instead.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.config import ShardConfig
+from shardwise.engine.consistency import broadcast_from_rank0
+from shardwise.engine.deferred import is_deferred, record, replay
+from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.offload import DiskStore, register_offloaded
+from shardwise.engine.units import UnitPlan
+
+
+def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, rank: int,
+                world_size: int, store: DiskStore | None, init_fn=None) -> list[FlatUnit]:
+    """Every unit of `plans` holding only this rank's rows, in registration order (root first)."""
+    # Deferred: meta aliases of the parameters, by name, for the init replay below.
+    deferred = {n: p.detach() for n, p in model.named_parameters()} if is_deferred(model) else None
+    extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
+    units = []
+    for plan in plans:
+        unit = FlatUnit(plan, rank=rank, world_size=world_size, group=group, keep_full=config.keeps_full_params,
+                        keep_full_grad=config.keeps_full_grads, precision=config.precision, store=store)
+        if deferred is None:
+            broadcast_from_rank0(unit, group)
+        unit.take_shards()
+        units.append(unit)
+    if deferred is not None:
+        # Every rank replays the same recorded init from the same RNG state, so the values
+        # agree without a broadcast; each keeps its rows as each parameter is finished.
+        where = {layout.owned.name: (u, i) for u in units for i, layout in enumerate(u.layouts)}
+        replay(deferred, lambda name, value: where[name][0].set_value(where[name][1], value),
+               device=units[0].device, extra_log=extra_log)
+    if store is not None:
+        for unit in units:
+            store.release(unit.shard_flat)  # written once; the step pages it back in
+        register_offloaded(store, [unit.shard_params for unit in units])
+    if config.precision.buffer_dtype is not None:
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(config.precision.buffer_dtype)
+    return units
