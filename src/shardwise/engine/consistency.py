@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.engine.collectives import named_failure
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
@@ -64,7 +65,8 @@ def agree_before_forward(units: list[FlatUnit], group) -> list[FlatUnit]:
     local = torch.tensor([_digest(trainable)] + [int(unit.needs_gather()) for unit in units])
     world = dist.get_world_size(group)
     everyone = torch.empty(world * local.numel(), dtype=local.dtype)
-    dist.all_gather_into_tensor(everyone, local, group=group)
+    with named_failure(f"the agreement before a forward ({units[0].where})"):
+        dist.all_gather_into_tensor(everyone, local, group=group)
     rows = everyone.view(world, -1)
     differ = (rows[:, 0] != rows[0, 0]).nonzero().flatten().tolist()
     if differ:
