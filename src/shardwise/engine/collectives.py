@@ -59,9 +59,14 @@ def new_reduce_group(group) -> dist.ProcessGroup:
     """A second group of `group`'s ranks, for the reduce-scatters alone (Note [collective order]).
 
     Only `group`'s members call this (local synchronization), so a user's subgroup gets its own
-    reduce group as the world does."""
+    reduce group as the world does; it keeps `group`'s timeout."""
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend that does not say: torch's default
+        timeout = None
+    return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True)
 
 
 def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool, what: str = "an all-gather") -> Pending:
