@@ -6,7 +6,7 @@ drives) → checkpoint/, estimate/, pipeline/ (built on the engine) → cli/ and
 """
 
 from shardwise._version import __version__
-from shardwise.checkpoint import LoadReport, dcp_state_dict, export, latest, load, save
+from shardwise.checkpoint import LoadReport, dcp_state_dict, export, full_state_dict, latest, load, save
 from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
@@ -35,6 +35,7 @@ __all__ = [
     "estimate",
     "export",
     "full_parameters",
+    "full_state_dict",
     "get_rank",
     "get_world_size",
     "init",

@@ -1,9 +1,7 @@
 """`sw.dcp_state_dict`: a sharded model's state as DTensors, for `torch.distributed.checkpoint`.
 
-Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
-rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout.
-So each shard's real rows become a DTensor's local tensor as they are, no copy, and
-DCP can save them and load them back *in place*, at another world size or strategy
+Each shard's real rows (Note [dcp rows] in engine/info.py) become a DTensor's local
+tensor as they are, no copy, and DCP can save them and load them back *in place*, at another world size or strategy
 (DCP reads the overlapping chunks). A 0-D parameter, which the engine holds as one
 row, is exposed as shape (1,): DCP with shardwise's own keys both ways.
 """
@@ -13,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
-from shardwise.checkpoint.ranks import group_of, is_sharded, row_view
-from shardwise.engine.info import ShardInfo, shard_info
+from shardwise.checkpoint.ranks import group_of, is_sharded
+from shardwise.engine.info import ShardInfo, as_dtensor, shard_info
 
 
 def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict:
@@ -38,12 +35,7 @@ def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
     infos = shard_info(model)
 
     def wrap(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
-        if not sharded:
-            return tensor.detach()
-        rows = row_view(tensor, info, info.row_start, info.row_end)
-        shape = tuple(info.full_shape) or (1,)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+        return as_dtensor(tensor, info, mesh) if sharded else tensor.detach()
 
     out: dict = {"model": {clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
     if optim is not None:

@@ -92,3 +92,37 @@ def _gather_full(info: ShardInfo, group, rank: int, world: int) -> torch.Tensor 
     if rank != 0:
         return None
     return full[:rows].reshape(info.full_shape)
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with plain full tensors, as an unsharded model's `state_dict()`
+    gives it (every name of a tied weight, persistent buffers); every rank calls it.
+
+    A sharded model's parameters are gathered one at a time to rank 0 (Note [state dict]);
+    other ranks get an empty dict unless `rank0_only=False`, which gives every rank the
+    whole state (one all-gather per parameter)."""
+    group, rank, world = group_of(model)
+    sharded = is_sharded(model)
+    out: dict[str, torch.Tensor] = {}
+    for raw, info in shard_info(model).items():
+        if not sharded:
+            value = info.param.detach()
+        elif rank0_only:
+            value = _gather_full(info, group, rank, world)
+        else:
+            value = _all_gather_full(info, group, world)
+        if value is not None:
+            for name in (raw, *info.aliases):
+                out[clean_name(name)] = value
+    if rank == 0 or not rank0_only:
+        for name, buffer in persistent_buffers(model).items():
+            out[name] = buffer.detach()
+    return out
+
+
+def _all_gather_full(info: ShardInfo, group, world: int) -> torch.Tensor:
+    shard = info.param.detach().contiguous()
+    gathered = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    torch.distributed.all_gather_into_tensor(gathered, shard, group=group)
+    rows = info.full_shape[0] if len(info.full_shape) else 1
+    return gathered[:rows].reshape(info.full_shape)

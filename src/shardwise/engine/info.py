@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 
 def engine_of(model: nn.Module):
@@ -67,3 +68,19 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
         rows = param.shape[0] if param.dim() else 1
         info[name] = ShardInfo(param, param.shape, 0, rows, tuple(names_by_param[id(param)][1:]))
     return info
+
+
+def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:
+    """This rank's real rows of `tensor` (the shard, or optimizer state shaped like it) as a
+    `Shard(0)` DTensor of the full shape, without a copy.
+
+    Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
+    rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout. A 0-D
+    parameter, which the engine holds as one row, is exposed with shape (1,)."""
+    flat = tensor.detach()
+    if len(info.full_shape) == 0:
+        flat = flat.reshape(-1)
+    rows = flat[: info.row_end - info.row_start]
+    shape = tuple(info.full_shape) or (1,)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)

@@ -78,6 +78,7 @@ from shardwise.engine.precision import cast_floating_inputs
 from shardwise.engine.recompute import checkpoint_forward
 from shardwise.engine.reducer import Reducer
 from shardwise.engine.sharding import shard_units
+from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.units import UnitSpec, build_units
 
 
@@ -150,6 +151,7 @@ class ZeroEngine:
         for unit in self.units:
             unit.reduce_group = reduce_group
         watch_units(self.units)
+        install_state_dict_hooks(model, self)  # Note [state dict]
         self._max_in_flight = 2 if config.keeps_full_params else 1  # zero3: current + one prefetched
         self.reducer = Reducer(list(reversed(self.units)))  # Note [collective order]
         self.sync_grads = True
