@@ -167,3 +167,24 @@ def test_a_rank_that_stops_makes_the_others_fail_naming_the_step_and_collective(
     rank0, rank1 = ranks.run(_stop_calling_collectives, 2, timeout=30)
     assert rank1 is None
     assert rank0 is not None and "step 2, forward" in rank0 and "Another rank most likely died" in rank0, rank0
+
+
+def _wrap_in_ddp(strategy):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build(MODEL, seed=dist.get_rank())  # rank-different values before shard(): rank 0's win
+    kwargs = {} if strategy == "ddp" else {"units": ZOO[MODEL].unit_class}
+    sw.shard(model, strategy=strategy, **kwargs)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    message = _error_of(DistributedDataParallel, model)
+    unchanged = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    return message, unchanged
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_wrapping_a_sharded_model_in_ddp_is_refused_before_it_broadcasts(ranks, strategy):
+    """Catches a second data-parallel wrapper (DDP, so Accelerate and the transformers Trainer):
+    its broadcast overwrote every rank's rows with rank 0's and losses drifted without a word."""
+    for message, unchanged in ranks.run(_wrap_in_ddp, 2, strategy):
+        assert message is not None and "already sharded by shardwise" in message, message
+        assert unchanged

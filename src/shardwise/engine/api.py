@@ -10,6 +10,7 @@ from torch import nn
 from shardwise.config import DiskOffload, MixedPrecision, ShardConfig
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
+from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.info import engine_of
 from shardwise.engine.units import UnitSpec
 from shardwise.engine.zero import apply_zero
@@ -69,4 +70,5 @@ def shard(
     else:
         engine = apply_zero(model, config, units, group, init_fn)
     model._shardwise = engine  # a plain attribute: not a module, so not in state_dict()
+    model._ddp_params_and_buffers_to_ignore = RefuseDataParallel(config.strategy)  # Note [no second wrapper]
     return model

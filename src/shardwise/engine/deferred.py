@@ -131,7 +131,12 @@ class _RealConstants(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is None:
-            return func(*args, **dict(kwargs, device="cpu")).to("meta")
+            value = func(*args, **dict(kwargs, device="cpu"))
+            # Note [probes of the device]: an empty `torch.tensor([])` is how libraries ask which
+            # device a context puts tensors on (transformers skips its whole weight init when the
+            # answer is meta, so values would differ from eager). It holds nothing to record, so it
+            # stays on the CPU and they run the init eagerly, which is recorded like any other.
+            return value if value.numel() == 0 else value.to("meta")
         return func(*args, **kwargs)
 
 
@@ -253,7 +258,9 @@ def _take_log(keys: set[int]):
 
 
 def _created(entry: _Entry, key: int) -> bool:
-    return any(isinstance(o, _Ref) and o.key == key for o in entry.outputs)
+    """The op made this storage. An in-place op returns its own input (`weight[0].zero_()`
+    returns the row): that is a write to the storage, not its creation."""
+    return _target_ref(entry, key) is None and any(isinstance(o, _Ref) and o.key == key for o in entry.outputs)
 
 
 def _target_ref(entry: _Entry, key: int):

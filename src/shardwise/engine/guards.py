@@ -1,0 +1,31 @@
+"""Refusing a second data-parallel wrapper around a sharded model, before it can do harm.
+
+Note [no second wrapper]: torch's DistributedDataParallel (and so Accelerate's `prepare`
+and transformers' `Trainer`, which wrap in it) broadcasts rank 0's parameters to every
+rank when it is built: on a sharded model that overwrites each rank's own rows with rank
+0's, and then averages gradients a second time with torch's rank-local clipping. The first
+thing DDP's constructor reads is the module's `_ddp_params_and_buffers_to_ignore`; on a
+model `shard()` prepared, reading it raises the error below on every rank, before any
+broadcast.
+"""
+
+from __future__ import annotations
+
+from shardwise.errors import ShardwiseError
+
+
+class RefuseDataParallel:
+    """Stands in `model._ddp_params_and_buffers_to_ignore` (Note [no second wrapper])."""
+
+    def __init__(self, strategy: str):
+        self.strategy = strategy
+
+    def __iter__(self):
+        raise ShardwiseError(
+            f"this model is already sharded by shardwise (strategy={self.strategy!r}), which synchronizes its "
+            "gradients itself: wrapping it in DistributedDataParallel would overwrite every rank's rows with "
+            "rank 0's and average the gradients twice. Train the model as sw.shard returned it (call "
+            "sw.clip_grad_norm_(model, ...), not torch.nn.utils.clip_grad_norm_). With Accelerate or the "
+            "transformers Trainer, do not call sw.shard yourself: let the framework's own data parallelism "
+            "run, or run the loop without the wrapper."
+        )
