@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.models.zoo import ZOO, build
-from shardwise.testing import assert_close_runs, train
+from shardwise.testing import assert_close_runs, global_batch, rank_slice, train
 
 MODEL = "reused_block"  # a unit used 3 times per forward, a head in the root unit
 
@@ -72,9 +72,16 @@ def run(strategy: str | None, optimizer: tuple, write: str | None = None, order:
             sw.shard(model, strategy=strategy, units=spec.unit_class)
         optim = make(model.parameters(), *optimizer)
 
+    probe = rank_slice(global_batch(spec, 0, 8), rank, world_size)
+
     def step():
         optim.step()
-        between_steps(model, write)
+        if write:
+            # An evaluation forward first: it re-gathers what the step changed, so the write
+            # below is the only change the next forward can see (the step's mark is spent).
+            with torch.no_grad():
+                model(*probe)
+            between_steps(model, write)
 
     result = train(model, spec, 4, 8, rank=rank, world_size=world_size, optimizer=optim, step_fn=step,
                    all_reduce_loss=_average if strategy else None,
@@ -126,3 +133,27 @@ def test_set_data_with_another_shape_is_refused():
     with pytest.raises(sw.ShardwiseError, match="before sw.shard"):
         model.half()
     sw.shutdown()
+
+
+def _write_on_rank_1_only(strategy):
+    model = build(MODEL)
+    spec = ZOO[MODEL]
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    x, y = global_batch(spec, 0, 8)
+    if dist.get_rank() == 1:  # only rank 1 changes its rows
+        for p in model.parameters():
+            p.data.mul_(0.5)
+    loss = model(*rank_slice((x, y), dist.get_rank(), 2)).detach()
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    full = sw.full_parameters(model)
+    reference = build(MODEL)
+    reference.load_state_dict(full)
+    return abs(loss.item() - reference(x, y).item())
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_a_write_on_one_rank_is_seen_by_every_rank(ranks, strategy):
+    """Catches re-gathers decided per rank: a write only rank 1 made must re-gather the unit on
+    every rank (a one-sided gather mismatches the collectives), and the forward must use it."""
+    for difference in ranks.run(_write_on_rank_1_only, 2, strategy):
+        assert difference < 1e-5

@@ -96,3 +96,25 @@ def _dcp_round_trip(tmp, save_strategy, load_strategy):
 def test_torch_distributed_checkpoint_on_state_dict(ranks, tmp_path):
     """Catches a state_dict() that DCP cannot save or load in place across strategies."""
     assert all(ranks.run(_dcp_round_trip, 2, str(tmp_path), "zero2", "zero3"))
+
+
+def _registrations_between_steps(strategy):
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=ZOO["gpt"].unit_class)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = rank_slice(global_batch(ZOO["gpt"], step, 8), dist.get_rank(), 2)
+        model(x, y).backward()
+        optim.step()
+        optim.zero_grad()
+    shards = {id(info.param) for info in sw.shard_info(model).values()}
+    registered = list(model.named_parameters(remove_duplicate=False))
+    return [name for name, p in registered if id(p) not in shards], model.head.weight is model.tok_emb.weight
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_between_steps_every_registration_is_the_shard(ranks, strategy):
+    """Catches a registration left holding a full view after a step (the tied head's second
+    name): parameters() would then hand an optimizer a tensor the engine never updates."""
+    for stray, tied in ranks.run(_registrations_between_steps, 2, strategy):
+        assert stray == [] and tied

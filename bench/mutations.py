@@ -1,0 +1,107 @@
+"""Deliberate mutations of the engine, and the test that must catch each (issue 10's table).
+
+    python bench/mutations.py            # every mutation: copy src/, apply it, run its tests
+
+Each mutation is (name, file under src/shardwise, text, replacement, tests to run). A
+mutation no test catches is a missing test. Writes bench/results/mutations.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MUTATIONS = [
+    ("skip the stale mark of an optimizer step (fused kernels unseen)", "engine/flat_unit.py",
+     "return self.stale or self._master_stamp() != self.gathered_stamp",
+     "return self._master_stamp() != self.gathered_stamp",
+     "tests/test_optimizers.py -k fused"),
+    ("skip zero3's re-gather of a unit freed since its last use (A, B, A)", "engine/zero.py",
+     "elif not unit.keep_full and unit.needs_gather():", "elif False:",
+     "tests/test_zero_parity.py -k non_consecutive"),
+    ("reduce in the compute dtype, not reduce_dtype", "engine/flat_unit.py",
+     "self.reduce_dtype = precision.reduce_dtype if", "self.reduce_dtype = precision.param_dtype if",
+     "tests/test_misuse.py -k reduce_dtype"),
+    ("average the gradients twice", "engine/flat_unit.py",
+     "rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(self.dtype)",
+     "rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(self.dtype) / 2",
+     "tests/test_zero_parity.py -k 'gpt and 2'"),
+    ("a new window per forward pass (late gradients of a second forward dropped)", "engine/zero.py",
+     "if trainable and torch.is_grad_enabled() and id(unit) not in self.step.fulls:",
+     "if trainable and torch.is_grad_enabled():",
+     "tests/test_zero_parity.py -k two_tower"),
+    ("drop the 'used' flags (unused parameters get zero gradients)", "engine/flat_unit.py",
+     "                flags[:, column] = 1.0", "                pass",
+     "tests/test_zero_parity.py -k unused_branch"),
+    ("install a tied parameter under its first name only", "engine/flat_unit.py",
+     "for module, attribute in layout.owned.holders:\n                module._parameters[attribute] = shard",
+     "for module, attribute in layout.owned.holders[:1]:\n                module._parameters[attribute] = shard",
+     "tests/test_state_dict.py -k between_steps"),
+    ("requires_grad left out of the cross-rank check", "engine/consistency.py",
+     "str(p.dtype), p.requires_grad)", "str(p.dtype), True)",
+     "tests/test_misuse.py -k freeze_different"),
+    ("each rank re-gathers on its own verdict (no agreement)", "engine/consistency.py",
+     "return [unit for unit, flag in zip(units, rows[:, 1:].amax(0).tolist()) if flag]",
+     "return [unit for unit in units if unit.needs_gather()]",
+     "tests/test_optimizers.py -k one_rank"),
+    ("p.data with its own version counter", "engine/shard_param.py",
+     "        return self.detach()  # shares the version counter", "        return super().data  # own counter",
+     "tests/test_optimizers.py -k 'writes and data'"),
+    ("a new Parameter object per shard (an optimizer built first steps nothing)", "engine/shard_param.py",
+     "    if isinstance(original, nn.Parameter) and original.device.type != \"meta\"",
+     "    if False and isinstance(original, nn.Parameter) and original.device.type != \"meta\"",
+     "tests/test_optimizers.py -k before"),
+    ("no state_dict hooks (shards that look whole)", "engine/zero.py",
+     "        install_state_dict_hooks(model, self)  # Note [state dict]", "",
+     "tests/test_state_dict.py"),
+    ("no guard against a second DDP wrapper", "engine/api.py",
+     "    model._ddp_params_and_buffers_to_ignore = RefuseDataParallel(config.strategy)", "",
+     "tests/test_misuse.py -k ddp"),
+    ("keep a zero3 unit's full values after its backward", "engine/zero.py",
+     "            # worth less at the backward peak; bench/max_model.py).\n            unit.free()",
+     "            # worth less at the backward peak; bench/max_model.py).\n            pass",
+     "tests/test_zero_engine.py"),
+]
+
+
+def run(mutation) -> tuple[str, str, float]:
+    name, relative, old, new, tests = mutation
+    with tempfile.TemporaryDirectory() as scratch:
+        src = Path(scratch) / "src"
+        shutil.copytree(ROOT / "src", src)
+        target = src / "shardwise" / relative
+        text = target.read_text()
+        if text.count(old) != 1:
+            return name, f"mutation text found {text.count(old)} times in {relative}", 0.0
+        target.write_text(text.replace(old, new))
+        env = dict(os.environ, PYTHONPATH=str(src))
+        started = time.time()
+        done = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider {tests}", shell=True,
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        verdict = "caught" if done.returncode != 0 else "NOT CAUGHT"
+        return name, verdict, time.time() - started
+
+
+def main() -> None:
+    wanted = sys.argv[1:]  # optional: substrings of the mutations to run
+    rows = []
+    for mutation in MUTATIONS:
+        if wanted and not any(w in mutation[0] for w in wanted):
+            continue
+        name, verdict, seconds = run(mutation)
+        rows.append(f"| {name} | `{mutation[1]}` | `{mutation[4]}` | {verdict} ({seconds:.0f} s) |")
+        print(rows[-1], flush=True)
+    if not wanted:  # the whole table only
+        table = "| mutation | file | tests run | result |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
+        (ROOT / "bench" / "results" / "mutations.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
