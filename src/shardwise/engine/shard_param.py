@@ -18,9 +18,19 @@ changed. Every write path is made visible:
   storage belongs to the unit's flat buffer;
 - optimizer steps, whose fused kernels bump no version counter, mark the unit stale from a
   global step hook (optim_hooks.py).
+
+Note [rank-local clipping]: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on a
+sharded model would compute the norm of this rank's rows only, and each rank would clip by
+a different factor. Reading `.grad` from inside that function (it collects the gradients in
+a comprehension at its start, before touching any) is refused with the fix,
+`sw.clip_grad_norm_`, which computes the global norm. Any other read of `.grad` is a plain
+read; at world size 1 the rows are the whole tensor and torch's function is exact.
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
 
 import torch
 from torch import nn
@@ -28,6 +38,8 @@ from torch import nn
 from shardwise.errors import ShardwiseError
 
 _set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds storage
+_get_grad, _set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
+_TORCH_CLIP = inspect.unwrap(torch.nn.utils.clip_grad_norm_).__code__
 
 
 class ShardParameter(nn.Parameter):
@@ -48,6 +60,32 @@ class ShardParameter(nn.Parameter):
             )
         with torch.no_grad():
             self.copy_(value)
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "<listcomp>":  # Python 3.11 gives comprehensions a frame
+            caller = caller.f_back
+        if caller is not None and caller.f_code is _TORCH_CLIP and _sharded(self):
+            raise ShardwiseError(
+                "torch.nn.utils.clip_grad_norm_ on a sharded model sees only this rank's rows: its norm would be "
+                "this rank's and every rank would clip by a different factor. Use "
+                "sw.clip_grad_norm_(model, max_norm), which computes the global norm (Note [rank-local clipping])."
+            )
+        return _get_grad(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _set_grad(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _set_grad(self, None)
+
+
+def _sharded(param: ShardParameter) -> bool:
+    unit = getattr(param, "_sw_unit", None)
+    return unit is None or unit.world_size > 1
 
 
 def make_shard(original: nn.Parameter, rows: torch.Tensor) -> ShardParameter:
