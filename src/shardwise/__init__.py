@@ -6,14 +6,24 @@ drives) → checkpoint/, estimate/, pipeline/ (built on the engine) → cli/ and
 """
 
 from shardwise._version import __version__
-from shardwise.checkpoint import LoadReport, dcp_state_dict, export, full_state_dict, latest, load, save
+from shardwise.checkpoint import (
+    LoadReport,
+    dcp_state_dict,
+    export,
+    full_state_dict,
+    latest,
+    load,
+    save,
+    save_pretrained,
+)
 from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.deferred import deferred_init
+from shardwise.engine.describe import UnitTable, describe
 from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.engine.precision import LossScaler
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
 from shardwise.sampler import ResumableSampler
 
@@ -28,10 +38,13 @@ __all__ = [
     "ShardConfig",
     "ShardInfo",
     "ShardwiseError",
+    "ShardwiseWarning",
+    "UnitTable",
     "__version__",
     "clip_grad_norm_",
     "dcp_state_dict",
     "deferred_init",
+    "describe",
     "estimate",
     "export",
     "full_parameters",
@@ -45,6 +58,7 @@ __all__ = [
     "no_sync",
     "plan",
     "save",
+    "save_pretrained",
     "shard",
     "shard_info",
     "shutdown",

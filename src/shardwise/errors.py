@@ -7,3 +7,8 @@ Every message names the problem and the fix; catching `ShardwiseError` separates
 
 class ShardwiseError(RuntimeError):
     """A configuration, model or checkpoint problem the user can fix; the message says how."""
+
+
+class ShardwiseWarning(UserWarning):
+    """Something that works but is likely not what the user wants (e.g. a unit plan that keeps
+    most parameters in the root); the message says what to change."""

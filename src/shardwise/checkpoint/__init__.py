@@ -7,10 +7,10 @@ tools.py backs `shardwise ckpt inspect|export|diff`.
 """
 
 from shardwise.checkpoint.dcp import dcp_state_dict
-from shardwise.checkpoint.export import export, full_state_dict
+from shardwise.checkpoint.export import export, full_state_dict, save_pretrained
 from shardwise.checkpoint.index import latest
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.report import LoadReport
 from shardwise.checkpoint.save import save
 
-__all__ = ["LoadReport", "dcp_state_dict", "export", "full_state_dict", "latest", "load", "save"]
+__all__ = ["LoadReport", "dcp_state_dict", "export", "full_state_dict", "latest", "load", "save", "save_pretrained"]

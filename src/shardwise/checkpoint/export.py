@@ -126,3 +126,22 @@ def _all_gather_full(info: ShardInfo, group, world: int) -> torch.Tensor:
     torch.distributed.all_gather_into_tensor(gathered, shard, group=group)
     rows = info.full_shape[0] if len(info.full_shape) else 1
     return gathered[:rows].reshape(info.full_shape)
+
+
+def save_pretrained(model: nn.Module, directory) -> Path:
+    """Write a Hugging Face model as `from_pretrained` reads it: `model.safetensors` (full values,
+    streamed one parameter at a time, tied weights once) and the model's `config.json` (and
+    `generation_config.json` when it has one). Every rank calls it; rank 0 writes."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "save_pretrained"):
+        raise ShardwiseError(f"{type(model).__name__} has no Hugging Face config (model.config.save_pretrained): "
+                             "use sw.export(model, path) for a plain safetensors file")
+    directory = Path(directory).absolute()
+    export(model, directory / "model.safetensors")
+    _, rank, _ = group_of(model)
+    if rank == 0:
+        config.save_pretrained(directory)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+    return directory

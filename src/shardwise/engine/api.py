@@ -21,7 +21,7 @@ def shard(
     model: nn.Module,
     *,
     strategy: str,
-    units: UnitSpec = None,
+    units: UnitSpec = "auto",
     precision: str | MixedPrecision | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     checkpoint_activations: bool = False,
@@ -32,9 +32,12 @@ def shard(
     """Apply `strategy` to `model` in place and return the same model object.
 
     `strategy` is one of "ddp", "zero1", "zero2", "zero3"; changing it changes memory,
-    never the result. `units` (zero strategies) sets the grain of communication: a
-    module class, a tuple of classes, a callable `module -> bool`, or None for each
-    child of the largest `nn.ModuleList`; the root is always a unit. After it,
+    never the result. `units` (zero strategies) sets the grain of communication: "auto"
+    (the default: the model's declared blocks, HF's `_no_split_modules`, else its most
+    repeated block class; Note [auto units]), a module class or tuple of classes, a module
+    instance or a list of them (an `nn.ModuleList`: each child), a list of module names,
+    or a callable `module -> bool`; the root is always a unit (`sw.describe(model)` shows
+    the plan). After it,
     `model.named_parameters()` yields this rank's shards under the original names, so
     any torch optimizer with ordinary param groups steps only shards.
     `precision` (zero strategies): "fp32" (default), "bf16", "fp16" or a

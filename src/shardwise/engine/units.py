@@ -14,13 +14,10 @@ contributions of every use before the owner reduces the gradient once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Union
 
 from torch import nn
 
-from shardwise.errors import ShardwiseError
-
-UnitSpec = Union[None, type, tuple, Callable[[nn.Module], bool]]
+from shardwise.engine.unit_choice import UnitSpec, unit_predicate
 
 
 @dataclass
@@ -41,27 +38,10 @@ class UnitPlan:
     params: list[OwnedParam] = field(default_factory=list)
 
 
-def _unit_predicate(model: nn.Module, units: UnitSpec) -> Callable[[nn.Module], bool]:
-    if units is None:
-        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-        if not lists:
-            return lambda module: False
-        largest = max(lists, key=len)
-        children = {id(child) for child in largest}
-        return lambda module: id(module) in children
-    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
-        return lambda module: isinstance(module, units)
-    if callable(units):
-        return units
-    raise ShardwiseError(
-        f"units={units!r} is not understood: pass a module class, a tuple of classes, "
-        "a callable module -> bool, or None for each child of the largest nn.ModuleList"
-    )
-
-
-def build_units(model: nn.Module, units: UnitSpec = None) -> list[UnitPlan]:
-    """The units of `model` in module order (root first) with the parameters each owns."""
-    is_unit = _unit_predicate(model, units)
+def build_units(model: nn.Module, units: UnitSpec = "auto") -> list[UnitPlan]:
+    """The units of `model` in module order (root first) with the parameters each owns;
+    `units` as `shard()` takes it (unit_choice.py)."""
+    is_unit = unit_predicate(model, units)
     plans: dict[int, UnitPlan] = {id(model): UnitPlan(model, "")}
     for path, module in model.named_modules():  # named_modules() visits a shared module once
         if module is not model and is_unit(module):

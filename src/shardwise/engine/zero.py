@@ -79,6 +79,7 @@ from shardwise.engine.recompute import checkpoint_forward
 from shardwise.engine.reducer import Reducer
 from shardwise.engine.sharding import shard_units
 from shardwise.engine.state_dict import install_state_dict_hooks
+from shardwise.engine.unit_choice import warn_if_root_holds_most
 from shardwise.engine.units import UnitSpec, build_units
 
 
@@ -142,6 +143,7 @@ class ZeroEngine:
         self.precision = config.precision
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         plans = build_units(model, units)
+        warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         check_same_model_on_every_rank(model, group)
         self.store = open_store(config.offload, self.rank)

@@ -154,7 +154,7 @@ def estimate(
     batch: int | None = None,
     seq: int | None = None,
     *,
-    units: UnitSpec = None,
+    units: UnitSpec = "auto",
     unit_params: int | None = None,
     num_layers: int | None = None,
     config=None,

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .gpt import GPT, Block, GPTConfig
@@ -42,6 +43,10 @@ class ZooModel(nn.Module):
 
     def begin_step(self, step: int) -> None:
         """Called before each optimizer step; models that vary per step override it."""
+
+    def unused_now(self) -> set[str]:
+        """Prefixes of the trainable parameters that get no gradient in the current step."""
+        return set()
 
 
 class ResidualMLP(nn.Module):
@@ -151,6 +156,9 @@ class UnusedBranch(ZooModel):
     def begin_step(self, step: int) -> None:
         g = step_generator(self.seed, step)
         self.use_branch = bool(torch.rand((), generator=g) < 0.5)
+
+    def unused_now(self) -> set[str]:
+        return set() if self.use_branch else {"branch."}
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         x = self.trunk(x)
@@ -263,6 +271,54 @@ class Recurrent(ZooModel):
         return (self.head(h) - y).pow(2).sum(-1).mean()
 
 
+class EarlyExit(ZooModel):
+    """Forward pattern: backward through only part of the graph. Both blocks run in every
+    forward, but in some steps (drawn in `begin_step`) the loss is taken at the early exit,
+    so the second block and the final head get no gradient although they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = ResidualMLP()
+        self.second = ResidualMLP()
+        self.early_head = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.exit_early = False  # until begin_step draws
+
+    def begin_step(self, step: int) -> None:
+        g = step_generator(self.seed, step)
+        self.exit_early = bool(torch.rand((), generator=g) < 0.5)
+
+    def unused_now(self) -> set[str]:
+        return {"second.", "head."} if self.exit_early else {"early_head."}
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        h = self.first(x)
+        late = self.head(self.second(h))
+        return F.mse_loss(self.early_head(h) if self.exit_early else late, y)
+
+
+class CheckpointedBlock(ResidualMLP):
+    """A ResidualMLP whose own forward uses torch.utils.checkpoint (recomputed in backward)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+class InnerCheckpoint(ZooModel):
+    """Forward pattern: `torch.utils.checkpoint` inside a unit, so the unit's parameters are
+    used again by the recompute during backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CheckpointedBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(self.head(x), y)
+
+
 # ---- batches -------------------------------------------------------------------
 
 
@@ -318,6 +374,8 @@ ZOO: dict[str, ZooSpec] = {
         ZooSpec("two_tower", TwoTower, _float_batch, ResidualMLP, False, forward_passes=2),
         ZooSpec("non_consecutive", NonConsecutive, _float_batch, ResidualMLP, False),
         ZooSpec("recurrent", Recurrent, _float_batch, RecurrentCell, False, forward_passes=2),
+        ZooSpec("early_exit", EarlyExit, _float_batch, ResidualMLP, True),
+        ZooSpec("inner_checkpoint", InnerCheckpoint, _float_batch, CheckpointedBlock, False),
     ]
 }
 

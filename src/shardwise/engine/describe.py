@@ -1,0 +1,71 @@
+"""`sw.describe(model)`: the unit plan as a table, the same wherever a plan is shown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardwise.engine.info import engine_of
+from shardwise.engine.units import UnitSpec, build_units
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class UnitRow:
+    """One unit: its path ("" for the root), module class, parameter elements, full bytes,
+    bytes per rank (this world size's padded rows), and the shared parameters it owns."""
+
+    path: str
+    kind: str
+    numel: int
+    full_bytes: int
+    bytes_per_rank: int
+    shared: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class UnitTable:
+    """The rows of `describe`; `print()` shows them as a table."""
+
+    rows: tuple[UnitRow, ...]
+    world_size: int
+
+    def __str__(self) -> str:
+        total = sum(row.numel for row in self.rows) or 1
+        lines = [f"{'unit':<32} {'module':<20} {'params':>12} {'share':>6} {'full MiB':>10} "
+                 f"{'MiB/rank':>10}  shared or tied parameters it owns (world size {self.world_size})"]
+        for row in self.rows:
+            lines.append(f"{row.path or '<root>':<32} {row.kind:<20} {row.numel:>12,} {row.numel / total:>6.0%} "
+                         f"{row.full_bytes / MIB:>10.2f} {row.bytes_per_rank / MIB:>10.2f}  {', '.join(row.shared)}")
+        return "\n".join(lines)
+
+
+def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None = None) -> UnitTable:
+    """The units `shard(model, units=units)` makes (or made, for a sharded model) at `world_size`
+    (default: the model's, else 1). Works on a model built under `torch.device("meta")`."""
+    engine = engine_of(model)
+    if engine is not None and hasattr(engine, "units"):
+        plans = [(unit.module, unit.path, [layout.owned for layout in unit.layouts]) for unit in engine.units]
+        world_size = world_size or engine.world_size
+        sizes = {layout.owned.name: (layout.shape, unit.dtype.itemsize) for unit in engine.units
+                 for layout in unit.layouts}
+    else:
+        plans = [(plan.module, plan.path, plan.params) for plan in build_units(model, units)]
+        world_size = world_size or 1
+        sizes = {owned.name: (owned.param.shape, owned.param.element_size()) for plan in plans for owned in plan[2]}
+    rows = []
+    for module, path, owned in plans:
+        numel = full = per_rank = 0
+        for entry in owned:
+            shape, itemsize = sizes[entry.name]
+            rows_ = shape[0] if len(shape) else 1
+            row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+            numel += rows_ * row_numel
+            full += rows_ * row_numel * itemsize
+            per_rank += math.ceil(rows_ / world_size) * row_numel * itemsize
+        shared = tuple(entry.name for entry in owned if len(entry.holders) > 1)
+        rows.append(UnitRow(path, type(module).__name__, numel, full, per_rank, shared))
+    return UnitTable(tuple(rows), world_size)

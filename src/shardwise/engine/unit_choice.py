@@ -1,0 +1,106 @@
+"""Which modules are units: what `shard(units=...)` accepts, and the choice `units="auto"` makes.
+
+Note [auto units]: a unit is the grain of communication, and what is not in a unit sits in
+the root, gathered for the whole step. `"auto"` (the default) takes, in order:
+1. the model's declared blocks: Hugging Face's `_no_split_modules` (class names), the
+   modules a model says must never be split;
+2. else the module class that repeats (two or more instances) and whose instances hold the
+   most parameters, ties going to the coarser class (a GPT's Block, not its Linears);
+3. else the root only.
+If the root then still holds most of the parameters, a `ShardwiseWarning` names the largest
+root-held modules and the `units=` that would split them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Union
+
+from torch import nn
+
+from shardwise.errors import ShardwiseError, ShardwiseWarning
+
+UnitSpec = Union[None, str, type, tuple, list, nn.Module, Callable[[nn.Module], bool]]
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def unit_predicate(model: nn.Module, units: UnitSpec) -> Callable[[nn.Module], bool]:
+    """`module -> bool`: is this module a unit (the root always is, whatever this says)."""
+    if units is None or units == "auto":
+        return _auto(model)
+    if isinstance(units, type) or (isinstance(units, tuple) and units and all(isinstance(u, type) for u in units)):
+        return lambda module: isinstance(module, units)
+    if isinstance(units, nn.Module):  # an instance: a container's children, or the module itself
+        chosen = list(units) if isinstance(units, (nn.ModuleList, nn.Sequential)) else [units]
+        return _instances(chosen)
+    if isinstance(units, (list, tuple)) and units and all(isinstance(u, nn.Module) for u in units):
+        return _instances(list(units))
+    if isinstance(units, (list, tuple)) and units and all(isinstance(u, str) for u in units):
+        modules = dict(model.named_modules())
+        missing = [name for name in units if name not in modules]
+        if missing:
+            raise ShardwiseError(f"units={missing[:3]!r}: no module of that name in the model; names are "
+                                 "as model.named_modules() gives them, e.g. 'transformer.h.0'")
+        return _instances([modules[name] for name in units])
+    if callable(units) and not isinstance(units, str):
+        return units
+    raise ShardwiseError(
+        f"units={units!r} is not understood: pass 'auto' (the default), a module class or tuple of classes, "
+        "a module instance or list of them (an nn.ModuleList: each child), a list of module names, or a "
+        "callable module -> bool"
+    )
+
+
+def _instances(modules: list[nn.Module]) -> Callable[[nn.Module], bool]:
+    chosen = {id(m) for m in modules}
+    return lambda module: id(module) in chosen
+
+
+def _auto(model: nn.Module) -> Callable[[nn.Module], bool]:
+    declared = set(getattr(model, "_no_split_modules", None) or ())
+    if declared and any(type(m).__name__ in declared for m in model.modules() if m is not model):
+        return lambda module: type(module).__name__ in declared
+    block = _repeated_class(model)
+    if block is None:
+        return lambda module: False
+    return lambda module: isinstance(module, block)
+
+
+def _repeated_class(model: nn.Module) -> type | None:
+    """The class with two or more instances whose instances hold the most parameters."""
+    held: dict[type, set[int]] = {}
+    count: dict[type, int] = {}
+    for module in model.modules():
+        if module is model or isinstance(module, _CONTAINERS):
+            continue
+        params = {id(p) for p in module.parameters()}
+        if params:
+            held.setdefault(type(module), set()).update(params)
+            count[type(module)] = count.get(type(module), 0) + 1
+    sizes = {id(p): p.numel() for p in model.parameters()}
+    repeated = [cls for cls in held if count[cls] >= 2]
+    if not repeated:
+        return None
+    return max(repeated, key=lambda cls: (sum(sizes[i] for i in held[cls]), -count[cls]))
+
+
+def warn_if_root_holds_most(model: nn.Module, root_params: list[nn.Parameter]) -> None:
+    """Note [auto units]: the warning when the root unit keeps most of the parameters."""
+    total = sum(p.numel() for p in model.parameters())
+    in_root = sum(p.numel() for p in root_params)
+    if total == 0 or in_root * 2 <= total:
+        return
+    root_ids = {id(p) for p in root_params}
+    sizes, seen = [], set()
+    for name, module in model.named_modules():  # the modules that hold root parameters themselves
+        own = [p for p in module.parameters(recurse=False) if id(p) in root_ids and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own:
+            sizes.append((sum(p.numel() for p in own), name or "<root>", type(module).__name__))
+    largest = ", ".join(f"{name} ({cls}, {numel / total:.0%})" for numel, name, cls in sorted(sizes, reverse=True)[:3])
+    warnings.warn(ShardwiseWarning(
+        f"the root unit holds {in_root / total:.0%} of the parameters, gathered for the whole step: largest "
+        f"root-held modules {largest}. If they are blocks, pass units= to split them (their class, the "
+        "nn.ModuleList holding them, or their names); an embedding tied to the head stays in the root. "
+        "sw.describe(model) shows the plan."
+    ), stacklevel=5)  # the user's sw.shard(...) line
