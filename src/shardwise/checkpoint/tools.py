@@ -93,6 +93,10 @@ def export_checkpoint(path, out) -> Path:
             for alias in tensor.aliases:
                 metadata[alias] = tensor.name
         partial = out.with_name(out.name + ".partial")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)  # as sw.export does
+        except OSError as error:
+            raise ShardwiseError(f"cannot create {out.parent} for the export: {error}") from None
         writer = FileWriter(partial, specs, metadata)
         try:
             for spec, tensor in zip(specs, tensors):

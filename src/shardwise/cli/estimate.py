@@ -73,6 +73,9 @@ def _gpt_config(text: str, config_class):
 
 
 def _import(name: str):
+    # As `python -m` does: the current directory is importable (module:function from here).
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
     if name.endswith(".py"):
         spec = importlib.util.spec_from_file_location("_shardwise_user_model", name)
         if spec is None:
@@ -80,7 +83,11 @@ def _import(name: str):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
-    return importlib.import_module(name)
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        raise ShardwiseError(f"cannot import {name!r} ({error}); MODEL module:function imports from the current "
+                             "directory and the Python path, or pass a file: path/to/file.py:function") from None
 
 
 # ---- the two commands --------------------------------------------------------------
@@ -118,8 +125,12 @@ def add_commands(commands) -> None:
 def _add_common(parser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"),
                         help="default: adamw (8 bytes of state per parameter)")
+    parser.add_argument("--units", default="auto", metavar="UNITS",
+                        help="how shard() cuts the model: 'auto' (default: its declared or repeated blocks), a "
+                             "block class name, or comma-separated module names")
     parser.add_argument("--batch", type=int, default=None,
-                        help="sequences per rank per step, for activations (GPT models only)")
+                        help="sequences per rank per step, for activations (models with activation_bytes(): "
+                             "the zoo GPT)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
     parser.add_argument("--checkpoint-activations", action="store_true",
                         help="recompute each unit's forward in backward (zero strategies): activations of one "
@@ -130,6 +141,7 @@ def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
         model, units = build_model(args.model)
+        units = _units(model, args.units, units)
         if args.command == "estimate":
             print(estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
                            args.offload, args.batch, args.seq, units=units,
@@ -139,6 +151,24 @@ def run(args) -> int:
     except ShardwiseError as error:
         print(f"shardwise {args.command}: {error}", file=sys.stderr)
         return 2
+
+
+def _units(model: nn.Module, text: str, model_default):
+    """--units: 'auto' (the model spec's own block class when it has one), a class name, or names."""
+    if text == "auto":
+        return model_default if model_default is not None else "auto"
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    if "," not in text and text in classes:
+        return classes[text]
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _units_argument(units) -> str:
+    if units == "auto" or units is None:
+        return ""
+    if isinstance(units, type):
+        return f", units={units.__name__}"
+    return f", units={list(units)!r}"
 
 
 def _print_plan(model, units, args) -> int:
@@ -160,5 +190,6 @@ def _print_plan(model, units, args) -> int:
         return 1
     offload = f', offload="{best.offload}"' if best.offload else ""
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
-    print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{offload}{recompute})')
+    print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
+          f'{offload}{recompute})')
     return 0

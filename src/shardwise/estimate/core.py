@@ -220,6 +220,8 @@ def estimate(
     activations = 0
     if batch is not None:
         activations = _activations(config, batch, seq, c, checkpoint_activations)
+    else:
+        notes.append("activations not counted: pass batch= (--batch), for a model with activation_bytes()")
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,

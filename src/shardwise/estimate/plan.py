@@ -55,7 +55,10 @@ def _why_not(est: MemoryEstimate, memory: int) -> str:
     over = est.total - memory
     parts = sorted(est.rows()[:-1], key=lambda row: row[1], reverse=True)
     name, largest = parts[0]
-    text = f"{_gib(est.total)} > {_gib(memory)} by {_gib(over)}; largest: {name} {_gib(largest)}"
+    total, budget = _gib(est.total), _gib(memory)
+    if total == budget:  # two decimals of GiB hide the difference
+        total, budget = f"{est.total / 2**20:,.1f} MiB", f"{memory / 2**20:,.1f} MiB"
+    text = f"{total} > {budget} by {_gib(over)}; largest: {name} {_gib(largest)}"
     floor = est.activations + est.runtime
     if floor > memory:
         text += f" (activations + runtime alone need {_gib(floor)}: lower the batch or checkpoint activations)"
@@ -63,4 +66,5 @@ def _why_not(est: MemoryEstimate, memory: int) -> str:
 
 
 def _gib(value: int) -> str:
-    return f"{value / 2**30:.2f} GiB"
+    """GiB with two decimals; MiB when two decimals of GiB would hide the difference."""
+    return f"{value / 2**30:.2f} GiB" if abs(value) >= 2**30 / 10 else f"{value / 2**20:.1f} MiB"

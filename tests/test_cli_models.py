@@ -1,0 +1,75 @@
+"""The estimator's commands with your own model: module:function from the current directory,
+--units, the full sw.shard(...) advice, close budgets, and `ckpt export` into a new folder."""
+
+from __future__ import annotations
+
+import textwrap
+
+from shardwise import cli
+
+MODEL = textwrap.dedent("""
+    import torch
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(512, 512)
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = torch.nn.Sequential(*[Block() for _ in range(8)])
+            self.head = torch.nn.Linear(512, 10)
+    def build():
+        return Net()
+""")
+
+
+def test_module_function_imports_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    """Catches a raw ModuleNotFoundError for a model file next to the user (it needed PYTHONPATH=.)."""
+    (tmp_path / "my_net.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    assert cli.main(["estimate", "--model", "my_net:build", "--world-size", "4"]) == 0
+    assert "activations not counted" in capsys.readouterr().out  # 0.0 with no caveat before
+    assert cli.main(["estimate", "--model", "not_there:build"]) == 2
+    assert "cannot import 'not_there'" in capsys.readouterr().err
+
+
+def test_plan_prints_the_whole_shard_call_with_units(tmp_path, monkeypatch, capsys):
+    """Catches advice without units= (the plan it priced cut the model differently) and a
+    --units the estimate ignores."""
+    (tmp_path / "my_net2.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "my_net2:build", "--memory", "4GiB", "--world-size", "2", "--units", "Block"]) == 0
+    out = capsys.readouterr().out
+    assert 'use: sw.shard(model, strategy="ddp", precision="fp32", units=Block)' in out, out
+    assert cli.main(["plan", "my_net2:build", "--memory", "4GiB", "--world-size", "2",
+                     "--units", "stack.0,stack.1"]) == 0
+    assert "units=['stack.0', 'stack.1']" in capsys.readouterr().out
+
+
+def test_a_close_budget_says_by_how_much():
+    """Catches '1.00 GiB > 1.00 GiB by 0.00 GiB': a difference hidden by the rounding."""
+    from dataclasses import replace
+
+    from shardwise.estimate.core import estimate
+    from shardwise.estimate.plan import _why_not
+
+    est = estimate(10**6, "ddp", 1)
+    est = replace(est, runtime=est.runtime + 2**30 + 4 * 2**20 - est.total)  # a total of 1 GiB + 4 MiB
+    text = _why_not(est, 2**30)
+    assert text.startswith("1,028.0 MiB > 1,024.0 MiB by 4.0 MiB"), text
+
+
+def test_ckpt_export_into_a_new_folder(tmp_path):
+    """Catches a raw FileNotFoundError traceback when OUT's folder does not exist yet."""
+    import shardwise as sw
+    from shardwise.models.zoo import build
+
+    sw.init()
+    try:
+        sw.save(tmp_path / "ckpt", build("reused_block"))
+    finally:
+        sw.shutdown()
+    out = tmp_path / "new" / "folder" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out)]) == 0
+    assert out.is_file()
