@@ -28,6 +28,7 @@ LAYERS = {
     "shardwise.estimate": 3,
     "shardwise.pipeline": 3,
     "shardwise.testing": 4,
+    "shardwise.integrations": 4,  # trainers people already use: above the library, beside testing
     "shardwise": 5,  # the public API: __init__.py
     "shardwise.demo": 6,
     "shardwise.cli": 7,
