@@ -25,7 +25,7 @@ class RefuseDataParallel:
             f"this model is already sharded by shardwise (strategy={self.strategy!r}), which synchronizes its "
             "gradients itself: wrapping it in DistributedDataParallel would overwrite every rank's rows with "
             "rank 0's and average the gradients twice. Train the model as sw.shard returned it (call "
-            "sw.clip_grad_norm_(model, ...), not torch.nn.utils.clip_grad_norm_). With Accelerate or the "
-            "transformers Trainer, do not call sw.shard yourself: let the framework's own data parallelism "
-            "run, or run the loop without the wrapper."
+            "sw.clip_grad_norm_(model, ...), not torch.nn.utils.clip_grad_norm_). With the transformers "
+            "Trainer, use shardwise.integrations.transformers.ShardwiseTrainer in its place; with Accelerate, "
+            "do not pass the sharded model to accelerator.prepare."
         )
