@@ -151,3 +151,14 @@ def test_save_pretrained_round_trips_through_from_pretrained(ranks, tmp_path):
     """Catches an export from_pretrained cannot read without a hand-copied config.json, or one
     that loads other values (a rank's rows, an untied head)."""
     assert all(ranks.run(_save_pretrained, 2, str(tmp_path / "gpt2"), timeout=180))
+
+
+def test_auto_units_pick_blocks_not_the_linears_of_a_tied_gpt():
+    """Catches the tied head's weight counting for nn.Linear (it is held by the embedding too),
+    which made 'auto' cut a GPT into Linears instead of Blocks; and a block class losing to its
+    own Linears when the head adds a little (the zoo's frozen model)."""
+    from shardwise.models.zoo import ZOO, build
+
+    assert [p.path for p in build_units(build("gpt"), "auto")] == ["", "blocks.0", "blocks.1"]
+    frozen = [p.path for p in build_units(ZOO["frozen"].build(), "auto")]
+    assert frozen == ["", "layers.0", "layers.1", "layers.2"]

@@ -21,8 +21,9 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
     one small all-gather. Only when the hashes differ are the full lists exchanged, to name the
     first differing parameter (all_gather_object costs ~4 MB of RSS on first use)."""
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
-    signatures = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(signatures, torch.tensor([_digest(repr(mine))]), group=group)
+    device = _device(group)
+    signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(signatures, torch.tensor([_digest(repr(mine))], device=device), group=group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
     everyone: list = [None] * dist.get_world_size(group)
@@ -54,27 +55,50 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def agree_before_forward(units: list[FlatUnit], group) -> list[FlatUnit]:
-    """The units any rank must re-gather before this forward, agreed by every rank.
+def agree_before_forward(units: list[FlatUnit], group, num_forwards: int,
+                         forward_order: list[int]) -> tuple[list[FlatUnit], bool]:
+    """The units any rank must re-gather before this forward, agreed by every rank, and whether
+    every rank's last forward used the units in the same order.
 
     One small all-gather carries each rank's "my rows changed" flag per unit (zero1/zero2: a
-    write only some ranks made still re-gathers everywhere, Note [collective order]) and a
-    digest of which parameters are trainable, so a rank that froze or unfroze a parameter
-    the others did not is an error here instead of a gloo abort in the next reduce."""
+    write only some ranks made still re-gathers everywhere, Note [collective order]), a
+    digest of which parameters are trainable (a rank that froze or unfroze a parameter the
+    others did not is an error here instead of a gloo abort in the next reduce), the number
+    of forwards so far (a forward only some ranks run, `if rank == 0: evaluate(model)`, is an
+    error instead of mis-paired collectives) and a digest of the last forward's unit order."""
     trainable = "".join("1" if shard.requires_grad else "0" for unit in units for shard in unit.shard_params)
-    local = torch.tensor([_digest(trainable)] + [int(unit.needs_gather()) for unit in units])
+    header = [_digest(trainable), 2 * num_forwards + torch.is_grad_enabled(),
+              _digest(repr(_positions(units, forward_order)))]
+    local = torch.tensor(header + [int(unit.needs_gather()) for unit in units], device=_device(group))
     world = dist.get_world_size(group)
-    everyone = torch.empty(world * local.numel(), dtype=local.dtype)
+    everyone = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
     with named_failure(f"the agreement before a forward ({units[0].where})"):
         dist.all_gather_into_tensor(everyone, local, group=group)
-    rows = everyone.view(world, -1)
-    differ = (rows[:, 0] != rows[0, 0]).nonzero().flatten().tolist()
-    if differ:
-        raise ShardwiseError(
-            f"ranks 0 and {differ[0]} train different parameters: requires_grad was changed on some ranks and "
-            "not on others. Freeze or unfreeze parameters the same way on every rank, between steps."
-        )
-    return [unit for unit, flag in zip(units, rows[:, 1:].amax(0).tolist()) if flag]
+    rows = everyone.view(world, -1).cpu()
+    for column, problem in ((0, "train different parameters: requires_grad was changed on some ranks and not "
+                                "on others. Freeze or unfreeze parameters the same way on every rank, between "
+                                "steps."),
+                            (1, "run different forwards of the sharded model (a different number of them, or "
+                                "one with and one without grad): every rank must run every forward (evaluate on "
+                                "all ranks, or on an unsharded copy), as every rank takes part in its "
+                                "collectives.")):
+        differ = (rows[:, column] != rows[0, column]).nonzero().flatten().tolist()
+        if differ:
+            raise ShardwiseError(f"ranks 0 and {differ[0]} {problem}")
+    same_order = bool((rows[:, 2] == rows[0, 2]).all())
+    return [unit for unit, flag in zip(units, rows[:, len(header):].amax(0).tolist()) if flag], same_order
+
+
+def _positions(units: list[FlatUnit], order: list[int]) -> list[int]:
+    index = {id(unit): i for i, unit in enumerate(units)}
+    return [index[key] for key in order if key in index]
+
+
+def _device(group) -> torch.device:
+    """Where the group's collectives take tensors: NCCL groups have no CPU backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def broadcast_from_rank0(unit: FlatUnit, group) -> None:

@@ -368,7 +368,10 @@ class FlatUnit:
             layout, shard = self.layouts[i], self.shard_params[i]
             rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(self.dtype)
             offset += layout.shard_numel
+            carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
             if not used_by_any[column]:
+                if carried is not None:
+                    shard.grad = carried  # nobody added to it this time: it stays what it was
                 continue
             if shard.grad is not None:
                 shard.grad.add_(rows)
@@ -377,11 +380,11 @@ class FlatUnit:
                 # so the gradients are stored once, not twice.
                 own = self._own_rows(self.full_grad, layout).view(layout.shard_shape)
                 own.copy_(rows)
-                if i in self.carried:
-                    own.add_(self.carried.pop(i))
+                if carried is not None:
+                    own.add_(carried)
                 shard.grad = own
             else:
-                shard.grad = rows
+                shard.grad = rows if carried is None else rows + carried
 
     def end_accumulation(self) -> None:
         """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""

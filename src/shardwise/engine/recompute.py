@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
 
-def checkpoint_forward(module: nn.Module) -> None:
+def checkpoint_forward(module: nn.Module, before_recompute: Callable[[], None]) -> None:
     """Keep only the unit's inputs in forward and recompute it in backward.
 
     The unit's own hooks stay outside the checkpoint: the recompute calls the original
-    forward directly, after the unit's pre-backward hook has gathered it again, and its
-    uses of the full views feed the same `_GatherUnit` node as the first forward's."""
+    forward directly, so `before_recompute()` first makes the unit's full values present
+    and registered (the window may have closed after an earlier backward through it:
+    Note [recompute] in zero.py)."""
     original = module.forward
+
+    def recompute_or_run(*args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:  # inside backward: this is the recompute
+            before_recompute()
+        return original(*args, **kwargs)
 
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(recompute_or_run, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward

@@ -49,6 +49,18 @@ class Reducer:
         while self.pending:
             self._finish_oldest()
 
+    def abandon(self) -> None:
+        """A backward that raised midway: wait for its reduces (every rank issued the same ones),
+        drop the step's gradients (what it reduced, and every unit's accumulation), start over."""
+        while self.pending:
+            unit, pending, _ = self.pending.popleft()
+            pending.wait()
+        for unit in self.order:
+            unit.end_accumulation()
+            for shard in unit.shard_params:
+                shard.grad = None
+        self.reset()
+
     def _launch(self, unit: FlatUnit, grads: list) -> None:
         self.reduced.add(id(unit))
         if not unit.trainable():

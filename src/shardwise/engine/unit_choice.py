@@ -5,7 +5,8 @@ the root, gathered for the whole step. `"auto"` (the default) takes, in order:
 1. the model's declared blocks: Hugging Face's `_no_split_modules` (class names), the
    modules a model says must never be split;
 2. else the module class that repeats (two or more instances) and whose instances hold the
-   most parameters, ties going to the coarser class (a GPT's Block, not its Linears);
+   most parameters (a parameter counts only if every module holding it is inside them), or a
+   coarser repeated class holding at least 80% of that (a block of Linears, not the Linears);
 3. else the root only.
 If the root then still holds most of the parameters, a `ShardwiseWarning` names the largest
 root-held modules and the `units=` that would split them.
@@ -67,21 +68,30 @@ def _auto(model: nn.Module) -> Callable[[nn.Module], bool]:
 
 
 def _repeated_class(model: nn.Module) -> type | None:
-    """The class with two or more instances whose instances hold the most parameters."""
-    held: dict[type, set[int]] = {}
-    count: dict[type, int] = {}
+    """The class with two or more instances whose instances hold the most parameters. A
+    parameter counts for a class only when every module holding it lies inside its instances:
+    a GPT head's weight tied to the embedding counts for no Linear, so Block wins."""
+    holders: dict[int, list[int]] = {}  # id(param) -> ids of the modules holding it
     for module in model.modules():
-        if module is model or isinstance(module, _CONTAINERS):
-            continue
-        params = {id(p) for p in module.parameters()}
-        if params:
-            held.setdefault(type(module), set()).update(params)
-            count[type(module)] = count.get(type(module), 0) + 1
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(id(module))
+    instances: dict[type, list[nn.Module]] = {}
+    for module in model.modules():
+        if module is not model and not isinstance(module, _CONTAINERS) and any(True for _ in module.parameters()):
+            instances.setdefault(type(module), []).append(module)
     sizes = {id(p): p.numel() for p in model.parameters()}
-    repeated = [cls for cls in held if count[cls] >= 2]
-    if not repeated:
+    held: dict[type, tuple[int, int]] = {}  # class -> (parameters held, instances)
+    for cls, members in instances.items():
+        if len(members) >= 2:
+            inside = {id(m) for member in members for m in member.modules()}
+            held[cls] = (sum(sizes[key] for key, who in holders.items() if all(m in inside for m in who)),
+                         len(members))
+    most = max((numel for numel, _ in held.values()), default=0)
+    if most == 0:
         return None
-    return max(repeated, key=lambda cls: (sum(sizes[i] for i in held[cls]), -count[cls]))
+    # The coarsest class that holds nearly as much (a block of Linears, not the Linears).
+    close = [cls for cls, (numel, _) in held.items() if numel >= 0.8 * most]
+    return min(close, key=lambda cls: (held[cls][1], -held[cls][0]))
 
 
 def warn_if_root_holds_most(model: nn.Module, root_params: list[nn.Parameter]) -> None:

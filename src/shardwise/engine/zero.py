@@ -15,26 +15,29 @@ The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifec
 - post_forward: `_make_post_forward` → `_end_forward` (root): reshard idle zero3 units;
   register the unit's pre-backward hook on its outputs.
 - pre_backward: `_pre_backward`: unshard again for backward (zero3); prefetch the next unit.
-- post_backward: `post_backward` (from `_GatherUnit.backward`): reshard (zero3), then
+- post_backward: `post_backward` (from `GatherUnit.backward`): reshard (zero3), then
   reduce-scatter or accumulate the unit's gradients (reducer.py).
 - finalize_backward: `_finalize_backward`: reduce what is left in the fixed order, wait for
   every reduce, reinstall the shards.
 
-Note [unit window]: a window runs from the first forward after the shards were installed
-to the end of the backward through it. The unit's first use in the window runs
-`_GatherUnit`, an autograd function whose outputs are the full parameter views; every
-later use in the window — a block reused N times, a module shared by two branches, a
-unit used again after others ran (A, B, A), a second forward before one backward
-(`model(a) + model(b)`: siamese and contrastive losses) — uses those same tensors. So
-autograd sums every use's gradient and runs `_GatherUnit.backward` once per backward,
-after the last use: that is where the unit's gradients are reduced, each contribution
-exactly once. Each forward pass reaches those views through a `_Use` node of its own,
-which only that forward's graph holds: a later forward joins the open window while any
-`_Use` node of it is alive (a weak reference: a graph that may still be backwarded keeps
-it alive); once all are gone, nothing can backward through the window and it is closed. zero3
-frees a unit whenever another unit opens and gathers it again at its next use, forward
-or backward: one extra gather for each non-consecutive reuse, which is the price of
-keeping one unit's full values (plus the prefetched one) at a time.
+Note [unit window] is in window.py.
+
+Note [recompute]: activation checkpointing from outside (`torch.utils.checkpoint` around a
+unit, Hugging Face's `gradient_checkpointing_enable()`, or `checkpoint_activations=True`)
+runs a unit's forward again during backward. Its hooks then only gather the unit and
+install the window's views; nothing is freed or prefetched (the backward's own hooks do
+that), so the recompute never frees the root or a unit backward still needs. (A reentrant
+checkpoint, `use_reentrant=True`, runs a backward of its own inside and is not supported.)
+
+Note [aborted backward]: a backward that raises midway never reaches `_finalize_backward`.
+The next forward finds its window with a backward started and no graph left to finish it:
+it waits for the reduces already issued, drops the step's gradients (the partial ones, and
+this step's accumulation: as `zero_grad()` would before redoing the step; until then
+`model.parameters()` still shows the window's full views) and starts the reduce order
+afresh, the same on every rank.
+
+Note [frozen units]: a unit with no trainable parameter has no `GatherUnit`, so zero3
+frees it after its backward from a hook on its inputs' gradients instead.
 
 A unit no rank used this step still takes part in the reduce, with zeros, at the end of
 backward, in a fixed order, so nobody waits on a collective that never comes.
@@ -59,7 +62,6 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -81,58 +83,7 @@ from shardwise.engine.sharding import shard_units
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit_choice import warn_if_root_holds_most
 from shardwise.engine.units import UnitSpec, build_units
-
-
-class _GatherUnit(torch.autograd.Function):
-    """Forward: hand out the unit's full views. Backward: give the full grads to the engine."""
-
-    @staticmethod
-    def forward(ctx, engine, unit, *trainable_shards):
-        ctx.engine, ctx.unit, ctx.num_shards = engine, unit, len(trainable_shards)
-        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not zeros
-        # Fresh view objects every window: autograd attaches this window's graph to them,
-        # and a view reused from an earlier window would carry that window's history.
-        outputs = tuple(view.view(view.shape) for view in unit.full_views)
-        frozen = [out for out, shard in zip(outputs, unit.shard_params) if not shard.requires_grad]
-        ctx.mark_non_differentiable(*frozen)
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.engine.post_backward(ctx.unit, list(grads))
-        return (None, None) + (None,) * ctx.num_shards
-
-
-class _Use(torch.autograd.Function):
-    """One forward pass's use of a window's full views (Note [unit window]): an identity whose
-    node only that forward's graph holds, so its weak reference tells whether it can still
-    be backwarded."""
-
-    @staticmethod
-    def forward(ctx, *fulls):
-        ctx.set_materialize_grads(False)
-        outputs = tuple(full.view(full.shape) for full in fulls)
-        ctx.mark_non_differentiable(*[out for out, full in zip(outputs, fulls) if not full.requires_grad])
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return grads
-
-
-@dataclass
-class StepState:
-    """What the engine tracks within one window (Note [unit window]); a fresh one every window."""
-
-    fulls: dict[int, tuple] = field(default_factory=dict)  # _GatherUnit's outputs, by unit, for this window
-    uses: list = field(default_factory=list)  # weak references to this window's _Use nodes
-    entered: set[int] = field(default_factory=set)  # units used in the current forward pass
-    open_units: list[FlatUnit] = field(default_factory=list)  # units whose forward is running
-    prefetching: dict[int, FlatUnit] = field(default_factory=dict)  # gathers in flight, in issue order
-    gather_queue: list[FlatUnit] = field(default_factory=list)  # forward: units to gather, fixed order
-    backward_queue: list[FlatUnit] = field(default_factory=list)  # zero3 backward: the same, reversed
-    callback_queued: bool = False  # _finalize_backward is queued on autograd's engine
-    in_window: bool = False
+from shardwise.engine.window import GatherUnit, StepState, Use
 
 
 class ZeroEngine:
@@ -158,6 +109,9 @@ class ZeroEngine:
         self.reducer = Reducer(list(reversed(self.units)))  # Note [collective order]
         self.sync_grads = True
         self.num_steps = 0  # finished backwards, for errors that say where a rank waited
+        self.num_forwards = 0  # root forwards, agreed across ranks before each
+        self.forward_order: list[int] = []  # units in the order the last forward used them
+        self.prefetch_order: list[FlatUnit] = list(self.units)  # agreed by every rank (_begin_forward)
         self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
         self.step = StepState()
         if self.precision.param_dtype != torch.float32:
@@ -165,7 +119,7 @@ class ZeroEngine:
                                                        with_kwargs=True)
         if config.checkpoint_activations:
             for unit in self.units[1:]:
-                checkpoint_forward(unit.module)
+                checkpoint_forward(unit.module, lambda unit=unit: self._prepare_recompute(unit))
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
@@ -174,6 +128,9 @@ class ZeroEngine:
 
     def _make_pre_forward(self, unit: FlatUnit):
         def hook(module, args):
+            if _in_backward():  # Note [recompute]
+                self._prepare_recompute(unit)
+                return
             if unit is self.root:
                 self._begin_forward()
             self.step.open_units.append(unit)
@@ -182,24 +139,56 @@ class ZeroEngine:
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
+            if _in_backward():  # a recompute: the forward's own hooks already did this
+                return output
             self.step.open_units.pop()
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
                     register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+                if not unit.trainable() and not unit.keep_full and unit is not self.root:
+                    # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
+                    # gradients are computed once its backward is done.
+                    inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if inputs:
+                        register_multi_grad_hook(inputs, lambda grads: self._frozen_backward_done(unit), mode="all")
             if unit is self.root:
                 self._end_forward()
             return output
         return hook
 
+    def _prepare_recompute(self, unit: FlatUnit) -> None:
+        """Note [recompute]: the unit's full values present and registered, nothing else."""
+        self._ensure_gathered(unit, self.step.backward_queue)
+        fulls = self.step.fulls.get(id(unit))
+        if fulls is None:  # the window closed after an earlier backward: leaves that, like the
+            # forward's views, require grad, so the recompute saves what the forward saved
+            fulls = [view.detach().requires_grad_(shard.requires_grad)
+                     for view, shard in zip(unit.full_views, unit.shard_params)]
+        unit.install_full(list(fulls))
+
     def _begin_forward(self) -> None:
-        if self.step.in_window and not self._backward_possible():
+        if self.step.callback_queued and not self._backward_possible():
+            # Note [aborted backward]: a backward started and raised before its end; its partial
+            # gradients are dropped (the user skips such a step), and the reduce order restarts.
+            self.reducer.abandon()
+            self._close_window()
+        elif self.step.in_window and not self._backward_possible():
             self._close_window()  # evaluation or a dropped loss: no backward can come
         self.step.in_window = True
-        self.step.entered = set()
+        self.step.pass_uses, self.step.order = {}, []
         self._set_where("forward")
         # The same list on every rank (zero3: units not gathered; zero1/2: units whose rows changed).
-        self.step.gather_queue = agree_before_forward(self.units, self.group)
+        queue, same_order = agree_before_forward(self.units, self.group, self.num_forwards, self.forward_order)
+        # zero3 prefetches in the last forward's order once every rank agrees on it (registration
+        # order otherwise): forward gathers in that order, backward gathers in its reverse.
+        self.prefetch_order = list(self.units)
+        if not self.root.keep_full and same_order and self.forward_order:
+            position = {key: i for i, key in enumerate(self.forward_order)}
+            self.prefetch_order.sort(key=lambda u: position.get(id(u), len(position)))
+        position = {id(u): i for i, u in enumerate(self.prefetch_order)}
+        self.step.gather_queue = sorted(queue, key=lambda u: position[id(u)])
+        self.num_forwards += 1
 
     def _backward_possible(self) -> bool:
         self.step.uses = [use for use in self.step.uses if use() is not None]
@@ -207,38 +196,43 @@ class ZeroEngine:
 
     def _enter_unit(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
-        if id(unit) not in self.step.entered:  # the unit's first use in this forward pass
-            self.step.entered.add(id(unit))
-            trainable = [unit.shard_params[i] for i in unit.trainable()]
-            if trainable and torch.is_grad_enabled() and id(unit) not in self.step.fulls:
-                self.step.fulls[id(unit)] = _GatherUnit.apply(self, unit, *trainable)
-            fulls = self.step.fulls.get(id(unit))
-            if fulls is None:  # nothing to differentiate (frozen, or no grad): plain fresh views
-                unit.install_full([view.view(view.shape) for view in unit.full_views])
-            elif torch.is_grad_enabled():
-                uses = _Use.apply(*fulls)
+        if id(unit) not in self.step.order:
+            self.step.order.append(id(unit))
+        trainable = [unit.shard_params[i] for i in unit.trainable()]
+        # Installed on every use: a use under no_grad and one with grad may alternate in one pass.
+        if trainable and torch.is_grad_enabled():
+            if id(unit) not in self.step.fulls:
+                self.step.fulls[id(unit)] = GatherUnit.apply(self, unit, *trainable)
+            uses = self.step.pass_uses.get(id(unit))
+            if uses is None:
+                uses = self.step.pass_uses[id(unit)] = Use.apply(*self.step.fulls[id(unit)])
                 node = next(use.grad_fn for use in uses if use.grad_fn is not None)
                 self.step.uses.append(weakref.ref(node))
-                unit.install_full(list(uses))
-            else:
-                unit.install_full(list(fulls))
+            unit.install_full(list(uses))
+        elif id(unit) in self.step.fulls:
+            unit.install_full(list(self.step.fulls[id(unit)]))
+        else:  # nothing to differentiate (frozen, or no grad): plain fresh views
+            unit.install_full([view.view(view.shape) for view in unit.full_views])
         if not unit.keep_full:
             self._free_idle(keep={id(unit)})
         self._issue_queued(self.step.gather_queue, up_to=None)
 
     def _end_forward(self) -> None:
         self._drain(self.step.gather_queue)  # units this rank did not run still take their gather
-        for unit in self.units:  # the window's views, not this pass's _Use outputs (Note [unit window])
+        for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
             if id(unit) in self.step.fulls:
                 unit.install_full(list(self.step.fulls[id(unit)]))
+        self.step.pass_uses = {}  # only this pass's graph may keep its Use nodes alive
         backward_possible = self._backward_possible()
+        if self.step.order:
+            self.forward_order = self.step.order
         if not self.root.keep_full:
             # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
             # its root), one gather fewer per step. "Last" by registration, not by this
             # rank's forward, so every rank keeps the same one (Note [collective order]).
             last = {id(self.units[-1])} if torch.is_grad_enabled() else set()
             self._free_idle(keep={id(self.root)} | last)
-            self.step.backward_queue = [u for u in reversed(self.units) if not u.resident]
+            self.step.backward_queue = [u for u in reversed(self.prefetch_order) if not u.resident]
         if not backward_possible:
             self._close_window()
 
@@ -303,6 +297,11 @@ class ZeroEngine:
         self._queue_finalize()
         self._ensure_gathered(unit, self.step.backward_queue)
         self._issue_queued(self.step.backward_queue, up_to=None)  # prefetch the next one
+
+    def _frozen_backward_done(self, unit: FlatUnit) -> None:
+        """Note [frozen units]: a frozen zero3 unit's backward is done; free it like post_backward."""
+        if not any(unit is u for u in self.step.open_units):
+            unit.free()
 
     def post_backward(self, unit: FlatUnit, grads: list) -> None:
         """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
@@ -374,6 +373,11 @@ class ZeroEngine:
         for unit in self.units:
             values.update(unit.gather_copy())
         return values
+
+
+def _in_backward() -> bool:
+    """Inside autograd's backward: a unit's forward hooks then come from a recompute."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _prefix_of(module: nn.Module, module_names: dict[int, str]) -> str:

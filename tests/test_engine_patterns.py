@@ -1,0 +1,216 @@
+"""Forward/backward patterns found by a second reading of the engine: each against one process
+(same input on every rank, so the averaged gradients equal the single process's; one SGD step
+turns gradients into parameters that `sw.full_parameters` compares)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as cp
+from torch import nn
+
+import shardwise as sw
+
+
+class Enc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.l(x)
+
+
+class NoGradFirst(nn.Module):
+    """A unit's first use under no_grad, then a use with grad in the same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.e1, self.e2, self.head = Enc(), Enc(), nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.e1(x + 1)
+        return (self.head(self.e2(self.e1(x))) - target.sum()).pow(2).sum()
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b=True):
+        y = self.a(x)
+        return self.b(y) if use_b else y
+
+
+class Net(nn.Module):
+    """A root LayerNorm before checkpointable blocks (what HF's gradient checkpointing does)."""
+
+    def __init__(self, outer_checkpoint=False):
+        super().__init__()
+        self.pre, self.h, self.outer = nn.LayerNorm(4), nn.ModuleList([Block(), Block()]), outer_checkpoint
+
+    def forward(self, x, use_b=True):
+        x = self.pre(x)
+        for block in self.h:
+            x = cp.checkpoint(block, x, use_b, use_reentrant=False) if self.outer else block(x, use_b)
+        return x.pow(2).sum()
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom")
+
+
+def scenario(name: str):
+    """(model, units, shard kwargs, a function running the step's forwards and backwards)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    if name == "no_grad_first_use":
+        return NoGradFirst(), Enc, {}, lambda m: m(x).backward()
+    if name == "two_backwards_different_branches":
+        def run(m):
+            m(x, True).backward()
+            m(x, False).backward()
+        return Net(), Block, {}, run
+    if name == "checkpoint_around_a_unit":
+        return Net(outer_checkpoint=True), Block, {}, lambda m: m(x).backward()
+    if name == "two_backwards_through_one_window_checkpointed":
+        def run(m):
+            la, lb = m(x), m(x * 2)
+            la.backward()
+            lb.backward()
+        return Net(), Block, {"checkpoint_activations": True}, run
+    if name == "a_backward_that_raised_then_a_step":
+        def run(m):
+            try:
+                loss = Boom.apply(m(x)).sum()  # raises inside backward
+                loss.backward()
+            except RuntimeError:
+                pass
+            del loss
+            for p in m.parameters():
+                p.grad = None
+            m(x).backward()
+        return Net(), Block, {}, run
+    raise KeyError(name)
+
+
+SCENARIOS = ["no_grad_first_use", "two_backwards_different_branches", "checkpoint_around_a_unit",
+             "two_backwards_through_one_window_checkpointed", "a_backward_that_raised_then_a_step"]
+
+
+def _after_one_step(name: str, strategy: str | None):
+    torch.manual_seed(0)
+    model, units, kwargs, run = scenario(name)
+    if strategy:
+        sw.shard(model, strategy=strategy, units=units, **kwargs)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    run(model)
+    optim.step()
+    return sw.full_parameters(model) if strategy else {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_pattern_matches_one_process(ranks, name, strategy):
+    """Catches a no_grad first use that left a unit without gradient, zero1 dropping gradients of
+    an earlier backward, a recompute that freed the root (zero3), a second backward through a
+    checkpointed window, and a backward that raised leaving the reduce order broken."""
+    reference = _after_one_step(name, None)
+    for params in ranks.run(_after_one_step, 2, name, strategy):
+        for key, value in reference.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {strategy} {key}")
+
+
+def _frozen_peak():
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.l(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), *[Blk() for _ in range(6)])
+    for block in model[1:]:
+        block.requires_grad_(False)
+    sw.shard(model, strategy="zero3", units=Blk)
+    model(torch.randn(2, 8)).sum().backward()
+    return model._shardwise.peak_resident_units
+
+
+def test_zero3_frees_frozen_units_during_backward(ranks):
+    """Catches frozen zero3 units kept gathered through backward (no GatherUnit frees them):
+    6 frozen blocks under a trainable layer held 6 at once; one plus the prefetched one is the bound."""
+    assert all(peak <= 2 for peak in ranks.run(_frozen_peak, 2))
+
+
+def _extra_forward_on_rank_0():
+    torch.manual_seed(0)
+    model = Net()
+    sw.shard(model, strategy="zero2", units=Block)
+    x = torch.randn(3, 4)
+    try:
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                model(x)  # an evaluation only rank 0 runs
+        model(x).backward()
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_a_forward_only_some_ranks_run_is_refused_on_every_rank(ranks):
+    """Catches `if rank == 0: evaluate(model)`, whose collectives paired with the other ranks'
+    next forward and mis-paired everything after."""
+    for message in ranks.run(_extra_forward_on_rank_0, 2, timeout=60):
+        assert message is not None and "run different forwards" in message, message
+
+
+class EncoderDecoder(nn.Module):
+    """The decoder is registered first but runs second."""
+
+    def __init__(self):
+        super().__init__()
+        self.dec = nn.ModuleList(Enc() for _ in range(3))
+        self.enc = nn.ModuleList(Enc() for _ in range(3))
+
+    def forward(self, x):
+        for layer in [*self.enc, *self.dec]:
+            x = layer(x)
+        return x.sum()
+
+
+def _gathers_per_step():
+    model = EncoderDecoder()
+    sw.shard(model, strategy="zero3", units=Enc)
+    real, counts = dist.all_gather_single, []
+
+    def counting(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        for _ in range(2):
+            counts.append(0)
+            model(torch.randn(2, 4)).backward()
+    finally:
+        dist.all_gather_single = real
+    return counts, len(model._shardwise.units)
+
+
+def test_zero3_prefetches_in_the_forward_order_it_saw(ranks):
+    """Catches prefetching in registration order when the forward runs in another: every unit
+    registered before the running one was gathered at once (a memory spike) and gathered again."""
+    for counts, num_units in ranks.run(_gathers_per_step, 2):
+        # Once the order is known: each unit once in forward, each but the last once more in backward.
+        assert counts[1] <= 2 * num_units - 1 < counts[0], (counts, num_units)
