@@ -11,7 +11,8 @@ Optimizer state is always sharded: the optimizer only ever sees shards.
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
 
 - pre_forward: `_make_pre_forward` → `_begin_forward` (root) and `_enter_unit`: unshard
-  (gather the unit, or wait for its prefetch) and, once per window, install the full views.
+  (gather the unit, or wait for its prefetch) and install the full views (on every use:
+  a use under no_grad and one with grad may alternate).
 - post_forward: `_make_post_forward` → `_end_forward` (root): reshard idle zero3 units;
   register the unit's pre-backward hook on its outputs.
 - pre_backward: `_pre_backward`: unshard again for backward (zero3); prefetch the next unit.
@@ -53,9 +54,10 @@ zero1/zero2 therefore issue their re-gathers, and all stages their reduce-scatte
 in one fixed unit order (forward: registration order; backward: its reverse); a unit
 whose turn comes before it is ready holds back the ones after it, never reorders
 them. Reduce-scatters run on a group of their own, so they never interleave with
-gathers. zero3's forward gathers follow the forward itself, so zero3 requires every
-rank to run the same units in each step (as FSDP does); parameters unused by every
-rank and branches inside a unit may still differ.
+gathers. zero3's forward gathers follow the forward itself (prefetched in the last
+forward's unit order once every rank's agrees, else registration order), so zero3
+requires every rank to run the same units in each step (as FSDP does); parameters
+unused by every rank and branches inside a unit may still differ.
 """
 
 from __future__ import annotations
