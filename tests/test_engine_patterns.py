@@ -194,9 +194,9 @@ def _gathers_per_step():
     sw.shard(model, strategy="zero3", units=Enc)
     real, counts = dist.all_gather_single, []
 
-    def counting(*args, **kwargs):
-        counts[-1] += 1
-        return real(*args, **kwargs)
+    def counting(output, input, *args, **kwargs):
+        counts[-1] += input.is_floating_point()  # unit gathers, not the int64 pre-forward agreement
+        return real(output, input, *args, **kwargs)
 
     dist.all_gather_single = counting
     try:

@@ -123,7 +123,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
 def _all_gather_full(info: ShardInfo, group, world: int) -> torch.Tensor:
     shard = info.param.detach().contiguous()
     gathered = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
-    torch.distributed.all_gather_into_tensor(gathered, shard, group=group)
+    torch.distributed.all_gather_single(gathered, shard, group=group)
     rows = info.full_shape[0] if len(info.full_shape) else 1
     return gathered[:rows].reshape(info.full_shape)
 

@@ -73,7 +73,7 @@ def agree_before_forward(units: list[FlatUnit], group, num_forwards: int,
     world = dist.get_world_size(group)
     everyone = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
     with named_failure(f"the agreement before a forward ({units[0].where})"):
-        dist.all_gather_into_tensor(everyone, local, group=group)
+        dist.all_gather_single(everyone, local, group=group)
     rows = everyone.view(world, -1).cpu()
     for column, problem in ((0, "train different parameters: requires_grad was changed on some ranks and not "
                                 "on others. Freeze or unfreeze parameters the same way on every rank, between "
