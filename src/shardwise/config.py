@@ -143,5 +143,10 @@ class ShardConfig:
     @property
     def label(self) -> str:
         """A short name, e.g. "zero3+bf16+offload"."""
-        parts = [self.strategy] + ([self.precision.label] if self.precision.label != "fp32" else [])
-        return "+".join(parts + (["offload"] if self.offload else []))
+        return config_label(self.strategy, self.precision.label, self.offload is not None)
+
+
+def config_label(strategy: str, precision: str, offloaded: bool) -> str:
+    """"zero3+bf16+offload": the strategy, a precision other than fp32, and whether state is offloaded."""
+    parts = [strategy] + ([precision] if precision != "fp32" else [])
+    return "+".join(parts + (["offload"] if offloaded else []))

@@ -10,11 +10,11 @@ from torch import nn
 
 from shardwise.checkpoint.names import Rename, clean_name, make_renamer, persistent_buffers
 from shardwise.checkpoint.optim_state import optimizer_names
-from shardwise.checkpoint.ranks import all_gather_object, group_of, row_view
+from shardwise.checkpoint.ranks import all_gather_object, group_of
 from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.sources import CheckpointDir, Source, open_source
 from shardwise.checkpoint.values import from_json, like_current, restore_rng
-from shardwise.engine.info import shard_info
+from shardwise.engine.info import row_view, shard_info
 from shardwise.errors import ShardwiseError
 
 

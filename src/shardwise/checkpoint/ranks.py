@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from shardwise.engine.info import ShardInfo, engine_of
 
@@ -57,13 +57,3 @@ def rows_to_write(info: ShardInfo, rank: int, world: int, sharded: bool) -> tupl
     per_rank = -(-rows // world)
     start = min(rank * per_rank, rows)
     return start, min(start + per_rank, rows)
-
-
-def row_view(tensor: Tensor, info: ShardInfo, lo: int, hi: int) -> Tensor:
-    """Rows lo:hi of the full tensor, as a view of `tensor` (the registered param or a state
-    tensor shaped like it); a 0-D tensor counts as one row and comes back 1-D."""
-    local = lo - info.row_start
-    flat = tensor.detach()
-    if len(info.full_shape) == 0:
-        flat = flat.reshape(-1)
-    return flat[local : local + (hi - lo)]

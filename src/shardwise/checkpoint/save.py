@@ -42,9 +42,9 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype
 from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
-from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, row_view, rows_to_write
+from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
-from shardwise.engine.info import ShardInfo, shard_info
+from shardwise.engine.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
 

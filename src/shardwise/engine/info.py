@@ -77,10 +77,17 @@ def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:
     Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
     rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout. A 0-D
     parameter, which the engine holds as one row, is exposed with shape (1,)."""
-    flat = tensor.detach()
-    if len(info.full_shape) == 0:
-        flat = flat.reshape(-1)
-    rows = flat[: info.row_end - info.row_start]
+    rows = row_view(tensor, info, info.row_start, info.row_end)
     shape = tuple(info.full_shape) or (1,)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def row_view(tensor: torch.Tensor, info: ShardInfo, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo:hi of the full tensor, as a view of `tensor` (the registered param or a state
+    tensor shaped like it); a 0-D tensor counts as one row and comes back 1-D."""
+    local = lo - info.row_start
+    flat = tensor.detach()
+    if len(info.full_shape) == 0:
+        flat = flat.reshape(-1)
+    return flat[local : local + (hi - lo)]

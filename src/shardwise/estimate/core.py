@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.config import MixedPrecision, ShardConfig
+from shardwise.config import MixedPrecision, ShardConfig, config_label
 from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.interfaces import ActivationSized
@@ -118,8 +118,7 @@ class MemoryEstimate:
 
     @property
     def label(self) -> str:
-        parts = [self.strategy] + ([self.precision] if self.precision != "fp32" else [])
-        return "+".join(parts + (["offload"] if self.offload else []))
+        return config_label(self.strategy, self.precision, bool(self.offload))
 
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters", self.parameters), ("gradients", self.gradients),

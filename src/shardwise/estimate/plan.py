@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.config import config_label
 from shardwise.estimate.core import MemoryEstimate, estimate
 
 # Cheapest first: each step down the list communicates more (zero3 gathers parameters
@@ -28,8 +29,7 @@ class PlanOption:
 
     @property
     def label(self) -> str:
-        parts = [self.strategy] + ([self.precision] if self.precision != "fp32" else [])
-        return "+".join(parts + (["offload"] if self.offload else []))
+        return config_label(self.strategy, self.precision, bool(self.offload))
 
 
 def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, optimizer: str = "adamw",
