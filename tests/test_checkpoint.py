@@ -34,6 +34,11 @@ FAST_CASES = [
     ("odd_shapes", "zero3", 4, "none", 1),  # 4 -> 1: a scalar, an empty and a 3-row param; unwrapped target
     ("odd_shapes", "zero2", 2, "zero3", 4),
     ("frozen", "zero1", 2, "zero2", 1),     # params without optimizer state
+    # the forward patterns: two forwards before one backward, A-B-A reuse, a cell used 6 times
+    ("two_tower", "zero3", 2, "zero3", 2),
+    ("non_consecutive", "zero2", 4, "zero3", 2),
+    ("recurrent", "zero3", 2, "zero1", 4),
+    ("early_exit", "zero3", 4, "zero2", 2),
 ]
 
 GRID = [(name, a, n, b, m) for name in ("gpt", "odd_shapes")

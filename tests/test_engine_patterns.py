@@ -59,6 +59,24 @@ class Net(nn.Module):
         return x.pow(2).sum()
 
 
+class Embedded(nn.Module):
+    """An embedding in the root unit before two blocks: what T5's encoder and HF's
+    `get_input_embeddings()` expose to calls outside the model's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.h = nn.Embedding(10, 4), nn.ModuleList([Block(), Block()])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.h:
+            x = block(x)
+        return x.pow(2).sum()
+
+
+IDS = torch.tensor([[0, 3, 4], [1, 2, 4]])  # below 5: this rank's half of the rows would index silently
+
+
 class Boom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -99,10 +117,14 @@ def scenario(name: str):
                 p.grad = None
             m(x).backward()
         return Net(), Block, {}, run
+    if name == "submodules_called_outside_the_forward":
+        # Note [outer calls]: a root module and a unit, each called on its own, join the backward.
+        return Embedded(), Block, {}, lambda m: (m(IDS) + m.h[1](m.emb(IDS + 1)).pow(2).sum()).backward()
     raise KeyError(name)
 
 
-SCENARIOS = ["no_grad_first_use", "two_backwards_different_branches", "checkpoint_around_a_unit",
+SCENARIOS = ["submodules_called_outside_the_forward",
+             "no_grad_first_use", "two_backwards_different_branches", "checkpoint_around_a_unit",
              "two_backwards_through_one_window_checkpointed", "a_backward_that_raised_then_a_step"]
 
 
@@ -127,6 +149,35 @@ def test_pattern_matches_one_process(ranks, name, strategy):
     for params in ranks.run(_after_one_step, 2, name, strategy):
         for key, value in reference.items():
             torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {strategy} {key}")
+
+
+def _outer_calls_after_a_step(strategy: str | None):
+    torch.manual_seed(0)
+    model = Embedded()
+    if strategy:
+        sw.shard(model, strategy=strategy, units=Block)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(IDS).backward()
+    optim.step()
+    with torch.no_grad():
+        outputs = [model.h[1](torch.ones(3, 4))]  # a unit alone first: its own pass
+        engine = getattr(model, "_shardwise", None)
+        resident = [unit.label for unit in engine.units[1:] if unit.resident] if strategy == "zero3" else []
+        outputs += [model.emb(IDS), model.h[0](model.emb(IDS)), model.h[1](model.emb(IDS))]
+    return outputs, resident
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_submodules_called_outside_the_forward_see_the_stepped_values(ranks, strategy):
+    """Catches a root-unit module called on its own reading this rank's rows (an embedding then
+    indexes the wrong rows without a word), a zero1/zero2 unit called on its own after a step
+    using the values from before it, and a zero3 unit called alone left gathered after it
+    returns (Note [outer calls])."""
+    reference, _ = _outer_calls_after_a_step(None)
+    for outputs, resident in ranks.run(_outer_calls_after_a_step, 2, strategy):
+        assert resident == [], f"zero3 units still gathered after a call on their own: {resident}"
+        for got, expected in zip(outputs, reference):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def _frozen_peak():
@@ -173,6 +224,38 @@ def test_a_forward_only_some_ranks_run_is_refused_on_every_rank(ranks):
     next forward and mis-paired everything after."""
     for message in ranks.run(_extra_forward_on_rank_0, 2, timeout=60):
         assert message is not None and "run different forwards" in message, message
+
+
+class ReentrantInside(Block):
+    """A reentrant checkpoint inside a unit's forward, around part of it."""
+
+    def forward(self, x, use_b=True):
+        return self.b(cp.checkpoint(self.a, x, use_reentrant=True))
+
+
+def _reentrant_checkpoint(where: str, strategy: str):
+    torch.manual_seed(0)
+    if where == "around_units":
+        model, units = Net(), Block
+        model.forward = lambda x: sum(cp.checkpoint(b, model.pre(x), use_reentrant=True).sum() for b in model.h)
+    else:
+        model, units = nn.Sequential(nn.LayerNorm(4), ReentrantInside(), ReentrantInside()), ReentrantInside
+    sw.shard(model, strategy=strategy, units=units)
+    loss = model(torch.randn(3, 4)).pow(2).sum()
+    try:
+        loss.backward()
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+@pytest.mark.parametrize("where", ["around_units", "inside_a_unit"])
+def test_a_reentrant_checkpoint_is_refused_on_every_rank(ranks, where, strategy):
+    """Catches a reentrant checkpoint (torch's default), whose nested backward computed gradients
+    the engine never reduced: parameters 0.43 off one process after a step, without a word."""
+    for message in ranks.run(_reentrant_checkpoint, 2, where, strategy, timeout=60):
+        assert message is not None and "use_reentrant=False" in message, message
 
 
 class EncoderDecoder(nn.Module):

@@ -100,6 +100,7 @@ def save_then_continue(name: str, strategy: str, path: str, steps: int = 3, more
 def load_then_continue(name: str, strategy: str, path: str, steps: int = 3, more: int = 3) -> dict:
     """A fresh model (another seed) under `strategy`: load `path`, report what was loaded, train `more`."""
     model, optim = build_model(name, strategy, seed=1)
+    model.seed = 0  # the saving run's per-step choices (zoo models that draw a branch per step)
     report = sw.load(path, model, optim)
     assert report.ok, str(report)
     assert report.extra == {"step": steps}, report.extra

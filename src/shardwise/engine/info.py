@@ -70,6 +70,22 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     return info
 
 
+def units_shard_info(units, rank: int, module_names: dict[int, str]) -> dict[str, ShardInfo]:
+    """`shard_info` of a zero engine's units (flat_unit.FlatUnit), by each parameter's first name."""
+    info = {}
+    for unit in units:
+        for layout, shard in zip(unit.layouts, unit.shard_params):
+            start = min(rank * layout.rows_per_rank, layout.rows)
+            end = min(start + layout.rows_per_rank, layout.rows)
+            names = []
+            for module, attribute in layout.owned.holders:
+                prefix = module_names[id(module)]
+                names.append(f"{prefix}.{attribute}" if prefix else attribute)
+            info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
+                                                tuple(n for n in names if n != layout.owned.name))
+    return info
+
+
 def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:
     """This rank's real rows of `tensor` (the shard, or optimizer state shaped like it) as a
     `Shard(0)` DTensor of the full shape, without a copy.

@@ -1,4 +1,13 @@
-"""`checkpoint_activations=True`: a unit keeps only its inputs in forward and recomputes in backward."""
+"""`checkpoint_activations=True`: a unit keeps only its inputs in forward and recomputes in backward.
+
+Note [recompute]: activation checkpointing from outside (`torch.utils.checkpoint` around a
+unit, Hugging Face's `gradient_checkpointing_enable()`, or `checkpoint_activations=True`)
+runs a unit's forward again during backward. Its hooks then only gather the unit and
+install the window's views; nothing is freed or prefetched (the backward's own hooks do
+that), so the recompute never frees the root or a unit backward still needs. (A reentrant
+checkpoint, `use_reentrant=True`, runs a backward of its own inside: refused, Note [one
+backward at a time] in window.py.)
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ def checkpoint_forward(module: nn.Module, before_recompute: Callable[[], None]) 
     The unit's own hooks stay outside the checkpoint: the recompute calls the original
     forward directly, so `before_recompute()` first makes the unit's full values present
     and registered (the window may have closed after an earlier backward through it:
-    Note [recompute] in zero.py)."""
+    Note [recompute])."""
     original = module.forward
 
     def recompute_or_run(*args, **kwargs):

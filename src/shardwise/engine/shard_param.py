@@ -23,8 +23,11 @@ Note [rank-local clipping]: `torch.nn.utils.clip_grad_norm_(model.parameters(), 
 sharded model would compute the norm of this rank's rows only, and each rank would clip by
 a different factor. Reading `.grad` from inside that function (it collects the gradients in
 a comprehension at its start, before touching any) is refused with the fix,
-`sw.clip_grad_norm_`, which computes the global norm. Any other read of `.grad` is a plain
-read; at world size 1 the rows are the whole tensor and torch's function is exact.
+`sw.clip_grad_norm_`, which computes the global norm. Its two halves are refused the same
+way: `clip_grads_with_norm_(model.parameters(), max_norm, total)` reads `.grad` likewise (the
+`total` a user passes comes from `get_total_norm` over this rank's rows, which takes tensors
+and cannot be caught). Any other read of `.grad` is a plain read; at world size 1 the rows are
+the whole tensor and torch's functions are exact.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from shardwise.errors import ShardwiseError
 
 _set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds storage
 _get_grad, _set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
-_TORCH_CLIP = inspect.unwrap(torch.nn.utils.clip_grad_norm_).__code__
+_TORCH_CLIPS = {inspect.unwrap(torch.nn.utils.clip_grad_norm_).__code__: "clip_grad_norm_",
+                inspect.unwrap(torch.nn.utils.clip_grads_with_norm_).__code__: "clip_grads_with_norm_"}
 
 
 class ShardParameter(nn.Parameter):
@@ -66,11 +70,13 @@ class ShardParameter(nn.Parameter):
         caller = sys._getframe(1)
         if caller.f_code.co_name == "<listcomp>":  # Python 3.11 gives comprehensions a frame
             caller = caller.f_back
-        if caller is not None and caller.f_code is _TORCH_CLIP and _sharded(self):
+        function = _TORCH_CLIPS.get(caller.f_code) if caller is not None else None
+        if function is not None and _sharded(self):
             raise ShardwiseError(
-                "torch.nn.utils.clip_grad_norm_ on a sharded model sees only this rank's rows: its norm would be "
+                f"torch.nn.utils.{function} on a sharded model sees only this rank's rows: the norm would be "
                 "this rank's and every rank would clip by a different factor. Use "
-                "sw.clip_grad_norm_(model, max_norm), which computes the global norm (Note [rank-local clipping])."
+                "sw.clip_grad_norm_(model, max_norm), which computes the global norm and clips by it "
+                "(Note [rank-local clipping])."
             )
         return _get_grad(self)
 

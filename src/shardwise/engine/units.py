@@ -84,3 +84,18 @@ def _innermost_enclosing(plans, unit_paths, paths: list[str]) -> UnitPlan:
             if depth > best_depth:
                 best, best_depth = plan, depth
     return best
+
+
+def root_scope_modules(model: nn.Module, unit_modules: list[nn.Module]) -> list[nn.Module]:
+    """The root unit's modules below the model: every module not inside a unit (Note [outer calls])."""
+    units = {id(m) for m in unit_modules}
+    found: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if id(child) not in units and id(child) not in found:
+                found[id(child)] = child
+                visit(child)
+
+    visit(model)
+    return list(found.values())

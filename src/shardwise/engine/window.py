@@ -15,15 +15,34 @@ it alive); once all are gone, nothing can backward through the window and it is 
 frees a unit whenever another unit opens and gathers it again at its next use, forward
 or backward: one extra gather for each non-consecutive reuse, which is the price of
 keeping one unit's full values (plus the prefetched one) at a time.
+
+Note [aborted backward]: a backward that raises midway never reaches `_finalize_backward`.
+The next forward finds its window with a backward started and no graph left to finish it:
+it waits for the reduces already issued, drops the step's gradients (the partial ones, and
+this step's accumulation: as `zero_grad()` would before redoing the step; until then
+`model.parameters()` still shows the window's full views) and starts the reduce order
+afresh, the same on every rank.
+
+Note [one backward at a time]: a window's backward is one autograd graph task; its end
+(`_finalize_backward`, queued on that task) reduces what is left and closes the window. A
+backward run *inside* it — a reentrant activation checkpoint (`torch.utils.checkpoint(...,
+use_reentrant=True)`, torch's default when the flag is not given) recomputes under a nested
+`torch.autograd.backward` — would hand the unit's gradients to a graph the window does not
+see and lose them (measured: parameters 0.43 off one process after one step). Every unit hook
+in backward checks that it runs in the window's graph task and raises otherwise, on every rank
+(they all run the same checkpoint), naming the fix: `use_reentrant=False`.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from shardwise.engine.flat_unit import FlatUnit
+from shardwise.errors import ShardwiseError
 
 
 class GatherUnit(torch.autograd.Function):
@@ -77,3 +96,30 @@ class StepState:
     backward_queue: list[FlatUnit] = field(default_factory=list)  # zero3 backward: the same, reversed
     callback_queued: bool = False  # _finalize_backward is queued on autograd's engine
     in_window: bool = False
+    graph_task: int = -1  # the autograd graph task running this window's backward
+    outer_call: object = None  # the module whose call opened this pass, when not the root (Note [outer calls])
+
+
+def in_backward() -> bool:
+    """Inside autograd's backward: a unit's forward hooks then come from a recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+_REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
+
+
+def refuse_nested_backward(step: StepState) -> None:
+    """Note [one backward at a time]: raise inside a backward nested in the window's own, or in
+    a reentrant checkpoint's recompute (which runs in the window's task, just before its own)."""
+    frame, nested = sys._getframe(1), False
+    while frame is not None and not nested:
+        nested, frame = frame.f_code is _REENTRANT_BACKWARD, frame.f_back
+    if nested or step.callback_queued and torch._C._current_graph_task_id() != step.graph_task:
+        raise ShardwiseError(
+            "a backward ran inside the model's backward (a reentrant activation checkpoint: "
+            "torch.utils.checkpoint(..., use_reentrant=True), torch's default when the flag is not given); "
+            "shardwise would not see the gradients it computes. Pass use_reentrant=False to "
+            "torch.utils.checkpoint (Hugging Face: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), or use sw.shard(..., "
+            "checkpoint_activations=True) (Note [one backward at a time])."
+        )

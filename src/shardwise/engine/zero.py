@@ -10,10 +10,10 @@ Optimizer state is always sharded: the optimizer only ever sees shards.
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
 
-- pre_forward: `_make_pre_forward` → `_begin_forward` (root) and `_enter_unit`: unshard
+- pre_forward: `_make_pre_forward` → `_begin_forward` (outermost) and `_enter_unit`: unshard
   (gather the unit, or wait for its prefetch) and install the full views (on every use:
   a use under no_grad and one with grad may alternate).
-- post_forward: `_make_post_forward` → `_end_forward` (root): reshard idle zero3 units;
+- post_forward: `_make_post_forward` → `_end_forward` (outermost): reshard idle zero3 units;
   register the unit's pre-backward hook on its outputs.
 - pre_backward: `_pre_backward`: unshard again for backward (zero3); prefetch the next unit.
 - post_backward: `post_backward` (from `GatherUnit.backward`): reshard (zero3), then
@@ -21,21 +21,14 @@ The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifec
 - finalize_backward: `_finalize_backward`: reduce what is left in the fixed order, wait for
   every reduce, reinstall the shards.
 
-Note [unit window] is in window.py.
+Note [unit window], Note [aborted backward] and Note [one backward at a time] are in
+window.py, Note [recompute] in recompute.py.
 
-Note [recompute]: activation checkpointing from outside (`torch.utils.checkpoint` around a
-unit, Hugging Face's `gradient_checkpointing_enable()`, or `checkpoint_activations=True`)
-runs a unit's forward again during backward. Its hooks then only gather the unit and
-install the window's views; nothing is freed or prefetched (the backward's own hooks do
-that), so the recompute never frees the root or a unit backward still needs. (A reentrant
-checkpoint, `use_reentrant=True`, runs a backward of its own inside and is not supported.)
-
-Note [aborted backward]: a backward that raises midway never reaches `_finalize_backward`.
-The next forward finds its window with a backward started and no graph left to finish it:
-it waits for the reduces already issued, drops the step's gradients (the partial ones, and
-this step's accumulation: as `zero_grad()` would before redoing the step; until then
-`model.parameters()` still shows the window's full views) and starts the reduce order
-afresh, the same on every rank.
+Note [outer calls]: a unit, or a module of the root unit (an embedding, a final norm, T5's
+encoder that `generate()` calls by itself), may be called outside the model's forward. The
+outermost hooked module called then opens a pass as the model's forward would: the same
+agreement and (zero1/2) re-gathers, the root unit's full values in place, the same window,
+so such a call joins a pending backward exactly; it closes the pass when it returns.
 
 Note [frozen units]: a unit with no trainable parameter has no `GatherUnit`, so zero3
 frees it after its backward from a hook on its inputs' gradients instead.
@@ -75,7 +68,7 @@ from shardwise.config import ShardConfig
 from shardwise.engine.collectives import new_reduce_group
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit
-from shardwise.engine.info import ShardInfo
+from shardwise.engine.info import ShardInfo, units_shard_info
 from shardwise.engine.offload import open_store
 from shardwise.engine.optim_hooks import watch_units
 from shardwise.engine.precision import cast_floating_inputs
@@ -84,8 +77,8 @@ from shardwise.engine.reducer import Reducer
 from shardwise.engine.sharding import shard_units
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit_choice import warn_if_root_holds_most
-from shardwise.engine.units import UnitSpec, build_units
-from shardwise.engine.window import GatherUnit, StepState, Use
+from shardwise.engine.units import UnitSpec, build_units, root_scope_modules
+from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, refuse_nested_backward
 
 
 class ZeroEngine:
@@ -110,7 +103,7 @@ class ZeroEngine:
         self._max_in_flight = 2 if config.keeps_full_params else 1  # zero3: current + one prefetched
         self.reducer = Reducer(list(reversed(self.units)))  # Note [collective order]
         self.sync_grads = True
-        self.num_steps = 0  # finished backwards, for errors that say where a rank waited
+        self.num_steps = 0  # finished backwards
         self.num_forwards = 0  # root forwards, agreed across ranks before each
         self.forward_order: list[int] = []  # units in the order the last forward used them
         self.prefetch_order: list[FlatUnit] = list(self.units)  # agreed by every rank (_begin_forward)
@@ -125,42 +118,72 @@ class ZeroEngine:
         for unit in self.units:
             unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
             unit.module.register_forward_hook(self._make_post_forward(unit))
+        for module in root_scope_modules(model, [unit.module for unit in self.units[1:]]):
+            module.register_forward_pre_hook(self.root_scope_pre_forward)
+            module.register_forward_hook(self.root_scope_post_forward)
 
     # ---- forward -----------------------------------------------------------------
 
     def _make_pre_forward(self, unit: FlatUnit):
         def hook(module, args):
-            if _in_backward():  # Note [recompute]
+            if in_backward():  # Note [recompute] (recompute.py)
                 self._prepare_recompute(unit)
                 return
-            if unit is self.root:
+            if not self.step.open_units:  # the outermost call: the root's forward, or Note [outer calls]
                 self._begin_forward()
-            self.step.open_units.append(unit)
-            self._enter_unit(unit)
+                if unit is not self.root:
+                    self._open_outer_call(module)
+            self._open_unit(unit)
         return hook
 
     def _make_post_forward(self, unit: FlatUnit):
         def hook(module, args, output):
-            if _in_backward():  # a recompute: the forward's own hooks already did this
+            if in_backward():  # a recompute: the forward's own hooks already did this
                 return output
-            self.step.open_units.pop()
-            if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                if tensors:
-                    register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
-                if not unit.trainable() and not unit.keep_full and unit is not self.root:
-                    # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
-                    # gradients are computed once its backward is done.
-                    inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-                    if inputs:
-                        register_multi_grad_hook(inputs, lambda grads: self._frozen_backward_done(unit), mode="all")
-            if unit is self.root:
-                self._end_forward()
+            self._close_unit(unit, args, output)
+            if self.step.outer_call is module:
+                self._close_unit(self.root, args, output)
             return output
         return hook
 
+    def root_scope_pre_forward(self, module, args) -> None:
+        """A module of the root unit called outside the model's forward (Note [outer calls])."""
+        if not self.step.open_units and not in_backward():
+            self._begin_forward()
+            self._open_outer_call(module)
+
+    def root_scope_post_forward(self, module, args, output):
+        if self.step.outer_call is module and not in_backward():
+            self._close_unit(self.root, args, output)
+        return output
+
+    def _open_outer_call(self, module: nn.Module) -> None:
+        self.step.outer_call = module
+        self._open_unit(self.root)
+
+    def _open_unit(self, unit: FlatUnit) -> None:
+        self.step.open_units.append(unit)
+        self._enter_unit(unit)
+
+    def _close_unit(self, unit: FlatUnit, args, output) -> None:
+        self.step.open_units.pop()
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
+            if not unit.trainable() and not unit.keep_full and unit is not self.root:
+                # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
+                # gradients are computed once its backward is done.
+                inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if inputs:
+                    register_multi_grad_hook(inputs, lambda grads: self._frozen_backward_done(unit), mode="all")
+        if unit is self.root:
+            self.step.outer_call = None
+            self._end_forward()
+
     def _prepare_recompute(self, unit: FlatUnit) -> None:
         """Note [recompute]: the unit's full values present and registered, nothing else."""
+        refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.step.backward_queue)
         fulls = self.step.fulls.get(id(unit))
         if fulls is None:  # the window closed after an earlier backward: leaves that, like the
@@ -292,11 +315,13 @@ class ZeroEngine:
     def _queue_finalize(self) -> None:
         if not self.step.callback_queued:
             self.step.callback_queued = True
+            self.step.graph_task = torch._C._current_graph_task_id()
             self._set_where("backward")
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         self._queue_finalize()
+        refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.step.backward_queue)
         self._issue_queued(self.step.backward_queue, up_to=None)  # prefetch the next one
 
@@ -308,6 +333,7 @@ class ZeroEngine:
     def post_backward(self, unit: FlatUnit, grads: list) -> None:
         """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
         self._queue_finalize()  # also for a graph that reached no unit output hook
+        refuse_nested_backward(self.step)
         if not unit.keep_full and unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
@@ -343,7 +369,7 @@ class ZeroEngine:
         self._set_where("between steps")
 
     def _set_where(self, phase: str) -> None:
-        for unit in self.units:
+        for unit in self.units:  # for errors that say where a rank waited
             unit.where = f"step {self.num_steps}, {phase}"
 
     # ---- user-facing helpers -----------------------------------------------------
@@ -359,32 +385,10 @@ class ZeroEngine:
             self.sync_grads = previous
 
     def shard_info(self) -> dict[str, ShardInfo]:
-        info = {}
-        for unit in self.units:
-            for layout, shard in zip(unit.layouts, unit.shard_params):
-                start = min(self.rank * layout.rows_per_rank, layout.rows)
-                end = min(start + layout.rows_per_rank, layout.rows)
-                names = [f"{_prefix_of(module, self.module_names)}{attribute}"
-                         for module, attribute in layout.owned.holders]
-                info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
-                                                    tuple(n for n in names if n != layout.owned.name))
-        return info
+        return units_shard_info(self.units, self.rank, self.module_names)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        values: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            values.update(unit.gather_copy())
-        return values
-
-
-def _in_backward() -> bool:
-    """Inside autograd's backward: a unit's forward hooks then come from a recompute."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _prefix_of(module: nn.Module, module_names: dict[int, str]) -> str:
-    name = module_names[id(module)]
-    return f"{name}." if name else ""
+        return {name: value for unit in self.units for name, value in unit.gather_copy().items()}
 
 
 def apply_zero(model: nn.Module, config: ShardConfig, units: UnitSpec, group: dist.ProcessGroup,
