@@ -120,10 +120,20 @@ def scenario(name: str):
     if name == "submodules_called_outside_the_forward":
         # Note [outer calls]: a root module and a unit, each called on its own, join the backward.
         return Embedded(), Block, {}, lambda m: (m(IDS) + m.h[1](m.emb(IDS + 1)).pow(2).sum()).backward()
+    if name == "a_penalty_over_the_parameters_after_the_forward":
+        # zero3 has freed most units by then: their names hold the shards, never freed storage
+        # (reading that crashed the process); an elementwise penalty's gradient is exact.
+        return Embedded(), Block, {}, lambda m: (m(IDS) + sum(p.pow(2).sum() for p in m.parameters())).backward()
+    if name == "a_penalty_over_the_parameters_before_the_forward":
+        def run(m):
+            penalty = sum(p.pow(2).sum() for p in m.parameters())
+            (m(IDS) + penalty).backward()
+        return Embedded(), Block, {}, run
     raise KeyError(name)
 
 
-SCENARIOS = ["submodules_called_outside_the_forward",
+SCENARIOS = ["submodules_called_outside_the_forward", "a_penalty_over_the_parameters_after_the_forward",
+             "a_penalty_over_the_parameters_before_the_forward",
              "no_grad_first_use", "two_backwards_different_branches", "checkpoint_around_a_unit",
              "two_backwards_through_one_window_checkpointed", "a_backward_that_raised_then_a_step"]
 

@@ -16,10 +16,26 @@ from shardwise.testing import global_batch, rank_slice
 STRATEGIES = ["zero1", "zero2", "zero3"]
 
 
-def _shapes_and_values(strategy):
-    plain = build("gpt")
-    model = build("gpt")
-    sw.shard(model, strategy=strategy, units=ZOO["gpt"].unit_class)
+class SharedThrice(torch.nn.Module):
+    """One Linear registered under three names, and a list of units under two."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = self.b = self.c = torch.nn.Linear(4, 4)
+        self.h = self.h_again = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+
+def _build(name: str, seed: int = 0):
+    if name == "shared_thrice":
+        torch.manual_seed(seed)
+        return SharedThrice(), torch.nn.ModuleList
+    return build(name, seed), ZOO[name].unit_class
+
+
+def _shapes_and_values(strategy, name="gpt"):
+    plain, _ = _build(name)
+    model, units = _build(name)
+    sw.shard(model, strategy=strategy, units=units if name == "gpt" else model.h)
     state = model.state_dict()
     expected = plain.state_dict()
     problems = [] if list(state) == list(expected) else [("keys", list(state), list(expected))]
@@ -32,18 +48,20 @@ def _shapes_and_values(strategy):
             problems.append((key, tuple(whole.shape), tuple(expected[key].shape)))
     full = sw.full_state_dict(model)
     if dist.get_rank() == 0:
-        build("gpt", seed=3).load_state_dict(full)  # strict: every key, full shapes
+        _build(name, seed=3)[0].load_state_dict(full)  # strict: every key, full shapes
         problems += [(k, "full_state_dict") for k in expected if not torch.equal(full[k], expected[k])]
     elif full:
         problems.append(("full_state_dict on rank 1", sorted(full)))
     return problems
 
 
+@pytest.mark.parametrize("name", ["gpt", "shared_thrice"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_state_dict_has_full_shapes_and_values(ranks, strategy):
+def test_state_dict_has_full_shapes_and_values(ranks, strategy, name):
     """Catches state_dict() handing out this rank's rows as if whole ([250, 64] for [500, 64]),
-    which save_pretrained then wrote and from_pretrained failed on far from the cause."""
-    for problems in ranks.run(_shapes_and_values, 2, strategy):
+    which save_pretrained then wrote and from_pretrained failed on far from the cause; also
+    under the middle name of a module registered under three (it came out as [2, 4])."""
+    for problems in ranks.run(_shapes_and_values, 2, strategy, name):
         assert problems == []
 
 

@@ -276,10 +276,12 @@ class FlatUnit:
             self._copy_out(gathered, target)
 
     def free(self) -> None:
-        """Release the full values (zero3 only; zero1/zero2 keep them)."""
+        """Release the full values (zero3 only; zero1/zero2 keep them); the shards are registered
+        again, so no name ever refers to freed storage (reading it crashed the process)."""
         if not self.keep_full and self.residency is Residency.GATHERED:
             self.full_flat.untyped_storage().resize_(0)
             self._move(Residency.SHARDED)
+            self.install_shards()
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""

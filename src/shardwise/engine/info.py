@@ -70,19 +70,26 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     return info
 
 
-def units_shard_info(units, rank: int, module_names: dict[int, str]) -> dict[str, ShardInfo]:
-    """`shard_info` of a zero engine's units (flat_unit.FlatUnit), by each parameter's first name."""
+def module_paths(model: nn.Module) -> dict[int, list[str]]:
+    """Every path of each module of `model`, by id (a module registered twice has two)."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    return paths
+
+
+def units_shard_info(units, rank: int, module_paths: dict[int, list[str]]) -> dict[str, ShardInfo]:
+    """`shard_info` of a zero engine's units (flat_unit.FlatUnit), by each parameter's first name;
+    its aliases are every other path it is registered under (a module shared under 3 names too)."""
     info = {}
     for unit in units:
         for layout, shard in zip(unit.layouts, unit.shard_params):
             start = min(rank * layout.rows_per_rank, layout.rows)
             end = min(start + layout.rows_per_rank, layout.rows)
-            names = []
-            for module, attribute in layout.owned.holders:
-                prefix = module_names[id(module)]
-                names.append(f"{prefix}.{attribute}" if prefix else attribute)
+            names = [f"{prefix}.{attribute}" if prefix else attribute
+                     for module, attribute in layout.owned.holders for prefix in module_paths[id(module)]]
             info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
-                                                tuple(n for n in names if n != layout.owned.name))
+                                                tuple(dict.fromkeys(n for n in names if n != layout.owned.name)))
     return info
 
 

@@ -68,7 +68,7 @@ from shardwise.config import ShardConfig
 from shardwise.engine.collectives import new_reduce_group
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit
-from shardwise.engine.info import ShardInfo, units_shard_info
+from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.offload import open_store
 from shardwise.engine.optim_hooks import watch_units
 from shardwise.engine.precision import cast_floating_inputs
@@ -90,7 +90,7 @@ class ZeroEngine:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
-        self.module_names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.module_paths = module_paths(model)
         check_same_model_on_every_rank(model, group)
         self.store = open_store(config.offload, self.rank)
         self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn)
@@ -245,7 +245,7 @@ class ZeroEngine:
     def _end_forward(self) -> None:
         self._drain(self.step.gather_queue)  # units this rank did not run still take their gather
         for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
-            if id(unit) in self.step.fulls:
+            if id(unit) in self.step.fulls and (unit.keep_full or unit.resident):
                 unit.install_full(list(self.step.fulls[id(unit)]))
         self.step.pass_uses = {}  # only this pass's graph may keep its Use nodes alive
         backward_possible = self._backward_possible()
@@ -323,6 +323,8 @@ class ZeroEngine:
         self._queue_finalize()
         refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.step.backward_queue)
+        if id(unit) in self.step.fulls:  # free() registered the shards; a recompute inside reads these
+            unit.install_full(list(self.step.fulls[id(unit)]))
         self._issue_queued(self.step.backward_queue, up_to=None)  # prefetch the next one
 
     def _frozen_backward_done(self, unit: FlatUnit) -> None:
@@ -385,7 +387,7 @@ class ZeroEngine:
             self.sync_grads = previous
 
     def shard_info(self) -> dict[str, ShardInfo]:
-        return units_shard_info(self.units, self.rank, self.module_names)
+        return units_shard_info(self.units, self.rank, self.module_paths)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: value for unit in self.units for name, value in unit.gather_copy().items()}
