@@ -37,6 +37,8 @@ class ResumableSampler(Sampler[int]):
     uninterrupted run did not, so its random stream would shift.
     """
 
+    state_is_global = True  # its position is over the global order: sw.load re-deals it to any world size
+
     def __init__(self, data, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None):
         self.num_samples_total = data if isinstance(data, int) else len(data)

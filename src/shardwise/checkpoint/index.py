@@ -53,6 +53,9 @@ def build_index(job, records: list) -> dict:
         "files": {r["file"]: {"bytes": r["bytes"], "digest": r["digest"]} for r, _ in records},
         "params": params, "buffers": buffers, "optimizer": optimizer, "scheduler": job.scheduler_state,
         "rng": [r["rng"] for r, _ in records], "objects": job.objects, "extra": job.values,
+        # Note [object states]: every rank's, only when some rank's differs from rank 0's.
+        "objects_by_rank": None if all(r["objects"] == job.objects for r, _ in records)
+        else [r["objects"] for r, _ in records],
     }
 
 

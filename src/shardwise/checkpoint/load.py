@@ -87,9 +87,15 @@ def _load_into(job: LoadJob) -> LoadReport:
         _check_optimizer(source, optim, infos, pairs, report)
     if scheduler is not None and source.scheduler is None:
         report.problems.append("the checkpoint holds no scheduler state (it was saved without scheduler=)")
+    object_states = {}
     for key in objects:
         if key not in source.objects:
             report.problems.append(f"the checkpoint holds no state for {key}= (pass it to sw.save as well)")
+            continue
+        try:
+            object_states[key] = source.object_state(key, objects[key], job.rank, job.world)
+        except ShardwiseError as error:
+            report.problems.append(str(error))
     if job.strict and not report.ok:
         raise ShardwiseError(f"{report}\nstrict=True refuses a partial load: fix the names (rename=...), or pass "
                              "strict=False to load what matches (fine-tuning a changed head).")
@@ -110,9 +116,8 @@ def _load_into(job: LoadJob) -> LoadReport:
             _load_optimizer(source, optim, infos, pairs)
     if scheduler is not None and source.scheduler is not None:
         scheduler.load_state_dict(from_json(source.scheduler))
-    for key, obj in objects.items():
-        if key in source.objects:
-            obj.load_state_dict(from_json(source.objects[key]))
+    for key, state in object_states.items():
+        objects[key].load_state_dict(from_json(state))
     wanted = optim is not None if job.restore_rng is None else job.restore_rng
     _maybe_restore_rng(source, report, wanted, job.rank, job.world)
     return report

@@ -24,6 +24,13 @@ at any point leaves the previous checkpoint as the latest and whole. A later sav
 to the same NAME removes the leftover partial directory. Saving over an existing
 checkpoint NAME renames it to `.NAME.old` first and deletes it after the new one is in
 place; a crash between those two renames leaves the old one there, under that name.
+
+Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
+are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
+is usually the same on every rank (sw.ResumableSampler's position is global) and is then
+stored once; when some rank's differs (a loader over its own rank's samples) every rank's
+is stored and each rank gets its own back, at the same world size only (refused otherwise:
+those positions cannot be dealt to another number of ranks).
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     (torch, numpy, python, CUDA) and `**extra`: JSON values (`step=100`) returned by
     `sw.load` in `report.extra`, or objects with `state_dict()`/`load_state_dict()`
     (`sampler=sw.ResumableSampler(...)`), restored by passing them to `sw.load` under
-    the same keyword (rank 0's state is saved). `keep_last=K` then deletes all but the K
+    the same keyword (Note [object states]). `keep_last=K` then deletes all but the K
     newest shardwise checkpoints in `path`'s parent directory. `durable=False` skips
     fsync (faster; a machine crash may then lose the newest checkpoint, never corrupt
     an older one). An existing checkpoint at `path` is replaced; anything else there is
@@ -195,7 +202,7 @@ def _write_rank_file(job: SaveJob) -> dict:
                       for key, t in rng_tensors.items()}
     scalars = {name: entry[1] for name, entry in plan["state"].items()} if plan else {}
     return {"file": file, "bytes": written.nbytes, "digest": written.digest, "slices": slices, "rng": rng,
-            "optim_scalars": scalars, "optim_tensors": optim_tensors}
+            "optim_scalars": scalars, "optim_tensors": optim_tensors, "objects": job.objects}
 
 
 def _finish(job: SaveJob, records: list) -> str | None:

@@ -55,6 +55,20 @@ class Source:
     def rng_of(self, rank: int):
         return None
 
+    def object_state(self, key: str, obj, rank: int, world: int):
+        """The saved state of keyword object `key` for `rank` of `world` (Note [object states])."""
+        if self.world_size not in (None, world) and not getattr(obj, "state_is_global", False):
+            raise ShardwiseError(
+                f"{key}= was saved at world size {self.world_size} and is loaded at {world}: its state (a "
+                f"{type(obj).__name__}'s) may count positions over each rank's own samples, which another number "
+                f"of ranks deals differently. Resume at world size {self.world_size}, or leave {key}= out of "
+                "sw.load (its epoch then restarts), or use sw.ResumableSampler, which re-deals the remaining "
+                "samples to any number of ranks.")
+        by_rank = getattr(self, "objects_by_rank", None)
+        if by_rank is None or all(states.get(key) == self.objects[key] for states in by_rank):
+            return self.objects[key]
+        return by_rank[rank][key]
+
     def close(self) -> None:
         pass
 
@@ -107,6 +121,7 @@ class CheckpointDir(Source):
             }
         self.scheduler = self.index.get("scheduler")
         self.objects = self.index.get("objects", {})
+        self.objects_by_rank = self.index.get("objects_by_rank")
         self.extra = self.index.get("extra", {})
 
     def _source_tensor(self, name: str, entry: dict) -> SourceTensor:

@@ -5,6 +5,7 @@ No pickle: every value is JSON or a tensor in a safetensors file.
 
 from __future__ import annotations
 
+import base64
 import random
 
 import numpy as np
@@ -12,6 +13,8 @@ import torch
 from torch import Tensor
 
 from shardwise.errors import ShardwiseError
+
+_MAX_STATE_TENSOR_BYTES = 1 << 20  # larger tensors belong in the model or the optimizer, not in an object's state
 
 
 def to_json(value, where: str):
@@ -30,11 +33,17 @@ def to_json(value, where: str):
         return out
     if isinstance(value, Tensor) and value.numel() == 1 and value.dim() == 0:
         return {"__tensor__": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, Tensor) and value.nbytes <= _MAX_STATE_TENSOR_BYTES:
+        # A small state tensor (a torch.Generator's state in a data loader's): its bytes, base64.
+        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        return {"__tensor_bytes__": base64.b64encode(data).decode("ascii"), "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch.")}
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         return value.item()
     raise ShardwiseError(
         f"{where} is a {type(value).__name__}, which a checkpoint cannot store without pickle "
-        "(only JSON values, 0-D tensors and parameter-shaped tensors are stored)"
+        f"(only JSON values, tensors of at most {_MAX_STATE_TENSOR_BYTES >> 10} KiB and parameter-shaped "
+        "tensors are stored)"
     )
 
 
@@ -46,6 +55,13 @@ def from_json(value, device: torch.device | str = "cpu"):
             if not isinstance(dtype, torch.dtype):
                 raise ShardwiseError(f"unknown dtype {value['dtype']!r} in the checkpoint")
             return torch.tensor(value["__tensor__"], dtype=dtype, device=device)
+        if "__tensor_bytes__" in value:
+            dtype = getattr(torch, value["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ShardwiseError(f"unknown dtype {value['dtype']!r} in the checkpoint")
+            data = bytearray(base64.b64decode(value["__tensor_bytes__"]))
+            flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(value["shape"]).to(device)
         return {key: from_json(item, device) for key, item in value.items()}
     if isinstance(value, list):
         return [from_json(item, device) for item in value]

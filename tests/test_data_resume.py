@@ -1,0 +1,94 @@
+"""torchdata's StatefulDataLoader (two workers per rank) saved and restored by sw.save / sw.load
+(Note [object states] in checkpoint/save.py): it resumes exactly where it stopped. Run under
+torchrun: a data loader's workers cannot start inside the test pool's daemon processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("torchdata")
+
+SCRIPT = Path(__file__).parent / "scripts" / "data_resume.py"
+
+
+def _launch(world_size: int, out: Path, *args: str) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world_size}", str(SCRIPT), "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_stateful_dataloader_resumes_exactly(tmp_path, world_size):
+    """Catches a loader restarted from its epoch's beginning (the batches after resume repeat the
+    first ones), one rank's position handed to another, and a generator state refused by sw.save."""
+    path = str(tmp_path / "ckpt")
+    whole = _launch(world_size, tmp_path / "whole")
+    first = _launch(world_size, tmp_path / "first", "--path", path, "--stop-at", "3")
+    rest = _launch(world_size, tmp_path / "rest", "--path", path, "--resume", "--total", "4")
+    for rank in range(world_size):
+        assert first[rank]["error"] is None and rest[rank]["error"] is None, (first, rest)
+        assert first[rank]["seen"] + rest[rank]["seen"] == whole[rank]["seen"], (rank, first, rest, whole)
+    if world_size == 2:
+        assert whole[0]["seen"] != whole[1]["seen"]  # each rank its own samples
+
+
+def test_per_rank_loader_states_refuse_another_world_size(tmp_path):
+    """Catches rank 0's loader position silently given to every rank of a different world size."""
+    path = str(tmp_path / "ckpt")
+    _launch(2, tmp_path / "first", "--path", path, "--stop-at", "3")
+    (resumed,) = _launch(1, tmp_path / "rest", "--path", path, "--resume")
+    assert resumed["error"] is not None and "saved at world size 2 and is loaded at 1" in resumed["error"], resumed
+
+
+class Position:
+    """A stateful object whose state differs per rank (an iterable dataset's shard position)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value, "generator": torch.Generator().manual_seed(self.value).get_state()}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+        assert torch.equal(state["generator"], torch.Generator().manual_seed(self.value).get_state())
+
+
+def _save_positions(path):
+    import shardwise as sw
+    model = torch.nn.Linear(2, 2)
+    sw.shard(model, strategy="zero3")
+    sw.save(path, model, position=Position(10 + dist.get_rank()))
+
+
+def _load_positions(path):
+    import shardwise as sw
+    model = torch.nn.Linear(2, 2)
+    sw.shard(model, strategy="zero3")
+    position = Position(-1)
+    try:
+        sw.load(path, model, position=position)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return position.value
+
+
+def test_each_rank_gets_its_own_object_state_back(ranks, tmp_path):
+    """Catches rank 0's state handed to every rank (the index stored one state for all) and a
+    generator state tensor that did not round-trip."""
+    path = str(tmp_path / "ckpt")
+    ranks.run(_save_positions, 2, path)
+    assert ranks.run(_load_positions, 2, path) == [10, 11]
+    (message,) = ranks.run(_load_positions, 1, path)
+    assert "saved at world size 2 and is loaded at 1" in message, message
