@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import transformers
 
-from shardwise.engine.grads import clip_grad_norm_, no_sync
+from shardwise.engine.grads import clip_grad_norm_
 from shardwise.errors import ShardwiseError
+from shardwise.integrations.prepared import mark_prepared
 
 
 class ShardwiseTrainer(transformers.Trainer):
@@ -33,8 +34,7 @@ class ShardwiseTrainer(transformers.Trainer):
         if getattr(model, "_shardwise", None) is None:
             raise ShardwiseError("ShardwiseTrainer trains a sharded model: call sw.shard(model, strategy=...) "
                                  "before building the trainer (or use transformers.Trainer for an unsharded one)")
-        model._is_accelerate_prepared = True  # Accelerate: no DistributedDataParallel around it
-        model.no_sync = lambda: no_sync(model)  # Accelerate's accumulate() looks for model.no_sync
+        mark_prepared(model)
 
     def _clip_grad_norm(self, model):
         return clip_grad_norm_(self.model, self.args.max_grad_norm)

@@ -1,0 +1,97 @@
+"""Accelerate's training loop on a sharded model through ShardwiseAccelerator (Note [accelerate
+integration]): losses, grad norms and parameters equal the same loop on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+
+pytest.importorskip("accelerate")
+STEPS = 3
+
+
+def _train(strategy, accumulate, save_dir=None):
+    import transformers
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState
+
+    from shardwise.integrations.accelerate import ShardwiseAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # the pool's processes run many tests
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # built before shard(): the HF order
+    ids = torch.randint(0, 128, (8 * STEPS * accumulate, 8), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(ids, batch_size=8)  # the global batch; split over the ranks
+    options = dict(cpu=True, gradient_accumulation_steps=accumulate,
+                   dataloader_config=DataLoaderConfiguration(split_batches=True))
+    if strategy == "none":
+        accelerator = Accelerator(**options)
+    else:
+        sw.shard(model, strategy=strategy)
+        accelerator = ShardwiseAccelerator(**options)
+    model, optim, loader = accelerator.prepare(model, optim, loader)
+    logs = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                logs.append((accelerator.reduce(loss.detach(), "mean").item(), float(norm)))
+            optim.step()
+            optim.zero_grad()
+    if save_dir is not None:
+        accelerator.save_model(model, save_dir)
+    params = sw.full_parameters(model) if strategy != "none" else \
+        {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+    return logs, params
+
+
+@pytest.mark.parametrize("strategy, accumulate", [("zero2", 1), ("zero3", 2)])
+def test_accelerate_loop_matches_one_process(ranks, tmp_path, strategy, accumulate):
+    """Catches Accelerate's DDP wrap, its rank-local clipping, accumulation reducing every
+    micro-batch, and save_model writing this rank's rows: 3 clipped AdamW steps at world size 2
+    log the losses and grad norms of one process and end equal; the saved model loads whole."""
+    (reference_logs, reference), = ranks.run(_train, 1, "none", accumulate, timeout=180)
+    results = ranks.run(_train, 2, strategy, accumulate, str(tmp_path / "saved"), timeout=180)
+    for logs, params in results:
+        assert len(logs) == STEPS and max(norm for _, norm in reference_logs) > 0.5  # clipping acted
+        for (loss, norm), (ref_loss, ref_norm) in zip(logs, reference_logs):
+            assert abs(loss - ref_loss) < 1e-4 and abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm), (logs,
+                                                                                                   reference_logs)
+        for name, value in reference.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
+    from safetensors.torch import load_file
+    saved = load_file(str(tmp_path / "saved" / "model.safetensors"))
+    for name, value in results[0][1].items():
+        if name in saved:
+            assert torch.equal(saved[name], value), name
+    assert saved["transformer.wte.weight"].shape == (128, 32)
+
+
+def _refused_state(tmp):
+    from accelerate.state import AcceleratorState
+
+    from shardwise.integrations.accelerate import ShardwiseAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sw.shard(model, strategy="zero3", units=torch.nn.Linear)
+    accelerator = ShardwiseAccelerator(cpu=True)
+    model = accelerator.prepare(model)
+    try:
+        accelerator.save_state(tmp)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_accelerate_save_state_of_a_sharded_model_is_refused(ranks, tmp_path):
+    """Catches save_state writing rank 0's optimizer rows as the whole optimizer state."""
+    for message in ranks.run(_refused_state, 2, str(tmp_path / "state"), timeout=120):
+        assert message is not None and "sw.save" in message, message
