@@ -58,7 +58,8 @@ def _instances(modules: list[nn.Module]) -> Callable[[nn.Module], bool]:
 
 
 def _auto(model: nn.Module) -> Callable[[nn.Module], bool]:
-    declared = set(getattr(model, "_no_split_modules", None) or ())
+    # Declared by the model or by a model inside it (a LightningModule holding a Hugging Face model).
+    declared = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or ())}
     if declared and any(type(m).__name__ in declared for m in model.modules() if m is not model):
         return lambda module: type(module).__name__ in declared
     block = _repeated_class(model)

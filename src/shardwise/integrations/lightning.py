@@ -1,0 +1,92 @@
+"""Lightning on a sharded model: `ShardwiseStrategy`, picked as `Trainer(strategy=...)`.
+
+    trainer = L.Trainer(strategy=ShardwiseStrategy("zero3"), accelerator="cpu", devices=2, ...)
+    trainer.fit(lit_module)                                 # launch with torchrun, or let Lightning spawn
+
+Note [lightning integration]: the strategy is Lightning's DDPStrategy (process group, launch,
+data sampler, `reduce` for logging) with its one DDP-specific act replaced: where DDP would
+wrap the LightningModule, `sw.shard` shards it in place, before Lightning builds the
+optimizers from its parameters. Lightning then calls `training_step` on the module itself;
+the submodules it calls (`self.model(batch)`) gather their units as any call does (Note
+[outer calls] in engine/zero.py). Gradient accumulation skips the reduce on all but the last
+micro-batch (`sw.no_sync`); `gradient_clip_val` clips by the global norm (`sw.clip_grad_norm_`,
+not torch's rank-local one). Checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`,
+`fit(ckpt_path=...)`) are shardwise checkpoint directories written by every rank
+(`sw.save`: each rank its rows and optimizer rows, any world size loads them), with Lightning's
+own loop and callback state beside them in `lightning.pt` (written by rank 0 with torch.save,
+as Lightning writes its .ckpt files).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from shardwise.checkpoint.load import load
+from shardwise.checkpoint.save import save
+from shardwise.engine.api import shard
+from shardwise.engine.grads import clip_grad_norm_, no_sync
+from shardwise.errors import ShardwiseError
+
+_META = "lightning.pt"  # Lightning's own state (loops, callbacks, hyper-parameters) inside the checkpoint
+
+
+class ShardwiseStrategy(DDPStrategy):
+    """Lightning strategy that shards the LightningModule with `sw.shard` (Note [lightning integration]).
+
+    `strategy` and `shard_kwargs` (`units=`, `precision=`, `offload=`, ...) are `sw.shard`'s;
+    `process_group_backend`, `timeout` and `start_method` are DDPStrategy's."""
+
+    strategy_name = "shardwise"
+
+    def __init__(self, strategy: str = "zero3", *, process_group_backend: str | None = None, timeout=None,
+                 start_method: str = "popen", **shard_kwargs):
+        options = {"timeout": timeout} if timeout is not None else {}
+        super().__init__(process_group_backend=process_group_backend, start_method=start_method, **options)
+        self.shard_strategy, self.shard_kwargs = strategy, shard_kwargs
+
+    def configure_ddp(self) -> None:
+        shard(self.model, strategy=self.shard_strategy, **self.shard_kwargs)
+        module = self.model
+        # Lightning's precision plugin clips with torch's rank-local clip_grad_norm_ (refused on shards).
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(module, clip_val)
+
+    @contextmanager
+    def block_backward_sync(self):
+        with no_sync(self.lightning_module):
+            yield None
+
+    # ---- checkpoints: shardwise directories ---------------------------------------
+
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # the weights are written by save_checkpoint, each rank its own rows
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # likewise
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if storage_options is not None:
+            raise ShardwiseError("ShardwiseStrategy writes shardwise checkpoint directories; storage_options "
+                                 "are not supported")
+        optimizers = self.optimizers
+        if len(optimizers) > 1:
+            raise ShardwiseError("ShardwiseStrategy checkpoints one optimizer; this module configures "
+                                 f"{len(optimizers)}")
+        path = save(filepath, self.lightning_module, optimizers[0] if optimizers else None)
+        if self.is_global_zero:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            torch.save(meta, Path(path) / _META)
+        self.barrier("ShardwiseStrategy.save_checkpoint")
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        meta = torch.load(Path(checkpoint_path) / _META, weights_only=False)  # Lightning's own file
+        return {**meta, "state_dict": {}, "optimizer_states": [], "_shardwise_path": str(checkpoint_path)}
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        load(checkpoint["_shardwise_path"], self.lightning_module, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        load(checkpoint["_shardwise_path"], self.lightning_module, self.optimizers[0] if self.optimizers else None)
