@@ -5,12 +5,12 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 STRATEGY ?=
 
-.PHONY: demo test test-all lint bench setup clean
+.PHONY: demo test test-all lint bench setup clean docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,hf,integrations]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,hf,integrations,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -19,12 +19,17 @@ demo: $(STAMP)
 	$(PY) -m shardwise.demo $(if $(STRATEGY),--strategy $(STRATEGY),)
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench examples
 	$(PY) -m pytest -q tests
 
 test-all: $(STAMP)
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench examples
 	$(PY) -m pytest -q tests -m "slow or not slow"
+
+# The documentation site (mkdocs-material + mkdocstrings) into build/site; any warning fails it.
+# `make test` checks the same build (tests/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) bench/strategies.py

@@ -26,8 +26,8 @@ from shardwise.pipeline.layers import LayerChain
 
 @dataclass(frozen=True)
 class Layout:
-    """Layers [0, num_frozen) are frozen (run before the pipeline, or read from the cache);
-    stage s runs layers [bounds[s][0], bounds[s][1]); `num_replicas` copies of that pipeline
+    """Layers `[0, num_frozen)` are frozen (run before the pipeline, or read from the cache);
+    stage s runs layers `[bounds[s][0], bounds[s][1])`; `num_replicas` copies of that pipeline
     train on equal slices of each global batch."""
 
     num_frozen: int

@@ -1,0 +1,77 @@
+"""transformers' `Trainer` on a zero3-sharded model: an ordinary Trainer script, three calls changed.
+
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --max-steps 100
+    python examples/hf_trainer.py --max-steps 10             # one process: the same script
+
+The lines marked `# shardwise` (and `import shardwise as sw`) are the whole change from a plain
+Trainer script: `sw.init()`, `sw.shard(model, ...)` before the trainer sees the model, and
+`ShardwiseTrainer` instead of `Trainer` (it keeps Accelerate from wrapping the sharded model in
+DDP, clips and logs the global gradient norm, and skips the reduce on all but the last
+accumulation micro-batch). Data loading, the optimizer, the scheduler and logging stay the
+Trainer's own. GPT-2 is built from a small config over a byte-level vocabulary of 256: nothing
+is downloaded. The Trainer's own checkpoints (`save_strategy`) do not work on a sharded model
+yet, so they are off; at the end `sw.save_pretrained` writes OUT/final (model.safetensors +
+config.json) for `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+
+import shardwise as sw
+from shardwise.integrations.transformers import ShardwiseTrainer  # shardwise
+
+
+def byte_windows(seq: int, max_bytes: int = 1_000_000) -> list[dict]:
+    """The standard library's .py files as non-overlapping windows of `seq` bytes."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"".join(path.read_bytes() for path in sorted(stdlib.glob("*.py"))[:200])[:max_bytes]
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return [{"input_ids": w, "labels": w} for w in tokens[: len(tokens) // seq * seq].view(-1, seq)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps (default: 100)")
+    parser.add_argument("--strategy", default="zero3", choices=sw.STRATEGIES[1:], help="default: zero3")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch (default: 4)")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (default: 2)")
+    parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default: 128)")
+    parser.add_argument("--out", default="out/hf_trainer", help="output directory (default: out/hf_trainer)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)                                  # one thread per rank (CPU)
+
+    sw.init()                                                                   # shardwise
+    config = AutoConfig.for_model("gpt2", vocab_size=256, n_positions=args.seq, n_embd=128, n_layer=4,
+                                  n_head=4, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    sw.shard(model, strategy=args.strategy)                                     # shardwise
+
+    training_args = TrainingArguments(
+        output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulate, learning_rate=1e-3, weight_decay=0.1,
+        max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=0, logging_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        save_strategy="no")  # the Trainer's own checkpoints do not work on a sharded model (docstring)
+    trainer = ShardwiseTrainer(model=model, args=training_args, train_dataset=byte_windows(args.seq))  # shardwise
+    trainer.train()
+
+    losses = [(e["step"], e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+    if trainer.is_world_process_zero():
+        for step, loss, grad_norm in losses:
+            print(f"step {step} loss {loss:.4f} grad_norm {grad_norm:.4f}")
+    if not all(math.isfinite(loss) for _, loss, _ in losses):
+        raise SystemExit(f"a loss is not finite: {losses}")
+    sw.save_pretrained(model, Path(args.out) / "final")      # every rank calls it; rank 0 writes
+    sw.shutdown()
+
+
+if __name__ == "__main__":
+    main()
