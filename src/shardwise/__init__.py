@@ -8,12 +8,14 @@ drives) → checkpoint/, estimate/, pipeline/ (built on the engine) → cli/ and
 from shardwise._version import __version__
 from shardwise.checkpoint import (
     LoadReport,
+    PendingSave,
     dcp_state_dict,
     export,
     full_state_dict,
     latest,
     load,
     save,
+    save_async,
     save_pretrained,
 )
 from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
@@ -30,6 +32,7 @@ from shardwise.sampler import ResumableSampler
 __all__ = [
     "DiskOffload",
     "LoadReport",
+    "PendingSave",
     "LossScaler",
     "MemoryEstimate",
     "MixedPrecision",
@@ -58,6 +61,7 @@ __all__ = [
     "no_sync",
     "plan",
     "save",
+    "save_async",
     "save_pretrained",
     "shard",
     "shard_info",

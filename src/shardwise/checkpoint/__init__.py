@@ -1,4 +1,4 @@
-"""Checkpoints: `sw.save`, `sw.load`, `sw.export`, `sw.latest`, and `sw.dcp_state_dict`.
+"""Checkpoints: `sw.save` (and `sw.save_async`), `sw.load`, `sw.export`, `sw.latest`, and `sw.dcp_state_dict`.
 
 Read in this order: save.py (the format and Note [atomic save]) → index.py → load.py
 → sources.py (what a load reads from) → files.py (safetensors I/O, checksums).
@@ -6,6 +6,7 @@ names.py, ranks.py, values.py and optim_state.py are the small pieces both sides
 tools.py backs `shardwise ckpt inspect|export|diff`.
 """
 
+from shardwise.checkpoint.background import PendingSave, save_async
 from shardwise.checkpoint.dcp import dcp_state_dict
 from shardwise.checkpoint.export import export, full_state_dict, save_pretrained
 from shardwise.checkpoint.index import latest
@@ -13,4 +14,5 @@ from shardwise.checkpoint.load import load
 from shardwise.checkpoint.report import LoadReport
 from shardwise.checkpoint.save import save
 
-__all__ = ["LoadReport", "dcp_state_dict", "export", "full_state_dict", "latest", "load", "save", "save_pretrained"]
+__all__ = ["LoadReport", "PendingSave", "dcp_state_dict", "export", "full_state_dict", "latest", "load", "save",
+           "save_async", "save_pretrained"]

@@ -10,7 +10,7 @@ import torch
 
 from shardwise._version import __version__
 from shardwise.checkpoint.files import dtype_code
-from shardwise.checkpoint.names import clean_name, persistent_buffers
+from shardwise.checkpoint.names import clean_name
 from shardwise.engine.info import engine_of
 
 INDEX = "index.json"
@@ -29,7 +29,7 @@ def build_index(job, records: list) -> dict:
             "aliases": [clean_name(a) for a in info.aliases],
             "requires_grad": bool(info.param.requires_grad), "slices": []}
     buffers = {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype), "slices": []}
-               for name, b in persistent_buffers(model).items()}
+               for name, b in job.buffers.items()}
     optimizer = None
     if plan is not None:
         optimizer = {"class": plan["class"], "param_groups": plan["groups"], "state": {}}

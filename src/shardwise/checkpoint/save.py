@@ -68,6 +68,8 @@ class SaveJob:
     scheduler_state: dict | None  # JSON
     objects: dict  # stateful keyword objects' state, JSON
     values: dict  # plain keyword values, JSON
+    buffers: dict[str, torch.Tensor]  # persistent buffers, by clean name
+    rng: tuple[dict, dict]  # this rank's RNG states at the save (capture_rng)
     checkpoint_id: str
     rank: int
     world: int
@@ -90,12 +92,21 @@ def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     an older one). An existing checkpoint at `path` is replaced; anything else there is
     refused. Returns `path`.
     """
+    job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
+    complete(job, group_of(model)[0])
+    return job.path
+
+
+def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob:
+    """Check everything that can be refused, the same way on every rank, and start the partial
+    directory (a collective); the job then holds every value the save writes. A background
+    save still running is waited for first (its error, if any, raised here)."""
+    wait_for_background_save()
     if keep_last is not None and keep_last < 1:
         raise ShardwiseError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
     group, rank, world = group_of(model)
     path = Path(path).absolute()
     partial = path.parent / f".{path.name}.partial"
-    # Everything that can be refused is checked before a byte is written, the same way on every rank.
     infos = shard_info(model)
     plan = _optimizer_plan(optim, infos) if optim is not None else None
     scheduler_state = to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None
@@ -105,19 +116,33 @@ def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     checkpoint_id = broadcast_object(_start_partial(path, partial) if rank == 0 else None, group, rank, world)
     if checkpoint_id.startswith("error:"):
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
-    job = SaveJob(path, partial, model, infos, plan, optim, scheduler_state, objects, values, checkpoint_id,
-                  rank, world, keep_last, durable)
+    return SaveJob(path, partial, model, infos, plan, optim, scheduler_state, objects, values,
+                   persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable)
+
+
+def complete(job: SaveJob, group) -> None:
+    """Write this rank's file, then (rank 0) the index, and publish; a ShardwiseError on every
+    rank if any rank failed. `group` carries the gather: the model's, or a checkpoint group of
+    the same ranks when the save runs in the background (background.py)."""
     try:
         record, error = _write_rank_file(job), None
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
         record, error = None, f"{type(exc).__name__}: {exc}"
-    records = gather_object((record, error), group, rank, world)
-    outcome = _finish(job, records) if rank == 0 else None
-    outcome = broadcast_object(outcome, group, rank, world)
+    records = gather_object((record, error), group, job.rank, job.world)
+    outcome = _finish(job, records) if job.rank == 0 else None
+    outcome = broadcast_object(outcome, group, job.rank, job.world)
     if outcome is not None:
-        raise ShardwiseError(f"saving {path} failed: {outcome}. Nothing was written at {path}; earlier "
+        raise ShardwiseError(f"saving {job.path} failed: {outcome}. Nothing was written at {job.path}; earlier "
                              "checkpoints are untouched.")
-    return path
+
+
+_background: list = []  # this process's background save still running (background.py), at most one
+
+
+def wait_for_background_save() -> None:
+    """Wait for this process's background save, if any; raise its error on every rank."""
+    while _background:
+        _background.pop().wait()
 
 
 def _is_stateful(value) -> bool:
@@ -156,8 +181,8 @@ def _optimizer_plan(optim, infos: dict[str, ShardInfo]) -> dict:
 
 def _write_rank_file(job: SaveJob) -> dict:
     """Write this rank's rows, optimizer rows and RNG states; return what the index needs."""
-    model, infos, plan, rank, world = job.model, job.infos, job.plan, job.rank, job.world
-    sharded = is_sharded(model)
+    infos, plan, rank, world = job.infos, job.plan, job.rank, job.world
+    sharded = is_sharded(job.model)
     specs, producers, slices = [], [], []
     optim_tensors: dict[str, dict[str, str]] = {}
 
@@ -177,10 +202,10 @@ def _write_rank_file(job: SaveJob) -> dict:
             if hi > lo:
                 add("optim", name, f"optim/{name}/{state_key}", tensor, info, lo, hi, state_key)
     if rank == 0:  # buffers are replicated and small: rank 0 writes them whole
-        for name, buffer in persistent_buffers(model).items():
+        for name, buffer in job.buffers.items():
             info = ShardInfo(buffer, buffer.shape, 0, buffer.shape[0] if buffer.dim() else 1, ())
             add("buffer", name, f"buffer/{name}", buffer, info, 0, info.row_end)
-    rng_tensors, rng = capture_rng()
+    rng_tensors, rng = job.rng[0], dict(job.rng[1])
     for key, tensor in rng_tensors.items():
         specs.append(TensorSpec(key, tensor.dtype, tuple(tensor.shape)))
         producers.append(lambda tensor=tensor: tensor)

@@ -1,0 +1,98 @@
+"""`sw.save_async`: a checkpoint that does not stop training.
+
+Note [background save]: the save is cut where training may go on. On the caller's thread,
+every rank checks what can be refused and starts the partial directory (as `sw.save` does),
+then copies this rank's rows, its optimizer rows, the buffers and its RNG states to host
+memory (one copy of this rank's model and optimizer state: the price of not waiting). A
+thread then writes the rank file and publishes the directory exactly as `sw.save` does (Note
+[atomic save]): the gather of the ranks' records and rank 0's rename run on a gloo group of
+their own, made once per model group, so they never pair with training's collectives. One
+background save runs at a time: the next `sw.save` / `sw.save_async` waits for it first and
+raises its error, if any, on every rank; `pending.wait()` does the same. Call `wait()` before
+the process group ends (the end of training), or the last checkpoint may be cut off.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.checkpoint.ranks import group_of
+from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
+from shardwise.errors import ShardwiseError
+
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
+
+
+class PendingSave:
+    """A checkpoint being written in the background (Note [background save])."""
+
+    def __init__(self, job: SaveJob, group) -> None:
+        self.path = job.path
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(job, group), name=f"shardwise save {job.path.name}")
+        self._thread.start()
+
+    def _run(self, job: SaveJob, group) -> None:
+        try:
+            complete(job, group)
+        except BaseException as error:  # noqa: BLE001 - handed to wait(), on every rank
+            self.error = error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self):
+        """Block until the checkpoint is published; return its path, or raise why it was not."""
+        self._thread.join()
+        if self.error is not None:
+            raise ShardwiseError(f"the background save of {self.path} failed: {self.error}") from self.error
+        return self.path
+
+
+def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
+               keep_last: int | None = None, durable: bool = True, **extra) -> PendingSave:
+    """`sw.save` that returns once this rank's state is copied to host memory; the files are
+    written while training goes on (Note [background save]). Same arguments as `sw.save`;
+    returns a `PendingSave` (`.wait()`, `.done()`, `.path`)."""
+    job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
+    pending = PendingSave(_host_copy(job), _checkpoint_group(model))
+    _background.append(pending)
+    return pending
+
+
+def _host_copy(job: SaveJob) -> SaveJob:
+    """The job with every tensor it writes copied, so training may change the originals."""
+    infos = {name: replace(info, param=_copy(info.param)) for name, info in job.infos.items()}
+    plan = job.plan
+    if plan is not None:
+        state = {name: ({key: _copy(t) for key, t in rows.items()}, scalars)
+                 for name, (rows, scalars) in plan["state"].items()}
+        plan = {**plan, "state": state}
+    buffers = {name: _copy(b) for name, b in job.buffers.items()}
+    return replace(job, infos=infos, plan=plan, buffers=buffers)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    copy = tensor.detach().to("cpu", copy=True)
+    return copy.requires_grad_(tensor.requires_grad) if copy.is_floating_point() else copy
+
+
+def _checkpoint_group(model: nn.Module):
+    group, _, world = group_of(model)
+    if group is None or world == 1:
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    cached = _groups.get(ranks)
+    if cached is not None:
+        try:
+            dist.get_process_group_ranks(cached)  # gone when the process group was made anew
+        except (KeyError, ValueError, RuntimeError):
+            cached = None
+    if cached is None:  # every rank of the model's group gets here at the same save
+        cached = _groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return cached
