@@ -1,7 +1,6 @@
 """An Accelerate training loop on a zero3-sharded GPT-2: `ShardwiseAccelerator` instead of `Accelerator`.
 
     torchrun --standalone --nproc-per-node 2 examples/accelerate_lm.py --max-steps 100
-    accelerate launch --num_processes 2 examples/accelerate_lm.py --max-steps 100
     python examples/accelerate_lm.py --max-steps 10           # one process: the same script
 
 The lines marked `# shardwise` (and `import shardwise as sw`) are the whole change from the
