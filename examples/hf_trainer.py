@@ -8,10 +8,12 @@ Trainer script: `sw.init()`, `sw.shard(model, ...)` before the trainer sees the 
 `ShardwiseTrainer` instead of `Trainer` (it keeps Accelerate from wrapping the sharded model in
 DDP, clips and logs the global gradient norm, and skips the reduce on all but the last
 accumulation micro-batch). Data loading, the optimizer, the scheduler and logging stay the
-Trainer's own. GPT-2 is built from a small config over a byte-level vocabulary of 256: nothing
-is downloaded. The Trainer's own checkpoints (`save_strategy`) do not work on a sharded model
-yet, so they are off; at the end `sw.save_pretrained` writes OUT/final (model.safetensors +
-config.json) for `from_pretrained`.
+Trainer's own, and so are its checkpoints: every `--save-every` steps it writes OUT/checkpoint-N
+(the whole model, written by rank 0, and in `checkpoint-N/shardwise/` every rank's optimizer
+rows), and `--resume` continues from the newest one (`resume_from_checkpoint=True`; any world
+size). GPT-2 is built from a small config over a byte-level vocabulary of 256: nothing is
+downloaded. At the end `sw.save_pretrained` writes OUT/final (model.safetensors + config.json)
+for `from_pretrained`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-batch (default: 4)")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step (default: 2)")
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default: 128)")
+    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default: 50)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     parser.add_argument("--out", default="out/hf_trainer", help="output directory (default: out/hf_trainer)")
     args = parser.parse_args()
     torch.set_num_threads(1)                                  # one thread per rank (CPU)
@@ -59,9 +63,9 @@ def main() -> None:
         gradient_accumulation_steps=args.accumulate, learning_rate=1e-3, weight_decay=0.1,
         max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=0, logging_steps=1,
         report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-        save_strategy="no")  # the Trainer's own checkpoints do not work on a sharded model (docstring)
+        save_strategy="steps", save_steps=args.save_every, save_total_limit=2)
     trainer = ShardwiseTrainer(model=model, args=training_args, train_dataset=byte_windows(args.seq))  # shardwise
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume or None)
 
     losses = [(e["step"], e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
     if trainer.is_world_process_zero():
