@@ -95,3 +95,28 @@ def test_accelerate_save_state_of_a_sharded_model_is_refused(ranks, tmp_path):
     """Catches save_state writing rank 0's optimizer rows as the whole optimizer state."""
     for message in ranks.run(_refused_state, 2, str(tmp_path / "state"), timeout=120):
         assert message is not None and "sw.save" in message, message
+
+
+def _prepare_without_cpu_flag():
+    from accelerate.state import AcceleratorState
+
+    from shardwise.integrations.accelerate import ShardwiseAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sw.shard(model, strategy="zero2", units=torch.nn.Linear)
+    accelerator = ShardwiseAccelerator()  # on CPU Accelerate then takes each rank for a lone process
+    if accelerator.num_processes == 2:
+        return "accelerate saw both ranks"
+    try:
+        accelerator.prepare(model)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_accelerate_that_sees_one_process_per_rank_is_refused(ranks):
+    """Catches Accelerate taking every rank for a lone process (CPU without cpu=True): it then dealt
+    every rank the same batches and the model trained on a quarter of the data, without a word."""
+    for message in ranks.run(_prepare_without_cpu_flag, 2, timeout=120):
+        assert message is not None and "cpu=True" in message, message

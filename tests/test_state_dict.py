@@ -136,3 +136,28 @@ def test_between_steps_every_registration_is_the_shard(ranks, strategy):
     name): parameters() would then hand an optimizer a tensor the engine never updates."""
     for stray, tied in ranks.run(_registrations_between_steps, 2, strategy):
         assert stray == [] and tied
+
+
+def _export_a_submodule(tmp):
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    outer = torch.nn.Module()
+    outer.inner = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 6))
+    outer.head = torch.nn.Linear(6, 2)
+    expected = {k: v.clone() for k, v in outer.inner.state_dict().items()}
+    sw.shard(outer, strategy="zero3", units=torch.nn.Linear)
+    sw.export(outer.inner, f"{tmp}/inner.safetensors")
+    full = sw.full_state_dict(outer.inner)
+    dist.barrier()
+    written = load_file(f"{tmp}/inner.safetensors")
+    problems = [k for k, v in expected.items() if k not in written or not torch.equal(written[k], v)]
+    if dist.get_rank() == 0:
+        problems += [f"full_state_dict {k}" for k, v in expected.items() if not torch.equal(full[k], v)]
+    return problems + sorted(set(written) - set(expected))
+
+
+def test_export_of_a_submodule_of_a_sharded_model_is_whole(ranks, tmp_path):
+    """Catches sw.export / save_pretrained of the model inside a sharded one (the HF model in a
+    LightningModule) writing rank 0's rows as the whole tensors: (3, 4) for a (6, 4) weight."""
+    for problems in ranks.run(_export_a_submodule, 2, str(tmp_path)):
+        assert problems == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.info import ShardInfo, engine_of
+from shardwise.engine.info import ShardInfo, engine_of, unit_of_any_param
 
 
 def group_of(model: nn.Module):
@@ -13,14 +13,18 @@ def group_of(model: nn.Module):
     if not dist.is_initialized():
         return None, 0, 1
     engine = engine_of(model)
-    group = getattr(engine, "group", None) or getattr(engine, "process_group", None) or dist.group.WORLD
+    part = unit_of_any_param(model) if engine is None else None  # a submodule of a sharded model
+    group = getattr(engine, "group", None) or getattr(engine, "process_group", None) or getattr(
+        part, "group", None) or dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def is_sharded(model: nn.Module) -> bool:
     """True when each rank holds only its own rows (zero strategies); ddp and plain models replicate."""
     engine = engine_of(model)
-    return engine is not None and getattr(engine, "strategy", "ddp") != "ddp"
+    if engine is None:
+        return unit_of_any_param(model) is not None  # a submodule of a zero-sharded model
+    return getattr(engine, "strategy", "ddp") != "ddp"
 
 
 def gather_object(obj, group, rank: int, world: int) -> list | None:

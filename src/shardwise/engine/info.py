@@ -60,6 +60,8 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "shard_info"):
         return engine.shard_info()
+    if unit_of_any_param(model) is not None:
+        return _part_shard_info(model)
     names_by_param: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_by_param.setdefault(id(param), []).append(name)
@@ -90,6 +92,28 @@ def units_shard_info(units, rank: int, module_paths: dict[int, list[str]]) -> di
                      for module, attribute in layout.owned.holders for prefix in module_paths[id(module)]]
             info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
                                                 tuple(dict.fromkeys(n for n in names if n != layout.owned.name)))
+    return info
+
+
+def unit_of_any_param(model: nn.Module):
+    """The zero unit holding one of `model`'s parameters when `model` is part of a sharded model
+    (a submodule: the Hugging Face model inside a LightningModule), else None."""
+    return next((p._sw_unit for p in model.parameters() if getattr(p, "_sw_unit", None) is not None), None)
+
+
+def _part_shard_info(model: nn.Module) -> dict[str, ShardInfo]:
+    """`shard_info` of a submodule of a sharded model, under its own names: each parameter's
+    rows come from the unit that holds it (exporting it wrote one rank's rows as whole tensors)."""
+    names_by_param: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_param.setdefault(id(param), []).append(name)
+    info = {}
+    for name, param in model.named_parameters():
+        unit = param._sw_unit
+        layout = next(lay for lay, shard in zip(unit.layouts, unit.shard_params) if shard is param)
+        start = min(unit.rank * layout.rows_per_rank, layout.rows)
+        end = min(start + layout.rows_per_rank, layout.rows)
+        info[name] = ShardInfo(param, layout.shape, start, end, tuple(names_by_param[id(param)][1:]))
     return info
 
 

@@ -22,6 +22,7 @@ Accelerate's own paths unchanged.
 from __future__ import annotations
 
 import accelerate
+import torch.distributed as dist
 
 from shardwise.checkpoint.export import full_state_dict
 from shardwise.engine.grads import clip_grad_norm_
@@ -41,6 +42,13 @@ class ShardwiseAccelerator(accelerate.Accelerator):
                 f"Accelerator(mixed_precision={self.mixed_precision!r}) autocasts around shardwise's own "
                 "precision handling: pass precision= to sw.shard(...) instead (e.g. precision=\"bf16\") and "
                 "leave the accelerator's mixed_precision at \"no\".")
+        ranks = dist.get_world_size(engine_of(model).group)
+        if self.num_processes != ranks:
+            # Accelerate then deals every rank the same batches: a wrong model without a word.
+            raise ShardwiseError(
+                f"Accelerate sees {self.num_processes} process(es) but the model is sharded over {ranks} ranks. "
+                "Under torchrun on CPU pass ShardwiseAccelerator(cpu=True) so Accelerate reads torchrun's "
+                "environment; launch with torchrun (not `accelerate launch` without a distributed config).")
         mark_prepared(model)
         return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
 
