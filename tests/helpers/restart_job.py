@@ -11,8 +11,9 @@ size, within float rounding at another. Rank 0 appends one JSON line per event t
 `--out/events.jsonl` (attempt start, resume, each step's loss, each save) and writes
 `--out/final.pt` (full parameters) and `--out/result.json` at the end.
 
-`--fault` (JSON) makes one rank fail on purpose, in the attempt given by "attempt"
-(default 0, i.e. the first; `TORCHELASTIC_RESTART_COUNT` counts attempts):
+`--fault` (JSON: one spec, or a list of them for several attempts) makes one rank fail on
+purpose, in the attempt given by "attempt" (default 0, i.e. the first;
+`TORCHELASTIC_RESTART_COUNT` counts attempts):
   kill / stop   SIGKILL / SIGSTOP itself at the start of step "step"
   save          SIGKILL itself inside the first `sw.save` at or after "step": while writing
                 tensor number "at" of its file, or (rank 0, "at": -1) after index.json is
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import hashlib
+import importlib
 import json
 import os
 import signal
@@ -73,11 +75,14 @@ class Fault:
     """The one failure this rank injects in this attempt, if any."""
 
     def __init__(self, spec: str | None, rank: int, out: Path):
-        self.spec = json.loads(spec) if spec else {}
-        self.out = out
+        specs = json.loads(spec) if spec else []
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.armed = bool(self.spec) and self.spec.get("rank", 0) == rank and self.spec.get("attempt", 0) == attempt
-        self.kind = self.spec.get("kind") if self.armed else None
+        mine = [s for s in (specs if isinstance(specs, list) else [specs])
+                if s.get("rank", 0) == rank and s.get("attempt", 0) == attempt]
+        self.spec = mine[0] if mine else {}
+        self.out = out
+        self.armed = bool(mine)
+        self.kind = self.spec.get("kind")
 
     def fire(self, where: str, sig: int = signal.SIGKILL) -> None:
         log_event(self.out, event="fault", kind=self.kind, where=where, rank=sw.get_rank(),
@@ -88,7 +93,7 @@ class Fault:
     def install(self, state: dict) -> None:
         """Patch the checkpoint code so that the fault fires inside sw.save / sw.load."""
         if self.kind == "save":
-            import shardwise.checkpoint.save as save_module
+            save_module = importlib.import_module("shardwise.checkpoint.save")  # the package's `save` is the function
 
             count = {"n": 0}
             writer_class = save_module.FileWriter
@@ -96,9 +101,10 @@ class Fault:
 
             class KillingWriter(writer_class):
                 def write_next(self, tensor):
-                    if fault.armed and state["step"] >= fault.spec["step"] and count["n"] == fault.spec.get("at", 0):
-                        fault.fire(f"sw.save at step {state['step']}, writing tensor {count['n']}")
-                    count["n"] += 1
+                    if fault.armed and state["step"] >= fault.spec["step"]:  # count this save's tensors only
+                        if count["n"] == fault.spec.get("at", 0):
+                            fault.fire(f"sw.save at step {state['step']}, writing tensor {count['n']}")
+                        count["n"] += 1
                     return super().write_next(tensor)
 
             save_module.FileWriter = KillingWriter
@@ -112,7 +118,7 @@ class Fault:
 
                 save_module._fsync_dir = killing_fsync_dir
         elif self.kind == "load":
-            import shardwise.checkpoint.load as load_module
+            load_module = importlib.import_module("shardwise.checkpoint.load")
 
             count = {"n": 0}
             read_into = load_module._read_into
