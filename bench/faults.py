@@ -21,10 +21,12 @@ resumes from `sw.latest()`) under torchrun and makes it fail once (or twice):
                then start a new agent (2 -> 4); compared with an uninterrupted 4-rank run
 
 A trial counts as equal when the final parameters are bitwise those of the uninterrupted
-run (same world size), or within 1e-5 (elastic: the reduction order changes with the world
-size). "resumed from" is the checkpoint step each restart loaded, "restart cost" the seconds
-from the fault to the first step of the restarted job, "time lost" the trial's wall time
-minus the uninterrupted run's. Results: bench/results/faults.{json,md,png}.
+run (same world size), or, for elastic, within 1e-5 (max abs difference) of the uninterrupted
+4-rank run: the reduction order changes with the world size. For scale, the table also gives
+how far an uninterrupted 2-rank run of the same job ends from the 4-rank one.
+"resumed from" is the checkpoint step each restart loaded, "restart cost" the seconds from
+the fault to the first step of the restarted job, "time lost" the trial's wall time minus
+the uninterrupted run's. Results: bench/results/faults.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -54,14 +56,14 @@ FAULTS = ("sigkill", "save", "load", "first_step", "sigstop", "elastic")
 ISSUE_TRIALS = {"sigkill": 20, "save": 10, "load": 10, "first_step": 10, "sigstop": 5, "elastic": 5}
 STEPS, SAVE_EVERY = 12, 3
 TENSORS_PER_FILE, TENSORS_LOADED = 78, 26  # of this GPT at 2 ranks: write_next calls per rank, params read
-ELASTIC_STEPS, ELASTIC_SLEEP = 48, 0.3  # long enough for an agent to join while 2 ranks train
+ELASTIC_STEPS, ELASTIC_SLEEP = 24, 0.8  # long enough for an agent to join while 2 ranks train
 # Torch's elastic agents share one TCPStore across rounds by default, and an agent that joins a
 # later round never gets its address (dynamic_rendezvous.py: only a node without bootstrap info,
 # or a new rank 0, publishes MASTER_ADDR/PORT): the round hangs. This opt-out makes each round's
 # rank 0 host a fresh store, which is what the scale-up needs (README, "Restarts").
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
-ATOL = 1e-5
+ELASTIC_ATOL = 1e-5  # the issue's bar for a run that changed world size (the reduction order changes)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,7 +114,7 @@ def outcome(out: Path, launch, wall: float, reference: dict, fault_time: float |
     if finished:
         final = torch.load(out / "final.pt", weights_only=True)
         row["max_abs_diff"] = max((final[k] - reference["final"][k]).abs().max().item() for k in final)
-        row["equal"] = result["digest"] == reference["digest"] if exact else row["max_abs_diff"] <= ATOL
+        row["equal"] = result["digest"] == reference["digest"] if exact else row["max_abs_diff"] <= ELASTIC_ATOL
     return row
 
 
@@ -188,7 +190,7 @@ def free_port() -> int:
 def trial_elastic(out, rng, reference):
     """4 ranks (agents A and B) -> SIGKILL B at a random step -> 2 ranks -> a new agent joins -> 4 ranks."""
     out.mkdir(parents=True)
-    kill_step, grow_after = rng.randint(4, 12), rng.randint(1, 4)
+    kill_step, grow_after = rng.randint(4, 8), rng.randint(1, 3)
     port = free_port()
 
     def agent_argv(host: bool) -> list[str]:
@@ -232,8 +234,8 @@ def trial_elastic(out, rng, reference):
     wait(launch, 240)
     launch.returncodes = [code for code in launch.returncodes if code != -signal.SIGKILL]  # agent B: killed by us
     row = outcome(out, launch, time.time() - start, reference, fault_time, exact=False)
-    row["world_sizes"] = sorted({e["world_size"] for e in read_events(out) if e["event"] == "step"},
-                                key=[4, 2].index)
+    sizes = [e["world_size"] for e in read_events(out) if e["event"] == "step"]
+    row["world_sizes"] = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
     if not reached or not shrunk:
         row["finished"] = False
     return row | {"plan": plan, "expected": None}
@@ -260,7 +262,7 @@ def verdict(fault: str, row: dict) -> bool:
     if fault == "sigstop":
         ok = ok and row.get("named_error") is not None
     if fault == "elastic":
-        ok = ok and row.get("world_sizes") == [4, 2]
+        ok = ok and row.get("world_sizes") == [4, 2, 4]
     return ok
 
 
@@ -308,8 +310,10 @@ def markdown(table: list[dict], rows: list[dict], args, references: dict) -> str
             f"{num(t['restart_s_max'])} | {num(t['lost_s_median'])} | {num(t['max_abs_diff'], '{:.1e}')} |")
     lines += [
         "",
-        "equal: bitwise equal to the uninterrupted run at the same world size (elastic: within 1e-5 of the "
-        "4-rank run). as expected: finished, equal, resumed from the checkpoint the fault should leave as the "
+        "equal: bitwise equal to the uninterrupted run at the same world size (elastic: max abs parameter "
+        "difference from the uninterrupted 4-rank run at most 1e-5; an uninterrupted 2-rank run of the same "
+        f"job ends {references.get('floor', float('nan')):.1e} from it). as expected: "
+        "finished, equal, resumed from the checkpoint the fault should leave as the "
         "newest (a kill inside `sw.save` of step s: the one before s), and for sigstop an error naming the "
         "step; for elastic, ran at 4 ranks, then 2, then 4. restart cost: seconds from the fault to the first "
         "step of the restarted job (includes the collective timeout and torchrun's 30 s SIGTERM grace for a "
@@ -365,8 +369,10 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     references = {"2": uninterrupted(scratch / "uninterrupted-2", 2, STEPS)}
     if counts.get("elastic"):
-        references["4"] = uninterrupted(scratch / "uninterrupted-4", 4, ELASTIC_STEPS,
-                                        extra=["--step-sleep", str(ELASTIC_SLEEP), "--timeout", "30"])
+        elastic_job = ["--step-sleep", str(ELASTIC_SLEEP), "--timeout", "30"]
+        references["4"] = uninterrupted(scratch / "uninterrupted-4", 4, ELASTIC_STEPS, extra=elastic_job)
+        two = uninterrupted(scratch / "uninterrupted-2-elastic", 2, ELASTIC_STEPS, extra=elastic_job)["final"]
+        floor = max((two[k] - references["4"]["final"][k]).abs().max().item() for k in two)
     plan = [(fault, i) for fault in FAULTS for i in range(counts.get(fault, 0))]
     rows = []
     for fault, i in tqdm(plan, desc="fault trials", unit="trial"):
@@ -380,6 +386,8 @@ def main(argv=None) -> int:
     table = summarize(rows)
     walls = {k: v["wall_s"] for k, v in references.items()}
     walls.setdefault("4", float("nan"))
+    if counts.get("elastic"):
+        walls["floor"] = floor
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.json").write_text(json.dumps({"table": table, "trials": rows, "references_s": walls,
