@@ -108,9 +108,7 @@ def outcome(out: Path, launch, wall: float, reference: dict, fault_time: float |
            "resumed_from": [e["step"] for e in events if e["event"] == "resumed"],
            "wall_s": wall, "lost_s": wall - reference["wall_s"], "restart_s": None, "equal": False,
            "max_abs_diff": None}
-    if fault_time is not None:
-        later = [e["t"] for e in events if e["event"] == "step" and e["t"] > fault_time]
-        row["restart_s"] = later[0] - fault_time if later else None
+    row["restart_s"] = restart_cost(events, fault_time)
     if finished:
         final = torch.load(out / "final.pt", weights_only=True)
         row["max_abs_diff"] = max((final[k] - reference["final"][k]).abs().max().item() for k in final)
@@ -121,6 +119,18 @@ def outcome(out: Path, launch, wall: float, reference: dict, fault_time: float |
 def resumes(step: int) -> list[int]:
     """The checkpoint a restart after a fault at `step` loads: [] when none was saved yet."""
     return [step // SAVE_EVERY * SAVE_EVERY] if step >= SAVE_EVERY else []
+
+
+def restart_cost(events: list[dict], fault_time: float | None) -> float | None:
+    """Seconds from the fault to the first step of the attempt that started after it.
+
+    Not simply the first step logged after the fault: a survivor may still log the step it
+    finished as its peer dies."""
+    if fault_time is None:
+        return None
+    starts = [e["t"] for e in events if e["event"] == "start" and e["t"] > fault_time]
+    steps = [e["t"] for e in events if e["event"] == "step" and starts and e["t"] > starts[0]]
+    return steps[0] - fault_time if steps else None
 
 
 def kill_point(rng: random.Random, lowest: int = 1) -> tuple[int, int]:

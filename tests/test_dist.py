@@ -112,3 +112,22 @@ def test_a_rank_that_never_joins_is_named_on_every_rank():
     for error in results:
         assert isinstance(error, sw.ShardwiseError)
         assert "rank 2 of 3 did not join" in str(error)
+
+
+def test_hand_launch_names_the_rank_that_never_came(tmp_path):
+    """Catches a hand launch (rank 0 hosts the store) that fails with the store's own timeout
+    ("1/2 clients joined") instead of naming the missing rank, or waits forever."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", RANK="0",
+               OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    code = "import shardwise as sw\ntry:\n    sw.init(timeout=3)\nexcept sw.ShardwiseError as e:\n    print(e)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert "rank 1 of 2 did not join" in done.stdout, done.stdout + done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

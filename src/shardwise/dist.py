@@ -84,8 +84,9 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     # As torch's env:// does: torchrun's agent hosts the store, else rank 0 hosts it.
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
+        # wait_for_workers=False: the join below waits, and names the ranks that did not come.
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not hosted_by_agent,
-                              timeout=timeout, multi_tenant=True)
+                              timeout=timeout, wait_for_workers=False, multi_tenant=True)
     except (RuntimeError, dist.DistStoreError) as error:
         raise ShardwiseError(
             f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
