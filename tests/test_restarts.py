@@ -27,7 +27,9 @@ def _launch(tmp, name, fault=None, restarts=1):
     out.mkdir()
     job = ["--ckpt", str(out / "ckpt"), "--out", str(out), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)]
     if fault:
-        job += ["--fault", json.dumps(fault)]
+        # The restarted rank 1 starts a second late: with an init that reads the dead attempt's
+        # addresses, rank 0 then always finds rank 1's stale one (not only when it races ahead).
+        job += ["--fault", json.dumps(fault), "--stagger", "1"]
     argv = torchrun_argv("--standalone", "--nproc-per-node", "2", "--max-restarts", str(restarts),
                          "--monitor-interval", "0.1", job_args=job)
     launch = run(argv, out / "log.txt", LAUNCH_TIMEOUT_S)

@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="sw.init(timeout=...) in seconds")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (slows the job)")
     p.add_argument("--fault", default=None, help="JSON fault spec (see the module docstring)")
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="after a restart, rank r waits r times this many seconds before sw.init(), so that "
+                        "rank 0 surely looks for its peers' addresses before they publish new ones")
     return p.parse_args(argv)
 
 
@@ -155,6 +158,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     out, ckpt = Path(args.out), Path(args.ckpt)
     out.mkdir(parents=True, exist_ok=True)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        time.sleep(int(os.environ.get("RANK", "0")) * args.stagger)
     sw.init(timeout=args.timeout)
     rank, world = sw.get_rank(), sw.get_world_size()
     state = {"step": 0}
