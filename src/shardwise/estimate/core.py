@@ -31,10 +31,13 @@ their full parameters, so only the two in-flight re-gathers and the same backwar
 buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket.
 
-Note [activations]: a model (or `config=`) that implements `activation_bytes(batch, seq,
-dtype_bytes, checkpointed)` (shardwise.interfaces.ActivationSized) says what autograd keeps;
-`shardwise.models.gpt` has the measured formula (its Note [activations]). Without it,
-`batch=` is refused with a message naming the method, and activations count as 0.
+Note [activations]: with `batch=`, a model's activations are measured by the probe
+(estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
+compute dtype, its peak bytes besides parameters, at exactly this batch and seq; inputs from
+`inputs=` or, for Hugging Face models, from their config (estimate/inputs.py). A model (or
+`config=`) that implements `activation_bytes(batch, seq, dtype_bytes, checkpointed)`
+(shardwise.interfaces.ActivationSized, as `shardwise.models.gpt` does) is sized by that
+formula instead, unless `inputs=` is given; a bare parameter count needs such a `config=`.
 
 Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep their
 gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
@@ -60,6 +63,8 @@ from torch import nn
 from shardwise.config import MixedPrecision, ShardConfig, config_label
 from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
+from shardwise.estimate.inputs import InputMaker
+from shardwise.estimate.probe import probe_activations
 from shardwise.interfaces import ActivationSized
 
 MIB = 2**20
@@ -159,6 +164,7 @@ def estimate(
     config=None,
     checkpoint_activations: bool = False,
     runtime: int | None = None,
+    inputs: InputMaker | None = None,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -168,10 +174,12 @@ def estimate(
     one unit (conservative for zero3). `precision`: "fp32" | "bf16" | "fp16" | a
     `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
     `offload`: None or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
-    sequence, for activations; they need a model or `config=` with `activation_bytes()`
-    (shardwise.interfaces.ActivationSized: the zoo GPT and its `GPTConfig` have it).
+    sequence (samples per rank; seq None: the model's own length), for activations (Note
+    [activations]): a model's are measured by the probe, a count's need `config=`.
     `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
+    `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
+    [activations]); Hugging Face models need none.
     """
     # The same rules as shard(), from the same place (shardwise/config.py).
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
@@ -217,10 +225,13 @@ def estimate(
                      f"{offload.path}; the step pages in one unit at a time")
 
     activations = 0
-    if batch is not None:
-        activations = _activations(config, batch, seq, c, checkpoint_activations)
+    if batch is None:
+        notes.append("activations not counted: pass batch= (--batch)")
+    elif isinstance(model_or_num_params, nn.Module) and (inputs is not None or not isinstance(config, ActivationSized)):
+        activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, checkpoint_activations,
+                              notes)
     else:
-        notes.append("activations not counted: pass batch= (--batch), for a model with activation_bytes()")
+        activations = _activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
@@ -316,11 +327,23 @@ def _zero_transient(plan_units, config: ShardConfig, c, r) -> int:
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
 
 
+def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs, checkpointed: bool,
+            notes: list[str]) -> int:
+    """Note [activations]: the probe's peak."""
+    probe = probe_activations(model, batch, seq, dtype=dtype, inputs=inputs)
+    where = "on meta tensors" if probe.device == "meta" else "on CPU at micro-batches 1 and 2, extrapolated"
+    notes.append(f"activations: the peak of one forward + backward at batch {batch}"
+                 + (f", seq {seq}" if seq is not None else "") + f", measured {where}")
+    if checkpointed:
+        notes.append("the probe does not recompute: activations with checkpoint_activations are an upper bound")
+    return probe.peak
+
+
 def _activations(sizer, batch: int, seq: int | None, c: int, checkpointed: bool) -> int:
-    """Note [activations]."""
+    """Note [activations]: a model's own formula."""
     if not isinstance(sizer, ActivationSized):
         raise ShardwiseError(
-            "activations need the model's sizes: pass a model (or config=) with an `activation_bytes(batch, "
-            "seq, dtype_bytes, checkpointed)` method (shardwise.interfaces.ActivationSized; "
-            "shardwise.models.gpt.GPT and GPTConfig have one), or leave batch=None")
+            "activations of a bare parameter count need sizes: pass the model itself (its activations are "
+            "measured by a probe), or config= with an `activation_bytes(batch, seq, dtype_bytes, checkpointed)` "
+            "method (shardwise.interfaces.ActivationSized), or leave batch=None")
     return int(sizer.activation_bytes(batch, seq, c, checkpointed))
