@@ -29,7 +29,12 @@ bytes; in backward also one unit's full gradients from autograd (c·F), the root
 input (r·F: one reduce in flight, engine/zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
 their full parameters, so only the two in-flight re-gathers and the same backward
 buffers count. ddp: autograd's copy of the
-largest parameter's gradient before it lands in its bucket.
+largest parameter's gradient before it lands in its bucket. When the probe measured the
+activations (Note [activations]), the backward's gradient buffers are left out (and ddp's
+copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
+there (the head's, one unit's); only the gathered parameters come on top. Measured in
+bench/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
+three units come to 17-20 MiB, and the backward term would add 15-20 MiB more.
 
 Note [activations]: with `batch=`, a model's activations are measured by the probe
 (estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
@@ -207,17 +212,19 @@ def estimate(
     r = torch.empty(0, dtype=policy.reduce_dtype).element_size()
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
 
+    probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
+        inputs is not None or not isinstance(config, ActivationSized))  # Note [activations]
     if strategy == "ddp":
         real, trainable = sum(u.full for u in plan_units), sum(u.trainable_full for u in plan_units)
         num_tensors = sum(u.num_trainable for u in plan_units)
         parameters, gradients = master * real, master * trainable
         optimizer_state = state_per_elem * master * trainable + state_per_tensor * num_tensors
-        gather = master * max(u.largest for u in plan_units)
+        gather = 0 if probed else master * max(u.largest for u in plan_units)  # Note [transient buffers]
         offloaded = 0
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
-        gather = _zero_transient(plan_units, shard_config, c, r)
+        gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -227,7 +234,7 @@ def estimate(
     activations = 0
     if batch is None:
         notes.append("activations not counted: pass batch= (--batch)")
-    elif isinstance(model_or_num_params, nn.Module) and (inputs is not None or not isinstance(config, ActivationSized)):
+    elif probed:
         activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, checkpoint_activations,
                               notes)
     else:
@@ -317,11 +324,12 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
     return parameters, gradients, optimizer_state, offloaded
 
 
-def _zero_transient(plan_units, config: ShardConfig, c, r) -> int:
+def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    backward = c * biggest + c * root.full + r * biggest  # unit grads, root grads, the packed reduce
+    # unit grads, root grads, the packed reduce
+    backward = c * biggest + c * root.full + r * biggest if with_backward else 0
     if not config.keeps_full_params:  # zero3
         return c * root.full + 3 * c * biggest + backward
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
