@@ -63,6 +63,29 @@ def test_parameters_and_their_views_are_not_activations():
     assert 0 < probe.peak < 64 * 1024, probe
 
 
+class _ReadsValues(nn.Module):
+    """A forward that branches on a value: it cannot run on meta tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(256, 256)
+
+    def forward(self, x):
+        x = torch.relu(self.fc(x))
+        return x * 2 if x.sum() > 0 else x
+
+
+def test_a_forward_that_reads_values_is_probed_on_cpu():
+    """Catches a data-dependent model failing the estimate (meta tensors have no values), or
+    the CPU path's extrapolation from micro-batches 1 and 2 missing the real step's bytes."""
+    torch.manual_seed(0)
+    model = _ReadsValues()
+    ones = lambda batch, seq, device: torch.ones(batch, 256, device=device)  # noqa: E731
+    probe = probe_activations(model, 5, inputs=ones)
+    assert probe.device == "cpu"
+    assert probe.peak == _run_real(model, 5, None, None, ones)[0]
+
+
 def test_a_model_without_known_inputs_names_inputs():
     """Catches a plain model with batch= failing with a raw error, or being priced at 0."""
     with torch.device("meta"):

@@ -119,7 +119,21 @@ def probe_activations(model: nn.Module, batch: int, seq: int | None = None, *, d
                       inputs: InputMaker | None = None) -> ActivationProbe:
     """Note [activation probe]: the peak bytes of one forward + backward of `model` on `batch`
     samples of `seq` tokens (inputs from `inputs`, else estimate/inputs.py), with floating
-    parameters in `dtype` (default: the model's). The model is not changed."""
+    parameters in `dtype` (default: the model's). The model is not changed. The result is kept
+    for the model while its parameters' names, shapes and dtypes stay the same (`plan` asks
+    once per configuration)."""
+    key = (batch, seq, dtype, inputs, model.training, tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
+                                            for n, p in model.named_parameters()))
+    found = _KEPT.setdefault(model, {})
+    if key not in found:
+        found[key] = _probe(model, batch, seq, dtype, inputs)
+    return found[key]
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ActivationProbe}
+
+
+def _probe(model, batch, seq, dtype, inputs) -> ActivationProbe:
     try:
         peak, after = _run_meta(model, batch, seq, dtype, inputs)
         return ActivationProbe(peak, after, batch, seq, "meta")
