@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 from shardwise import cli
@@ -73,3 +74,58 @@ def test_ckpt_export_into_a_new_folder(tmp_path):
     out = tmp_path / "new" / "folder" / "model.safetensors"
     assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out)]) == 0
     assert out.is_file()
+
+
+INPUTS = MODEL + textwrap.dedent("""
+    def forward(self, x):
+        for block in self.stack:
+            x = torch.relu(block.fc(x))
+        return self.head(x)
+    Net.forward = forward
+    def inputs(batch, seq, device):
+        return torch.ones(batch, 512, device=device)
+    HELD = bytearray(64 * 2**20)  # 64 MiB that importing this module adds to a process
+    HELD[::4096] = b"x" * len(HELD[::4096])
+""")
+
+
+def test_units_command_prints_the_unit_table(tmp_path, monkeypatch, capsys):
+    """Catches `shardwise units` missing, or printing something other than sw.describe's plan
+    (one row per unit, the root first, MiB per rank at --world-size)."""
+    (tmp_path / "my_net3.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["units", "my_net3:build", "--units", "Block", "--world-size", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "world size 2" in lines[0] and lines[1].startswith("<root>")
+    assert [line.split()[0] for line in lines[2:]] == [f"stack.{i}" for i in range(8)]
+    assert all(line.split()[1] == "Block" for line in lines[2:])
+    assert cli.main(["units", "not_there:build"]) == 2
+
+
+def test_estimate_any_model_with_batch_inputs_and_its_imports(tmp_path, monkeypatch, capsys):
+    """Catches --batch refused (or activations 0) for a user's model, --inputs ignored, and the
+    runtime row leaving out what importing the model's module costs every rank (transformers:
+    about 120 MiB; here a module holding 64 MiB)."""
+    (tmp_path / "my_net4.py").write_text(INPUTS)
+    monkeypatch.chdir(tmp_path)
+    args = ["estimate", "--model", "my_net4:build", "--world-size", "2", "--json"]
+    assert cli.main(args + ["--batch", "8", "--inputs", "my_net4:inputs"]) == 0  # the first import
+    est = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--batch", "8"]) == 2  # no way to build its inputs: says how
+    assert "--inputs" in capsys.readouterr().err
+    from shardwise.estimate.core import RUNTIME_BYTES
+
+    assert est["activations"] > 8 * 512 * 4 * 8  # eight blocks' outputs of 8 x 512 floats at least
+    assert est["runtime"] >= RUNTIME_BYTES + 60 * 2**20, est["runtime"] - RUNTIME_BYTES
+    assert est["total"] >= est["runtime"] + est["activations"]
+
+
+def test_plan_says_which_units_auto_makes(tmp_path, monkeypatch, capsys):
+    """Catches advice that leaves units out when they are "auto": the call printed must be the
+    whole call, and say what "auto" cut."""
+    (tmp_path / "my_net5.py").write_text(MODEL)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["plan", "my_net5:build", "--memory", "4GiB", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert 'precision="fp32", units="auto")' in out, out
+    assert "units: 8 x Block + the root" in out, out

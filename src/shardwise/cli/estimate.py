@@ -6,7 +6,10 @@
 
 MODEL is a zoo name (`shardwise.models.zoo`), `gpt:key=value,...` (GPTConfig fields), or
 `module:function` / `path/to/file.py:function` naming a function that returns a model.
-Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated.
+Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated;
+`--batch` runs the activation probe (estimate/probe.py) on meta tensors too. The RSS that
+importing and building a module:function model adds to this process (e.g. transformers)
+is added to the runtime row: a training script imports the same.
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import re
 import sys
 
 import torch
 from torch import nn
 
+from shardwise.engine.describe import describe
 from shardwise.errors import ShardwiseError
-from shardwise.estimate.core import MIB, estimate
+from shardwise.estimate.core import MIB, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
+from shardwise.estimate.measure import process_rss
 from shardwise.estimate.plan import plan
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -47,8 +53,7 @@ def build_model(spec: str) -> tuple[nn.Module, object]:
         if spec == "gpt" or spec.startswith("gpt:"):
             return GPT(_gpt_config(spec[4:], GPTConfig)), Block
         if ":" in spec:
-            module_name, _, function_name = spec.rpartition(":")
-            model = getattr(_import(module_name), function_name)()
+            model = load_function(spec)()
             if not isinstance(model, nn.Module):
                 raise ShardwiseError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
             return model, None
@@ -70,6 +75,15 @@ def _gpt_config(text: str, config_class):
         return config_class(**values)
     except ValueError as error:
         raise ShardwiseError(f"gpt:{text}: {error}") from error
+
+
+def load_function(spec: str):
+    """The function `module:function` or `path/to/file.py:function` names."""
+    module_name, _, function_name = spec.rpartition(":")
+    function = getattr(_import(module_name), function_name, None)
+    if not callable(function):
+        raise ShardwiseError(f"{module_name} has no function {function_name!r}")
+    return function
 
 
 def _import(name: str):
@@ -129,9 +143,17 @@ def _add_common(parser) -> None:
                         help="how shard() cuts the model: 'auto' (default: its declared or repeated blocks), a "
                              "block class name, or comma-separated module names")
     parser.add_argument("--batch", type=int, default=None,
-                        help="sequences per rank per step, for activations (models with activation_bytes(): "
-                             "the zoo GPT)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's seq_len)")
+                        help="samples per rank per step, for activations: measured by one forward + backward "
+                             "on meta tensors (no memory, any model size; the zoo GPT uses its formula)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="tokens per sequence (default: the model's maximum length)")
+    parser.add_argument("--inputs", default=None, metavar="module:function",
+                        help="for --batch: a function (batch, seq, device) -> the model's inputs (a dict of "
+                             "keyword arguments, a tuple or a tensor; with a loss among the outputs, or its "
+                             "first tensor's mean is used). Hugging Face models with input_ids or pixel_values "
+                             "need none. A forward that reads values cannot run on meta: then the probe runs "
+                             "on CPU at batches 1 and 2, and the model must fit one process")
+    parser.add_argument("--json", action="store_true", help="print the estimate(s) as JSON")
     parser.add_argument("--checkpoint-activations", action="store_true",
                         help="recompute each unit's forward in backward (zero strategies): activations of one "
                              "block at a time plus each block's input")
@@ -140,17 +162,34 @@ def _add_common(parser) -> None:
 def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
+        before = process_rss()
         model, units = build_model(args.model)
+        imported = max(0, process_rss() - before) if _is_function(args.model) else 0
         units = _units(model, args.units, units)
+        runtime = (RUNTIME_BYTES if args.world_size > 1 else RUNTIME_BYTES_SINGLE) + imported
+        inputs = load_function(args.inputs) if args.inputs else None
+        extra = dict(units=units, runtime=runtime, inputs=inputs)
         if args.command == "estimate":
-            print(estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
-                           args.offload, args.batch, args.seq, units=units,
-                           checkpoint_activations=args.checkpoint_activations))
+            est = estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
+                           args.offload, args.batch, args.seq, checkpoint_activations=args.checkpoint_activations,
+                           **extra)
+            if imported and not args.json:
+                est = dataclasses.replace(est, notes=est.notes + (
+                    f"runtime includes {imported / MIB:.0f} MiB that importing and building {args.model} added",))
+            print(json.dumps(_as_json(est)) if args.json else est)
             return 0
-        return _print_plan(model, units, args)
+        return _print_plan(model, extra, args)
     except ShardwiseError as error:
         print(f"shardwise {args.command}: {error}", file=sys.stderr)
         return 2
+
+
+def _is_function(spec: str) -> bool:
+    return ":" in spec and not spec.startswith("gpt:")
+
+
+def _as_json(est) -> dict:
+    return dict(dataclasses.asdict(est), total=est.total, model_state=est.model_state)
 
 
 def _units(model: nn.Module, text: str, model_default):
@@ -165,16 +204,20 @@ def _units(model: nn.Module, text: str, model_default):
 
 def _units_argument(units) -> str:
     if units == "auto" or units is None:
-        return ""
+        return ', units="auto"'
     if isinstance(units, type):
         return f", units={units.__name__}"
     return f", units={list(units)!r}"
 
 
-def _print_plan(model, units, args) -> int:
-    memory = parse_bytes(args.memory)
+def _print_plan(model, extra: dict, args) -> int:
+    memory, units = parse_bytes(args.memory), extra["units"]
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
-                   offload_dir=args.offload_dir, checkpoint_activations=args.checkpoint_activations, units=units)
+                   offload_dir=args.offload_dir, checkpoint_activations=args.checkpoint_activations, **extra)
+    if args.json:
+        print(json.dumps([dict(label=o.label, fits=o.fits, reason=o.reason, estimate=_as_json(o.estimate))
+                          for o in options]))
+        return 0 if any(o.fits for o in options) else 1
     num_params = sum(p.numel() for p in model.parameters())
     batch = f", batch {args.batch}" if args.batch else ", no activations (pass --batch)"
     print(f"{args.model}: {num_params / 1e6:.1f}M parameters, {args.world_size} ranks, "
@@ -192,4 +235,43 @@ def _print_plan(model, units, args) -> int:
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
     print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
           f'{offload}{recompute})')
+    print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
     return 0
+
+
+def _units_summary(model: nn.Module, units) -> str:
+    """'12 x GPT2Block + the root (4% of parameters)': what the units cut, in a line."""
+    rows = describe(model, units).rows
+    kinds: dict[str, int] = {}
+    for row in rows[1:]:
+        kinds[row.kind] = kinds.get(row.kind, 0) + 1
+    total = sum(row.numel for row in rows) or 1
+    cut = " + ".join(f"{count} x {kind}" for kind, count in kinds.items()) or "no units"
+    return f"{cut} + the root ({rows[0].numel / total:.0%} of parameters)"
+
+
+# ---- `shardwise units` -----------------------------------------------------------------
+
+
+def add_units_command(commands) -> None:
+    """Add `units`: the unit plan of a model as a table (sw.describe)."""
+    units = commands.add_parser(
+        "units", help="the units shard() would cut MODEL into, as a table (sw.describe)",
+        description="Print the unit plan of MODEL (built on the meta device: nothing is allocated): each "
+                    "unit's path, module class, parameters, share, full MiB, MiB per rank at --world-size, "
+                    "and the shared or tied parameters it owns.")
+    units.add_argument("model", metavar="MODEL", help="a zoo name, gpt:key=value,... or module:function")
+    units.add_argument("--units", default="auto", metavar="UNITS",
+                       help="'auto' (default), a block class name, or comma-separated module names")
+    units.add_argument("--world-size", type=int, default=1, help="ranks, for MiB per rank (default: 1)")
+
+
+def run_units(args) -> int:
+    """Run `shardwise units MODEL`."""
+    try:
+        model, default = build_model(args.model)
+        print(describe(model, _units(model, args.units, default), args.world_size))
+        return 0
+    except ShardwiseError as error:
+        print(f"shardwise units: {error}", file=sys.stderr)
+        return 2

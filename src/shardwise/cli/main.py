@@ -1,4 +1,4 @@
-"""The `shardwise` command: `demo`, `estimate`, `plan` and `ckpt` (their code is beside this file)."""
+"""The `shardwise` command: `demo`, `estimate`, `plan`, `units` and `ckpt` (their code is beside this file)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli_ckpt.add_commands(commands)
     cli_estimate.add_commands(commands)
+    cli_estimate.add_units_command(commands)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from shardwise import demo
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.main(rest)
     if args.command in ("estimate", "plan") and not rest:
         return cli_estimate.run(args)
+    if args.command == "units" and not rest:
+        return cli_estimate.run_units(args)
     if args.command == "ckpt" and not rest:
         return cli_ckpt.run(args)
     if rest:

@@ -29,12 +29,20 @@ bytes; in backward also one unit's full gradients from autograd (c·F), the root
 input (r·F: one reduce in flight, engine/zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
 their full parameters, so only the two in-flight re-gathers and the same backward
 buffers count. ddp: autograd's copy of the
-largest parameter's gradient before it lands in its bucket.
+largest parameter's gradient before it lands in its bucket. When the probe measured the
+activations (Note [activations]), the backward's gradient buffers are left out (and ddp's
+copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
+there (the head's, one unit's); only the gathered parameters come on top. Measured in
+bench/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
+three units come to 17-20 MiB, and the backward term would add 15-20 MiB more.
 
-Note [activations]: a model (or `config=`) that implements `activation_bytes(batch, seq,
-dtype_bytes, checkpointed)` (shardwise.interfaces.ActivationSized) says what autograd keeps;
-`shardwise.models.gpt` has the measured formula (its Note [activations]). Without it,
-`batch=` is refused with a message naming the method, and activations count as 0.
+Note [activations]: with `batch=`, a model's activations are measured by the probe
+(estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
+compute dtype, its peak bytes besides parameters, at exactly this batch and seq; inputs from
+`inputs=` or, for Hugging Face models, from their config (estimate/inputs.py). A model (or
+`config=`) that implements `activation_bytes(batch, seq, dtype_bytes, checkpointed)`
+(shardwise.interfaces.ActivationSized, as `shardwise.models.gpt` does) is sized by that
+formula instead, unless `inputs=` is given; a bare parameter count needs such a `config=`.
 
 Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep their
 gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
@@ -60,6 +68,8 @@ from torch import nn
 from shardwise.config import MixedPrecision, ShardConfig, config_label
 from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
+from shardwise.estimate.inputs import InputMaker
+from shardwise.estimate.probe import probe_activations
 from shardwise.interfaces import ActivationSized
 
 MIB = 2**20
@@ -159,6 +169,7 @@ def estimate(
     config=None,
     checkpoint_activations: bool = False,
     runtime: int | None = None,
+    inputs: InputMaker | None = None,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -168,10 +179,12 @@ def estimate(
     one unit (conservative for zero3). `precision`: "fp32" | "bf16" | "fp16" | a
     `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
     `offload`: None or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
-    sequence, for activations; they need a model or `config=` with `activation_bytes()`
-    (shardwise.interfaces.ActivationSized: the zoo GPT and its `GPTConfig` have it).
+    sequence (samples per rank; seq None: the model's own length), for activations (Note
+    [activations]): a model's are measured by the probe, a count's need `config=`.
     `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
+    `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
+    [activations]); Hugging Face models need none.
     """
     # The same rules as shard(), from the same place (shardwise/config.py).
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
@@ -199,17 +212,19 @@ def estimate(
     r = torch.empty(0, dtype=policy.reduce_dtype).element_size()
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
 
+    probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
+        inputs is not None or not isinstance(config, ActivationSized))  # Note [activations]
     if strategy == "ddp":
         real, trainable = sum(u.full for u in plan_units), sum(u.trainable_full for u in plan_units)
         num_tensors = sum(u.num_trainable for u in plan_units)
         parameters, gradients = master * real, master * trainable
         optimizer_state = state_per_elem * master * trainable + state_per_tensor * num_tensors
-        gather = master * max(u.largest for u in plan_units)
+        gather = 0 if probed else master * max(u.largest for u in plan_units)  # Note [transient buffers]
         offloaded = 0
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
-        gather = _zero_transient(plan_units, shard_config, c, r)
+        gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -217,10 +232,13 @@ def estimate(
                      f"{offload.path}; the step pages in one unit at a time")
 
     activations = 0
-    if batch is not None:
-        activations = _activations(config, batch, seq, c, checkpoint_activations)
+    if batch is None:
+        notes.append("activations not counted: pass batch= (--batch)")
+    elif probed:
+        activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, checkpoint_activations,
+                              notes)
     else:
-        notes.append("activations not counted: pass batch= (--batch), for a model with activation_bytes()")
+        activations = _activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
@@ -306,21 +324,34 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
     return parameters, gradients, optimizer_state, offloaded
 
 
-def _zero_transient(plan_units, config: ShardConfig, c, r) -> int:
+def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    backward = c * biggest + c * root.full + r * biggest  # unit grads, root grads, the packed reduce
+    # unit grads, root grads, the packed reduce
+    backward = c * biggest + c * root.full + r * biggest if with_backward else 0
     if not config.keeps_full_params:  # zero3
         return c * root.full + 3 * c * biggest + backward
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
 
 
+def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs, checkpointed: bool,
+            notes: list[str]) -> int:
+    """Note [activations]: the probe's peak."""
+    probe = probe_activations(model, batch, seq, dtype=dtype, inputs=inputs)
+    where = "on meta tensors" if probe.device == "meta" else "on CPU at micro-batches 1 and 2, extrapolated"
+    notes.append(f"activations: the peak of one forward + backward at batch {batch}"
+                 + (f", seq {seq}" if seq is not None else "") + f", measured {where}")
+    if checkpointed:
+        notes.append("the probe does not recompute: activations with checkpoint_activations are an upper bound")
+    return probe.peak
+
+
 def _activations(sizer, batch: int, seq: int | None, c: int, checkpointed: bool) -> int:
-    """Note [activations]."""
+    """Note [activations]: a model's own formula."""
     if not isinstance(sizer, ActivationSized):
         raise ShardwiseError(
-            "activations need the model's sizes: pass a model (or config=) with an `activation_bytes(batch, "
-            "seq, dtype_bytes, checkpointed)` method (shardwise.interfaces.ActivationSized; "
-            "shardwise.models.gpt.GPT and GPTConfig have one), or leave batch=None")
+            "activations of a bare parameter count need sizes: pass the model itself (its activations are "
+            "measured by a probe), or config= with an `activation_bytes(batch, seq, dtype_bytes, checkpointed)` "
+            "method (shardwise.interfaces.ActivationSized), or leave batch=None")
     return int(sizer.activation_bytes(batch, seq, c, checkpointed))

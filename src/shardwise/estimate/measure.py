@@ -49,3 +49,16 @@ def resident_model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimize
         return sum(_storages_of(tensors).values())
     in_memory = [t for t in tensors if isinstance(t, torch.Tensor) and not store.holds(t)]
     return sum(_storages_of(in_memory).values()) + store.resident_bytes()
+
+
+def process_rss(field: str = "VmRSS") -> int:
+    """This process's resident bytes (`field` of /proc/self/status: VmRSS, or VmHWM for the
+    peak); 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
