@@ -30,13 +30,23 @@ def _build(name):
 
 def _deferred_rows_equal_eager(name, strategy):
     torch.manual_seed(0)
-    eager = dict(_build(name).named_parameters())
+    eager_model = _build(name)
+    eager = dict(eager_model.named_parameters())
+    ids = torch.randint(0, 300, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager_loss = eager_model(input_ids=ids, labels=ids).loss
     torch.manual_seed(0)
     with sw.deferred_init():
         model = _build(name)
     on_meta = {p.device.type for p in model.parameters()} == {"meta"}
     sw.shard(model, strategy=strategy)
-    differ = []
+    # Buffers built on meta too (Llama's rotary inv_freq stayed there, or held garbage under ddp).
+    differ = [n for n, b in eager_model.named_buffers() if not torch.equal(dict(model.named_buffers())[n], b)]
+    with torch.no_grad():
+        if not torch.equal(model(input_ids=ids, labels=ids).loss, eager_loss):
+            differ.append("loss")
+    if strategy == "ddp":
+        return on_meta, differ + [n for n, p in model.named_parameters() if not torch.equal(p, eager[n])], 0
     for param_name, info in sw.shard_info(model).items():
         full = eager[param_name].detach()
         expected = full.reshape(-1)[info.row_start:info.row_end] if full.dim() == 0 else \
@@ -46,12 +56,14 @@ def _deferred_rows_equal_eager(name, strategy):
     return on_meta, differ, dist.get_rank()
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_hf_model_deferred_equals_eager(ranks, name):
+def test_hf_model_deferred_equals_eager(ranks, name, strategy):
     """Catches transformers skipping its weight init on the meta device (GPT-2's wte came out
     with std 1.0 instead of 0.02, 4.3 away from eager), and an in-place write to part of a
-    parameter (BERT's padding row) replayed as if it created the whole tensor."""
-    for on_meta, differ, rank in ranks.run(_deferred_rows_equal_eager, 2, name, "zero3", timeout=180):
+    parameter (BERT's padding row) replayed as if it created the whole tensor, and buffers left on
+    meta (Llama's rotary inv_freq: its first forward failed) or uninitialized (ddp)."""
+    for on_meta, differ, rank in ranks.run(_deferred_rows_equal_eager, 2, name, strategy, timeout=180):
         assert on_meta and differ == [], (rank, differ)
 
 

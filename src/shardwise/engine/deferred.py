@@ -311,6 +311,7 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = 
                 device: torch.device | str = "cpu") -> None:
     """Bring a whole deferred model to life in place (for ddp, which keeps full parameters)."""
     aliases = {name: param.detach() for name, param in model.named_parameters()}
+    buffers = meta_buffers(model)  # to_empty() would leave them uninitialized memory
     extra_log = record(lambda: init_fn(model)) if init_fn is not None else None
     # to_empty() makes a new Parameter per registration when leaving the meta device, which
     # would untie tied weights: remember who shares what, and tie them again after.
@@ -324,5 +325,24 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = 
             module_name, _, attribute = other.rpartition(".")
             model.get_submodule(module_name)._parameters[attribute] = first
     current = dict(model.named_parameters())
+
+    def deliver(name, value):
+        if name in current:
+            current[name].copy_(value)
+        else:
+            set_buffer(model, name, value)
+
     with torch.no_grad():
-        replay(aliases, lambda name, value: current[name].copy_(value), device=device, extra_log=extra_log)
+        replay({**aliases, **buffers}, deliver, device=device, extra_log=extra_log)
+
+
+def meta_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers still on the meta device, by every name they are registered under."""
+    return {name: b for name, b in model.named_buffers(remove_duplicate=False) if b.device.type == "meta"}
+
+
+def set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Register `value` (a replayed buffer) under `name`, keeping the buffer's persistence."""
+    module_name, _, attribute = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._buffers[attribute] = value.clone()

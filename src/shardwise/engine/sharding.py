@@ -11,7 +11,7 @@ from torch import nn
 
 from shardwise.config import ShardConfig
 from shardwise.engine.consistency import broadcast_from_rank0
-from shardwise.engine.deferred import is_deferred, record, replay
+from shardwise.engine.deferred import is_deferred, meta_buffers, record, replay, set_buffer
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.offload import DiskStore, register_offloaded
 from shardwise.engine.units import UnitPlan
@@ -34,9 +34,18 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
     if deferred is not None:
         # Every rank replays the same recorded init from the same RNG state, so the values
         # agree without a broadcast; each keeps its rows as each parameter is finished.
+        # Buffers built on meta (Llama's rotary inv_freq) are replayed too: they stayed on meta.
         where = {layout.owned.name: (u, i) for u in units for i, layout in enumerate(u.layouts)}
-        replay(deferred, lambda name, value: where[name][0].set_value(where[name][1], value),
-               device=units[0].device, extra_log=extra_log)
+        buffers = meta_buffers(model)
+
+        def deliver(name, value):
+            if name in where:
+                where[name][0].set_value(where[name][1], value)
+            else:
+                set_buffer(model, name, value)
+
+        replay({**deferred, **{n: b for n, b in buffers.items()}}, deliver, device=units[0].device,
+               extra_log=extra_log)
     if store is not None:
         for unit in units:
             store.release(unit.shard_flat)  # written once; the step pages it back in
