@@ -16,7 +16,7 @@ from shardwise.checkpoint import (
     save,
     save_pretrained,
 )
-from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
+from shardwise.config import STRATEGIES, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.deferred import deferred_init
@@ -29,6 +29,7 @@ from shardwise.sampler import ResumableSampler
 
 __all__ = [
     "DiskOffload",
+    "HostFrozen",
     "LoadReport",
     "LossScaler",
     "MemoryEstimate",
