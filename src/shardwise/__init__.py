@@ -25,10 +25,12 @@ from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.engine.precision import LossScaler
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
+from shardwise.parallel import HogwildResult, hogwild
 from shardwise.sampler import ResumableSampler
 
 __all__ = [
     "DiskOffload",
+    "HogwildResult",
     "HostFrozen",
     "LoadReport",
     "LossScaler",
@@ -52,6 +54,7 @@ __all__ = [
     "full_state_dict",
     "get_rank",
     "get_world_size",
+    "hogwild",
     "init",
     "is_main",
     "latest",
