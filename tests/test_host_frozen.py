@@ -6,6 +6,8 @@ DESIGN's fp32 bound), and by trying every way of writing a shared weight."""
 
 from __future__ import annotations
 
+import copy
+import io
 import os
 import zlib
 
@@ -157,7 +159,30 @@ def test_unfreezing_copies_out_of_the_mapping_and_a_forward_after_shard_is_refus
     assert msg1 is not None and "unfrozen after sw.shard" in msg1, msg1
 
 
-@pytest.mark.parametrize("strategy, world_size", [("ddp", 2), ("zero2", 2), ("zero3", 4)])
+def _state_dict_round_trip():
+    model = _base_model()
+    sw.shard(model, strategy="ddp", frozen="host")
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    before = model[0].weight.detach().clone()
+    copied = copy.deepcopy(model[0].weight.detach())
+    copied.add_(1.0)  # a copy is the copier's own memory: writable, and the mapping is untouched
+    return (sorted(type(v).__name__ for v in loaded.values()),
+            all(torch.equal(loaded[k], v) for k, v in model.state_dict().items()),
+            type(copied) is torch.Tensor and torch.equal(before, model[0].weight))
+
+
+def test_state_dicts_and_copies_of_host_weights_are_plain_tensors(ranks):
+    """Catches `torch.save(model.state_dict())` writing the guard class, which
+    `torch.load(weights_only=True)` (torch's default) refuses, and a deepcopy that fails or
+    hands out a tensor that still refuses writes."""
+    for types, equal, copied in ranks.run(_state_dict_round_trip, 1):
+        assert types == ["Tensor"] * 4 and equal and copied
+
+
+@pytest.mark.parametrize("strategy, world_size", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 4)])
 def test_trainable_parts_equal_one_process(ranks, strategy, world_size):
     """Catches a host copy that changes the math: gradients flowing through host-shared frozen
     layers, the trainable parameters' reduce and step, and the frozen values (rank 0's, as DDP

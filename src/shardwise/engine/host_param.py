@@ -125,10 +125,25 @@ def _same_view(current: torch.Tensor, new) -> bool:
             and new.shape == current.shape and new.stride() == current.stride() and new.dtype == current.dtype)
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as a plain tensor (no guard): what pickling writes."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), False)
+
+
 class ReadOnlyView(_ReadOnlyMixin, torch.Tensor):
     """A tensor aliasing the host mapping (`p.data`, `p.detach()`, `p[0]`): reads only."""
 
     _sw_name: str | None = None
+
+    def __reduce_ex__(self, protocol):
+        # `torch.save(model.state_dict())` then `torch.load(weights_only=True)`: a plain tensor.
+        return _plain(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = _plain(self).clone()  # a copy is the copier's own, writable memory
+        return memo[id(self)]
 
 
 class HostParameter(_ReadOnlyMixin, nn.Parameter):
@@ -148,6 +163,9 @@ class HostParameter(_ReadOnlyMixin, nn.Parameter):
         self.__class__ = nn.Parameter  # the same object: optimizers and modules that hold it keep it
         self.requires_grad_(True)
         return self
+
+    def __reduce_ex__(self, protocol):
+        return nn.Parameter(_plain(self), requires_grad=False).__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:
