@@ -13,6 +13,7 @@ import zlib
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -246,6 +247,25 @@ def test_misused_host_copies_are_refused_on_every_rank(ranks, tmp_path):
     assert same == ["ok", "ok"]  # two hosts, one copy each, the same values
     for message in ranks.run(_shard_or_error, 2, "zero2", str(tmp_path), True, True, True):
         assert "hosts' frozen weights differ" in message, message
+
+
+def _source_without_bias(path):
+    model = _base_model()
+    if dist.get_rank() == 0:
+        safetensors.torch.save_file({"0.weight": model[0].weight.detach().contiguous()}, path)
+    dist.barrier()
+    try:
+        sw.shard(model, strategy="zero2", frozen=sw.HostFrozen(source=path))
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_a_source_file_without_a_frozen_weight_is_refused_on_every_rank(ranks, tmp_path):
+    """Catches a frozen parameter missing from the file left as it was (a per-rank copy, silently)
+    or an error on one rank while the others go on into the strategy's collectives and hang."""
+    for message in ranks.run(_source_without_bias, 2, str(tmp_path / "base.safetensors")):
+        assert message is not None and "'0.bias' is not in" in message, message
 
 
 def test_frozen_option_is_validated():

@@ -90,10 +90,18 @@ def place_frozen_on_host(model: nn.Module, policy: HostFrozen, group) -> HostMap
                                  "deferred model's frozen weights come from a file, "
                                  "frozen=sw.HostFrozen(source='base.safetensors')")
         path, unlink = _write_on_leader(frozen, policy, group), True
+    mapping, error = None, None
     try:
         mapping = _map(path, frozen)
-    finally:
-        dist.barrier(group=group)  # every local rank has mapped it (or failed)
+    except ShardwiseError as exc:
+        error = str(exc)
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or all raise
+    failed = [(rank, message) for rank, message in enumerate(errors) if message]
+    if failed:
+        if unlink and _is_local_leader(group):
+            path.unlink(missing_ok=True)
+        raise ShardwiseError(f"rank {failed[0][0]}: {failed[0][1]}")
     if unlink and _is_local_leader(group):
         path.unlink(missing_ok=True)  # the mappings keep the pages; nothing is left behind
     _refuse_unfreezing_after_shard(model, frozen)
