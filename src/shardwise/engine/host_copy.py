@@ -127,6 +127,8 @@ def _write_on_leader(frozen, policy: HostFrozen, group) -> Path:
                              "(set frozen=sw.HostFrozen(directory=...) to a directory with room, on every host)")
     crcs = {r[2] for r in reports if r[1]}
     if len(crcs) > 1:
+        if leader:
+            path.unlink(missing_ok=True)  # refused: leave nothing behind in shared memory
         raise ShardwiseError("the hosts' frozen weights differ (crc32 of each host's copy), so each host would train "
                              "against another base: seed the model identically on every rank, or map one file "
                              "with frozen=sw.HostFrozen(source=...)")
@@ -162,13 +164,17 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     raw += b" " * (-len(raw) % 8)
     crc = 0
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as out:
-        out.write(len(raw).to_bytes(8, "little") + raw)
-        for name in order:
-            data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            out.write(data)
-            crc = zlib.crc32(data, crc)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            for name in order:
+                data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                out.write(data)
+                crc = zlib.crc32(data, crc)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a full /dev/shm must not stay full of our half file
+        raise
     return crc
 
 
