@@ -9,7 +9,9 @@ process, on the same 1437 training images for `--epochs` epochs in total: a Hogw
 DDP rank takes every N-th image, so the sample count is the same for all. Samples/s is the
 samples of all processes over the training's wall time (first start to last finish, start-up
 excluded). The held-out loss (360 images) is read every `--eval-every` samples by process 0:
-for Hogwild from the shared parameters while the others keep writing. Writes
+for Hogwild from the shared parameters while the others keep writing, against a shared count of
+the samples all workers have stepped on (they do not run in step: a worker the scheduler holds
+back finds the others thousands of samples ahead). Writes
 bench/results/hogwild.{json,md,png}.
 """
 
@@ -73,10 +75,12 @@ def held_out(model, data) -> tuple[float, float]:
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def train_part(rank: int, num_procs: int, model: nn.Module, args, barrier=None) -> dict:
+def train_part(rank: int, num_procs: int, model: nn.Module, args, barrier=None, counter=None) -> dict:
     """This process's part: rows rank::num_procs of each epoch's shuffled order, SGD. Process 0
-    records the held-out loss against the samples all processes have seen (its own x num_procs).
-    `barrier`: every process starts training together, so the wall time is the training's."""
+    records the held-out loss against the samples all processes have seen: `counter` (a shared
+    count every Hogwild worker adds its batches to: they do not run in step), else its own x
+    num_procs (DDP ranks run in step). `barrier`: all start together, so the wall time is the
+    training's."""
     torch.set_num_threads(1)
     data = digits()
     if barrier is not None:
@@ -88,13 +92,17 @@ def train_part(rank: int, num_procs: int, model: nn.Module, args, barrier=None) 
     for epoch in range(args.epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))[rank::num_procs]
         for batch in order.split(args.batch):
-            if rank == 0 and seen * num_procs >= next_eval:
-                curve.append((seen * num_procs, held_out(model, data)[0]))
-                next_eval += args.eval_every
+            total = counter.value if counter is not None else seen * num_procs
+            if rank == 0 and total >= next_eval:
+                curve.append((total, held_out(model, data)[0]))
+                next_eval = total + args.eval_every
             optim.zero_grad()
             F.cross_entropy(model(x[batch]), y[batch]).backward()
             optim.step()
             seen += len(batch)
+            if counter is not None:
+                with counter.get_lock():
+                    counter.value += len(batch)
     return {"start": start, "end": time.time(), "seen": seen, "curve": curve}
 
 
@@ -122,9 +130,10 @@ def run_config(config: str, args) -> dict:
     elif config.startswith("hogwild"):
         model = build_model(args.hidden)
         num_procs = int(config[-1])
-        barrier = mp.get_context("spawn").Barrier(num_procs)
-        records = sw.hogwild(train_part, model, num_procs=num_procs, args=(args, barrier), threads_per_proc=1,
-                             timeout=1800).values
+        context = mp.get_context("spawn")
+        barrier, counter = context.Barrier(num_procs), context.Value("q", 0)
+        records = sw.hogwild(train_part, model, num_procs=num_procs, args=(args, barrier, counter),
+                             threads_per_proc=1, timeout=1800).values
     else:
         num_procs = int(config[-1])
         with socket.socket() as probe:
