@@ -18,7 +18,7 @@ from shardwise.checkpoint import (
     save_async,
     save_pretrained,
 )
-from shardwise.config import STRATEGIES, DiskOffload, MixedPrecision, ShardConfig
+from shardwise.config import STRATEGIES, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.deferred import deferred_init
@@ -27,10 +27,13 @@ from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.engine.precision import LossScaler
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
+from shardwise.parallel import HogwildResult, hogwild
 from shardwise.sampler import ResumableSampler
 
 __all__ = [
     "DiskOffload",
+    "HogwildResult",
+    "HostFrozen",
     "LoadReport",
     "PendingSave",
     "LossScaler",
@@ -54,6 +57,7 @@ __all__ = [
     "full_state_dict",
     "get_rank",
     "get_world_size",
+    "hogwild",
     "init",
     "is_main",
     "latest",

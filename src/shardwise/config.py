@@ -17,6 +17,7 @@ What each strategy keeps, as the engine and the estimator read it:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,36 @@ def resolve_offload(offload: str | DiskOffload | None) -> DiskOffload | None:
 
 
 @dataclass(frozen=True)
+class HostFrozen:
+    """Frozen parameters as one read-only copy per host, mapped by every local rank (`frozen="host"`).
+
+    `source`: a safetensors file holding them (an `sw.export` output), mapped by every rank
+    with no copy; None: the host's local rank 0 writes the model's own frozen values into
+    `directory` (default /dev/shm), which every rank of the host must see."""
+
+    source: str | None = None
+    directory: str | None = None
+
+    def __post_init__(self):
+        for name in ("source", "directory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, os.PathLike)) or not str(value)):
+                raise ShardwiseError(f"HostFrozen.{name}={value!r} must be a path (or None)")
+        if self.source is not None and self.directory is not None:
+            raise ShardwiseError("HostFrozen takes source= (map that file) or directory= (where local rank 0 writes "
+                                 "the copy), not both")
+
+
+def resolve_frozen(frozen: str | HostFrozen | None) -> HostFrozen | None:
+    """`None` (frozen parameters follow the strategy), `"host"` or a `HostFrozen`."""
+    if frozen is None or isinstance(frozen, HostFrozen):
+        return frozen
+    if frozen == "host":
+        return HostFrozen()
+    raise ShardwiseError(f"frozen={frozen!r} is not understood: use None, 'host' or sw.HostFrozen(source=...)")
+
+
+@dataclass(frozen=True)
 class ShardConfig:
     """Everything `shard()` is asked for besides the model, validated once (module docstring)."""
 
@@ -105,6 +136,7 @@ class ShardConfig:
     offload: DiskOffload | None = None
     checkpoint_activations: bool = False
     find_unused_parameters: bool = False
+    frozen: HostFrozen | None = None
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -125,10 +157,10 @@ class ShardConfig:
     @classmethod
     def of(cls, strategy: str, *, precision: str | MixedPrecision | None = None,
            offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
-           find_unused_parameters: bool = False) -> ShardConfig:
+           find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None) -> ShardConfig:
         """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
         return cls(strategy, resolve_precision(precision), resolve_offload(offload),
-                   bool(checkpoint_activations), bool(find_unused_parameters))
+                   bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen))
 
     @property
     def keeps_full_params(self) -> bool:

@@ -7,10 +7,11 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import DiskOffload, MixedPrecision, ShardConfig
+from shardwise.config import DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
+from shardwise.engine.host_copy import place_frozen_on_host
 from shardwise.engine.info import engine_of
 from shardwise.engine.units import UnitSpec
 from shardwise.engine.zero import apply_zero
@@ -28,6 +29,7 @@ def shard(
     offload: str | DiskOffload | None = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
+    frozen: str | HostFrozen | None = None,
 ) -> nn.Module:
     """Apply `strategy` to `model` in place and return the same model object.
 
@@ -53,11 +55,16 @@ def shard(
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error
     at the next step when it was needed and not given.
+    `frozen="host"` (or `sw.HostFrozen(source=..., directory=...)`) keeps the parameters
+    frozen now (`requires_grad=False`) as one read-only copy per host that every local rank
+    maps, instead of one copy per rank; the strategy then applies to the trainable ones only.
+    Writing a host-shared weight raises; unfreeze it (`requires_grad_(True)` copies it out)
+    before `shard()`. Note [host copy] in host_copy.py.
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,
                             checkpoint_activations=checkpoint_activations,
-                            find_unused_parameters=find_unused_parameters)
+                            find_unused_parameters=find_unused_parameters, frozen=frozen)
     if engine_of(model) is not None:
         raise ShardwiseError(
             f"this model is already sharded with strategy={engine_of(model).strategy!r}; "
@@ -66,6 +73,8 @@ def shard(
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
+    if config.frozen is not None:
+        place_frozen_on_host(model, config.frozen, group)  # before any strategy sees the parameters
     if config.strategy == "ddp":
         if is_deferred(model):
             materialize(model, init_fn)  # ddp holds the full model anyway

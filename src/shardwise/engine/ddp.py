@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ShardConfig
+from shardwise.engine.host_copy import host_param_names
 from shardwise.errors import ShardwiseError
 
 
@@ -46,8 +47,11 @@ class DDPEngine:
         device_ids = None
         if next(model.parameters(), torch.empty(0)).is_cuda:
             device_ids = [torch.cuda.current_device()]
+        proxy = _ForwardProxy(model, model.forward)
+        # Host-shared frozen weights (Note [host copy]): DDP's start-up broadcast would write them.
+        proxy._ddp_params_and_buffers_to_ignore = [f"model.{name}" for name in host_param_names(model)]
         self.ddp = DistributedDataParallel(
-            _ForwardProxy(model, model.forward),
+            proxy,
             device_ids=device_ids,
             process_group=process_group,
             find_unused_parameters=find_unused_parameters,

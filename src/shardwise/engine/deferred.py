@@ -309,8 +309,11 @@ def _run(entry: _Entry, slots, device, scratch: bool) -> None:
 
 def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None,
                 device: torch.device | str = "cpu") -> None:
-    """Bring a whole deferred model to life in place (for ddp, which keeps full parameters)."""
-    aliases = {name: param.detach() for name, param in model.named_parameters()}
+    """Bring a whole deferred model to life in place (for ddp, which keeps full parameters).
+    Parameters already real (host-shared frozen weights, Note [host copy]) are kept as they are."""
+    aliases = {name: param.detach() for name, param in model.named_parameters() if param.device.type == "meta"}
+    kept = [(module, attribute, param) for module in model.modules()
+            for attribute, param in module._parameters.items() if param is not None and param.device.type != "meta"]
     buffers = meta_buffers(model)  # to_empty() would leave them uninitialized memory
     extra_log = record(lambda: init_fn(model)) if init_fn is not None else None
     # to_empty() makes a new Parameter per registration when leaving the meta device, which
@@ -318,7 +321,11 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = 
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
+    for module, attribute, _ in kept:  # to_empty() would replace them too: a placeholder keeps their place
+        module._parameters[attribute] = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
     model.to_empty(device=device)
+    for module, attribute, param in kept:
+        module._parameters[attribute] = param
     for names in groups.values():
         first = model.get_parameter(names[0])
         for other in names[1:]:

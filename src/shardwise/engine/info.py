@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from shardwise.engine.host_param import is_host_shared
+
 
 def engine_of(model: nn.Module):
     """The engine `shard()` attached (a `ZeroEngine` or `DDPEngine`), or None for an unsharded model."""
@@ -26,7 +28,9 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "full_parameters"):
-        return engine.full_parameters()
+        full = engine.full_parameters()  # the units' parameters; host-shared ones are whole on every rank
+        full.update({name: p.detach().clone() for name, p in model.named_parameters() if is_host_shared(p)})
+        return full
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
@@ -56,7 +60,10 @@ class ShardInfo:
 
 
 def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
-    """Every distinct parameter's shard on this rank, by its first name (as `named_parameters`)."""
+    """Every distinct parameter's shard on this rank, by its first name (as `named_parameters`).
+
+    Host-shared frozen weights (`frozen="host"`, Note [host copy]) are left out: checkpoints and
+    exports hold what the strategy trains; the frozen base is the file every rank maps."""
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "shard_info"):
         return engine.shard_info()
@@ -67,6 +74,8 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
         names_by_param.setdefault(id(param), []).append(name)
     info = {}
     for name, param in model.named_parameters():
+        if is_host_shared(param):
+            continue
         rows = param.shape[0] if param.dim() else 1
         info[name] = ShardInfo(param, param.shape, 0, rows, tuple(names_by_param[id(param)][1:]))
     return info

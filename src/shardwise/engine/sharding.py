@@ -21,7 +21,9 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
                 world_size: int, store: DiskStore | None, init_fn=None) -> list[FlatUnit]:
     """Every unit of `plans` holding only this rank's rows, in registration order (root first)."""
     # Deferred: meta aliases of the parameters, by name, for the init replay below.
-    deferred = {n: p.detach() for n, p in model.named_parameters()} if is_deferred(model) else None
+    # Host-shared frozen parameters (already mapped, Note [host copy]) are not replayed.
+    deferred = {n: p.detach() for n, p in model.named_parameters() if p.device.type == "meta"} \
+        if is_deferred(model) else None
     extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
     units = []
     for plan in plans:

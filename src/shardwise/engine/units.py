@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.engine.host_param import is_host_shared
 from shardwise.engine.unit_choice import UnitSpec, unit_predicate
 
 
@@ -56,6 +57,8 @@ def build_units(model: nn.Module, units: UnitSpec = "auto") -> list[UnitPlan]:
     param_paths: dict[int, list[str]] = {}
     modules_by_path = dict(model.named_modules(remove_duplicate=False))
     for full_name, param in model.named_parameters(remove_duplicate=False):
+        if is_host_shared(param):
+            continue  # Note [host copy] (host_copy.py): one read-only copy per host, outside every unit
         module_path, _, attribute = full_name.rpartition(".")
         holder = (modules_by_path[module_path], attribute)
         if id(param) not in owned:
