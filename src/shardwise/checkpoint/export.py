@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -94,17 +95,21 @@ def _gather_full(info: ShardInfo, group, rank: int, world: int) -> torch.Tensor 
     return full[:rows].reshape(info.full_shape)
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
+                    only: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The model's state dict with plain full tensors, as an unsharded model's `state_dict()`
     gives it (every name of a tied weight, persistent buffers); every rank calls it.
 
     A sharded model's parameters are gathered one at a time to rank 0 (Note [state dict]);
     other ranks get an empty dict unless `rank0_only=False`, which gives every rank the
-    whole state (one all-gather per parameter)."""
+    whole state (one all-gather per parameter). `only(name)` keeps the parameters it is true
+    for (and no buffers): a PEFT model's adapters, without gathering its base."""
     group, rank, world = group_of(model)
     sharded = is_sharded(model)
     out: dict[str, torch.Tensor] = {}
     for raw, info in shard_info(model).items():
+        if only is not None and not only(raw):
+            continue
         if not sharded:
             value = info.param.detach()
         elif rank0_only:
@@ -114,7 +119,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
         if value is not None:
             for name in (raw, *info.aliases):
                 out[clean_name(name)] = value
-    if rank == 0 or not rank0_only:
+    if (rank == 0 or not rank0_only) and only is None:
         for name, buffer in persistent_buffers(model).items():
             out[name] = buffer.detach()
     return out
@@ -131,7 +136,18 @@ def _all_gather_full(info: ShardInfo, group, world: int) -> torch.Tensor:
 def save_pretrained(model: nn.Module, directory) -> Path:
     """Write a Hugging Face model as `from_pretrained` reads it: `model.safetensors` (full values,
     streamed one parameter at a time, tied weights once) and the model's `config.json` (and
-    `generation_config.json` when it has one). Every rank calls it; rank 0 writes."""
+    `generation_config.json` when it has one). Every rank calls it; rank 0 writes.
+
+    A PEFT model (LoRA adapters over a base) is written as PEFT writes it: its trainable
+    parameters gathered (not the base), then `adapter_model.safetensors` and
+    `adapter_config.json` by `model.save_pretrained` on rank 0, for `PeftModel.from_pretrained`."""
+    if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        state = full_state_dict(model, only=trainable.__contains__)  # a collective
+        directory = Path(directory).absolute()
+        if group_of(model)[1] == 0:
+            model.save_pretrained(directory, state_dict=state)
+        return directory
     config = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
         raise ShardwiseError(f"{type(model).__name__} has no Hugging Face config (model.config.save_pretrained): "
