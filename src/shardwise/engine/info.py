@@ -69,9 +69,7 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
         return engine.shard_info()
     if unit_of_any_param(model) is not None:
         return _part_shard_info(model)
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(name)
+    names_by_param = _names_by_param(model)
     info = {}
     for name, param in model.named_parameters():
         if is_host_shared(param):
@@ -95,11 +93,9 @@ def units_shard_info(units, rank: int, module_paths: dict[int, list[str]]) -> di
     info = {}
     for unit in units:
         for layout, shard in zip(unit.layouts, unit.shard_params):
-            start = min(rank * layout.rows_per_rank, layout.rows)
-            end = min(start + layout.rows_per_rank, layout.rows)
             names = [f"{prefix}.{attribute}" if prefix else attribute
                      for module, attribute in layout.owned.holders for prefix in module_paths[id(module)]]
-            info[layout.owned.name] = ShardInfo(shard, layout.shape, start, end,
+            info[layout.owned.name] = ShardInfo(shard, layout.shape, *_rows_of(layout, rank),
                                                 tuple(dict.fromkeys(n for n in names if n != layout.owned.name)))
     return info
 
@@ -113,17 +109,28 @@ def unit_of_any_param(model: nn.Module):
 def _part_shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     """`shard_info` of a submodule of a sharded model, under its own names: each parameter's
     rows come from the unit that holds it (exporting it wrote one rank's rows as whole tensors)."""
-    names_by_param: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_by_param.setdefault(id(param), []).append(name)
+    names_by_param = _names_by_param(model)
     info = {}
     for name, param in model.named_parameters():
         unit = param._sw_unit
         layout = next(lay for lay, shard in zip(unit.layouts, unit.shard_params) if shard is param)
-        start = min(unit.rank * layout.rows_per_rank, layout.rows)
-        end = min(start + layout.rows_per_rank, layout.rows)
-        info[name] = ShardInfo(param, layout.shape, start, end, tuple(names_by_param[id(param)][1:]))
+        info[name] = ShardInfo(param, layout.shape, *_rows_of(layout, unit.rank),
+                               tuple(names_by_param[id(param)][1:]))
     return info
+
+
+def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
+    """Every name each parameter is registered under, in `named_parameters` order, by id."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def _rows_of(layout, rank: int) -> tuple[int, int]:
+    """The full tensor's rows rank `rank` holds of a unit parameter (param_layout.ParamLayout)."""
+    start = min(rank * layout.rows_per_rank, layout.rows)
+    return start, min(start + layout.rows_per_rank, layout.rows)
 
 
 def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:

@@ -108,10 +108,11 @@ def in_backward() -> bool:
 _REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
 
 
-def refuse_nested_backward(step: StepState) -> None:
-    """Note [one backward at a time]: raise inside a backward nested in the window's own, or in
-    a reentrant checkpoint's recompute (which runs in the window's task, just before its own)."""
-    frame, nested = sys._getframe(1), False
+def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
+    """Note [one backward at a time]: raise inside a backward nested in the window's own, or, for
+    a `recompute`, inside a reentrant checkpoint's (which runs in the window's task, just before
+    its own backward; only then is the call stack walked: backward hooks run per unit per step)."""
+    frame, nested = sys._getframe(1) if recompute else None, False
     while frame is not None and not nested:
         nested, frame = frame.f_code is _REENTRANT_BACKWARD, frame.f_back
     if nested or step.callback_queued and torch._C._current_graph_task_id() != step.graph_task:

@@ -183,7 +183,7 @@ class ZeroEngine:
 
     def _prepare_recompute(self, unit: FlatUnit) -> None:
         """Note [recompute]: the unit's full values present and registered, nothing else."""
-        refuse_nested_backward(self.step)
+        refuse_nested_backward(self.step, recompute=True)
         self._ensure_gathered(unit, self.step.backward_queue)
         fulls = self.step.fulls.get(id(unit))
         if fulls is None:  # the window closed after an earlier backward: leaves that, like the
