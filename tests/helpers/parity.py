@@ -102,3 +102,14 @@ def check_parity(
                     f"strategy={strategy!r} model={name!r} world_size={world_size} "
                     f"accum={accum} clip={clip}: rank {rank} differs from the single process\n{error}"
                 ) from None
+
+
+def assert_trainer_run_matches(logs, params, reference_logs, reference_params, steps: int) -> None:
+    """A trainer integration's run (per step: loss, grad norm; final parameters) against the same
+    trainer on one process: every step logged, clipping acted, losses and norms 1e-4, params 1e-5."""
+    assert len(logs) == steps and max(norm for _, norm in reference_logs) > 0.5  # clipping acted
+    for (loss, norm), (ref_loss, ref_norm) in zip(logs, reference_logs):
+        assert abs(loss - ref_loss) < 1e-4 and abs(norm - ref_norm) < 1e-4 * max(1.0, ref_norm), (logs,
+                                                                                               reference_logs)
+    for name, value in reference_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
