@@ -2,7 +2,8 @@
 
 import pytest
 
-from helpers.parity import check_parity
+import shardwise.engine.collectives as coll
+from helpers.parity import check_parity, run_on_rank
 from shardwise.models.zoo import ZOO
 
 # (accum, clip): plain steps, then 2 micro-batches under no_sync with clipping (the
@@ -25,3 +26,18 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
     """Catches a recompute that runs on freed (zero3) or stale parameters, or whose gradient
     misses the unit's reduce: checkpointed units must give the reference's numbers."""
     check_parity(ranks, strategy, name, 2, CONFIGS, shard_kwargs={"checkpoint_activations": True})
+
+
+def _run_with_all_reduce_form(*args):
+    coll.ALL_REDUCE_FROM_BYTES = 0  # every reduce as gloo's all-reduce (Note [gloo collectives])
+    return run_on_rank(*args)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "unused_branch", "odd_shapes", "frozen"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_parity_with_reduces_as_all_reduce(ranks, strategy, name, world_size):
+    """The zoo's units are below ALL_REDUCE_FROM_BYTES, so the grid above runs torch's
+    reduce-scatter; this runs the all-reduce form real models take. Catches wrong rows kept,
+    a missing average, or the unused-parameter flags lost in that form."""
+    check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_all_reduce_form)

@@ -79,11 +79,12 @@ def check_parity(
     seed: int = 0,
     shard_kwargs: dict | None = None,
     timeout: float = 120.0,
+    rank_fn=run_on_rank,
 ) -> None:
-    """Run `run_on_rank` on `world_size` ranks and assert every rank's result matches the
+    """Run `rank_fn` (`run_on_rank` or a wrapper of it) on `world_size` ranks and assert every rank's result matches the
     single-process, full-batch reference (assert_close_runs' fp32 bound) for every config."""
     per_rank = ranks.run(
-        run_on_rank, world_size, strategy, name, configs, steps, global_batch_size, seed, shard_kwargs,
+        rank_fn, world_size, strategy, name, configs, steps, global_batch_size, seed, shard_kwargs,
         timeout=timeout,
     )
     for i, (accum, clip) in enumerate(configs):

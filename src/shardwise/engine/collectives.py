@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,20 +24,24 @@ from shardwise.errors import ShardwiseError
 
 @dataclass
 class Pending:
-    """An in-flight collective and what to do with its result once it lands.
+    """In-flight collectives and what to do with their result once they land.
 
     `what` names the collective, the unit and the step, so that a rank which died or stopped
-    calling collectives surfaces on the others as an error saying where they were waiting."""
+    calling collectives surfaces on the others as an error saying where they were waiting.
+    `finish` turns the landed buffer into the result (Note [gloo collectives])."""
 
-    work: object | None  # dist.Work, or None when it already completed
+    works: list  # dist.Work handles still to wait for ([] when they already completed)
     output: Tensor
     what: str = "a collective"
+    finish: Callable[[Tensor], Tensor] | None = None
 
     def wait(self) -> Tensor:
-        if self.work is not None:
-            work, self.work = self.work, None
-            with named_failure(self.what):
+        works, self.works = self.works, []
+        with named_failure(self.what):
+            for work in works:
                 work.wait()
+        if self.finish is not None:
+            self.output, self.finish = self.finish(self.output), None
         return self.output
 
 
@@ -69,21 +74,62 @@ def new_reduce_group(group) -> dist.ProcessGroup:
     return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True)
 
 
+# Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast
+# and all-reduce (one thread per rank, loopback, median of 5 interleaved rounds, ms;
+# `python bench/collectives.py`, bench/results/collectives.md):
+#
+#   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows
+#     2     1      1.3         0.6        |       4.3              1.8
+#     2    64    107.7        25.0        |     118.5             60.0
+#     4     1      6.8         4.4        |       7.7              9.9
+#     4    64    221.4        87.6        |     340.9            182.7
+#
+# So on gloo a gather is one asynchronous broadcast per rank, each from the rank whose rows it
+# carries, and a reduce-scatter whose rows per rank reach ALL_REDUCE_FROM_BYTES an all-reduce of
+# which each rank keeps its own rows (the same sums on every rank, so the ranks' rows agree as
+# before). NCCL's own all-gather and reduce-scatter are the fast ones there. Both forms keep Note
+# [collective order]: one group, the same sequence of calls on every rank.
+ALL_REDUCE_FROM_BYTES = 512 * 1024  # per rank's rows; below it (4 ranks, 1 MiB) torch's reduce-scatter won
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool, what: str = "an all-gather") -> Pending:
     """Gather every rank's flat shard into one rank-major buffer of `world_size * S`."""
     gathered = torch.empty(world_size * shard_flat.numel(), dtype=shard_flat.dtype, device=shard_flat.device)
     with named_failure(what):
-        work = dist.all_gather_single(gathered, shard_flat, group=group, async_op=async_op)
-    return Pending(work, gathered, what)
+        if _is_gloo(group):  # Note [gloo collectives]
+            by_rank = gathered.view(world_size, -1)
+            by_rank[dist.get_rank(group)].copy_(shard_flat)
+            works = [dist.broadcast(rows, src=dist.get_global_rank(group, rank), group=group, async_op=True)
+                     for rank, rows in enumerate(by_rank)]
+        else:
+            works = [dist.all_gather_single(gathered, shard_flat, group=group, async_op=True)]
+    pending = Pending(works, gathered, what)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
                        what: str = "a reduce-scatter") -> Pending:
     """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
-    shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
     with named_failure(what):
-        work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-    return Pending(work, shard, what)
+        if _is_gloo(group) and packed.numel() * packed.element_size() // world_size >= ALL_REDUCE_FROM_BYTES:
+            # Note [gloo collectives]: `packed` is the caller's scratch buffer, summed in place
+            rank = dist.get_rank(group)
+            work = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            pending = Pending([work], packed, what,
+                              finish=lambda summed: summed.view(world_size, -1)[rank] / world_size)
+        else:
+            shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
+            work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
+            pending = Pending([work], shard, what)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor]) -> None:

@@ -1,0 +1,133 @@
+"""Benchmark: the collectives the engine could use for a unit's gather and reduce, per backend.
+
+    python bench/collectives.py                       # gloo, 2 and 4 ranks, 1-64 MiB
+    python bench/collectives.py --world-sizes 2 --sizes-mib 1 4 --repeats 3
+
+Each size runs every form in interleaved rounds inside the same ranks (the machine's load
+swings), one thread per rank, a barrier before each call; the table is the median over
+rounds of the slowest rank's time. It is the measurement behind Note [gloo collectives]
+(engine/collectives.py): which form of all-gather and reduce-scatter the engine issues on gloo.
+Results: bench/results/collectives.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
+         "reduce_scatter": "reduce-scatter (torch's, AVG)", "all_reduce": "all-reduce + own rows"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def forms(full: torch.Tensor, shard: torch.Tensor, rank: int, world_size: int):
+    """Each form as a call that leaves its result where the engine would read it."""
+    import torch.distributed as dist
+
+    def broadcasts():
+        rows = full.view(world_size, -1)
+        rows[rank].copy_(shard)
+        for work in [dist.broadcast(rows[r], src=r, async_op=True) for r in range(world_size)]:
+            work.wait()
+
+    def all_reduce():
+        dist.all_reduce(full)
+        shard.copy_(full.view(world_size, -1)[rank]).div_(world_size)
+
+    return {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+            "broadcasts": broadcasts,
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
+            "all_reduce": all_reduce}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for mib in args.sizes_mib:
+        full = torch.randn(mib * 2**20 // 4)
+        shard = torch.empty(full.numel() // world_size)
+        calls = forms(full, shard, rank, world_size)
+        times = {name: [] for name in calls}
+        for _ in range(args.repeats):
+            for name, call in calls.items():
+                dist.barrier()
+                start = time.perf_counter()
+                call()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times[name].append(elapsed.item())
+        results[mib] = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    if rank == 0:
+        args.out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def launch(args) -> dict:
+    from tqdm import tqdm
+
+    table = {}
+    for world_size in tqdm(args.world_sizes, desc="world sizes"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+                       __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats),
+                       "--backend", args.backend, "--sizes-mib", *map(str, args.sizes_mib)]
+            subprocess.run(command, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL)
+            table[world_size] = json.loads(out.read_text())
+    return table
+
+
+def report(table: dict, args) -> str:
+    lines = [f"{args.backend}, one thread per rank, loopback; median of {args.repeats} interleaved rounds of the "
+             "slowest rank's time, ms. `python bench/collectives.py`", "",
+             "| ranks | MiB | " + " | ".join(FORMS.values()) + " | gather ÷ | reduce ÷ |",
+             "|---:|---:|" + "---:|" * (len(FORMS) + 2)]
+    for world_size, sizes in table.items():
+        for mib, ms in sizes.items():
+            lines.append(f"| {world_size} | {mib} | " + " | ".join(f"{ms[name]:.1f}" for name in FORMS)
+                         + f" | {ms['all_gather'] / ms['broadcasts']:.2f}× | "
+                         f"{ms['reduce_scatter'] / ms['all_reduce']:.2f}× |")
+    lines += ["", "gather ÷ = torch's all-gather time over the broadcasts'; reduce ÷ = torch's reduce-scatter "
+              "over the all-reduce's (above 1: the engine's form is faster)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    table = launch(args)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "collectives.json").write_text(json.dumps(table, indent=1))
+    text = report(table, args)
+    (RESULTS / "collectives.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
