@@ -25,6 +25,7 @@ from shardwise.engine.deferred import deferred_init
 from shardwise.engine.describe import UnitTable, describe
 from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.engine.precision import LossScaler
+from shardwise.engine.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
 from shardwise.parallel import HogwildResult, hogwild
@@ -63,6 +64,7 @@ __all__ = [
     "latest",
     "load",
     "no_sync",
+    "optimizer_in_backward",
     "plan",
     "save",
     "save_async",

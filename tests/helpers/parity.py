@@ -34,9 +34,11 @@ def run_on_rank(
     global_batch_size: int = 8,
     seed: int = 0,
     shard_kwargs: dict | None = None,
+    prepare=None,
 ) -> list[RunResult]:
     """On this rank: for each `(accum, clip)` in `configs`, build zoo model `name` fresh,
-    shard it with `strategy`, train `steps` steps on this rank's slice; return the results."""
+    shard it with `strategy`, call `prepare(model, optimizer)` if given (a module-level function:
+    it travels to spawned ranks), train `steps` steps on this rank's slice; return the results."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     spec = ZOO[name]
     kwargs = dict(shard_kwargs or {})
@@ -54,6 +56,8 @@ def run_on_rank(
         ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
         sw.shard(model, strategy=strategy, **kwargs)
         optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
+        if prepare is not None:
+            prepare(model, optimizer)
         results.append(
             train(
                 model, spec, steps, global_batch_size,
@@ -80,11 +84,12 @@ def check_parity(
     shard_kwargs: dict | None = None,
     timeout: float = 120.0,
     rank_fn=run_on_rank,
+    prepare=None,
 ) -> None:
     """Run `rank_fn` (`run_on_rank` or a wrapper of it) on `world_size` ranks and assert every rank's result matches the
     single-process, full-batch reference (assert_close_runs' fp32 bound) for every config."""
     per_rank = ranks.run(
-        rank_fn, world_size, strategy, name, configs, steps, global_batch_size, seed, shard_kwargs,
+        rank_fn, world_size, strategy, name, configs, steps, global_batch_size, seed, shard_kwargs, prepare,
         timeout=timeout,
     )
     for i, (accum, clip) in enumerate(configs):

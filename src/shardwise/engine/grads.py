@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine.info import engine_of
+from shardwise.errors import ShardwiseError
 
 
 @contextmanager
@@ -30,6 +31,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     process would compute.
     """
     engine = engine_of(model)
+    if engine is not None and getattr(getattr(engine, "reducer", None), "stepper", None) is not None:
+        raise ShardwiseError(
+            "sw.clip_grad_norm_ with sw.optimizer_in_backward: each unit was already stepped during backward, "
+            "before the global norm existed, so there is nothing left to clip. Clip without "
+            "optimizer_in_backward (Note [optimizer in backward])."
+        )
     if engine is not None and hasattr(engine, "units"):  # zero: each rank holds some gradient rows
         grads = [s.grad for u in engine.units for s in u.shard_params if s.grad is not None]
         return _clip_sharded(grads, max_norm, float(norm_type), engine.group)

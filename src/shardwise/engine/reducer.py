@@ -24,6 +24,7 @@ class Reducer:
 
     def __init__(self, order: list[FlatUnit]):
         self.order = order
+        self.stepper = None  # Note [optimizer in backward] (step_in_backward.py): steps each reduced unit
         self.reset()
 
     def reset(self) -> None:
@@ -48,6 +49,8 @@ class Reducer:
         self.next = len(self.order)
         while self.pending:
             self._finish_oldest()
+        if self.stepper is not None:
+            self.stepper.after_backward()
 
     def abandon(self) -> None:
         """A backward that raised midway: wait for its reduces (every rank issued the same ones),
@@ -60,6 +63,8 @@ class Reducer:
             for shard in unit.shard_params:
                 shard.grad = None
         self.reset()
+        if self.stepper is not None:
+            self.stepper.after_abandon()
 
     def _launch(self, unit: FlatUnit, grads: list) -> None:
         self.reduced.add(id(unit))
@@ -74,3 +79,5 @@ class Reducer:
         unit, pending, indices = self.pending.popleft()
         unit.finish_reduce(pending, indices)
         unit.end_accumulation()
+        if self.stepper is not None:
+            self.stepper.after_reduce(unit)

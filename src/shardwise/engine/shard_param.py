@@ -71,6 +71,12 @@ class ShardParameter(nn.Parameter):
         if caller.f_code.co_name == "<listcomp>":  # Python 3.11 gives comprehensions a frame
             caller = caller.f_back
         function = _TORCH_CLIPS.get(caller.f_code) if caller is not None else None
+        if function is not None and getattr(getattr(self, "_sw_unit", None), "optimizer_in_backward", False):
+            raise ShardwiseError(
+                f"torch.nn.utils.{function} with sw.optimizer_in_backward: every unit was stepped during "
+                "backward and its gradient dropped, so there is nothing left to clip. Clip without "
+                "optimizer_in_backward (Note [optimizer in backward])."
+            )
         if function is not None and _sharded(self):
             raise ShardwiseError(
                 f"torch.nn.utils.{function} on a sharded model sees only this rank's rows: the norm would be "

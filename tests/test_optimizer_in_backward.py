@@ -1,0 +1,118 @@
+"""sw.optimizer_in_backward: each unit stepped as its gradient lands (Note [optimizer in backward])."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from helpers.parity import check_parity
+from shardwise.models.zoo import ZOO, build
+from shardwise.testing import global_batch, make_optimizer, rank_slice
+
+# (accum, clip): plain steps, and 2 micro-batches under no_sync (stepped once, in the synced backward).
+CONFIGS = [(1, None), (2, None)]
+
+
+def _step_in_backward(model, optimizer):
+    sw.optimizer_in_backward(model, optimizer)
+
+
+@pytest.mark.parametrize("name", ["gpt", "reused_block", "shared_branch", "unused_branch", "frozen",
+                                  "non_consecutive", "two_tower"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_parity_with_single_process(ranks, strategy, name):
+    """Catches a unit stepped before all its uses' gradients arrived, a unit stepped twice (the
+    loop still calls optimizer.step() after backward), a step in a no_sync micro-batch, or a
+    parameter no rank used being stepped: 5 AdamW steps must equal the single process."""
+    check_parity(ranks, strategy, name, 2, CONFIGS, prepare=_step_in_backward)
+
+
+def test_parity_zero3_four_ranks(ranks):
+    check_parity(ranks, "zero3", "gpt", 4, CONFIGS, prepare=_step_in_backward)
+
+
+def _model(strategy="zero3", **kwargs):
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=spec.unit_class, **kwargs)
+    return spec, model
+
+
+def _batch(spec):
+    return rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
+
+
+def _grads_after_backward():
+    spec, model = _model()
+    optimizer = make_optimizer(model)
+    sw.optimizer_in_backward(model, optimizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model(*_batch(spec)).backward()
+    held = [name for name, p in model.named_parameters() if p.grad is not None]
+    changed = [name for name, p in model.named_parameters() if not torch.equal(p, before[name])]
+    optimizer.step()  # finds no gradient: changes nothing
+    after_step = [name for name, p in model.named_parameters() if not torch.equal(p, before[name])]
+    return held, changed, after_step
+
+
+def test_no_gradient_outlives_the_backward(ranks):
+    """Catches gradients kept after their unit's step (the memory the option exists to save)."""
+    for held, changed, after_step in ranks.run(_grads_after_backward, 2):
+        assert held == [], held
+        assert changed and changed == after_step, (changed, after_step)
+
+
+def _error_of(case):
+    spec, model = _model()
+    optimizer = make_optimizer(model)
+    x, y = _batch(spec)
+    try:
+        if case == "no optimizer param":
+            sw.optimizer_in_backward(model, torch.optim.AdamW(list(model.parameters())[1:]))
+        elif case == "ddp":
+            plain = build("gpt")
+            sw.shard(plain, strategy="ddp")
+            sw.optimizer_in_backward(plain, optimizer)
+        sw.optimizer_in_backward(model, optimizer)
+        if case == "penalty before forward":
+            # autograd reaches these terms last, after the units were stepped (a linear term: one
+            # that saved the parameters would instead stop at torch's in-place-modification check)
+            penalty = 1e-3 * sum(p.sum() for p in model.parameters())
+            (penalty + model(x, y)).backward()
+        else:
+            model(x, y).backward()
+        if case == "sw clip":
+            sw.clip_grad_norm_(model, 1.0)
+        elif case == "torch clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("sw clip", "nothing left to clip"),
+    ("torch clip", "nothing left to clip"),
+    ("penalty before forward", "stepped twice"),
+    ("no optimizer param", "does not hold the trainable parameter"),
+    ("ddp", "strategy='zero1'"),
+])
+def test_what_cannot_be_exact_is_refused_on_every_rank(ranks, case, words):
+    """Catches a clip that silently clips nothing, a shard stepped twice, a parameter no
+    optimizer steps, and the option on a model it cannot serve."""
+    for message in ranks.run(_error_of, 2, case):
+        assert message is not None and words in message, (case, message)
+
+
+def _fp16_error():
+    _, model = _model(precision="fp16")
+    try:
+        sw.optimizer_in_backward(model, make_optimizer(model))
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_fp16_loss_scaling_is_refused(ranks):
+    for message in ranks.run(_fp16_error, 1):
+        assert message is not None and "bf16" in message, message
