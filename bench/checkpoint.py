@@ -1,8 +1,8 @@
 """Benchmark: `sw.save` / `sw.load` against `torch.distributed.checkpoint` (DCP) on the same
-sharded model, in the same run.
+sharded model, in the same run, and the cost of checkpointing to a training loop.
 
     python bench/checkpoint.py                                    # 29.5M GPT, zero3, 2 ranks
-    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2
+    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2 --rounds 3
 
 The launcher starts `--world-size` ranks under `torch.distributed.run`; each rank builds
 the GPT, shards it, takes one AdamW step (so optimizer state exists), then, `--repeats`
@@ -12,7 +12,21 @@ tensors through `sw.dcp_state_dict` (DTensor views of each rank's rows). Both fs
 their files (DCP's FileSystemWriter default, sw.save's `durable=True`). Throughput is
 model-state bytes (parameters and AdamW moments, all ranks) per second of the slowest
 rank; peak RSS growth is the kernel's high-water mark during the call minus RSS before.
-Results: bench/results/checkpoint.{json,md}.
+The ceiling beside them: every rank writes and fsyncs as many bytes as its shardwise file,
+all in parallel, in the same rounds (the raw write speed of this disk).
+
+Then the same ranks train (Note [training arms]). Results: bench/results/checkpoint.{json,md,png}.
+
+Note [training arms]: the load of a shared machine swings 2x within minutes, so the arms run
+inside the same ranks, interleaved period by period. A period is one save (or none) then
+`--save-every` steps, then a wait for that save to be on disk, which is where training waits
+for it anyway (before the next save, `--save-every` steps later). One round runs one period
+of each arm, in an order that rotates from round to round: no saving; `sw.save_async`; DCP's
+`async_save` on `sw.dcp_state_dict` (on a gloo group of its own, as torch's docs advise, so
+its background collectives never pair with training's); and a blocking `sw.save`. An arm's
+overhead in a round is its period's time over the no-save period's of the same round, minus
+one; the table gives the median over `--rounds` rounds (after `--warmup-rounds`) with the
+smallest and largest, as % of a plain step (overhead per step ÷ plain step time).
 """
 
 from __future__ import annotations
@@ -44,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", default="zero3", choices=["ddp", "zero1", "zero2", "zero3"])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--save-every", type=int, default=10, help="training steps between saves (Note [training arms])")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the training arms (0: skip them)")
+    p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per training step")
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=str(RESULTS))
@@ -82,6 +100,96 @@ def _timed(fn) -> tuple[float, int]:
     return elapsed.item(), rss_bytes("VmHWM") - before
 
 
+def write_and_fsync(path: Path, payload: torch.Tensor) -> None:
+    """The disk's ceiling for one rank: `payload`'s bytes into a fresh file, in 4 MiB writes, fsynced."""
+    view, step = memoryview(payload.numpy()), 4 * MIB
+    with open(path, "wb") as f:
+        for start in range(0, len(view), step):
+            f.write(view[start : start + step])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def at_offset_zero(state):
+    """`state` with each DTensor's local tensor re-made at storage offset 0 over the same memory (no copy).
+
+    torch 2.13's async staging (DCP's `_StateDictStager`, and `_create_cpu_state_dict` through
+    FileSystemWriter) takes a DTensor for a plain tensor when its `data_ptr()` is non-zero, which it
+    is when the local tensor is a view at a storage offset (a wrapper's data_ptr is its offset),
+    then fails with "Attempted to call copy_() on an invalid python storage". shardwise's shards
+    are views into each unit's flat buffer, so every rank but none of FSDP2's meets this; here
+    each local becomes an alias through numpy: the same bytes, offset 0, no copy."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {key: at_offset_zero(value) for key, value in state.items()}
+    if not isinstance(state, DTensor) or state.to_local().storage_offset() == 0:
+        return state
+    local = state.to_local()
+    alias = torch.from_numpy(local.reshape(-1).view(torch.uint8).numpy()).view(local.dtype).view(local.shape)
+    return DTensor.from_local(alias, state.device_mesh, state.placements, run_check=False, shape=state.shape,
+                              stride=state.stride())
+
+
+ARMS = ("none", "sw_async", "dcp_async", "sw_sync")
+ARM_LABELS = {"none": "no saving", "sw_async": "sw.save_async", "dcp_async": "DCP async_save",
+              "sw_sync": "sw.save (blocking)"}
+
+
+def train_arms(args, model, optim, root: Path, tokens: torch.Tensor) -> dict | None:
+    """Note [training arms]: per round and arm, (save call s, steps s, wait s) of the slowest rank."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from tqdm import tqdm
+
+    import shardwise as sw
+
+    rank = dist.get_rank()
+    dcp_group = dist.new_group(backend="gloo")  # DCP's background collectives, apart from training's
+
+    def step():
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    def save(arm: str, path: Path):
+        if arm == "sw_async":
+            return sw.save_async(path, model, optim).wait
+        if arm == "dcp_async":
+            return dcp.async_save(at_offset_zero(sw.dcp_state_dict(model, optim)), checkpoint_id=str(path),
+                                  process_group=dcp_group).result
+        if arm == "sw_sync":
+            sw.save(path, model, optim)
+        return lambda: None
+
+    total = args.warmup_rounds + args.rounds
+    times = torch.zeros(total, len(ARMS), 3, dtype=torch.float64)
+    bar = tqdm(total=total * len(ARMS), desc="training arms", unit="period", disable=rank != 0)
+    for round_ in range(total):
+        shift = round_ % len(ARMS)
+        for arm in ARMS[shift:] + ARMS[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            wait = save(arm, root / f"train-{round_}-{arm}")
+            called = time.perf_counter()
+            for _ in range(args.save_every):
+                step()
+            stepped = time.perf_counter()
+            wait()  # before the next save; the same wait training meets there
+            times[round_, ARMS.index(arm)] = torch.tensor([called - start, stepped - called,
+                                                           time.perf_counter() - stepped])
+            bar.update()
+        dist.barrier()
+        if rank == 0:
+            for path in root.glob(f"train-{round_}-*"):
+                shutil.rmtree(path, ignore_errors=True)
+    bar.close()
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    timed = times[args.warmup_rounds:]
+    return {arm: {"call_s": timed[:, i, 0].tolist(), "steps_s": timed[:, i, 1].tolist(),
+                  "wait_s": timed[:, i, 2].tolist()} for i, arm in enumerate(ARMS)}
+
+
 def run_worker(args) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -97,7 +205,7 @@ def run_worker(args) -> None:
                           n_layers=args.layers, n_heads=args.heads))
     sw.shard(model, strategy=args.strategy, **({} if args.strategy == "ddp" else {"units": Block}))
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    tokens = torch.randint(args.vocab, (2, args.seq + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
@@ -113,34 +221,51 @@ def run_worker(args) -> None:
     state_bytes = total.item()
 
     root = Path(args.scratch)
-    samples = {key: [] for key in ("sw_save", "dcp_save", "sw_load", "dcp_load")}
+    # This rank's share of a shardwise checkpoint: what the raw-write ceiling writes.
+    sw.save(root / "size-probe", model, optim)
+    world = dist.get_world_size()
+    raw_bytes = (root / "size-probe" / f"rank-{rank:05d}-of-{world:05d}.safetensors").stat().st_size
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "size-probe")
+    raw_total = torch.tensor([raw_bytes], dtype=torch.float64)
+    dist.all_reduce(raw_total)
+    payload = torch.randint(0, 256, (raw_bytes,), dtype=torch.uint8)  # random: nothing to compress or skip
+
+    samples = {key: [] for key in ("sw_save", "dcp_save", "raw_save", "sw_load", "dcp_load")}
     rss = {key: [] for key in samples}
     for repeat in range(args.repeats):
-        kinds = ["sw", "dcp"] if repeat % 2 == 0 else ["dcp", "sw"]
+        kinds = ["sw", "dcp", "raw"][repeat % 3:] + ["sw", "dcp", "raw"][:repeat % 3]
         paths = {"sw": root / f"sw-{repeat}", "dcp": root / f"dcp-{repeat}"}
         ops = {
             "sw_save": lambda: sw.save(paths["sw"], model, optim),
             "dcp_save": lambda: dcp.save(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
+            "raw_save": lambda: write_and_fsync(root / f"raw-{rank}.bin", payload),
             "sw_load": lambda: sw.load(paths["sw"], model, optim),
             "dcp_load": lambda: dcp.load(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
         }
         for phase in ("save", "load"):
             for kind in kinds:
-                seconds, growth = _timed(ops[f"{kind}_{phase}"])
-                samples[f"{kind}_{phase}"].append(seconds)
-                rss[f"{kind}_{phase}"].append(growth)
+                if f"{kind}_{phase}" in ops:
+                    seconds, growth = _timed(ops[f"{kind}_{phase}"])
+                    samples[f"{kind}_{phase}"].append(seconds)
+                    rss[f"{kind}_{phase}"].append(growth)
         dist.barrier()
+        (root / f"raw-{rank}.bin").unlink()
         if rank == 0:
             disk = {kind: sum(f.stat().st_size for f in paths[kind].rglob("*") if f.is_file()) for kind in paths}
             for path in paths.values():
                 shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
+    payload = None  # freed before training: the arms measure time, not this buffer
     peak = torch.tensor([max(v) for v in rss.values()], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    training = train_arms(args, model, optim, root, tokens) if args.rounds > 0 else None
     if rank == 0:
         num_params = sum(torch.Size(i.full_shape).numel() for i in infos.values())
         record = {"state_bytes": state_bytes, "num_params": num_params, "seconds": samples,
-                  "peak_rss_growth_bytes": dict(zip(rss, peak.tolist())), "disk_bytes": disk}
+                  "peak_rss_growth_bytes": dict(zip(rss, peak.tolist())), "disk_bytes": disk,
+                  "raw_bytes": raw_total.item(), "training": training}
         Path(args.out_file).write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -169,7 +294,86 @@ def markdown(args, record: dict) -> str:
         rb = record["peak_rss_growth_bytes"][f"dcp_{phase}"] / MIB
         lines.append(f"| {phase} | {a:.3f} | {b:.3f} | {size / a:.0f} | {size / b:.0f} | {b / a:.2f}× | "
                      f"{ra:.1f} / {rb:.1f} |")
+    raw = med["raw_save"]
+    lines += ["", f"Ceiling, in the same rounds: every rank writes and fsyncs as many bytes as its shardwise file "
+              f"({record['raw_bytes'] / MB:.0f} MB in all), in parallel: {raw:.3f} s, "
+              f"{record['raw_bytes'] / MB / raw:.0f} MB/s. shardwise's save takes {med['sw_save'] / raw:.2f}× the "
+              f"ceiling's time, DCP's {med['dcp_save'] / raw:.2f}×."]
+    if record.get("training"):
+        lines += ["", *training_table(args, record["training"])]
     return "\n".join(lines) + "\n"
+
+
+def overheads(training: dict) -> dict[str, list[float]]:
+    """Per arm, per round: % of its period's time over the no-save period's (Note [training arms])."""
+    def period(arm, i):
+        return sum(training[arm][key][i] for key in ("call_s", "steps_s", "wait_s"))
+    rounds = range(len(training["none"]["steps_s"]))
+    return {arm: [100 * (period(arm, i) / period("none", i) - 1) for i in rounds] for arm in training}
+
+
+def training_table(args, training: dict) -> list[str]:
+    rounds = len(training["none"]["steps_s"])
+    plain = statistics.median(training["none"]["steps_s"]) / args.save_every
+    over = overheads(training)
+    lines = [f"Training with a checkpoint every {args.save_every} steps (Note [training arms] in bench/checkpoint.py): "
+             f"arms interleaved period by period in the same ranks, {rounds} rounds after {args.warmup_rounds} "
+             f"warm-up, the order rotating each round; a plain step took {plain:.3f} s (median). Overhead per step "
+             "= the period's extra time over the same round's no-save period, ÷ its steps, as % of a plain step: "
+             "median [min, max] over rounds. Target: ≤ 5%.",
+             "",
+             "| arm | overhead % of a step | save call s (blocks training) | steps slower by % | "
+             "wait for the write after the period s |",
+             "|---|---:|---:|---:|---:|"]
+    for arm in ARMS:
+        t = training[arm]
+        slower = [100 * (s / n - 1) for s, n in zip(t["steps_s"], training["none"]["steps_s"])]
+        lines.append(f"| {ARM_LABELS[arm]} | {_spread(over[arm])} | {statistics.median(t['call_s']):.3f} | "
+                     f"{_spread(slower)} | {statistics.median(t['wait_s']):.3f} |")
+    return lines
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):+.1f} [{min(values):+.1f}, {max(values):+.1f}]"
+
+
+def plot(args, record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    training = record.get("training")
+    fig, axes = plt.subplots(1, 2 if training else 1, figsize=(13 if training else 6.5, 4.2), squeeze=False)
+    med = {k: statistics.median(v) for k, v in record["seconds"].items()}
+    size = record["state_bytes"] / MB
+    ax = axes[0][0]
+    names = ["shardwise save", "DCP save", "shardwise load", "DCP load"]
+    values = [size / med[k] for k in ("sw_save", "dcp_save", "sw_load", "dcp_load")]
+    ax.bar(range(4), values, color=["tab:blue", "tab:orange", "tab:blue", "tab:orange"])
+    ax.axhline(record["raw_bytes"] / MB / med["raw_save"], color="black", ls="--",
+               label="raw parallel write+fsync (ceiling for saves)")
+    ax.set_xticks(range(4))
+    ax.set_xticklabels(names)
+    ax.set_ylabel("MB/s (model state ÷ slowest rank's time)")
+    ax.set_title(f"{args.strategy}, {args.world_size} ranks: checkpoint throughput")
+    ax.legend(fontsize=8)
+    if training:
+        over = overheads(training)
+        arms = [a for a in ARMS if a != "none"]
+        medians = [statistics.median(over[a]) for a in arms]
+        low = [m - min(over[a]) for m, a in zip(medians, arms)]
+        high = [max(over[a]) - m for m, a in zip(medians, arms)]
+        ax = axes[0][1]
+        ax.bar(range(len(arms)), medians, yerr=[low, high], capsize=6, color="tab:green")
+        ax.axhline(5, color="red", ls="--", label="target 5%")
+        ax.set_xticks(range(len(arms)))
+        ax.set_xticklabels([ARM_LABELS[a] for a in arms])
+        ax.set_ylabel("% of a plain step (median, min..max over rounds)")
+        ax.set_title(f"training overhead of a checkpoint every {args.save_every} steps")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run_launcher(args) -> None:
@@ -180,7 +384,8 @@ def run_launcher(args) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={args.world_size}", __file__, "--worker", "--out-file", str(out_file),
                 "--scratch", str(scratch)]
-        for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats"):
+        for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats",
+                     "save_every", "rounds", "warmup_rounds", "batch"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         started = time.time()
@@ -198,6 +403,7 @@ def run_launcher(args) -> None:
     (out / "checkpoint.json").write_text(json.dumps({"settings": settings, "meta": meta, **record}, indent=1))
     table = markdown(args, record)
     (out / "checkpoint.md").write_text(table)
+    plot(args, record, out / "checkpoint.png")
     print(table)
 
 
