@@ -117,8 +117,9 @@ def at_offset_zero(state):
     FileSystemWriter) takes a DTensor for a plain tensor when its `data_ptr()` is non-zero, which it
     is when the local tensor is a view at a storage offset (a wrapper's data_ptr is its offset),
     then fails with "Attempted to call copy_() on an invalid python storage". shardwise's shards
-    are views into each unit's flat buffer, so every rank but none of FSDP2's meets this; here
-    each local becomes an alias through numpy: the same bytes, offset 0, no copy."""
+    are views into each unit's flat buffer, so sw.dcp_state_dict meets this where FSDP2's state
+    dict does not; here each local becomes an alias through DLPack: the same memory, offset 0,
+    no copy (any dtype, any device)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, dict):
@@ -126,7 +127,7 @@ def at_offset_zero(state):
     if not isinstance(state, DTensor) or state.to_local().storage_offset() == 0:
         return state
     local = state.to_local()
-    alias = torch.from_numpy(local.reshape(-1).view(torch.uint8).numpy()).view(local.dtype).view(local.shape)
+    alias = torch.from_dlpack(local)
     return DTensor.from_local(alias, state.device_mesh, state.placements, run_check=False, shape=state.shape,
                               stride=state.stride())
 
