@@ -354,7 +354,8 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
              f"share the machine's load). Peak RSS is the max over ranks; "
              f"'mmap' is a {args.mmap_steps}-step run with MALLOC_MMAP_THRESHOLD_=65536"
              + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step() "
-             "(DeepSpeed: the storages reachable from its parameters and its optimizer's attributes)."]
+             "(DeepSpeed: the storages reachable from its parameters and its optimizer's attributes, "
+             "after engine.step(), which has already dropped the gradients)."]
     for ws in world_sizes:
         group = [r for r in rows if r["world_size"] == ws]
         by = {r["config"]: r for r in group}
