@@ -15,18 +15,8 @@ rank; peak RSS growth is the kernel's high-water mark during the call minus RSS 
 The ceiling beside them: every rank writes and fsyncs as many bytes as its shardwise file,
 all in parallel, in the same rounds (the raw write speed of this disk).
 
-Then the same ranks train (Note [training arms]). Results: bench/results/checkpoint.{json,md,png}.
-
-Note [training arms]: the load of a shared machine swings 2x within minutes, so the arms run
-inside the same ranks, interleaved period by period. A period is one save (or none) then
-`--save-every` steps, then a wait for that save to be on disk, which is where training waits
-for it anyway (before the next save, `--save-every` steps later). One round runs one period
-of each arm, in an order that rotates from round to round: no saving; `sw.save_async`; DCP's
-`async_save` on `sw.dcp_state_dict` (on a gloo group of its own, as torch's docs advise, so
-its background collectives never pair with training's); and a blocking `sw.save`. An arm's
-overhead in a round is its period's time over the no-save period's of the same round, minus
-one; the table gives the median over `--rounds` rounds (after `--warmup-rounds`) with the
-smallest and largest, as % of a plain step (overhead per step ÷ plain step time).
+Then the same ranks train with a checkpoint every N steps (Note [training arms] in
+bench/checkpoint_training.py). Results: bench/results/checkpoint.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -43,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from checkpoint_training import ARM_LABELS, ARMS, overheads, train_arms, training_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB, MIB = 1e6, 2**20
@@ -108,87 +100,6 @@ def write_and_fsync(path: Path, payload: torch.Tensor) -> None:
             f.write(view[start : start + step])
         f.flush()
         os.fsync(f.fileno())
-
-
-def at_offset_zero(state):
-    """`state` with each DTensor's local tensor re-made at storage offset 0 over the same memory (no copy).
-
-    torch 2.13's async staging (DCP's `_StateDictStager`, and `_create_cpu_state_dict` through
-    FileSystemWriter) takes a DTensor for a plain tensor when its `data_ptr()` is non-zero, which it
-    is when the local tensor is a view at a storage offset (a wrapper's data_ptr is its offset),
-    then fails with "Attempted to call copy_() on an invalid python storage". shardwise's shards
-    are views into each unit's flat buffer, so sw.dcp_state_dict meets this where FSDP2's state
-    dict does not; here each local becomes an alias through DLPack: the same memory, offset 0,
-    no copy (any dtype, any device)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        return {key: at_offset_zero(value) for key, value in state.items()}
-    if not isinstance(state, DTensor) or state.to_local().storage_offset() == 0:
-        return state
-    local = state.to_local()
-    alias = torch.from_dlpack(local)
-    return DTensor.from_local(alias, state.device_mesh, state.placements, run_check=False, shape=state.shape,
-                              stride=state.stride())
-
-
-ARMS = ("none", "sw_async", "dcp_async", "sw_sync")
-ARM_LABELS = {"none": "no saving", "sw_async": "sw.save_async", "dcp_async": "DCP async_save",
-              "sw_sync": "sw.save (blocking)"}
-
-
-def train_arms(args, model, optim, root: Path, tokens: torch.Tensor) -> dict | None:
-    """Note [training arms]: per round and arm, (save call s, steps s, wait s) of the slowest rank."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from tqdm import tqdm
-
-    import shardwise as sw
-
-    rank = dist.get_rank()
-    dcp_group = dist.new_group(backend="gloo")  # DCP's background collectives, apart from training's
-
-    def step():
-        model(tokens[:, :-1], tokens[:, 1:]).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    def save(arm: str, path: Path):
-        if arm == "sw_async":
-            return sw.save_async(path, model, optim).wait
-        if arm == "dcp_async":
-            return dcp.async_save(at_offset_zero(sw.dcp_state_dict(model, optim)), checkpoint_id=str(path),
-                                  process_group=dcp_group).result
-        if arm == "sw_sync":
-            sw.save(path, model, optim)
-        return lambda: None
-
-    total = args.warmup_rounds + args.rounds
-    times = torch.zeros(total, len(ARMS), 3, dtype=torch.float64)
-    bar = tqdm(total=total * len(ARMS), desc="training arms", unit="period", disable=rank != 0)
-    for round_ in range(total):
-        shift = round_ % len(ARMS)
-        for arm in ARMS[shift:] + ARMS[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            wait = save(arm, root / f"train-{round_}-{arm}")
-            called = time.perf_counter()
-            for _ in range(args.save_every):
-                step()
-            stepped = time.perf_counter()
-            wait()  # before the next save; the same wait training meets there
-            times[round_, ARMS.index(arm)] = torch.tensor([called - start, stepped - called,
-                                                           time.perf_counter() - stepped])
-            bar.update()
-        dist.barrier()
-        if rank == 0:
-            for path in root.glob(f"train-{round_}-*"):
-                shutil.rmtree(path, ignore_errors=True)
-    bar.close()
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    timed = times[args.warmup_rounds:]
-    return {arm: {"call_s": timed[:, i, 0].tolist(), "steps_s": timed[:, i, 1].tolist(),
-                  "wait_s": timed[:, i, 2].tolist()} for i, arm in enumerate(ARMS)}
 
 
 def run_worker(args) -> None:
@@ -305,39 +216,6 @@ def markdown(args, record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def overheads(training: dict) -> dict[str, list[float]]:
-    """Per arm, per round: % of its period's time over the no-save period's (Note [training arms])."""
-    def period(arm, i):
-        return sum(training[arm][key][i] for key in ("call_s", "steps_s", "wait_s"))
-    rounds = range(len(training["none"]["steps_s"]))
-    return {arm: [100 * (period(arm, i) / period("none", i) - 1) for i in rounds] for arm in training}
-
-
-def training_table(args, training: dict) -> list[str]:
-    rounds = len(training["none"]["steps_s"])
-    plain = statistics.median(training["none"]["steps_s"]) / args.save_every
-    over = overheads(training)
-    lines = [f"Training with a checkpoint every {args.save_every} steps (Note [training arms] in bench/checkpoint.py): "
-             f"arms interleaved period by period in the same ranks, {rounds} rounds after {args.warmup_rounds} "
-             f"warm-up, the order rotating each round; a plain step took {plain:.3f} s (median). Overhead per step "
-             "= the period's extra time over the same round's no-save period, ÷ its steps, as % of a plain step: "
-             "median [min, max] over rounds. Target: ≤ 5%.",
-             "",
-             "| arm | overhead % of a step | save call s (blocks training) | steps slower by % | "
-             "wait for the write after the period s |",
-             "|---|---:|---:|---:|---:|"]
-    for arm in ARMS:
-        t = training[arm]
-        slower = [100 * (s / n - 1) for s, n in zip(t["steps_s"], training["none"]["steps_s"])]
-        lines.append(f"| {ARM_LABELS[arm]} | {_spread(over[arm])} | {statistics.median(t['call_s']):.3f} | "
-                     f"{_spread(slower)} | {statistics.median(t['wait_s']):.3f} |")
-    return lines
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):+.1f} [{min(values):+.1f}, {max(values):+.1f}]"
-
-
 def plot(args, record: dict, path: Path) -> None:
     import matplotlib
 
@@ -361,7 +239,7 @@ def plot(args, record: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     if training:
         over = overheads(training)
-        arms = [a for a in ARMS if a != "none"]
+        arms = [a for a in ARMS if over[a]]
         medians = [statistics.median(over[a]) for a in arms]
         low = [m - min(over[a]) for m, a in zip(medians, arms)]
         high = [max(over[a]) - m for m, a in zip(medians, arms)]
@@ -369,7 +247,7 @@ def plot(args, record: dict, path: Path) -> None:
         ax.bar(range(len(arms)), medians, yerr=[low, high], capsize=6, color="tab:green")
         ax.axhline(5, color="red", ls="--", label="target 5%")
         ax.set_xticks(range(len(arms)))
-        ax.set_xticklabels([ARM_LABELS[a] for a in arms])
+        ax.set_xticklabels([ARM_LABELS[a] + (" (noise)" if a == "none" else "") for a in arms])
         ax.set_ylabel("% of a plain step (median, min..max over rounds)")
         ax.set_title(f"training overhead of a checkpoint every {args.save_every} steps")
         ax.legend(fontsize=8)
