@@ -1,8 +1,8 @@
 """Benchmark: `sw.save` / `sw.load` against `torch.distributed.checkpoint` (DCP) on the same
-sharded model, in the same run.
+sharded model, in the same run, and the cost of checkpointing to a training loop.
 
     python bench/checkpoint.py                                    # 29.5M GPT, zero3, 2 ranks
-    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2
+    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2 --rounds 3
 
 The launcher starts `--world-size` ranks under `torch.distributed.run`; each rank builds
 the GPT, shards it, takes one AdamW step (so optimizer state exists), then, `--repeats`
@@ -12,7 +12,11 @@ tensors through `sw.dcp_state_dict` (DTensor views of each rank's rows). Both fs
 their files (DCP's FileSystemWriter default, sw.save's `durable=True`). Throughput is
 model-state bytes (parameters and AdamW moments, all ranks) per second of the slowest
 rank; peak RSS growth is the kernel's high-water mark during the call minus RSS before.
-Results: bench/results/checkpoint.{json,md}.
+The ceiling beside them: every rank writes and fsyncs as many bytes as its shardwise file,
+all in parallel, in the same rounds (the raw write speed of this disk).
+
+Then the same ranks train with a checkpoint every N steps (Note [training arms] in
+bench/checkpoint_training.py). Results: bench/results/checkpoint.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint_training import ARM_LABELS, ARMS, overheads, train_arms, training_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MB, MIB = 1e6, 2**20
 
@@ -44,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--strategy", default="zero3", choices=["ddp", "zero1", "zero2", "zero3"])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--save-every", type=int, default=10, help="training steps between saves (Note [training arms])")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of the training arms (0: skip them)")
+    p.add_argument("--warmup-rounds", type=int, default=1)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per training step")
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=str(RESULTS))
@@ -82,6 +92,16 @@ def _timed(fn) -> tuple[float, int]:
     return elapsed.item(), rss_bytes("VmHWM") - before
 
 
+def write_and_fsync(path: Path, payload: torch.Tensor) -> None:
+    """The disk's ceiling for one rank: `payload`'s bytes into a fresh file, in 4 MiB writes, fsynced."""
+    view, step = memoryview(payload.numpy()), 4 * MIB
+    with open(path, "wb") as f:
+        for start in range(0, len(view), step):
+            f.write(view[start : start + step])
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def run_worker(args) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -97,7 +117,7 @@ def run_worker(args) -> None:
                           n_layers=args.layers, n_heads=args.heads))
     sw.shard(model, strategy=args.strategy, **({} if args.strategy == "ddp" else {"units": Block}))
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    tokens = torch.randint(args.vocab, (2, args.seq + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
@@ -113,34 +133,51 @@ def run_worker(args) -> None:
     state_bytes = total.item()
 
     root = Path(args.scratch)
-    samples = {key: [] for key in ("sw_save", "dcp_save", "sw_load", "dcp_load")}
+    # This rank's share of a shardwise checkpoint: what the raw-write ceiling writes.
+    sw.save(root / "size-probe", model, optim)
+    world = dist.get_world_size()
+    raw_bytes = (root / "size-probe" / f"rank-{rank:05d}-of-{world:05d}.safetensors").stat().st_size
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root / "size-probe")
+    raw_total = torch.tensor([raw_bytes], dtype=torch.float64)
+    dist.all_reduce(raw_total)
+    payload = torch.randint(0, 256, (raw_bytes,), dtype=torch.uint8)  # random: nothing to compress or skip
+
+    samples = {key: [] for key in ("sw_save", "dcp_save", "raw_save", "sw_load", "dcp_load")}
     rss = {key: [] for key in samples}
     for repeat in range(args.repeats):
-        kinds = ["sw", "dcp"] if repeat % 2 == 0 else ["dcp", "sw"]
+        kinds = ["sw", "dcp", "raw"][repeat % 3:] + ["sw", "dcp", "raw"][:repeat % 3]
         paths = {"sw": root / f"sw-{repeat}", "dcp": root / f"dcp-{repeat}"}
         ops = {
             "sw_save": lambda: sw.save(paths["sw"], model, optim),
             "dcp_save": lambda: dcp.save(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
+            "raw_save": lambda: write_and_fsync(root / f"raw-{rank}.bin", payload),
             "sw_load": lambda: sw.load(paths["sw"], model, optim),
             "dcp_load": lambda: dcp.load(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
         }
         for phase in ("save", "load"):
             for kind in kinds:
-                seconds, growth = _timed(ops[f"{kind}_{phase}"])
-                samples[f"{kind}_{phase}"].append(seconds)
-                rss[f"{kind}_{phase}"].append(growth)
+                if f"{kind}_{phase}" in ops:
+                    seconds, growth = _timed(ops[f"{kind}_{phase}"])
+                    samples[f"{kind}_{phase}"].append(seconds)
+                    rss[f"{kind}_{phase}"].append(growth)
         dist.barrier()
+        (root / f"raw-{rank}.bin").unlink()
         if rank == 0:
             disk = {kind: sum(f.stat().st_size for f in paths[kind].rglob("*") if f.is_file()) for kind in paths}
             for path in paths.values():
                 shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
+    payload = None  # freed before training: the arms measure time, not this buffer
     peak = torch.tensor([max(v) for v in rss.values()], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    training = train_arms(args, model, optim, root, tokens) if args.rounds > 0 else None
     if rank == 0:
         num_params = sum(torch.Size(i.full_shape).numel() for i in infos.values())
         record = {"state_bytes": state_bytes, "num_params": num_params, "seconds": samples,
-                  "peak_rss_growth_bytes": dict(zip(rss, peak.tolist())), "disk_bytes": disk}
+                  "peak_rss_growth_bytes": dict(zip(rss, peak.tolist())), "disk_bytes": disk,
+                  "raw_bytes": raw_total.item(), "training": training}
         Path(args.out_file).write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -169,7 +206,53 @@ def markdown(args, record: dict) -> str:
         rb = record["peak_rss_growth_bytes"][f"dcp_{phase}"] / MIB
         lines.append(f"| {phase} | {a:.3f} | {b:.3f} | {size / a:.0f} | {size / b:.0f} | {b / a:.2f}× | "
                      f"{ra:.1f} / {rb:.1f} |")
+    raw = med["raw_save"]
+    lines += ["", f"Ceiling, in the same rounds: every rank writes and fsyncs as many bytes as its shardwise file "
+              f"({record['raw_bytes'] / MB:.0f} MB in all), in parallel: {raw:.3f} s, "
+              f"{record['raw_bytes'] / MB / raw:.0f} MB/s. shardwise's save takes {med['sw_save'] / raw:.2f}× the "
+              f"ceiling's time, DCP's {med['dcp_save'] / raw:.2f}×."]
+    if record.get("training"):
+        lines += ["", *training_table(args, record["training"])]
     return "\n".join(lines) + "\n"
+
+
+def plot(args, record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    training = record.get("training")
+    fig, axes = plt.subplots(1, 2 if training else 1, figsize=(13 if training else 6.5, 4.2), squeeze=False)
+    med = {k: statistics.median(v) for k, v in record["seconds"].items()}
+    size = record["state_bytes"] / MB
+    ax = axes[0][0]
+    names = ["shardwise save", "DCP save", "shardwise load", "DCP load"]
+    values = [size / med[k] for k in ("sw_save", "dcp_save", "sw_load", "dcp_load")]
+    ax.bar(range(4), values, color=["tab:blue", "tab:orange", "tab:blue", "tab:orange"])
+    ax.axhline(record["raw_bytes"] / MB / med["raw_save"], color="black", ls="--",
+               label="raw parallel write+fsync (ceiling for saves)")
+    ax.set_xticks(range(4))
+    ax.set_xticklabels(names)
+    ax.set_ylabel("MB/s (model state ÷ slowest rank's time)")
+    ax.set_title(f"{args.strategy}, {args.world_size} ranks: checkpoint throughput")
+    ax.legend(fontsize=8)
+    if training:
+        over = overheads(training)
+        arms = [a for a in ARMS if over[a]]
+        medians = [statistics.median(over[a]) for a in arms]
+        low = [m - min(over[a]) for m, a in zip(medians, arms)]
+        high = [max(over[a]) - m for m, a in zip(medians, arms)]
+        ax = axes[0][1]
+        ax.bar(range(len(arms)), medians, yerr=[low, high], capsize=6, color="tab:green")
+        ax.axhline(5, color="red", ls="--", label="target 5%")
+        ax.set_xticks(range(len(arms)))
+        ax.set_xticklabels([ARM_LABELS[a] + (" (noise)" if a == "none" else "") for a in arms])
+        ax.set_ylabel("% of a plain step (median, min..max over rounds)")
+        ax.set_title(f"training overhead of a checkpoint every {args.save_every} steps")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run_launcher(args) -> None:
@@ -180,7 +263,8 @@ def run_launcher(args) -> None:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={args.world_size}", __file__, "--worker", "--out-file", str(out_file),
                 "--scratch", str(scratch)]
-        for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats"):
+        for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats",
+                     "save_every", "rounds", "warmup_rounds", "batch"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         started = time.time()
@@ -198,6 +282,7 @@ def run_launcher(args) -> None:
     (out / "checkpoint.json").write_text(json.dumps({"settings": settings, "meta": meta, **record}, indent=1))
     table = markdown(args, record)
     (out / "checkpoint.md").write_text(table)
+    plot(args, record, out / "checkpoint.png")
     print(table)
 
 

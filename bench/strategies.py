@@ -1,8 +1,13 @@
-"""Benchmark: shardwise zero1/zero2/zero3 against torch DDP, DDP + ZeroRedundancyOptimizer
-and FSDP2 `fully_shard`, on the same GPT, the same data and the same seed, in one run.
+"""Benchmark: shardwise zero1/zero2/zero3 against torch DDP, DDP + ZeroRedundancyOptimizer,
+FSDP2 `fully_shard` and DeepSpeed ZeRO 1/2/3, on the same GPT, the same data and the same seed,
+in one run.
 
     python bench/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
     python bench/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
+    python bench/strategies.py --configs ddp,zero3,ds_zero3      # a subset of the arms
+
+The DeepSpeed arms (bench/deepspeed_arms.py) are skipped, with the reason printed, where
+deepspeed is not installed.
 
 Without `--worker` the script is the launcher: every (config, world size) runs as
 fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own, then
@@ -32,13 +37,15 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = ("ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3")
+import deepspeed_arms as ds
+
+CONFIGS = ("ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS)
 LABELS = {"ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
-          "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3"}
+          "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3", **ds.LABELS}
 # ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
 # as (replicated bytes, sharded bytes / N).
 FORMULA = {"ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
-           "zero3": (0, 16), "fsdp2": (0, 16)}
+           "zero3": (0, 16), "fsdp2": (0, 16), **ds.FORMULA}
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -124,10 +131,12 @@ def apply_config(model, config: str, args, world_size: int):
         sw.shard(model, strategy=config, units=Block)
         # Built after shard(): the optimizer must only ever see this rank's shards.
         return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if config in ds.CONFIGS:
+        return ds.initialize(model, config, args)
     raise ValueError(f"unknown config {config!r}; pick from {CONFIGS}")
 
 
-def model_state_bytes(model, optimizer) -> int:
+def model_state_bytes(model, optimizer, config: str) -> int:
     """Bytes of distinct storages holding params, grads, optimizer state and engine buffers.
 
     Counted by storage, not by tensor, because zero1/zero2 shards are views into the full
@@ -159,6 +168,9 @@ def model_state_bytes(model, optimizer) -> int:
     for unit in getattr(engine, "units", []):
         for buffer in (unit.full_flat, unit.shard_flat, unit.full_grad):
             add(buffer)
+    if config in ds.CONFIGS:
+        for tensor in ds.state_tensors(model, optimizer):
+            add(tensor)
     return sum(storages.values())
 
 
@@ -186,12 +198,17 @@ def run_worker(args) -> None:
         idx, targets = global_batch(args, step, world_size)
         idx, targets = idx[rows], targets[rows]
         start = time.perf_counter()
-        loss = module(idx, targets)
-        loss.backward()
-        optimizer.step()
-        if step == total - 1:  # after a step, before grads are dropped: the most a step holds
-            state_bytes = model_state_bytes(model, optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if args.config in ds.CONFIGS:  # the engine's backward and step; grads are dropped inside
+            loss = ds.train_step(module, idx, targets)
+            if step == total - 1:
+                state_bytes = model_state_bytes(model, optimizer, args.config)
+        else:
+            loss = module(idx, targets)
+            loss.backward()
+            optimizer.step()
+            if step == total - 1:  # after a step, before grads are dropped: the most a step holds
+                state_bytes = model_state_bytes(model, optimizer, args.config)
+            optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
 
@@ -220,7 +237,7 @@ def worker_argv(args, config: str, world_size: int, warmup: int, steps: int, out
 
 def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap: bool) -> dict:
     """Run one config in fresh processes; return the per-rank records or the error."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(ds.env() if config in ds.CONFIGS else {}))
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if mmap:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # Note [two RSS runs]
@@ -306,6 +323,18 @@ def combine_repeats(repeats: list[dict]) -> dict:
     return row
 
 
+def add_loss_diff_vs_ddp(group: list[dict]) -> None:
+    """Each row's largest per-step loss difference from torch DDP's in the same run (same data,
+    same seed): float rounding only, unless an arm is configured differently (printed)."""
+    ddp = next((r for r in group if r["config"] == "ddp" and "losses" in r), None)
+    for row in group:
+        if ddp is not None and "losses" in row:
+            row["max_loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(row["losses"], ddp["losses"]))
+            if row["config"] in ds.CONFIGS:
+                print(f"ws={row['world_size']} {row['config']}: losses {[round(x, 6) for x in row['losses']]}, "
+                      f"max |loss - DDP's| = {row['max_loss_diff_vs_ddp']:.2e}")
+
+
 def paired_ratio(row: dict, anchor: dict | None) -> float | None:
     """Median over rounds of this config's step time / the anchor's in the same round."""
     if not anchor or "run_medians_s" not in row or "run_medians_s" not in anchor:
@@ -324,25 +353,29 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
              f"{args.warmup} warm-up, and each ratio the median of the per-run ratios (runs of one round "
              f"share the machine's load). Peak RSS is the max over ranks; "
              f"'mmap' is a {args.mmap_steps}-step run with MALLOC_MMAP_THRESHOLD_=65536"
-             + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step()."]
+             + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step() "
+             "(DeepSpeed: the storages reachable from its parameters and its optimizer's attributes, "
+             "after engine.step(), which has already dropped the gradients)."]
     for ws in world_sizes:
         group = [r for r in rows if r["world_size"] == ws]
         by = {r["config"]: r for r in group}
         fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
         lines += ["", f"### world size {ws}", "",
                   "| config | median step s | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
-                  "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference | "
+                  "vs DDP |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in group:
             if "error" in r["timed"]:
-                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 8)
+                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 9)
                 continue
             t, m = r["median_step_s"], r["model_state_mib"]
             lines.append(
                 f"| {r['label']} | {t:.3f} | {fmt(paired_ratio(r, by.get('ddp')), '.2f')} | "
                 f"{fmt(paired_ratio(r, by.get('fsdp2')), '.2f')} | {m:.1f} | {r['formula_mib']:.1f} | "
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
-                f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} |")
+                f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} | "
+                f"{fmt(r.get('max_loss_diff_vs_ddp'), '.1e')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -385,6 +418,10 @@ def run_launcher(args) -> None:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
+    skipped = ds.unavailable() if set(configs) & set(ds.CONFIGS) else None
+    if skipped:
+        print(f"skipping {', '.join(c for c in configs if c in ds.CONFIGS)}: {skipped}")
+        configs = [c for c in configs if c not in ds.CONFIGS]
     mmap_run = not args.no_mmap_run
     total_steps = args.warmup + args.steps
     runs = [(ws, "reference", False, 0) for ws in world_sizes]
@@ -410,12 +447,14 @@ def run_launcher(args) -> None:
             repeats = [summarize(args, c, ws, raw[(ws, c, False, r)], raw.get((ws, c, True, 0)),
                                  raw[(ws, "reference", False, 0)]) for r in range(args.repeats)]
             rows.append(combine_repeats(repeats))
+        add_loss_diff_vs_ddp([r for r in rows if r["world_size"] == ws])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "config", "world_size", "out_dir")}
     references = {str(ws): raw[(ws, "reference", False, 0)] for ws in world_sizes}
-    meta = {"torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-            "total_steps": total_steps, "wall_s": time.time() - started}
+    meta = {"torch": torch.__version__, "deepspeed": ds.version(), "deepspeed_skipped": skipped,
+            "python": sys.version.split()[0], "cpus": os.cpu_count(), "total_steps": total_steps,
+            "wall_s": time.time() - started}
     (out / "strategies.json").write_text(json.dumps(
         {"settings": settings, "meta": meta, "reference": references, "rows": rows}, indent=1))
     table = markdown(rows, world_sizes, args, mmap_run)

@@ -39,7 +39,7 @@ def _save_in_background_while_training(tmp: str, strategy: str):
     return at_save, loaded, after, again, report.extra, sorted(p.name for p in Path(tmp).iterdir())
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero3", "ddp", "none"])
 def test_background_save_holds_the_state_at_the_call(ranks, tmp_path, strategy):
     """Catches a background save that reads parameters or optimizer state after training changed
     them (no host copy), RNG captured late, a publish that races the next save, and keep_last
@@ -51,3 +51,23 @@ def test_background_save_holds_the_state_at_the_call(ranks, tmp_path, strategy):
             assert torch.equal(loaded[name], value), name
         assert again == after  # optimizer state and RNG at the call: the same 2 steps, bitwise
         assert names == ["step-5b"]  # each save started after the one before it was published
+
+
+def _host_copy_bytes(tmp: str, strategy: str) -> tuple[int, int]:
+    model, optim = build_model("gpt", strategy)
+    run_steps(model, optim, "gpt", strategy, 0, 1)
+    background = importlib.import_module("shardwise.checkpoint.background")
+    job = save_module.prepare(f"{tmp}/unused", model, optim, None, None, False, {})
+    copy = background._host_copy(job)
+    held = sum(info.param.nbytes for info in copy.infos.values())
+    held += sum(t.nbytes for rows, _ in copy.plan["state"].values() for t in rows.values())
+    whole = sum(p.nbytes for p in model.parameters()) * 3  # the params and AdamW's two moments, every row
+    return held, whole
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "none"])
+def test_background_save_copies_only_the_rows_this_rank_writes(ranks, tmp_path, strategy):
+    """Catches a background save of a replicated model (ddp, plain) that copies every row to host memory
+    on every rank, when each rank writes only its 1/N share (Note [background save])."""
+    for held, whole in ranks.run(_host_copy_bytes, 2, str(tmp_path), strategy, timeout=120):
+        assert held <= 0.6 * whole, (held, whole)  # half the rows, plus the rounding of odd row counts

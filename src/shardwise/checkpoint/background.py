@@ -2,8 +2,9 @@
 
 Note [background save]: the save is cut where training may go on. On the caller's thread,
 every rank checks what can be refused and starts the partial directory (as `sw.save` does),
-then copies this rank's rows, its optimizer rows, the buffers and its RNG states to host
-memory (one copy of this rank's model and optimizer state: the price of not waiting). A
+then copies the rows this rank writes (its shard without padding; a ddp or plain replica's
+1/N share, not the whole), their optimizer rows, the buffers and its RNG states to host
+memory (one copy of this rank's share of the checkpoint: the price of not waiting). A
 thread then writes the rank file and publishes the directory exactly as `sw.save` does (Note
 [atomic save]): the gather of the ranks' records and rank 0's rename run on a gloo group of
 their own, made once per model group, so they never pair with training's collectives. One
@@ -21,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.ranks import group_of
+from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
+from shardwise.engine.info import ShardInfo, row_view
 from shardwise.errors import ShardwiseError
 
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
@@ -66,20 +69,33 @@ def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = Non
 
 
 def _host_copy(job: SaveJob) -> SaveJob:
-    """The job with every tensor it writes copied, so training may change the originals."""
-    infos = {name: replace(info, param=_copy(info.param)) for name, info in job.infos.items()}
+    """The job with every tensor it writes copied, so training may change the originals. Only the
+    rows this rank writes are copied (`rows_to_write`): each copy stands for a ShardInfo of
+    exactly those rows, which the writer then takes whole."""
+    sharded = is_sharded(job.model)
+    infos, by_name = {}, {}
+    for name, info in job.infos.items():
+        lo, hi = rows_to_write(info, job.rank, job.world, sharded)
+        by_name[clean_name(name)] = (info, lo, hi)
+        infos[name] = replace(info, param=_copy(row_view(info.param, info, lo, hi), info.param),
+                              row_start=lo, row_end=hi)
     plan = job.plan
     if plan is not None:
-        state = {name: ({key: _copy(t) for key, t in rows.items()}, scalars)
+        state = {name: ({key: _copy_rows(t, by_name.get(name)) for key, t in rows.items()}, scalars)
                  for name, (rows, scalars) in plan["state"].items()}
         plan = {**plan, "state": state}
     buffers = {name: _copy(b) for name, b in job.buffers.items()}
     return replace(job, infos=infos, plan=plan, buffers=buffers)
 
 
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
+def _copy_rows(tensor: torch.Tensor, where: tuple[ShardInfo, int, int] | None) -> torch.Tensor:
+    return _copy(tensor) if where is None else _copy(row_view(tensor, *where))
+
+
+def _copy(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     copy = tensor.detach().to("cpu", copy=True)
-    return copy.requires_grad_(tensor.requires_grad) if copy.is_floating_point() else copy
+    requires_grad = (tensor if like is None else like).requires_grad
+    return copy.requires_grad_(requires_grad) if copy.is_floating_point() else copy
 
 
 def _checkpoint_group(model: nn.Module):
