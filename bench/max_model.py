@@ -4,11 +4,12 @@
     python bench/max_model.py --quick          # 1 GiB per rank, fewer probes (a few minutes)
     python bench/max_model.py --budget 3GiB --configs zero3,zero3_bf16
     python bench/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
+    python bench/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
-shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload. `sw.estimate` picks
+shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward. `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
 bench/results/max_model.{json,md,png}.
@@ -63,7 +64,13 @@ CONFIGS = {
     "zero3": ("shardwise zero3", "zero3", "fp32", False),
     "zero3_bf16": ("shardwise zero3 + bf16", "zero3", "bf16", False),
     "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
+    "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
+    "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
 }
+# Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
+# whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
+# model it (its figures for these rows are plain zero3's); the search still brackets the depth.
+OPTIMIZER_IN_BACKWARD = {"zero3_oib", "zero3_bf16_oib"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -163,7 +170,10 @@ def build(args, rank: int, world_size: int):
         model = GPT(cfg)
     options = {"offload": f"disk:{args.offload_dir}/rank{rank}"} if offload else {}
     sw.shard(model, strategy=strategy, units=Block, precision=precision, **options)
-    return model, torch.optim.AdamW(model.parameters(), **adamw), "deferred" if deferred else "eager"
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    if args.config in OPTIMIZER_IN_BACKWARD:
+        sw.optimizer_in_backward(model, optimizer)
+    return model, optimizer, "deferred" if deferred else "eager"
 
 
 def _build_fsdp2(cfg, world_size: int, adamw: dict):
@@ -468,6 +478,9 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
     if off.get("max_params") and z3.get("max_params"):
         lines += ["", f"zero3 + disk offload / zero3: {'≥ ' if off['capped'] else ''}"
                       f"{off['max_params'] / z3['max_params']:.2f}×"]
+    if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
+        lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
+                      "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]
     return "\n".join(lines) + "\n"
 
 
