@@ -9,7 +9,8 @@
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
-shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward. `sw.estimate` picks
+shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward.
+`sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
 bench/results/max_model.{json,md,png}.
