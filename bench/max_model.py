@@ -24,8 +24,8 @@ anyway). shardwise zero* build it under `sw.deferred_init()` when this version h
 no rank ever holds the full model; FSDP2 uses its own documented equivalent (build on
 the meta device, `fully_shard`, `to_empty`, then initialize the local shards).
 
-Note [search]: the estimator's total is affine in depth, so two estimates (1 and 2
-blocks) give its predicted maximum depth: the first probe. A probe that fits raises the
+Note [search]: the estimator's total is affine in depth, so two estimates (8 and 16
+blocks, _SLOPE_DEPTHS) give its predicted maximum depth: the first probe. A probe that fits raises the
 lower bound, one that does not (over budget, or crashed) lowers the upper bound. A probe
 runs to its end unless a rank passes `--kill-at` budgets, so its true peak RSS is known,
 and the next depth is where a line through the last two measured peaks (or one peak and
@@ -263,10 +263,23 @@ def estimated_total(args, config: str, layers: int) -> int:
 
 def predicted_layers(args, config: str) -> tuple[int, int]:
     """Note [search]: the estimator's deepest model within the budget, and its total."""
-    one, two = estimated_total(args, config, 1), estimated_total(args, config, 2)
-    per_layer = two - one
-    layers = max(1, int((args.budget_bytes - (one - per_layer)) // per_layer))
-    return layers, (one - per_layer) + layers * per_layer
+    base, per_layer = _affine(args, config)
+    layers = max(1, int((args.budget_bytes - base) // per_layer))
+    return layers, base + layers * per_layer
+
+
+# The estimator is affine in depth only once a few units exist (from 1 to 2 blocks it adds the
+# second gathered unit's buffers too: 52 MiB against 12 per block after), so the line goes
+# through two deeper points.
+_SLOPE_DEPTHS = (8, 16)
+
+
+def _affine(args, config: str) -> tuple[int, int]:
+    """(bytes at depth 0, bytes per block) of the estimator's line through _SLOPE_DEPTHS."""
+    low, high = _SLOPE_DEPTHS
+    at_low, at_high = estimated_total(args, config, low), estimated_total(args, config, high)
+    per_layer = (at_high - at_low) // (high - low)
+    return at_low - low * per_layer, per_layer
 
 
 def probe(args, config: str, layers: int) -> dict:
@@ -301,7 +314,7 @@ def probe(args, config: str, layers: int) -> dict:
 def search(args, config: str, cap_params: int | None, log, earlier: list[dict] = ()) -> dict:
     """Note [search]. `earlier`: probes of a previous run (--resume), counted as if just made."""
     predicted, predicted_total = predicted_layers(args, config)
-    per_layer = estimated_total(args, config, 2) - estimated_total(args, config, 1)
+    per_layer = _affine(args, config)[1]
     layers_per_param = 1 / (num_params_of(args, 1) - num_params_of(args, 0))
     cap_layers = None
     if cap_params is not None:
