@@ -27,7 +27,7 @@ from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.engine.precision import LossScaler
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
-from shardwise.parallel import HogwildResult, hogwild
+from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits, hogwild, slice, sliced_cross_entropy
 from shardwise.sampler import ResumableSampler
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "ShardInfo",
     "ShardwiseError",
     "ShardwiseWarning",
+    "Slice",
+    "SlicedLogits",
     "UnitTable",
     "__version__",
     "clip_grad_norm_",
@@ -55,6 +57,7 @@ __all__ = [
     "export",
     "full_parameters",
     "full_state_dict",
+    "gather_logits",
     "get_rank",
     "get_world_size",
     "hogwild",
@@ -70,4 +73,6 @@ __all__ = [
     "shard",
     "shard_info",
     "shutdown",
+    "slice",
+    "sliced_cross_entropy",
 ]

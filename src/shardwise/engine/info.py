@@ -30,8 +30,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     if engine is not None and hasattr(engine, "full_parameters"):
         full = engine.full_parameters()  # the units' parameters; host-shared ones are whole on every rank
         full.update({name: p.detach().clone() for name, p in model.named_parameters() if is_host_shared(p)})
-        return full
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    else:
+        full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: gather the slices too (a collective)
+    return slicing.unslice(model, full) if slicing is not None else full
 
 
 @dataclass(frozen=True)

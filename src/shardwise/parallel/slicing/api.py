@@ -1,0 +1,126 @@
+"""`sw.slice(model, plan, group=...)`: cut layers into slices across a tensor group, in place.
+
+Note [slice then shard]: slicing comes first and works on whole tensors; `sw.shard(model,
+strategy="zero3", process_group=<data group>)` then shards each rank's slices across the
+ranks that hold the same slices (a column of a data x tensor mesh). The order is checked
+both ways: slicing a sharded model is refused here, and `shard()` asks the slicing
+(`model._sw_slicing.check_data_group`) to refuse a process group that mixes ranks of one
+tensor group, whose different slices the engine would otherwise overwrite with rank 0's.
+
+Note [one model everywhere]: every rank of the tensor group slices the same full values:
+rank 0's are broadcast first (as DDP and `shard()` do), so a rank that built its model with
+another seed still holds its slice of the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardwise.engine import engine_of
+from shardwise.errors import ShardwiseError
+from shardwise.parallel.slicing.auto import auto_plan
+from shardwise.parallel.slicing.full import unslice_values
+from shardwise.parallel.slicing.layers import slice_module
+from shardwise.parallel.slicing.plan import Slice, resolve
+
+
+@dataclass(eq=False)
+class Slicing:
+    """What `sw.slice` attaches to the model as `model._sw_slicing` (a plain attribute)."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    plan: dict[str, Slice]  # module name -> its slice, as resolved
+
+    def unslice(self, model: nn.Module, values: dict) -> dict:
+        """`values` by name with every sliced parameter whole (full.py; a collective over the tensor group)."""
+        return unslice_values(model, values)
+
+    def check_data_group(self, data_group) -> None:
+        """Refuse a data-parallel group that is not one rank per tensor slice (Note [slice then shard])."""
+        mine = (self.rank, tuple(dist.get_process_group_ranks(self.group)))
+        everyone = [None] * dist.get_world_size(data_group)
+        dist.all_gather_object(everyone, mine, group=data_group)
+        positions = {position for position, _ in everyone}
+        groups = [ranks for _, ranks in everyone]
+        if len(positions) != 1 or len(set(groups)) != len(groups):
+            raise ShardwiseError(
+                "sw.shard(process_group=...) on a sliced model needs the data-parallel group: ranks that hold the "
+                f"same slices, one from each tensor group. This group's ranks hold slices {sorted(positions)} of "
+                f"tensor groups {groups}. With a DeviceMesh (data, tensor) pass mesh['data'].get_group().")
+
+
+def tensor_group_of(group) -> dist.ProcessGroup:
+    """A ProcessGroup from what `sw.slice(group=...)` accepts: None (the world), a group, or a
+    DeviceMesh (1-D, or with a dimension named "tensor")."""
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names or ()
+        if group.ndim == 1:
+            return group.get_group()
+        if "tensor" not in names:
+            raise ShardwiseError(f"a {group.ndim}-D DeviceMesh with dimensions {names} was given; name one "
+                                 "dimension 'tensor' (mesh_dim_names=('data', 'tensor')) or pass mesh['tensor']")
+        return group["tensor"].get_group()
+    return group
+
+
+def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Module:  # noqa: A001 - the verb
+    """Slice `model`'s layers across the ranks of `group` in place, and return it.
+
+    `plan` maps module-name patterns (`*` is one name component) to "colwise", "rowwise",
+    "vocab", "divide(attr)" or `sw.Slice(...)` (plan.py); "auto" finds it from the model
+    (auto.py: `model.slice_plan()`, or Hugging Face Llama-style and GPT-2 blocks). `group` is
+    the tensor group: a ProcessGroup, a DeviceMesh (its "tensor" dimension), or None for every
+    rank. Every rank of the group calls it; a misuse raises a ShardwiseError on every rank.
+    Call it before `sw.shard(..., process_group=<data group>)` and before building the
+    optimizer (Note [slice then shard]).
+    """
+    if not dist.is_initialized():
+        raise ShardwiseError("no process group: call `sw.init()` before `sw.slice(...)`")
+    tensor_group = tensor_group_of(group)
+    rank, world = dist.get_rank(tensor_group), dist.get_world_size(tensor_group)
+    error, resolved = None, []
+    try:
+        if engine_of(model) is not None:
+            raise ShardwiseError("this model is already sharded: call sw.slice(model, ...) before sw.shard(model, "
+                                 "...), on a fresh model (Note [slice then shard])")
+        if getattr(model, "_sw_slicing", None) is not None:
+            raise ShardwiseError("this model is already sliced; slice a fresh model once")
+        meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        if meta:
+            raise ShardwiseError(f"{meta[0]} is on the meta device (sw.deferred_init()): sw.slice needs real values; "
+                                 "build the model eagerly (sw.shard's deferred init shards whole tensors only)")
+        resolved = resolve(model, auto_plan(model) if plan == "auto" else plan)
+    except ShardwiseError as exc:
+        error = str(exc)
+    _agree(error, tensor_group, world)
+    _broadcast_values(model, tensor_group)
+    for name, module, spec in resolved:
+        slice_module(name, module, spec, rank, world, tensor_group)
+    model._sw_slicing = Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved})
+    return model
+
+
+def _agree(error: str | None, group, world: int) -> None:
+    """Raise on every rank if any rank found a problem (every rank raises, none hangs)."""
+    errors = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise ShardwiseError(error if error is not None else f"tensor rank {failed[0][0]}: {failed[0][1]}")
+
+
+def _broadcast_values(model: nn.Module, group) -> None:
+    """Note [one model everywhere]."""
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=source, group=group)
