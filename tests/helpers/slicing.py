@@ -41,12 +41,60 @@ class LlamaLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+class GPT2LM(LlamaLM):
+    """A tiny Hugging Face GPT-2 (Conv1D layers, fused c_attn, tied wte/lm_head), zoo interface."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_embd=32, n_head=4, n_layer=2, vocab_size=LLAMA_VOCAB, n_positions=LLAMA_SEQ,
+                            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            attn_implementation="sdpa")
+        self.lm = GPT2LMHeadModel(config)
+        self.seed = 0
+
+
+UNEVEN_VOCAB, UNEVEN_WIDTH, UNEVEN_HIDDEN = 10, 12, 30
+UNEVEN_PLAN = {"emb": "vocab", "fc1": "colwise", "fc2": "rowwise", "head": "vocab"}
+
+
+class UnevenLM(nn.Module):
+    """Sizes no tensor group of 3 or 4 divides (vocabulary 10, hidden 30), an untied head, and
+    ignored targets (-100): sliced with the explicit UNEVEN_PLAN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(UNEVEN_VOCAB, UNEVEN_WIDTH)
+        self.fc1 = nn.Linear(UNEVEN_WIDTH, UNEVEN_HIDDEN)
+        self.fc2 = nn.Linear(UNEVEN_HIDDEN, UNEVEN_WIDTH)
+        self.head = nn.Linear(UNEVEN_WIDTH, UNEVEN_VOCAB)
+        self.seed = 0
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        logits = self.head(h)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.masked_fill(y == 0, -100).reshape(-1))
+
+
+def _uneven_batch(g: torch.Generator, n: int):
+    seq = torch.randint(0, UNEVEN_VOCAB, (n, 7), generator=g)
+    return seq[:, :-1], seq[:, 1:]
+
+
 def _llama_batch(g: torch.Generator, n: int):
     seq = torch.randint(0, LLAMA_VOCAB, (n, LLAMA_SEQ + 1), generator=g)
     return seq[:, :-1], seq[:, 1:]
 
 
-def _llama_unit():
+def _hf_unit(name: str):
+    if name == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        return GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     return LlamaDecoderLayer
 
@@ -55,7 +103,10 @@ MODELS = {
     "gpt": ZOO["gpt"],
     "llama": ZooSpec("llama", lambda: LlamaLM(2), _llama_batch, None, False),
     "llama_kv4": ZooSpec("llama_kv4", lambda: LlamaLM(4), _llama_batch, None, False),
+    "gpt2": ZooSpec("gpt2", GPT2LM, _llama_batch, None, False),
+    "uneven": ZooSpec("uneven", UnevenLM, _uneven_batch, None, False),
 }
+PLANS = {"uneven": UNEVEN_PLAN}  # the others use plan="auto"
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
@@ -83,11 +134,94 @@ def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int
     mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
     model = build(name)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
-    sw.slice(model, group=mesh)
+    tied = [(m.tok_emb, m.head) for m in [model] if name == "gpt"]
+    sw.slice(model, PLANS.get(name, "auto"), group=mesh)
     spec = MODELS[name]
     if strategy is not None:
-        units = spec.unit_class or (_llama_unit() if name.startswith("llama") else None)
+        units = spec.unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
         sw.shard(model, strategy=strategy, units=units, process_group=mesh["data"].get_group())
+    for emb, head in tied:  # Note [tied params]: one Parameter after slicing and sharding, as before
+        assert emb.weight is head.weight, "the tied embedding/head weight became two parameters"
     optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
     return train(model, spec, steps, global_batch_size, rank=mesh["data"].get_local_rank(), world_size=data,
                  optimizer=optimizer, all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model))
+
+
+# ---- misuse: each returns this rank's ShardwiseError message (None if nothing was raised) ----------
+
+
+def _message(fn) -> str | None:
+    try:
+        fn()
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def misuse(case: str) -> str | None:
+    """Run misuse `case` on this rank; the ShardwiseError message it raised, or None."""
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    if case == "heads_not_divisible":  # 3 heads over 2 ranks
+        return _message(lambda: sw.slice(GPT(GPTConfig(d_model=24, n_heads=3))))
+    if case == "kv_heads_not_divisible":  # Llama with 2 key/value heads over 4 ranks
+        return _message(lambda: sw.slice(LlamaLM(2)))
+    if case == "slice_after_shard":
+        model = build("gpt")
+        sw.shard(model, strategy="zero3")
+        return _message(lambda: sw.slice(model))
+    if case == "slice_twice":
+        model = sw.slice(build("gpt"))
+        return _message(lambda: sw.slice(model))
+    if case == "missing_module":
+        return _message(lambda: sw.slice(build("gpt"), {"blocks.*.mlp.0": "colwise", "blocks.*.fc9": "rowwise"}))
+    if case == "bad_style":
+        return _message(lambda: sw.slice(build("gpt"), {"blocks.*.mlp.0": "columnwise"}))
+    if case == "two_entries":
+        return _message(lambda: sw.slice(build("gpt"), {"blocks.*.mlp.0": "colwise", "blocks.0.mlp.0": "colwise"}))
+    if case == "unnamed_2d_mesh":
+        mesh = init_device_mesh("cpu", (1, world))
+        return _message(lambda: sw.slice(build("gpt"), group=mesh))
+    if case == "shard_over_tensor_ranks":  # slice over every rank, then zero3 over the same ranks
+        model = sw.slice(build("gpt"))
+        return _message(lambda: sw.shard(model, strategy="zero3"))
+    if case == "tied_sliced_two_ways":
+        return _message(lambda: sw.slice(build("gpt"), {"tok_emb": "vocab", "head": "rowwise"}))
+    if case == "logits_argmax":
+        model = sw.slice(build("gpt"))
+        x, _ = MODELS["gpt"].make_batch(torch.Generator().manual_seed(0), 2)
+        return _message(lambda: model(x).argmax(-1))
+    if case == "logits_softmax":
+        model = sw.slice(build("gpt"))
+        x, _ = MODELS["gpt"].make_batch(torch.Generator().manual_seed(0), 2)
+        return _message(lambda: F.softmax(model(x), dim=-1))
+    if case == "hf_own_loss":  # Hugging Face's loss views the logits with the full vocabulary
+        model = sw.slice(LlamaLM(2))
+        x, y = _llama_batch(torch.Generator().manual_seed(0), 2)
+        return _message(lambda: model.lm(input_ids=x, labels=x))
+    raise KeyError(case)
+
+
+def full_logits(name: str, tensor: int):
+    """The sliced model's gathered logits and its logits' gradient path: (logits, loss of their sum of
+    squares' gradient w.r.t. the embedding), to compare with one process."""
+    model = build(name)
+    if tensor:
+        sw.slice(model)
+    x, _ = MODELS[name].make_batch(torch.Generator().manual_seed(1), 2)
+    logits = sw.gather_logits(model(x))
+    logits.pow(2).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    values = sw.full_parameters(model) if tensor else {}
+    if tensor:  # unslice the gradients the same way as the values
+        from shardwise.parallel.slicing.full import unslice_values
+        grads = unslice_values(model, grads)
+    return logits.detach(), grads, values
+
+
+def auto_plan_of(name: str) -> dict[str, str]:
+    """The plan sw.slice(model) resolved for zoo/HF model `name`, as {module name: kind}."""
+    model = sw.slice(build(name))
+    return {module: spec.kind for module, spec in model._sw_slicing.plan.items()}

@@ -102,6 +102,10 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here)."""
     wait_for_background_save()
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: save its whole tensors (Note [unsliced view])
+    if slicing is not None:
+        view = slicing.checkpoint_view(model, optim)
+        model, optim = view.model, view.optim
     if keep_last is not None and keep_last < 1:
         raise ShardwiseError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
     group, rank, world = group_of(model)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.engine.host_param import is_host_shared
+from shardwise.errors import ShardwiseError
 
 
 def engine_of(model: nn.Module):
@@ -66,6 +67,10 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
 
     Host-shared frozen weights (`frozen="host"`, Note [host copy]) are left out: checkpoints and
     exports hold what the strategy trains; the frozen base is the file every rank maps."""
+    if getattr(model, "_sw_slicing", None) is not None:
+        raise ShardwiseError("this model is sliced (sw.slice): its parameters hold slices, not rows of the full "
+                             "tensors. sw.save, sw.load, sw.export and sw.full_state_dict handle sliced models; "
+                             "other tools need sw.full_state_dict(model) first")
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "shard_info"):
         return engine.shard_info()

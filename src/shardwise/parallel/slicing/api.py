@@ -27,6 +27,7 @@ from shardwise.parallel.slicing.auto import auto_plan
 from shardwise.parallel.slicing.full import unslice_values
 from shardwise.parallel.slicing.layers import slice_module
 from shardwise.parallel.slicing.plan import Slice, resolve
+from shardwise.parallel.slicing.view import UnslicedView
 
 
 @dataclass(eq=False)
@@ -41,6 +42,11 @@ class Slicing:
     def unslice(self, model: nn.Module, values: dict) -> dict:
         """`values` by name with every sliced parameter whole (full.py; a collective over the tensor group)."""
         return unslice_values(model, values)
+
+    def checkpoint_view(self, model: nn.Module, optim=None, *, fill: bool = True) -> UnslicedView:
+        """Note [unsliced view]: what sw.save / sw.load / sw.export read and write for this model (a
+        collective over every rank). `fill=False` (a load) skips gathering the current values."""
+        return UnslicedView(model, optim, fill=fill)
 
     def check_data_group(self, data_group) -> None:
         """Refuse a data-parallel group that is not one rank per tensor slice (Note [slice then shard])."""

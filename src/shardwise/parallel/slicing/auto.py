@@ -25,9 +25,13 @@ def auto_plan(model: nn.Module) -> dict[str, Slice | str]:
         return dict(own())
     names = {id(m): n for n, m in model.named_modules()}
     plan: dict[str, Slice | str] = {}
-    config = getattr(model, "config", None)
+    # The outermost Hugging Face model (the root, or the one a user's wrapper holds) has the config
+    # and the embedding getters.
+    hf = next((m for m in model.modules() if callable(getattr(m, "get_input_embeddings", None))
+               and getattr(m, "config", None) is not None), None)
     for name, module in model.named_modules():
         children = dict(module.named_children())
+        config = getattr(module, "config", None) or getattr(hf, "config", None)
         if {"q_proj", "k_proj", "v_proj", "o_proj"} <= children.keys() and config is not None:
             heads = _config_int(config, "num_attention_heads", name)
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -45,8 +49,8 @@ def auto_plan(model: nn.Module) -> dict[str, Slice | str]:
             plan.update({f"{name}.gate_proj": "colwise", f"{name}.up_proj": "colwise", f"{name}.down_proj": "rowwise"})
         elif {"c_fc", "c_proj"} <= children.keys():
             plan.update({f"{name}.c_fc": "colwise", f"{name}.c_proj": "rowwise"})
-    for getter in ("get_input_embeddings", "get_output_embeddings"):
-        module = getattr(model, getter, lambda: None)()
+    for getter in ("get_input_embeddings", "get_output_embeddings") if hf is not None else ():
+        module = getattr(hf, getter, lambda: None)()
         if module is not None and id(module) in names:
             plan[names[id(module)]] = "vocab"
     if not plan:

@@ -35,8 +35,13 @@ class SlicedLogits(Tensor):
         sliced = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, SlicedLogits))
         if func is F.cross_entropy:
             return _cross_entropy_call(*args, **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+        except RuntimeError as error:  # e.g. a view with the full vocabulary size: say why
+            raise ShardwiseError(f"{error} (on vocabulary-sliced logits: this rank holds {sliced.shape[-1]} of "
+                                 f"{sliced._sw_vocab[2]} columns; use logits.shape[-1], not the vocabulary "
+                                 "size, or sw.gather_logits(logits))") from None
         if not isinstance(out, Tensor) or func in _PLAIN:
             return out  # .shape, .dim(), repr, .grad: no vocabulary-sliced values
         local = sliced.shape[-1]
