@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.slicing import auto_plan_of, full_logits, misuse, reference, run_mesh
+from helpers.slicing import (
+    auto_plan_of,
+    checkpoint_phase,
+    export_phase,
+    full_logits,
+    misuse,
+    reference,
+    reference_resume,
+    run_mesh,
+)
 from shardwise.testing import assert_close_runs
 
 # (model, data, tensor, strategy): each slicing size on its own, zero3 alone through the slicing
@@ -111,3 +120,48 @@ def test_auto_plans_slice_every_layer_they_should(ranks):
     assert llama["lm.model.embed_tokens"] == llama["lm.lm_head"] == "vocab"
     assert gpt2["lm.transformer.wte"] == gpt2["lm.lm_head"] == "vocab"
     assert gpt["tok_emb"] == gpt["head"] == "vocab"
+
+
+# (saved as, loaded as): (data, tensor, sliced). 2 x 2 to 4 x 1 (zero3, unsliced), to 1 x 1 (a
+# plain model) and to 2 x 2 again; 4 x 1 and 1 x 1 back to sliced layouts.
+CHECKPOINT_GRID = [
+    ((2, 2, True), (4, 1, False)),
+    ((2, 2, True), (1, 1, False)),
+    ((2, 2, True), (2, 2, True)),
+    ((4, 1, False), (2, 2, True)),
+    ((1, 1, False), (1, 4, True)),
+    ((1, 4, True), (2, 2, True)),
+]
+
+
+@pytest.mark.parametrize("saved,loaded", CHECKPOINT_GRID, ids=lambda v: "x".join(map(str, v[:2])) + "s" * v[2])
+def test_checkpoint_across_mesh_shapes_resumes_exactly(ranks, tmp_path, saved, loaded):
+    """Catches a checkpoint that stores slices as if they were rows (wrong columns of a row-sliced
+    weight, q/k/v runs out of place), a load that puts whole rows where a slice belongs, optimizer
+    state that is not carried across layouts, and tied weights stored twice and loaded apart: the
+    resumed run would leave the single process's continuation."""
+    path = str(tmp_path / "ckpt")
+    ranks.run(checkpoint_phase, saved[0] * saved[1], "gpt", *saved, path, False, timeout=300)
+    got = ranks.run(checkpoint_phase, loaded[0] * loaded[1], "gpt", *loaded, path, True, timeout=300)
+    ref = reference_resume("gpt")
+    for rank, result in enumerate(got):
+        try:
+            assert_close_runs(ref, result)
+        except AssertionError as error:
+            raise AssertionError(f"saved {saved}, loaded {loaded}: rank {rank} differs\n{error}") from None
+
+
+def test_full_state_dict_and_export_hold_unsliced_tensors(ranks, tmp_path):
+    """Catches sw.full_state_dict / sw.export writing a rank's slices (shapes of one slice, or
+    the slices of one rank only) instead of the whole tensors, and the tied head missing."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "model.safetensors"
+    out = ranks.run(export_phase, 4, "gpt", 2, 2, str(path), timeout=300)
+    state, params = out[0]["state"], out[0]["params"]
+    exported = load_file(str(path))
+    assert set(params) <= set(state) and "head.weight" in state
+    for name, value in params.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0)
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
+    torch.testing.assert_close(state["head.weight"], params["tok_emb.weight"], rtol=0, atol=0)

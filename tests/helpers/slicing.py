@@ -225,3 +225,50 @@ def auto_plan_of(name: str) -> dict[str, str]:
     """The plan sw.slice(model) resolved for zoo/HF model `name`, as {module name: kind}."""
     model = sw.slice(build(name))
     return {module: spec.kind for module, spec in model._sw_slicing.plan.items()}
+
+
+# ---- checkpoints across mesh shapes ----------------------------------------------------------
+
+
+def _layout(name: str, data: int, tensor: int, sliced: bool):
+    """A fresh model on this rank's place in a data x tensor mesh: sliced over "tensor" when `sliced`,
+    zero3 over "data" when data > 1; its optimizer and this rank's data rank."""
+    mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+    model = build(name)
+    ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
+    if sliced:
+        sw.slice(model, PLANS.get(name, "auto"), group=mesh)
+    if data > 1:
+        sw.shard(model, strategy="zero3", units=MODELS[name].unit_class, process_group=mesh["data"].get_group())
+    return model, make_optimizer(model, ndim_by_name=ndim_by_name), mesh["data"].get_local_rank()
+
+
+def checkpoint_phase(name: str, data: int, tensor: int, sliced: bool, path: str, resume: bool,
+                     steps: int = 3) -> RunResult:
+    """Save after `steps` steps in one layout, or (resume) load into another and train `steps` more."""
+    model, optimizer, data_rank = _layout(name, data, tensor, sliced)
+    if resume:
+        sw.load(path, model, optimizer)
+    result = train(model, MODELS[name], steps, 8, rank=data_rank, world_size=data, optimizer=optimizer,
+                   all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model))
+    if not resume:
+        sw.save(path, model, optimizer)
+    return result
+
+
+def export_phase(name: str, data: int, tensor: int, path: str) -> dict:
+    """sw.full_state_dict and sw.export of a sliced (and sharded) model, after one step."""
+    model, optimizer, data_rank = _layout(name, data, tensor, True)
+    train(model, MODELS[name], 1, 8, rank=data_rank, world_size=data, optimizer=optimizer, all_reduce_loss=_average)
+    state = sw.full_state_dict(model)
+    sw.export(model, path)
+    return {"state": state, "params": sw.full_parameters(model)}
+
+
+def reference_resume(name: str, before: int = 3, after: int = 3) -> RunResult:
+    """One process: `before` steps, then `after` more with the same model and optimizer (the data of
+    steps 0.. again, as a resumed `train` sees it)."""
+    model = build(name)
+    optimizer = make_optimizer(model)
+    train(model, MODELS[name], before, 8, optimizer=optimizer)
+    return train(model, MODELS[name], after, 8, optimizer=optimizer)

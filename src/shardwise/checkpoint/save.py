@@ -93,7 +93,7 @@ def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     refused. Returns `path`.
     """
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
-    complete(job, group_of(model)[0])
+    complete(job, group_of(job.model)[0])  # job.model: the unsliced view of a sliced model
     return job.path
 
 

@@ -82,7 +82,7 @@ class UnslicedView:
             info = self.engine_infos[name]
             world = dist.get_world_size(self.data_group)
             gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
-            dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.data_group)
+            dist.all_gather_single(gathered, local.contiguous(), group=self.data_group)
             local = gathered[: (info.full_shape[0] if len(info.full_shape) else 1)].reshape(info.full_shape)
         record = getattr(param, "_sw_slice", None)
         return unslice(local, record) if record is not None else local.clone()
@@ -152,7 +152,7 @@ class UnslicedView:
         """This rank's part of a full tensor given as every rank's `rows`: its slice, then its shard rows."""
         full_shape = self.infos[name].full_shape
         gathered = rows.new_empty((self.world * rows.shape[0], *rows.shape[1:]))
-        dist.all_gather_into_tensor(gathered, rows.contiguous(), group=self.group)
+        dist.all_gather_single(gathered, rows.contiguous(), group=self.group)
         full = gathered[: (full_shape[0] if len(full_shape) else 1)].reshape(full_shape)
         record = getattr(param, "_sw_slice", None)
         local = record.take(full) if record is not None else full
