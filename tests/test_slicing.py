@@ -14,6 +14,7 @@ import torch
 from helpers.slicing import (
     auto_plan_of,
     checkpoint_phase,
+    count_step,
     export_phase,
     full_logits,
     misuse,
@@ -165,3 +166,16 @@ def test_full_state_dict_and_export_hold_unsliced_tensors(ranks, tmp_path):
         torch.testing.assert_close(state[name], value, rtol=0, atol=0)
         torch.testing.assert_close(exported[name], value, rtol=0, atol=0)
     torch.testing.assert_close(state["head.weight"], params["tok_emb.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("data,tensor", [(4, 1), (2, 2), (1, 4), (1, 2)])
+def test_bytes_moved_per_step_match_the_model(ranks, data, tensor):
+    """Catches a layout that moves more than Note [traffic model] says: a pair of sliced layers
+    with more than one all-reduce each way, logits gathered for the loss, a collective issued on a
+    one-rank tensor group, an extra zero3 re-gather or a reduce-scatter of more than the slices."""
+    for rank, out in enumerate(ranks.run(count_step, data * tensor, "gpt", data, tensor, timeout=300)):
+        assert out["counted"] == out["predicted"], (data, tensor, rank, out)
+        if tensor > 1:  # f and g: one all-reduce each way per pair (2 pairs per block), embedding, head, loss
+            assert out["calls"]["all_reduce"] == 4 * 2 + 2 + 2, out["calls"]
+        else:
+            assert "all_reduce" not in out["calls"], out["calls"]

@@ -272,3 +272,28 @@ def reference_resume(name: str, before: int = 3, after: int = 3) -> RunResult:
     optimizer = make_optimizer(model)
     train(model, MODELS[name], before, 8, optimizer=optimizer)
     return train(model, MODELS[name], after, 8, optimizer=optimizer)
+
+
+# ---- bytes moved per step --------------------------------------------------------------------
+
+
+def count_step(name: str, data: int, tensor: int, global_batch_size: int = 8) -> dict:
+    """One training step's collectives on this rank (after a warm-up step), counted, and predicted."""
+    from shardwise.parallel.slicing.traffic import count_collectives, predict_gpt
+
+    model, optimizer, data_rank = _layout(name, data, tensor, True)
+    spec = MODELS[name]
+    mesh_tensor = model._sw_slicing.group
+    train(model, spec, 1, global_batch_size, rank=data_rank, world_size=data, optimizer=optimizer)
+    x, y = MODELS[name].make_batch(torch.Generator().manual_seed(5), global_batch_size)
+    per = global_batch_size // data
+    x, y = x[data_rank * per:(data_rank + 1) * per], y[data_rank * per:(data_rank + 1) * per]
+    with count_collectives(mesh_tensor) as counted:
+        model(x, y).backward()
+        optimizer.step()
+    cfg = model.cfg
+    predicted = predict_gpt(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.mlp_ratio, x.shape[1], per,
+                            data=data, tensor=tensor, tensor_rank=dist.get_rank(mesh_tensor))
+    fields = ("data_gather", "data_reduce", "tensor_reduce", "wire_bytes")
+    return {"counted": {f: getattr(counted, f) for f in fields},
+            "predicted": {f: getattr(predicted, f) for f in fields}, "calls": dict(counted.calls)}

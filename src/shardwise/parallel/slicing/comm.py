@@ -45,13 +45,13 @@ class _ReduceFromSlices(torch.autograd.Function):
 
 
 def copy_to_slices(x: Tensor, group) -> Tensor:
-    """Note [f and g]: f, identity forward and all-reduced gradient."""
-    return _CopyToSlices.apply(x, group)
+    """Note [f and g]: f, identity forward and all-reduced gradient (nothing to do for one slice)."""
+    return x if dist.get_world_size(group) == 1 else _CopyToSlices.apply(x, group)
 
 
 def reduce_from_slices(x: Tensor, group) -> Tensor:
-    """Note [f and g]: g, all-reduced forward and identity gradient."""
-    return _ReduceFromSlices.apply(x, group)
+    """Note [f and g]: g, all-reduced forward and identity gradient (nothing to do for one slice)."""
+    return x if dist.get_world_size(group) == 1 else _ReduceFromSlices.apply(x, group)
 
 
 def gather_along(local: Tensor, dim: int, sizes: list[int], group) -> Tensor:

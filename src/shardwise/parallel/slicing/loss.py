@@ -121,6 +121,8 @@ def sliced_cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = 
     if reduction not in ("mean", "sum", "none"):
         raise ShardwiseError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")
     group, start, _ = logits._sw_vocab
+    if dist.get_world_size(group) == 1:  # one slice holds the whole vocabulary
+        return F.cross_entropy(logits.as_subclass(Tensor), target, ignore_index=ignore_index, reduction=reduction)
     keep = target != ignore_index
     per_token = _SlicedCrossEntropy.apply(logits.as_subclass(Tensor), target.masked_fill(~keep, 0), keep,
                                           start, group)
