@@ -58,6 +58,21 @@ def test_sliced_matches_one_process(ranks, name, data, tensor, strategy):
             raise AssertionError(f"{name} on {data} x {tensor} ({strategy}): rank {rank} differs\n{error}") from None
 
 
+@pytest.mark.parametrize("data,tensor,strategy", [(1, 2, None), (2, 2, "zero3")])
+def test_clipping_a_sliced_model_uses_the_whole_norm(ranks, data, tensor, strategy):
+    """Catches sw.clip_grad_norm_ taking the norm of one rank's slices (or counting an unsliced
+    parameter once per tensor rank): the grad norms and the clipped steps would differ."""
+    clip = 0.5
+    ref = reference("gpt", clip=clip)
+    assert max(ref.grad_norms) > clip, ref.grad_norms  # clipping acts, so a wrong norm shows
+    for rank, result in enumerate(ranks.run(run_mesh, data * tensor, "gpt", data, tensor, strategy, 5, 8, clip,
+                                            timeout=300)):
+        try:
+            assert_close_runs(ref, result)
+        except AssertionError as error:
+            raise AssertionError(f"{data} x {tensor}: rank {rank} differs\n{error}") from None
+
+
 def test_gathered_logits_and_their_gradients_match_one_process(ranks):
     """Catches sw.gather_logits putting vocabulary slices in the wrong columns, and a backward
     through it that sends a slice's gradient to the wrong rank."""

@@ -116,9 +116,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def reference(name: str, steps: int = 5, global_batch_size: int = 8) -> RunResult:
-    """One process, the whole global batch."""
-    return train(build(name), MODELS[name], steps, global_batch_size)
+def reference(name: str, steps: int = 5, global_batch_size: int = 8, clip: float | None = None) -> RunResult:
+    """One process, the whole global batch (gradients clipped to `clip` if given)."""
+    return train(build(name), MODELS[name], steps, global_batch_size, clip=clip)
 
 
 def _average(value: float) -> float:
@@ -128,7 +128,7 @@ def _average(value: float) -> float:
 
 
 def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int = 5,
-             global_batch_size: int = 8) -> RunResult:
+             global_batch_size: int = 8, clip: float | None = None) -> RunResult:
     """On this rank of a data x tensor mesh: slice over "tensor", shard with `strategy` over "data"
     (None: no sharding), train; full (unsliced, unsharded) parameters at the end."""
     mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
@@ -144,7 +144,8 @@ def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int
         assert emb.weight is head.weight, "the tied embedding/head weight became two parameters"
     optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
     return train(model, spec, steps, global_batch_size, rank=mesh["data"].get_local_rank(), world_size=data,
-                 optimizer=optimizer, all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model))
+                 optimizer=optimizer, all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model),
+                 clip=clip, clip_fn=lambda m, c: sw.clip_grad_norm_(m, c))
 
 
 # ---- misuse: each returns this rank's ShardwiseError message (None if nothing was raised) ----------

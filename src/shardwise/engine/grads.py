@@ -29,6 +29,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     The norm is over the whole model's gradients on all ranks, the same number a single
     process would compute.
     """
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: Note [sliced norm] (parallel/slicing)
+    if slicing is not None:
+        return slicing.clip_grad_norm_(model, max_norm, norm_type)
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "units"):  # zero: each rank holds some gradient rows
         grads = [s.grad for u in engine.units for s in u.shard_params if s.grad is not None]

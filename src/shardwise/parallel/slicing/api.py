@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.engine import engine_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
+from shardwise.parallel.slicing.clip import clip_sliced_grad_norm_
 from shardwise.parallel.slicing.full import unslice_values
 from shardwise.parallel.slicing.layers import slice_module
 from shardwise.parallel.slicing.plan import Slice, resolve
@@ -47,6 +48,10 @@ class Slicing:
         """Note [unsliced view]: what sw.save / sw.load / sw.export read and write for this model (a
         collective over every rank). `fill=False` (a load) skips gathering the current values."""
         return UnslicedView(model, optim, fill=fill)
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0):
+        """`sw.clip_grad_norm_` for this model: the whole gradients' norm (clip.py, Note [sliced norm])."""
+        return clip_sliced_grad_norm_(model, self, max_norm, norm_type)
 
     def check_data_group(self, data_group) -> None:
         """Refuse a data-parallel group that is not one rank per tensor slice (Note [slice then shard])."""
