@@ -25,14 +25,18 @@ from helpers.slicing import (
 from shardwise.testing import assert_close_runs
 
 # (model, data, tensor, strategy): each slicing size on its own, zero3 alone through the slicing
-# path (4 x 1), and the 2-D mesh. "llama" has 2 key/value heads (grouped-query attention),
-# "llama_kv4" 4, so that 4 slices hold one of each; "uneven": sizes no group divides.
+# path (4 x 1), and the 2-D mesh (with every strategy over its data axis). "llama" has 2 key/value
+# heads (grouped-query attention), "llama_kv4" 4, so that 4 slices hold one of each; "uneven": sizes
+# no group divides.
 GRID = [
     ("gpt", 1, 2, None),
     ("gpt", 1, 4, None),
     ("gpt", 2, 2, "zero3"),
     ("gpt", 4, 1, "zero3"),
     ("gpt", 1, 4, "zero3"),
+    ("gpt", 2, 2, "zero1"),
+    ("gpt", 2, 2, "zero2"),
+    ("gpt", 2, 2, "ddp"),
     ("llama", 1, 2, None),
     ("llama", 2, 2, "zero3"),
     ("llama_kv4", 1, 4, None),
@@ -101,6 +105,9 @@ MISUSE = {
     "logits_argmax": (2, ["argmax on vocabulary-sliced logits", "sw.gather_logits"]),
     "logits_softmax": (2, ["softmax on vocabulary-sliced logits"]),
     "hf_own_loss": (2, ["vocabulary-sliced logits"]),
+    "pipeline_of_sliced": (2, ["this model is sliced", "pipeline"]),
+    "state_dict_of_sliced": (2, ["sw.full_state_dict(model)"]),
+    "deferred": (2, ["meta device", "build the model eagerly"]),
 }
 
 

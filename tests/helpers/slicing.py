@@ -139,7 +139,8 @@ def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int
     spec = MODELS[name]
     if strategy is not None:
         units = spec.unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
-        sw.shard(model, strategy=strategy, units=units, process_group=mesh["data"].get_group())
+        kwargs = {} if strategy == "ddp" else {"units": units}
+        sw.shard(model, strategy=strategy, process_group=mesh["data"].get_group(), **kwargs)
     for emb, head in tied:  # Note [tied params]: one Parameter after slicing and sharding, as before
         assert emb.weight is head.weight, "the tied embedding/head weight became two parameters"
     optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
@@ -202,6 +203,15 @@ def misuse(case: str) -> str | None:
         model = sw.slice(LlamaLM(2))
         x, y = _llama_batch(torch.Generator().manual_seed(0), 2)
         return _message(lambda: model.lm(input_ids=x, labels=x))
+    if case == "deferred":
+        with sw.deferred_init():
+            model = GPT(GPTConfig())
+        return _message(lambda: sw.slice(model))
+    if case == "state_dict_of_sliced":
+        return _message(lambda: sw.slice(build("gpt")).state_dict())
+    if case == "pipeline_of_sliced":
+        from shardwise.pipeline.layers import chain_layers
+        return _message(lambda: chain_layers(sw.slice(build("gpt"))))
     raise KeyError(case)
 
 

@@ -117,7 +117,16 @@ def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Modu
     for name, module, spec in resolved:
         slice_module(name, module, spec, rank, world, tensor_group)
     model._sw_slicing = Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved})
+    model.register_state_dict_post_hook(_refuse_state_dict)
     return model
+
+
+def _refuse_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """Note [sliced parameters]: a sliced model's `state_dict()` would hold this rank's slices under
+    the full tensors' names, which a file or another tool would take for the whole model."""
+    raise ShardwiseError("model.state_dict() of a sliced model (sw.slice) would hold this rank's slices as if "
+                         "they were whole tensors. Use sw.full_state_dict(model) for whole tensors, or "
+                         "sw.save(path, model, optim) for a checkpoint (both work at any layout)")
 
 
 def _agree(error: str | None, group, world: int) -> None:
