@@ -108,6 +108,7 @@ MISUSE = {
     "pipeline_of_sliced": (2, ["this model is sliced", "pipeline"]),
     "state_dict_of_sliced": (2, ["sw.full_state_dict(model)"]),
     "deferred": (2, ["meta device", "build the model eagerly"]),
+    "different_inputs": (2, ["different inputs", "mesh['data'].get_local_rank()"]),
 }
 
 
@@ -197,7 +198,8 @@ def test_bytes_moved_per_step_match_the_model(ranks, data, tensor):
     one-rank tensor group, an extra zero3 re-gather or a reduce-scatter of more than the slices."""
     for rank, out in enumerate(ranks.run(count_step, data * tensor, "gpt", data, tensor, timeout=300)):
         assert out["counted"] == out["predicted"], (data, tensor, rank, out)
-        if tensor > 1:  # f and g: one all-reduce each way per pair (2 pairs per block), embedding, head, loss
-            assert out["calls"]["all_reduce"] == 4 * 2 + 2 + 2, out["calls"]
+        if tensor > 1:  # f and g: one all-reduce each way per pair (2 pairs per block), embedding, head, loss,
+            # and the same-inputs check
+            assert out["calls"]["all_reduce"] == 4 * 2 + 2 + 2 + 1, out["calls"]
         else:
             assert "all_reduce" not in out["calls"], out["calls"]

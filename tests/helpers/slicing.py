@@ -203,6 +203,10 @@ def misuse(case: str) -> str | None:
         model = sw.slice(LlamaLM(2))
         x, y = _llama_batch(torch.Generator().manual_seed(0), 2)
         return _message(lambda: model.lm(input_ids=x, labels=x))
+    if case == "different_inputs":  # each rank its own rows: a batch split over the tensor ranks
+        model = sw.slice(build("gpt"))
+        x, y = MODELS["gpt"].make_batch(torch.Generator().manual_seed(dist.get_rank()), 2)
+        return _message(lambda: model(x, y))
     if case == "deferred":
         with sw.deferred_init():
             model = GPT(GPTConfig())

@@ -25,7 +25,8 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value under its original name, on every rank (a copy).
 
     For a sharded model this gathers the rows of all ranks, so it is a collective:
-    call it on every rank. Meant for tests and small models; checkpoints stream instead.
+    call it on every rank. A sliced model's (`sw.slice`) slices are gathered over its tensor
+    group too. Meant for tests and small models; checkpoints stream instead.
     """
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "full_parameters"):

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
 
 from shardwise.engine import engine_of
 from shardwise.errors import ShardwiseError
@@ -118,7 +119,29 @@ def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Modu
         slice_module(name, module, spec, rank, world, tensor_group)
     model._sw_slicing = Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved})
     model.register_state_dict_post_hook(_refuse_state_dict)
+    if world > 1:
+        model.register_forward_pre_hook(_same_inputs_check(tensor_group), with_kwargs=True)
     return model
+
+
+def _same_inputs_check(group):
+    """Note [same inputs]: every rank of a tensor group must feed the model the same inputs (each
+    computes its slice of the same step). Ranks that take different data (a sampler split over
+    the tensor ranks, not over the data axis) would train on a mix of the batches, silently. So
+    each forward compares a fingerprint of the inputs across the group (one all-reduce of four
+    float64 numbers: the max and the negated min of two sums; equal inputs give equal bits)."""
+    def hook(module, args, kwargs):
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        total = sum((t.detach().double().sum() for t in tensors), torch.tensor(0.0, dtype=torch.float64))
+        weighted = sum((t.detach().double().flatten().mul(torch.arange(1, t.numel() + 1, dtype=torch.float64))
+                        .sum() for t in tensors), torch.tensor(0.0, dtype=torch.float64))
+        both = torch.stack([total, -total, weighted, -weighted])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if not (both[0] == -both[1] and both[2] == -both[3]):
+            raise ShardwiseError("the ranks of a tensor group were given different inputs: each holds a slice of "
+                                 "the same layers, so all must see the same batch. Split the batch over the data "
+                                 "axis only: rows for mesh['data'].get_local_rank(), the same on every tensor rank")
+    return hook
 
 
 def _refuse_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -14,7 +14,9 @@ MLP ratio r, vocabulary V, c bytes per element:
 - slicing over T tensor ranks: per block, the attention output and the MLP output are summed in
   forward (g) and the gradients at the attention and MLP inputs in backward (f): 4·B·S·D; the
   embedding's sum (g) and the head input's gradient (f): 2·B·S·D; the sliced loss: 3·B·S
-  (the max, then the target's logit and the sum of exponentials). All of it is activations:
+  (the max, then the target's logit and the sum of exponentials); and 32 bytes per forward
+  that check every rank of the group was given the same inputs (Note [same inputs] in
+  api.py). All of it but those 32 bytes is activations:
   it grows with the batch and not with the width of the MLP, while zero3's grows with the
   parameters and not with the batch.
 A ring moves (N-1)/N of a gather's or a reduce-scatter's payload per rank and 2(N-1)/N of an
@@ -48,6 +50,9 @@ class Traffic:
         return self.data_gather + self.data_reduce + self.tensor_reduce
 
 
+_CHECK_BYTES = 4 * 8  # Note [same inputs]: four float64 numbers per forward
+
+
 def _padded(shape: tuple[int, ...], world: int) -> int:
     rows = shape[0] if shape else 1
     return math.ceil(rows / world) * world * math.prod(shape[1:])
@@ -77,7 +82,7 @@ def predict_gpt(vocab: int, d_model: int, n_layers: int, mlp_ratio: int, seq: in
         traffic.wire_bytes += (traffic.data_gather + traffic.data_reduce) * (data - 1) / data
     if tensor > 1:
         tokens = batch * seq
-        traffic.tensor_reduce = dtype_bytes * (tokens * d * (4 * n_layers + 2) + 3 * tokens)
+        traffic.tensor_reduce = dtype_bytes * (tokens * d * (4 * n_layers + 2) + 3 * tokens) + _CHECK_BYTES
         traffic.wire_bytes += traffic.tensor_reduce * 2 * (tensor - 1) / tensor
     return traffic
 
