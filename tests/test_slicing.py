@@ -149,30 +149,32 @@ def test_auto_plans_slice_every_layer_they_should(ranks):
 # (saved as, loaded as): (data, tensor, sliced). 2 x 2 to 4 x 1 (zero3, unsliced), to 1 x 1 (a
 # plain model) and to 2 x 2 again; 4 x 1 and 1 x 1 back to sliced layouts.
 CHECKPOINT_GRID = [
-    ((2, 2, True), (4, 1, False)),
-    ((2, 2, True), (1, 1, False)),
-    ((2, 2, True), (2, 2, True)),
-    ((4, 1, False), (2, 2, True)),
-    ((1, 1, False), (1, 4, True)),
-    ((1, 4, True), (2, 2, True)),
+    ("gpt", (2, 2, True), (4, 1, False)),
+    ("gpt", (2, 2, True), (1, 1, False)),
+    ("gpt", (2, 2, True), (2, 2, True)),
+    ("gpt", (4, 1, False), (2, 2, True)),
+    ("gpt", (1, 1, False), (1, 4, True)),
+    ("gpt", (1, 4, True), (2, 2, True)),
+    ("llama", (2, 2, True), (1, 1, False)),  # grouped-query k/v slices, an untied vocabulary head
 ]
 
 
-@pytest.mark.parametrize("saved,loaded", CHECKPOINT_GRID, ids=lambda v: "x".join(map(str, v[:2])) + "s" * v[2])
-def test_checkpoint_across_mesh_shapes_resumes_exactly(ranks, tmp_path, saved, loaded):
+@pytest.mark.parametrize("name,saved,loaded", CHECKPOINT_GRID,
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[:2])) + "s" * v[2])
+def test_checkpoint_across_mesh_shapes_resumes_exactly(ranks, tmp_path, name, saved, loaded):
     """Catches a checkpoint that stores slices as if they were rows (wrong columns of a row-sliced
     weight, q/k/v runs out of place), a load that puts whole rows where a slice belongs, optimizer
     state that is not carried across layouts, and tied weights stored twice and loaded apart: the
     resumed run would leave the single process's continuation."""
     path = str(tmp_path / "ckpt")
-    ranks.run(checkpoint_phase, saved[0] * saved[1], "gpt", *saved, path, False, timeout=300)
-    got = ranks.run(checkpoint_phase, loaded[0] * loaded[1], "gpt", *loaded, path, True, timeout=300)
-    ref = reference_resume("gpt")
+    ranks.run(checkpoint_phase, saved[0] * saved[1], name, *saved, path, False, timeout=300)
+    got = ranks.run(checkpoint_phase, loaded[0] * loaded[1], name, *loaded, path, True, timeout=300)
+    ref = reference_resume(name)
     for rank, result in enumerate(got):
         try:
             assert_close_runs(ref, result)
         except AssertionError as error:
-            raise AssertionError(f"saved {saved}, loaded {loaded}: rank {rank} differs\n{error}") from None
+            raise AssertionError(f"{name} saved {saved}, loaded {loaded}: rank {rank} differs\n{error}") from None
 
 
 def test_full_state_dict_and_export_hold_unsliced_tensors(ranks, tmp_path):

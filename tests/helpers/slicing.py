@@ -254,7 +254,8 @@ def _layout(name: str, data: int, tensor: int, sliced: bool):
     if sliced:
         sw.slice(model, PLANS.get(name, "auto"), group=mesh)
     if data > 1:
-        sw.shard(model, strategy="zero3", units=MODELS[name].unit_class, process_group=mesh["data"].get_group())
+        units = MODELS[name].unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
+        sw.shard(model, strategy="zero3", units=units, process_group=mesh["data"].get_group())
     return model, make_optimizer(model, ndim_by_name=ndim_by_name), mesh["data"].get_local_rank()
 
 
