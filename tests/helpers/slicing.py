@@ -313,3 +313,17 @@ def count_step(name: str, data: int, tensor: int, global_batch_size: int = 8) ->
     fields = ("data_gather", "data_reduce", "tensor_reduce", "wire_bytes")
     return {"counted": {f: getattr(counted, f) for f in fields},
             "predicted": {f: getattr(predicted, f) for f in fields}, "calls": dict(counted.calls)}
+
+
+def train_precision(precision: str, steps: int, data: int = 2, tensor: int = 2) -> tuple[list[float], set[str]]:
+    """Zoo GPT sliced over "tensor" and zero3 over "data" with `precision`; per-step global losses."""
+    mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+    model = build("gpt")
+    ndim = {n: p.ndim for n, p in model.named_parameters()}
+    sw.slice(model, group=mesh)
+    sw.shard(model, strategy="zero3", units=MODELS["gpt"].unit_class, precision=precision,
+             process_group=mesh["data"].get_group())
+    optimizer = make_optimizer(model, ndim_by_name=ndim)
+    result = train(model, MODELS["gpt"], steps, 8, rank=mesh["data"].get_local_rank(), world_size=data,
+                   optimizer=optimizer, all_reduce_loss=_average)
+    return result.losses, {str(p.dtype) for p in model.parameters()}
