@@ -156,18 +156,21 @@ CHECKPOINT_GRID = [
     ("gpt", (4, 1, False), (2, 2, True)),
     ("gpt", (1, 1, False), (1, 4, True)),
     ("gpt", (1, 4, True), (2, 2, True)),
+    ("gpt", (2, 2, True, "ddp"), (2, 2, True)),  # ddp over the data axis: whole slices, replicated
     ("llama", (2, 2, True), (1, 1, False)),  # grouped-query k/v slices, an untied vocabulary head
 ]
 
 
 @pytest.mark.parametrize("name,saved,loaded", CHECKPOINT_GRID,
-                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[:2])) + "s" * v[2])
+                         ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v[:2])) + "s" * v[2] + (
+                             v[3] if len(v) > 3 else ""))
 def test_checkpoint_across_mesh_shapes_resumes_exactly(ranks, tmp_path, name, saved, loaded):
     """Catches a checkpoint that stores slices as if they were rows (wrong columns of a row-sliced
     weight, q/k/v runs out of place), a load that puts whole rows where a slice belongs, optimizer
     state that is not carried across layouts, and tied weights stored twice and loaded apart: the
     resumed run would leave the single process's continuation."""
     path = str(tmp_path / "ckpt")
+    saved, loaded = (layout if len(layout) == 4 else (*layout, "zero3") for layout in (saved, loaded))
     ranks.run(checkpoint_phase, saved[0] * saved[1], name, *saved, path, False, timeout=300)
     got = ranks.run(checkpoint_phase, loaded[0] * loaded[1], name, *loaded, path, True, timeout=300)
     ref = reference_resume(name)

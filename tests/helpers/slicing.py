@@ -245,9 +245,9 @@ def auto_plan_of(name: str) -> dict[str, str]:
 # ---- checkpoints across mesh shapes ----------------------------------------------------------
 
 
-def _layout(name: str, data: int, tensor: int, sliced: bool):
+def _layout(name: str, data: int, tensor: int, sliced: bool, strategy: str = "zero3"):
     """A fresh model on this rank's place in a data x tensor mesh: sliced over "tensor" when `sliced`,
-    zero3 over "data" when data > 1; its optimizer and this rank's data rank."""
+    `strategy` over "data" when data > 1; its optimizer and this rank's data rank."""
     mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
     model = build(name)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
@@ -255,14 +255,15 @@ def _layout(name: str, data: int, tensor: int, sliced: bool):
         sw.slice(model, PLANS.get(name, "auto"), group=mesh)
     if data > 1:
         units = MODELS[name].unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
-        sw.shard(model, strategy="zero3", units=units, process_group=mesh["data"].get_group())
+        kwargs = {} if strategy == "ddp" else {"units": units}
+        sw.shard(model, strategy=strategy, process_group=mesh["data"].get_group(), **kwargs)
     return model, make_optimizer(model, ndim_by_name=ndim_by_name), mesh["data"].get_local_rank()
 
 
-def checkpoint_phase(name: str, data: int, tensor: int, sliced: bool, path: str, resume: bool,
+def checkpoint_phase(name: str, data: int, tensor: int, sliced: bool, strategy: str, path: str, resume: bool,
                      steps: int = 3) -> RunResult:
     """Save after `steps` steps in one layout, or (resume) load into another and train `steps` more."""
-    model, optimizer, data_rank = _layout(name, data, tensor, sliced)
+    model, optimizer, data_rank = _layout(name, data, tensor, sliced, strategy)
     if resume:
         sw.load(path, model, optimizer)
     result = train(model, MODELS[name], steps, 8, rank=data_rank, world_size=data, optimizer=optimizer,

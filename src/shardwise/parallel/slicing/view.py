@@ -56,10 +56,12 @@ class UnslicedView:
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         engine = engine_of(model)
-        self.engine_infos = engine.shard_info() if engine is not None else None
-        self.data_group = getattr(engine, "group", None)
+        sharded = engine is not None and hasattr(engine, "units")  # zero: rows of each slice; ddp: whole slices
+        self.engine_infos = engine.shard_info() if sharded else None
+        self.data_group = engine.group if sharded else None
         names = _first_names(model)
         self.params = [(name, p) for name, p in model.named_parameters()]
+        self.by_name = dict(self.params)
         infos, rows_of = {}, {}
         for name, param in self.params:
             full_shape = _full_shape(param, self.engine_infos, name)
@@ -76,7 +78,7 @@ class UnslicedView:
 
     def _whole(self, tensor: Tensor, name: str) -> Tensor:
         """The full value of `tensor` (the parameter, or optimizer state shaped like its shard)."""
-        param = dict(self.params)[name]
+        param = self.by_name[name]
         local = tensor.detach()
         if self.engine_infos is not None:  # gather the data axis: the local slice, whole
             info = self.engine_infos[name]
