@@ -109,6 +109,7 @@ MISUSE = {
     "pipeline_of_sliced": (2, ["this model is sliced", "pipeline"]),
     "state_dict_of_sliced": (2, ["sw.full_state_dict(model)"]),
     "deferred": (2, ["meta device", "build the model eagerly"]),
+    "save_without_data_strategy": (4, ["spans the whole world (4 ranks)", "1 data x 2 tensor"]),
     "different_inputs": (2, ["different inputs", "mesh['data'].get_local_rank()"]),
 }
 

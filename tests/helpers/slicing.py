@@ -207,6 +207,11 @@ def misuse(case: str) -> str | None:
         model = sw.slice(build("gpt"))
         x, y = MODELS["gpt"].make_batch(torch.Generator().manual_seed(dist.get_rank()), 2)
         return _message(lambda: model(x, y))
+    if case == "save_without_data_strategy":  # a 2 x 2 mesh sliced over "tensor", nothing over "data"
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("data", "tensor"))
+        model = sw.slice(build("gpt"), group=mesh)
+        import tempfile
+        return _message(lambda: sw.save(tempfile.mkdtemp() + "/ckpt", model))
     if case == "deferred":
         with sw.deferred_init():
             model = GPT(GPTConfig())

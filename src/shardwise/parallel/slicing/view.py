@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from shardwise.engine import engine_of
 from shardwise.engine.info import ShardInfo
+from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.full import unslice
 
 
@@ -56,6 +57,13 @@ class UnslicedView:
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         engine = engine_of(model)
+        data_group = getattr(engine, "group", None) or getattr(engine, "process_group", None)
+        data = dist.get_world_size(data_group) if data_group is not None else 1
+        if data * model._sw_slicing.world_size != self.world:
+            raise ShardwiseError(
+                f"a checkpoint of a sliced model spans the whole world ({self.world} ranks), but this model's mesh "
+                f"is {data} data x {model._sw_slicing.world_size} tensor ranks. Slice over the tensor axis and "
+                "sw.shard over the data axis of one mesh that holds every rank (Note [unsliced view])")
         sharded = engine is not None and hasattr(engine, "units")  # zero: rows of each slice; ddp: whole slices
         self.engine_infos = engine.shard_info() if sharded else None
         self.data_group = engine.group if sharded else None
