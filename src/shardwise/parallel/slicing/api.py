@@ -131,10 +131,13 @@ def _same_inputs_check(group):
     each forward compares a fingerprint of the inputs across the group (one all-reduce of four
     float64 numbers: the max and the negated min of two sums; equal inputs give equal bits)."""
     def hook(module, args, kwargs):
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        total = sum((t.detach().double().sum() for t in tensors), torch.tensor(0.0, dtype=torch.float64))
-        weighted = sum((t.detach().double().flatten().mul(torch.arange(1, t.numel() + 1, dtype=torch.float64))
-                        .sum() for t in tensors), torch.tensor(0.0, dtype=torch.float64))
+        tensors = [t.detach().double().flatten().nan_to_num() for t in tree_flatten((args, kwargs))[0]
+                   if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        total = sum((t.sum() for t in tensors), zero)
+        weighted = sum((t.mul(torch.arange(1, t.numel() + 1, dtype=torch.float64, device=device)).sum()
+                        for t in tensors), zero)
         both = torch.stack([total, -total, weighted, -weighted])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         if not (both[0] == -both[1] and both[2] == -both[3]):
