@@ -16,6 +16,7 @@ from helpers.slicing import (
     checkpoint_phase,
     count_step,
     export_phase,
+    fp16_overflow_on_one_tensor_rank,
     full_logits,
     misuse,
     reference,
@@ -224,3 +225,11 @@ def test_bf16_on_a_sliced_sharded_model_tracks_fp32(ranks):
     assert sum(diffs) / len(diffs) < 0.06, diffs
     assert abs(sum(low[-10:]) - sum(fp32[-10:])) / abs(sum(fp32[-10:])) < 0.005
     assert low != fp32  # it really ran in bf16
+
+
+def test_fp16_overflow_on_one_tensor_rank_skips_the_step_everywhere(ranks):
+    """Catches a loss scaler that agrees on an overflow only within the data group: the tensor rank
+    that saw the inf would skip the step while its peers took it, and the slices would part."""
+    for rank, record in enumerate(ranks.run(fp16_overflow_on_one_tensor_rank, 4, timeout=300)):
+        assert [took for took, _ in record] == [True, False, True], (rank, record)
+        assert [unchanged for _, unchanged in record] == [False, True, False], (rank, record)

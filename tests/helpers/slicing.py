@@ -333,3 +333,29 @@ def train_precision(precision: str, steps: int, data: int = 2, tensor: int = 2) 
     result = train(model, MODELS["gpt"], steps, 8, rank=mesh["data"].get_local_rank(), world_size=data,
                    optimizer=optimizer, all_reduce_loss=_average)
     return result.losses, {str(p.dtype) for p in model.parameters()}
+
+
+def fp16_overflow_on_one_tensor_rank() -> list[tuple[bool, bool]]:
+    """2 x 2, fp16 with sw.LossScaler; in step 1 only global rank 1 (tensor rank 1 of data rank 0)
+    sees an inf: every rank must skip that step. Per step: (step taken, parameters unchanged)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+    model = sw.slice(build("gpt"), group=mesh)
+    sw.shard(model, strategy="zero2", units=MODELS["gpt"].unit_class, precision="fp16",
+             process_group=mesh["data"].get_group())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = sw.LossScaler(model, init_scale=1024.0)
+    record = []
+    for step in range(3):
+        x, y = MODELS["gpt"].make_batch(torch.Generator().manual_seed(step), 8)
+        rows = slice(mesh["data"].get_local_rank() * 4, mesh["data"].get_local_rank() * 4 + 4)
+        scaler.scale(model(x[rows], y[rows])).backward()
+        if step == 1 and dist.get_rank() == 1:
+            next(p for p in model.parameters() if p.grad is not None and getattr(p, "_sw_slice", None)).grad[0] = \
+                float("inf")
+        before = sw.full_parameters(model)
+        took = scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        after = sw.full_parameters(model)
+        record.append((took, all(torch.equal(before[n], after[n]) for n in before)))
+    return record
