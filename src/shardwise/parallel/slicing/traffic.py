@@ -90,53 +90,57 @@ def predict_gpt(vocab: int, d_model: int, n_layers: int, mlp_ratio: int, seq: in
 @contextmanager
 def count_collectives(tensor_group=None):
     """Count payload bytes of every collective this rank issues inside the block (Note [traffic
-    model]); yields a `Traffic` filled as they run. Collectives on `tensor_group` are the slices'
-    all-reduces; float all-gathers and reduce-scatters on other groups are the engine's."""
+    model]); yields a `Traffic` filled as they run. A collective on `tensor_group` is the slices';
+    a floating-point one on any other group is the engine's data-axis traffic, whatever form the
+    engine gives it (an all-gather, or one broadcast per rank; a reduce-scatter, or an all-reduce
+    of which each rank keeps its rows): gathers add up to the gathered size, reductions to the
+    reduced buffer's. Integer collectives (the engine's agreements) go to `other`."""
     traffic = Traffic()
     tensor_ranks = dist.get_process_group_ranks(tensor_group) if tensor_group is not None else None
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single", "reduce_scatter_single",
-                                                   "all_gather", "broadcast")}
+    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather", "broadcast")
+    real = {name: getattr(dist, name) for name in names}
 
-    def on_tensor(group) -> bool:
-        return tensor_ranks is not None and group is not None and dist.get_process_group_ranks(group) == tensor_ranks
-
-    def size(group) -> int:
-        return dist.get_world_size(group)
-
-    def all_reduce(tensor, *args, group=None, **kwargs):
-        nbytes = tensor.numel() * tensor.element_size()
-        traffic.calls["all_reduce"] += 1
-        if on_tensor(group):
+    def record(kind: str, nbytes: int, group, floating: bool) -> None:
+        size = dist.get_world_size(group)
+        on_tensor = tensor_ranks is not None and group is not None and \
+            dist.get_process_group_ranks(group) == tensor_ranks
+        if on_tensor:
+            traffic.calls["tensor_all_reduce"] += 1
             traffic.tensor_reduce += nbytes
-            traffic.wire_bytes += nbytes * 2 * (size(group) - 1) / size(group)
+            traffic.wire_bytes += nbytes * 2 * (size - 1) / size
+        elif floating and kind in ("gather", "broadcast"):
+            traffic.calls["data_" + kind] += 1
+            traffic.data_gather += nbytes
+            traffic.wire_bytes += nbytes * (size - 1) / size
+        elif floating:
+            traffic.calls["data_" + kind] += 1
+            traffic.data_reduce += nbytes
+            traffic.wire_bytes += nbytes * (2 if kind == "all_reduce" else 1) * (size - 1) / size
         else:
             traffic.other += nbytes
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        record("all_reduce", nbytes(tensor), group, tensor.is_floating_point())
         return real["all_reduce"](tensor, *args, group=group, **kwargs)
 
     def all_gather_single(output, input, *args, group=None, **kwargs):
-        nbytes = output.numel() * output.element_size()
-        traffic.calls["all_gather"] += 1
-        if input.is_floating_point():
-            traffic.data_gather += nbytes
-            traffic.wire_bytes += nbytes * (size(group) - 1) / size(group)
-        else:
-            traffic.other += nbytes
+        record("gather", nbytes(output), group, input.is_floating_point())
         return real["all_gather_single"](output, input, *args, group=group, **kwargs)
 
     def reduce_scatter_single(output, input, *args, group=None, **kwargs):
-        nbytes = input.numel() * input.element_size()
-        traffic.calls["reduce_scatter"] += 1
-        traffic.data_reduce += nbytes
-        traffic.wire_bytes += nbytes * (size(group) - 1) / size(group)
+        record("reduce_scatter", nbytes(input), group, input.is_floating_point())
         return real["reduce_scatter_single"](output, input, *args, group=group, **kwargs)
 
-    def all_gather(outputs, tensor, *args, **kwargs):
-        traffic.other += sum(t.numel() * t.element_size() for t in outputs)
-        return real["all_gather"](outputs, tensor, *args, **kwargs)
+    def all_gather(outputs, tensor, *args, group=None, **kwargs):
+        record("gather", sum(nbytes(t) for t in outputs), group, tensor.is_floating_point())
+        return real["all_gather"](outputs, tensor, *args, group=group, **kwargs)
 
-    def broadcast(tensor, *args, **kwargs):
-        traffic.other += tensor.numel() * tensor.element_size()
-        return real["broadcast"](tensor, *args, **kwargs)
+    def broadcast(tensor, *args, group=None, **kwargs):
+        record("broadcast", nbytes(tensor), group, tensor.is_floating_point())
+        return real["broadcast"](tensor, *args, group=group, **kwargs)
 
     patched = {"all_reduce": all_reduce, "all_gather_single": all_gather_single,
                "reduce_scatter_single": reduce_scatter_single, "all_gather": all_gather, "broadcast": broadcast}
