@@ -28,7 +28,7 @@ from shardwise.engine.precision import LossScaler
 from shardwise.engine.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
-from shardwise.parallel import HogwildResult, hogwild
+from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits, hogwild, slice, sliced_cross_entropy
 from shardwise.sampler import ResumableSampler
 
 __all__ = [
@@ -46,6 +46,8 @@ __all__ = [
     "ShardInfo",
     "ShardwiseError",
     "ShardwiseWarning",
+    "Slice",
+    "SlicedLogits",
     "UnitTable",
     "__version__",
     "clip_grad_norm_",
@@ -56,6 +58,7 @@ __all__ = [
     "export",
     "full_parameters",
     "full_state_dict",
+    "gather_logits",
     "get_rank",
     "get_world_size",
     "hogwild",
@@ -72,4 +75,6 @@ __all__ = [
     "shard",
     "shard_info",
     "shutdown",
+    "slice",
+    "sliced_cross_entropy",
 ]

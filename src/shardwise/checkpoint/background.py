@@ -63,7 +63,7 @@ def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = Non
     written while training goes on (Note [background save]). Same arguments as `sw.save`;
     returns a `PendingSave` (`.wait()`, `.done()`, `.path`)."""
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
-    pending = PendingSave(_host_copy(job), _checkpoint_group(model))
+    pending = PendingSave(_host_copy(job), _checkpoint_group(job.model))  # job.model: a sliced model's view
     _background.append(pending)
     return pending
 

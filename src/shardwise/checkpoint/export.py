@@ -28,6 +28,9 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     re-ties them. `duplicate_tied=True` stores every name (the tied bytes once per
     name), for a plain strict `load_state_dict`. Returns `path`.
     """
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: whole tensors (Note [unsliced view])
+    if slicing is not None:
+        model = slicing.checkpoint_view(model).model
     group, rank, world = group_of(model)
     path = Path(path).absolute()
     sharded = is_sharded(model)
@@ -104,6 +107,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
     other ranks get an empty dict unless `rank0_only=False`, which gives every rank the
     whole state (one all-gather per parameter). `only(name)` keeps the parameters it is true
     for (and no buffers): a PEFT model's adapters, without gathering its base."""
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: whole tensors (Note [unsliced view])
+    if slicing is not None:
+        model = slicing.checkpoint_view(model).model
     group, rank, world = group_of(model)
     sharded = is_sharded(model)
     out: dict[str, torch.Tensor] = {}

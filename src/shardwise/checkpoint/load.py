@@ -37,6 +37,13 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     `restore_rng` says otherwise. Objects passed as keywords (`sampler=...`) get the
     state saved under the same keyword.
     """
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: load whole tensors (Note [unsliced view])
+    if slicing is not None:
+        view = slicing.checkpoint_view(model, optim, fill=False)
+        report = load(path, view.model, view.optim, scheduler, strict=strict, rename=rename,
+                      restore_rng=restore_rng, **objects)
+        view.write_back()
+        return report
     group, rank, world = group_of(model)
     source, report, error = None, None, None
     try:

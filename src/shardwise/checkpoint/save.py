@@ -93,7 +93,7 @@ def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     refused. Returns `path`.
     """
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
-    complete(job, group_of(model)[0])
+    complete(job, group_of(job.model)[0])  # job.model: the unsliced view of a sliced model
     return job.path
 
 
@@ -102,6 +102,10 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here)."""
     wait_for_background_save()
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: save its whole tensors (Note [unsliced view])
+    if slicing is not None:
+        view = slicing.checkpoint_view(model, optim)
+        model, optim = view.model, view.optim
     if keep_last is not None and keep_last < 1:
         raise ShardwiseError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
     group, rank, world = group_of(model)

@@ -73,6 +73,9 @@ def shard(
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
+    slicing = getattr(model, "_sw_slicing", None)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
+    if slicing is not None:
+        slicing.check_data_group(group)
     if config.frozen is not None:
         place_frozen_on_host(model, config.frozen, group)  # before any strategy sees the parameters
     if config.strategy == "ddp":

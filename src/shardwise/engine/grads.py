@@ -37,6 +37,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             "before the global norm existed, so there is nothing left to clip. Clip without "
             "optimizer_in_backward (Note [optimizer in backward])."
         )
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: Note [sliced norm] (parallel/slicing)
+    if slicing is not None:
+        return slicing.clip_grad_norm_(model, max_norm, norm_type)
     if engine is not None and hasattr(engine, "units"):  # zero: each rank holds some gradient rows
         grads = [s.grad for u in engine.units for s in u.shard_params if s.grad is not None]
         return _clip_sharded(grads, max_norm, float(norm_type), engine.group)

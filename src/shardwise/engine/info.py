@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.engine.host_param import is_host_shared
+from shardwise.errors import ShardwiseError
 
 
 def engine_of(model: nn.Module):
@@ -24,14 +25,17 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's full value under its original name, on every rank (a copy).
 
     For a sharded model this gathers the rows of all ranks, so it is a collective:
-    call it on every rank. Meant for tests and small models; checkpoints stream instead.
+    call it on every rank. A sliced model's (`sw.slice`) slices are gathered over its tensor
+    group too. Meant for tests and small models; checkpoints stream instead.
     """
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "full_parameters"):
         full = engine.full_parameters()  # the units' parameters; host-shared ones are whole on every rank
         full.update({name: p.detach().clone() for name, p in model.named_parameters() if is_host_shared(p)})
-        return full
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    else:
+        full = {name: p.detach().clone() for name, p in model.named_parameters()}
+    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: gather the slices too (a collective)
+    return slicing.unslice(model, full) if slicing is not None else full
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,10 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
 
     Host-shared frozen weights (`frozen="host"`, Note [host copy]) are left out: checkpoints and
     exports hold what the strategy trains; the frozen base is the file every rank maps."""
+    if getattr(model, "_sw_slicing", None) is not None:
+        raise ShardwiseError("this model is sliced (sw.slice): its parameters hold slices, not rows of the full "
+                             "tensors. sw.save, sw.load, sw.export and sw.full_state_dict handle sliced models; "
+                             "other tools need sw.full_state_dict(model) first")
     engine = engine_of(model)
     if engine is not None and hasattr(engine, "shard_info"):
         return engine.shard_info()

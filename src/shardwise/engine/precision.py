@@ -47,6 +47,8 @@ class LossScaler:
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
         state = getattr(model, "_shardwise", None)
         self.group = getattr(state, "group", None) or getattr(state, "process_group", None)
+        if getattr(model, "_sw_slicing", None) is not None:  # sliced (sw.slice): tensor ranks hold other
+            self.group = None  # gradients than their data group's, so the whole mesh (the world) agrees
         self.model = model
         self.scale_value = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor

@@ -93,12 +93,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
     def _attend(self, x: Tensor) -> Tensor:
-        batch, seq, d_model = x.shape
-        # (batch, seq, 3*d) -> three tensors of (batch, heads, seq, head_dim)
-        q, k, v = self.qkv(x).split(d_model, dim=2)
+        batch, seq, _ = x.shape
+        # (batch, seq, 3*width) -> three tensors of (batch, heads, seq, head_dim). The width is read
+        # from qkv's output, not from x: a sliced block holds only its own heads (sw.slice).
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.attn_proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.attn_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPT(nn.Module):
@@ -140,6 +141,15 @@ class GPT(nn.Module):
             return logits
         # Mean over every token: equal-size batch slices average to the full-batch loss.
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def slice_plan(self) -> dict[str, str]:
+        """How `sw.slice` cuts this model across a tensor group: the tied embedding/head by vocabulary,
+        q/k/v (one fused Linear, three parts) by heads and the attention output back, the MLP's up
+        projection by features and its down projection back; each block's head count divided."""
+        heads = self.cfg.n_heads
+        return {"tok_emb": "vocab", "head": "vocab", "blocks.*": "divide(n_heads)",
+                "blocks.*.qkv": f"colwise(parts=3, heads={heads})", "blocks.*.attn_proj": f"rowwise(heads={heads})",
+                "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
     def pipeline_layers(self) -> list[nn.Module]:
         """Embedding, one layer per block, head: the chain the pipeline cuts into stages."""

@@ -1,0 +1,40 @@
+"""`sw.clip_grad_norm_` on a sliced model: the norm over whole gradients, from slices and shards.
+
+Note [sliced norm]: a sliced parameter's gradient is spread over the tensor group (each rank
+its slice) and, under zero3, over the data group (each rank its rows of the slice); a
+parameter no plan slices (a norm, a row-sliced layer's bias) has the same gradient on every
+tensor rank. So the squared norm is this rank's sum over sliced gradients' rows plus, on
+tensor rank 0 only, its unsliced gradients' rows, summed over every rank of the mesh (over
+the tensor group alone when no engine shards the data axis: replicas hold equal gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.engine import engine_of
+
+
+def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale every gradient so the global norm is at most `max_norm`; return the norm before (Note [sliced norm])."""
+    engine = engine_of(model)
+    if engine is not None and hasattr(engine, "units"):
+        params, group = [s for u in engine.units for s in u.shard_params], dist.group.WORLD
+    else:
+        params, group = list(model.parameters()), slicing.group
+    grads = [(p.grad, getattr(p, "_sw_slice", None) is not None) for p in params if p.grad is not None]
+    counted = [g for g, sliced in grads if sliced or slicing.rank == 0]
+    norm_type = float(norm_type)
+    if norm_type == float("inf"):
+        total = max((g.abs().max() for g, _ in grads), default=torch.tensor(0.0)).clone().float()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.tensor(0.0, dtype=torch.float64))
+        dist.all_reduce(local, group=group)
+        total = local.pow(1.0 / norm_type).float()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
+    for grad, _ in grads:
+        grad.mul_(coefficient.to(grad.dtype))
+    return total
