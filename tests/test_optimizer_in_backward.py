@@ -62,6 +62,10 @@ def test_no_gradient_outlives_the_backward(ranks):
         assert changed and changed == after_step, (changed, after_step)
 
 
+class _OwnAdamW(torch.optim.AdamW):
+    """An optimizer from outside torch.optim: optimizer_in_backward cannot know it is per-parameter."""
+
+
 def _error_of(case):
     spec, model = _model()
     optimizer = make_optimizer(model)
@@ -73,18 +77,37 @@ def _error_of(case):
             plain = build("gpt")
             sw.shard(plain, strategy="ddp")
             sw.optimizer_in_backward(plain, optimizer)
+        elif case == "own optimizer":
+            sw.optimizer_in_backward(model, _OwnAdamW(model.parameters()))
+        elif case == "scaler first":
+            sw.LossScaler(model)
         sw.optimizer_in_backward(model, optimizer)
+        if case == "scaler after":
+            sw.LossScaler(model)
         if case == "penalty before forward":
             # autograd reaches these terms last, after the units were stepped (a linear term: one
             # that saved the parameters would instead stop at torch's in-place-modification check)
             penalty = 1e-3 * sum(p.sum() for p in model.parameters())
             (penalty + model(x, y)).backward()
+        elif case == "two backwards, one step":  # accumulation without sw.no_sync
+            model(x, y).backward()
+            model(x, y).backward()
+        elif case == "new optimizer":
+            model(x, y).backward()
+            optimizer = make_optimizer(model)  # never passed to optimizer_in_backward
+            optimizer.step()
+            model(x, y).backward()
         else:
             model(x, y).backward()
         if case == "sw clip":
             sw.clip_grad_norm_(model, 1.0)
         elif case == "torch clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        elif case == "torch clip value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+        elif case == "lr set after backward":
+            optimizer.param_groups[0]["lr"] *= 0.5
+        optimizer.step()
     except sw.ShardwiseError as error:
         return str(error)
     return None
@@ -93,15 +116,44 @@ def _error_of(case):
 @pytest.mark.parametrize("case, words", [
     ("sw clip", "nothing left to clip"),
     ("torch clip", "nothing left to clip"),
+    ("torch clip value", "nothing left to clip"),
     ("penalty before forward", "stepped twice"),
+    ("two backwards, one step", "second backward before optimizer.step()"),
+    ("new optimizer", "second backward before optimizer.step()"),
+    ("lr set after backward", "settings (lr"),
     ("no optimizer param", "does not hold the trainable parameter"),
+    ("own optimizer", "any_optimizer=True"),
+    ("scaler first", "loss scaler"),
+    ("scaler after", "loss scaler"),
     ("ddp", "strategy='zero1'"),
 ])
 def test_what_cannot_be_exact_is_refused_on_every_rank(ranks, case, words):
-    """Catches a clip that silently clips nothing, a shard stepped twice, a parameter no
-    optimizer steps, and the option on a model it cannot serve."""
+    """Catches a clip that silently clips nothing, a shard stepped twice (a late gradient, two
+    synced backwards per step, a step() that reaches another optimizer), settings that came too
+    late, a parameter no optimizer steps, an optimizer or scaler it cannot serve exactly."""
     for message in ranks.run(_error_of, 2, case):
         assert message is not None and words in message, (case, message)
+
+
+def _two_phases():
+    """A new optimizer passed again (a second phase) is stepped; a plain loop keeps working."""
+    spec, model = _model()
+    first = make_optimizer(model)
+    sw.optimizer_in_backward(model, first)
+    x, y = _batch(spec)
+    model(x, y).backward()
+    first.step()
+    second = make_optimizer(model)
+    sw.optimizer_in_backward(model, second)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model(x, y).backward()
+    second.step()
+    return sum(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_new_optimizer_passed_again_takes_over(ranks):
+    for changed in ranks.run(_two_phases, 2):
+        assert changed > 0
 
 
 def _fp16_error():

@@ -35,7 +35,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise ShardwiseError(
             "sw.clip_grad_norm_ with sw.optimizer_in_backward: each unit was already stepped during backward, "
             "before the global norm existed, so there is nothing left to clip. Clip without "
-            "optimizer_in_backward (Note [optimizer in backward])."
+            "optimizer_in_backward, or turn clipping off (Trainer: TrainingArguments(max_grad_norm=0); "
+            "Lightning: gradient_clip_val=None) (Note [optimizer in backward])."
         )
     slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: Note [sliced norm] (parallel/slicing)
     if slicing is not None:

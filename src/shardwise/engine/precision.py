@@ -15,6 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.engine.step_in_backward import NO_SCALING
+from shardwise.errors import ShardwiseError
+
 
 def cast_floating_inputs(dtype: torch.dtype):
     """A forward pre-hook (with kwargs) casting floating inputs to `dtype`, as FSDP2 casts
@@ -49,6 +52,9 @@ class LossScaler:
         self.group = getattr(state, "group", None) or getattr(state, "process_group", None)
         if getattr(model, "_sw_slicing", None) is not None:  # sliced (sw.slice): tensor ranks hold other
             self.group = None  # gradients than their data group's, so the whole mesh (the world) agrees
+        if getattr(getattr(state, "reducer", None), "stepper", None) is not None:
+            raise ShardwiseError(NO_SCALING)
+        model._sw_loss_scaler = True  # read by sw.optimizer_in_backward, which refuses it
         self.model = model
         self.scale_value = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor

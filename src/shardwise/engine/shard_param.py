@@ -44,6 +44,8 @@ _set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds 
 _get_grad, _set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
 _TORCH_CLIPS = {inspect.unwrap(torch.nn.utils.clip_grad_norm_).__code__: "clip_grad_norm_",
                 inspect.unwrap(torch.nn.utils.clip_grads_with_norm_).__code__: "clip_grads_with_norm_"}
+# Exact on shards, but with sw.optimizer_in_backward it would find no gradient left to clip.
+_AFTER_STEP_CLIPS = {**_TORCH_CLIPS, inspect.unwrap(torch.nn.utils.clip_grad_value_).__code__: "clip_grad_value_"}
 
 
 class ShardParameter(nn.Parameter):
@@ -70,8 +72,9 @@ class ShardParameter(nn.Parameter):
         caller = sys._getframe(1)
         if caller.f_code.co_name == "<listcomp>":  # Python 3.11 gives comprehensions a frame
             caller = caller.f_back
-        function = _TORCH_CLIPS.get(caller.f_code) if caller is not None else None
-        if function is not None and getattr(getattr(self, "_sw_unit", None), "optimizer_in_backward", False):
+        stepped = getattr(getattr(self, "_sw_unit", None), "optimizer_in_backward", False)
+        function = (_AFTER_STEP_CLIPS if stepped else _TORCH_CLIPS).get(caller.f_code) if caller is not None else None
+        if function is not None and stepped:
             raise ShardwiseError(
                 f"torch.nn.utils.{function} with sw.optimizer_in_backward: every unit was stepped during "
                 "backward and its gradient dropped, so there is nothing left to clip. Clip without "

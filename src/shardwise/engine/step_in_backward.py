@@ -30,59 +30,126 @@ from torch import nn
 from shardwise.engine.info import engine_of
 from shardwise.errors import ShardwiseError
 
+NO_SCALING = ("sw.optimizer_in_backward with a loss scaler: each unit is stepped during backward, before "
+               "the scaler could unscale its gradients or skip an overflowing step. Use precision='bf16' or "
+               "'fp32' without a scaler, or no optimizer_in_backward.")
+
 
 class UnitStepper:
-    """Steps units for the Reducer (`after_reduce`) and checks the end of each backward."""
+    """Steps units for the Reducer (`after_reduce`) and keeps each synced backward paired with
+    one `optimizer.step()` of the user's (Note [one backward, one step]).
+
+    Note [one backward, one step]: every synced backward steps the model, so a second one
+    before the user's `step()` (micro-batches accumulated without sw.no_sync, two losses
+    backwarded apart, a new optimizer whose step() reaches nothing) would step twice. Errors
+    are raised where they stop the next update before it happens and leave the engine's
+    window closed: at the user's `step()`, or at the next backward's first unit, before any
+    step of it. Settings changed between backward and `step()` (an lr set there) would have
+    reached the units too late: also an error at `step()`."""
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer):
         self.engine, self.optimizer = engine, optimizer
-        self.stepped: list = []  # shards stepped in this backward
+        self.stepped: list = []  # shards stepped (or being stepped) in this backward
+        self.inside = False  # our own per-unit step(): not the user's
+        self.awaiting_step = False  # a synced backward ran; the user's step() has not
+        self.pending_error: str | None = None
+        self.settings: list[dict] | None = None  # the groups' options the units were stepped with
+        self.hook = optimizer.register_step_pre_hook(self.before_user_step)
 
     def after_reduce(self, unit) -> None:
+        if not self.stepped:  # this backward's first unit: nothing stepped yet
+            self._raise_pending()
+            if self.awaiting_step:
+                raise ShardwiseError(
+                    "a second backward before optimizer.step() with sw.optimizer_in_backward: each synced "
+                    "backward steps the model, so this one would step it again. Accumulate micro-batches "
+                    "under sw.no_sync(model) (the last backward outside it), call optimizer.step() after every "
+                    "synced backward, and if you built a new optimizer, pass it to sw.optimizer_in_backward "
+                    "again. Nothing of this backward was applied."
+                )
         shards = [shard for shard in unit.shard_params if shard.grad is not None]
         if not shards:
             return
+        self.stepped += shards  # before step(): a step that raises midway still counts
         keep = {id(shard) for shard in shards}
         groups = self.optimizer.param_groups
         saved = [group["params"] for group in groups]
+        self.inside = True
         try:
             for group in groups:
                 group["params"] = [param for param in group["params"] if id(param) in keep]
             self.optimizer.step()
         finally:
+            self.inside = False
             for group, params in zip(groups, saved):
                 group["params"] = params
         for shard in shards:
             shard.grad = None  # the point: no gradient outlives its unit's step
-        self.stepped += shards
+        self.settings = _settings(self.optimizer)
 
     def after_backward(self) -> None:
+        """The synced backward finished (the engine's window closes whatever this finds)."""
         late = [shard for shard in self.stepped if shard.grad is not None]
         self.stepped = []
+        self.awaiting_step = True
         if late:
-            raise ShardwiseError(
+            self.pending_error = (
                 f"a gradient reached {len(late)} parameter shard(s) after sw.optimizer_in_backward stepped them "
-                "in this backward (a loss term that reads model.parameters() outside the forward, e.g. a weight "
-                "penalty): they would be stepped twice. The model now holds this step's update without that "
-                "term. Add such terms to the loss through the model's forward, or do not use "
-                "optimizer_in_backward; reload the last checkpoint."
+                "in the last backward (a loss term that reads model.parameters() outside the forward, e.g. a "
+                "weight penalty): they would be stepped twice. The model holds that step's update without the "
+                "term. Add such terms through the model's forward, or do not use optimizer_in_backward; reload "
+                "the last checkpoint."
             )
 
     def after_abandon(self) -> None:
         if self.stepped:
             self.stepped = []
-            raise ShardwiseError(
+            self.pending_error = (
                 "a backward raised after sw.optimizer_in_backward had stepped some units: the model is partly "
                 "updated by that step. Reload the last checkpoint (sw.load) before training on, or do not use "
                 "optimizer_in_backward where a backward may fail."
             )
 
+    def before_user_step(self, optimizer, args, kwargs) -> None:
+        if self.inside:
+            return
+        self._raise_pending()
+        if self.awaiting_step and self.settings is not None and _settings(optimizer) != self.settings:
+            self.awaiting_step = False
+            raise ShardwiseError(
+                "the optimizer's settings (lr, weight decay, ...) changed between backward and optimizer.step() "
+                "with sw.optimizer_in_backward: the units were already stepped during backward with the old "
+                "ones. Set them before the backward (scheduler.step() after optimizer.step(), as torch orders it)."
+            )
+        self.awaiting_step = False
 
-def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _raise_pending(self) -> None:
+        if self.pending_error is not None:
+            message, self.pending_error = self.pending_error, None
+            raise ShardwiseError(message)
+
+
+def steps_in_backward(model: nn.Module) -> bool:
+    """Whether sw.optimizer_in_backward steps this model's units."""
+    return getattr(getattr(engine_of(model), "reducer", None), "stepper", None) is not None
+
+
+def _settings(optimizer) -> list[dict]:
+    """The groups' options but their parameters, comparable with == (tensors as plain values)."""
+    return [{key: value.tolist() if isinstance(value, torch.Tensor) else value
+             for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                          any_optimizer: bool = False) -> None:
     """Step `optimizer` on each unit's shards as soon as their gradients are reduced, and drop
-    the gradients (Note [optimizer in backward]); keep calling `optimizer.step()` and
-    `zero_grad()` as usual. Saves 4 bytes per parameter / N of memory; refuses gradient
-    clipping and fp16 loss scaling."""
+    the gradients (Note [optimizer in backward]); keep calling `optimizer.step()` (once after
+    each synced backward) and `zero_grad()` as usual. Saves 4 bytes per parameter / N of memory
+    under zero2/zero3; refuses gradient clipping and loss scaling.
+
+    Exact for torch.optim's optimizers, whose update of a parameter reads only that parameter's
+    gradient and state; `any_optimizer=True` accepts another one you know to be such (not one
+    with group-level counters, global norms, step hooks or a closure)."""
     engine = engine_of(model)
     if engine is None or not hasattr(engine, "reducer"):
         raise ShardwiseError(
@@ -94,6 +161,17 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer) ->
             "sw.optimizer_in_backward cannot unscale fp16 gradients before each unit's step (the loss "
             "scale is known only after every gradient): use precision='bf16', or no optimizer_in_backward."
         )
+    kind = type(optimizer)
+    if not any_optimizer and (not kind.__module__.startswith("torch.optim.") or kind is torch.optim.LBFGS
+                              or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+        raise ShardwiseError(
+            f"sw.optimizer_in_backward steps {kind.__name__} once per unit: exact only for an optimizer whose "
+            "update of a parameter reads that parameter's gradient and state alone, without a closure or step "
+            "hooks of its own (torch.optim's AdamW, Adam, SGD, ...). Use one of those, or pass "
+            "any_optimizer=True if yours is such."
+        )
+    if getattr(model, "_sw_loss_scaler", False):
+        raise ShardwiseError(NO_SCALING)
     held = {id(param) for group in optimizer.param_groups for param in group["params"]}
     for unit in engine.units:
         for shard, layout in zip(unit.shard_params, unit.layouts):
@@ -103,6 +181,8 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer) ->
                     "with optimizer_in_backward one optimizer steps every trainable parameter. Build it from "
                     "model.parameters() after sw.shard(...), or freeze what it should not train."
                 )
+    if engine.reducer.stepper is not None:  # a new optimizer: the old one is no longer stepped here
+        engine.reducer.stepper.hook.remove()
     stepper = UnitStepper(engine, optimizer)
     engine.reducer.stepper = stepper
     for unit in engine.units:

@@ -30,6 +30,7 @@ from shardwise.checkpoint.export import full_state_dict
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.save import save
 from shardwise.engine.grads import clip_grad_norm_
+from shardwise.engine.step_in_backward import steps_in_backward
 from shardwise.errors import ShardwiseError
 from shardwise.integrations.prepared import mark_prepared
 
@@ -49,6 +50,8 @@ class ShardwiseTrainer(transformers.Trainer):
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and steps_in_backward(self.model):
+            return None  # each unit was stepped in backward: no gradient left to measure (none logged)
         if grad_norm is None:
             grad_norm = clip_grad_norm_(self.model, float("inf"))  # the norm, nothing clipped
         return super()._get_grad_norm(model, grad_norm)
