@@ -75,14 +75,14 @@ def new_reduce_group(group) -> dist.ProcessGroup:
 
 
 # Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast
-# and all-reduce (one thread per rank, loopback, median of 5 interleaved rounds, ms;
-# `python bench/collectives.py`, bench/results/collectives.md):
+# and all-reduce (one thread per rank, loopback, interleaved rounds, ms;
+# `python bench/collectives.py`, bench/results/collectives.md, median of 7 on a quiet machine):
 #
 #   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows
-#     2     1      1.3         0.6        |       4.3              1.8
-#     2    64    107.7        25.0        |     118.5             60.0
-#     4     1      6.8         4.4        |       7.7              9.9
-#     4    64    221.4        87.6        |     340.9            182.7
+#     2     1      1.5         0.8        |       1.9              1.6
+#     2    64     79.9        23.3        |     111.4             62.1
+#     4     1      2.5         2.4        |       4.0              5.7
+#     4    64    132.2        45.1        |     201.1            109.3
 #
 # So on gloo a gather is one asynchronous broadcast per rank, each from the rank whose rows it
 # carries, and a reduce-scatter whose rows per rank reach ALL_REDUCE_FROM_BYTES an all-reduce of
