@@ -93,6 +93,20 @@ MUTATIONS = [
     ("torch's clip_grads_with_norm_ not refused on shards", "engine/shard_param.py",
      "                inspect.unwrap(torch.nn.utils.clip_grads_with_norm_).__code__: \"clip_grads_with_norm_\"}",
      "}", "tests/test_misuse.py -k clip"),
+    ("gloo all-reduce form keeps rank 0's rows, not this rank's", "engine/collectives.py",
+     "finish=lambda summed: summed.view(world_size, -1)[rank] / world_size)",
+     "finish=lambda summed: summed.view(world_size, -1)[0] / world_size)",
+     "tests/test_zero_parity.py -k 'all_reduce and gpt and zero2 and 2'"),
+    ("gloo gather broadcasts every row from rank 0", "engine/collectives.py",
+     "works = [dist.broadcast(rows, src=dist.get_global_rank(group, rank), group=group, async_op=True)",
+     "works = [dist.broadcast(rows, src=dist.get_global_rank(group, 0), group=group, async_op=True)",
+     "tests/test_zero_parity.py -k 'single_process and gpt and zero3 and 2'"),
+    ("optimizer in backward keeps each gradient after its unit's step", "engine/step_in_backward.py",
+     "            shard.grad = None  # the point", "            pass  # the point",
+     "tests/test_optimizer_in_backward.py -k 'zero2 and gpt'"),
+    ("optimizer in backward lets a second synced backward step again", "engine/step_in_backward.py",
+     "            if self.awaiting_step:", "            if False:",
+     "tests/test_optimizer_in_backward.py -k 'refused and backwards'"),
 ]
 
 
