@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine.info import engine_of
+from shardwise.engine.step_in_backward import steps_in_backward
 from shardwise.errors import ShardwiseError
 
 
@@ -31,7 +32,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     process would compute.
     """
     engine = engine_of(model)
-    if engine is not None and getattr(getattr(engine, "reducer", None), "stepper", None) is not None:
+    if steps_in_backward(model):
         raise ShardwiseError(
             "sw.clip_grad_norm_ with sw.optimizer_in_backward: each unit was already stepped during backward, "
             "before the global norm existed, so there is nothing left to clip. Clip without "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from shardwise.engine.step_in_backward import NO_SCALING
+from shardwise.engine.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.errors import ShardwiseError
 
 
@@ -52,7 +52,7 @@ class LossScaler:
         self.group = getattr(state, "group", None) or getattr(state, "process_group", None)
         if getattr(model, "_sw_slicing", None) is not None:  # sliced (sw.slice): tensor ranks hold other
             self.group = None  # gradients than their data group's, so the whole mesh (the world) agrees
-        if getattr(getattr(state, "reducer", None), "stepper", None) is not None:
+        if steps_in_backward(model):
             raise ShardwiseError(NO_SCALING)
         model._sw_loss_scaler = True  # read by sw.optimizer_in_backward, which refuses it
         self.model = model

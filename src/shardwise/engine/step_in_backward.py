@@ -85,11 +85,12 @@ class UnitStepper:
                 group["params"] = params
         for shard in shards:
             shard.grad = None  # the point: no gradient outlives its unit's step
-        self.settings = _settings(self.optimizer)
 
     def after_backward(self) -> None:
         """The synced backward finished (the engine's window closes whatever this finds)."""
         late = [shard for shard in self.stepped if shard.grad is not None]
+        if self.stepped:  # the options every unit of this backward was stepped with, taken once
+            self.settings = _settings(self.optimizer)
         self.stepped = []
         self.awaiting_step = True
         if late:
