@@ -8,11 +8,21 @@ from torch import Tensor
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
 from shardwise.engine.info import ShardInfo
+from shardwise.engine.whole_step import StepShape, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
 
 
 def optimizer_names(optim: torch.optim.Optimizer, infos: dict[str, ShardInfo]) -> dict[int, str]:
     """id(param) -> the model's (cleaned) name, for every param the optimizer holds."""
+    if sharded_params(optim) and step_shape(optim) is StepShape.WHOLE:
+        # Note [whole-tensor step]: its state is whole-shaped on one owner rank per parameter,
+        # which the row-sliced format cannot hold; refused on every rank, before any collective.
+        raise ShardwiseError(
+            f"sw.save/sw.load of a {type(optim).__name__}'s state on a sharded model is not supported yet: it "
+            "steps whole tensors on one owner rank each (Note [whole-tensor step]), and checkpoints hold "
+            "row-sliced state. Save the model alone (sw.save(path, model)) and rebuild the optimizer on "
+            "resume, or use an elementwise optimizer (AdamW, Adam, SGD, ...) whose state shards by rows."
+        )
     by_id = {id(info.param): clean_name(name) for name, info in infos.items()}
     names = {}
     for index, group in enumerate(optim.param_groups):

@@ -28,8 +28,9 @@ def no_sync(model: nn.Module):
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before clipping.
 
-    The norm is over the whole model's gradients on all ranks, the same number a single
-    process would compute.
+    The norm is over the whole model's gradients on all ranks, with torch's arithmetic: one norm
+    per tensor in the gradients' dtype, then the norm of those norms (Note [clip arithmetic]);
+    at one rank it equals `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` bitwise.
     """
     engine = engine_of(model)
     if steps_in_backward(model):
@@ -43,7 +44,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if slicing is not None:
         return slicing.clip_grad_norm_(model, max_norm, norm_type)
     if engine is not None and hasattr(engine, "units"):  # zero: each rank holds some gradient rows
-        grads = [s.grad for u in engine.units for s in u.shard_params if s.grad is not None]
+        # model.parameters() order, as torch's clip_grad_norm_(model.parameters()) stacks its norms.
+        grads = [p.grad for p in model.parameters() if getattr(p, "_sw_unit", None) is not None
+                 and p.grad is not None]
         return _clip_sharded(grads, max_norm, float(norm_type), engine.group)
     # Unsharded and ddp: every rank holds the full, already-averaged gradients.
     grads = [p for p in model.parameters() if p.grad is not None]
@@ -51,17 +54,30 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _clip_sharded(grads: list[torch.Tensor], max_norm: float, norm_type: float, group) -> torch.Tensor:
-    """Global gradient norm over every rank's shards (padding rows are zero), then scale."""
-    if norm_type == float("inf"):
-        local = max((g.abs().max() for g in grads), default=torch.tensor(0.0)).clone().float()
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
+    """torch's arithmetic over every rank's rows (Note [clip arithmetic]), then scale."""
+    if not grads:
+        return torch.tensor(0.0)
+    if dist.get_world_size(group) == 1:  # the rows are the tensors: torch's own function, bitwise
+        total = torch.nn.utils.get_total_norm(grads, norm_type)
     else:
-        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.tensor(0.0, dtype=torch.float64))
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        total = local.pow(1.0 / norm_type).float()
-    # The same coefficient torch.nn.utils.clip_grad_norm_ computes, so results match it.
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.dtype))
+        total = _global_norm(grads, norm_type, group)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grads_with_norm_
+    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
     return total
+
+
+def _global_norm(grads: list[torch.Tensor], norm_type: float, group) -> torch.Tensor:
+    """Note [clip arithmetic]: torch takes one norm per tensor in the gradients' dtype, then the
+    norm of those norms. A tensor's norm over ranks is the p-norm of its rows' norms (padding
+    rows are zero), so each rank sends its rows' norms, raised to p, in one all-reduce; the
+    float64 sum of every element that shardwise used before ended 1.15e-4 from one process on
+    an OPT model after 5 clipped steps, where torch DDP ends 1.3e-6."""
+    local = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]).float()
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        per_tensor = local
+    else:
+        powered = local.pow(norm_type)
+        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+        per_tensor = powered.pow(1.0 / norm_type)
+    return torch.linalg.vector_norm(per_tensor, norm_type)

@@ -5,6 +5,8 @@ optimizer hooks are the one place that sees every step without an extra call to 
 - before a step: an optimizer still holding a parameter that `shard()` had to replace
   (deferred init, Note [kept parameter objects]) is refused, since it would step tensors
   the model no longer uses and train nothing;
+- before and after a step: an optimizer that reads parameters as whole tensors is stepped on
+  whole tensors, and one that couples tensors is refused (Note [whole-tensor step]);
 - after a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]).
@@ -14,7 +16,10 @@ from __future__ import annotations
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardwise.engine.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
+
+_WHOLE_STEPS: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
 
 _INSTALLED: list[bool] = []
 
@@ -22,10 +27,12 @@ _INSTALLED: list[bool] = []
 def watch_units(units) -> None:
     """Tie each unit's shards to the unit and install the global hooks once per process."""
     for unit in units:
-        for shard in unit.shard_params:
-            shard._sw_unit = unit
+        for shard, layout in zip(unit.shard_params, unit.layouts):
+            shard._sw_unit, shard._sw_layout = unit, layout
     if not _INSTALLED:
         register_optimizer_step_pre_hook(_refuse_replaced_params)
+        register_optimizer_step_pre_hook(_begin_whole_step)
+        register_optimizer_step_post_hook(_end_whole_step)
         register_optimizer_step_post_hook(_mark_stepped_units_stale)
         _INSTALLED.append(True)
 
@@ -50,3 +57,22 @@ def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:
         unit = getattr(param, "_sw_unit", None)
         if unit is not None:
             unit.stale = True
+
+
+def _begin_whole_step(optimizer, args, kwargs) -> None:
+    """Note [whole-tensor step]: only optimizers holding rows of a tensor sharded over ranks."""
+    if not sharded_params(optimizer):
+        return
+    shape = step_shape(optimizer)
+    if shape is StepShape.REFUSE:
+        refuse_coupled(optimizer)
+    if shape is StepShape.WHOLE:
+        step = WholeStep(optimizer)
+        step.begin()
+        _WHOLE_STEPS[id(optimizer)] = step
+
+
+def _end_whole_step(optimizer, args, kwargs) -> None:
+    step = _WHOLE_STEPS.pop(id(optimizer), None)
+    if step is not None:
+        step.end()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from shardwise.engine.info import engine_of
+from shardwise.engine.whole_step import StepShape, step_shape
 from shardwise.errors import ShardwiseError
 
 NO_SCALING = ("sw.optimizer_in_backward with a loss scaler: each unit is stepped during backward, before "
@@ -163,7 +164,9 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
             "scale is known only after every gradient): use precision='bf16', or no optimizer_in_backward."
         )
     kind = type(optimizer)
-    if not any_optimizer and (not kind.__module__.startswith("torch.optim.") or kind is torch.optim.LBFGS
+    # Only the elementwise classes: a whole-tensor one (Muon, Adafactor) needs its owner step
+    # (Note [whole-tensor step]), which cannot run one unit at a time inside backward.
+    if not any_optimizer and (step_shape(optimizer) is not StepShape.ROWS
                               or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
         raise ShardwiseError(
             f"sw.optimizer_in_backward steps {kind.__name__} once per unit: exact only for an optimizer whose "

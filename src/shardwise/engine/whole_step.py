@@ -1,0 +1,137 @@
+"""Which optimizers may step rows, and the whole-tensor step for every other one.
+
+Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
+for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
+...). Many read a parameter as a whole tensor: Muon (Newton-Schulz on the matrix), Adafactor
+(row and column statistics), LAMB/LARS (whole-tensor norms), Shampoo/SOAP (per-matrix
+preconditioners). Run on rows they train a different model without a word. The policy:
+
+- `ROWS`: the classes listed in `_ELEMENTWISE`, exactly (a subclass may override `step`), step
+  their rows as before: the fast path, optimizer state and work split by rows.
+- `REFUSE`: optimizers that couple tensors (LBFGS's dot products over every parameter, with a
+  closure re-running forward) are refused at their first step, on every rank, with the fix.
+- `WHOLE`: every other class, including one shardwise has never seen (a user's LAMB), is taken
+  to be per-tensor and is stepped on whole tensors. Each sharded parameter gets one owner rank
+  (balanced by size, the same on every rank, as ZeroRedundancyOptimizer partitions whole
+  parameters); before the step every rank all-gathers the parameter's rows and gradient rows and
+  the owner swaps the whole values into the Parameter object the optimizer holds, the others
+  hide its gradient so the optimizer skips it. After the step the owner broadcasts the updated
+  tensor and every rank writes back its rows. Optimizer state is thus split by parameter, full
+  shaped on its owner (what such optimizers need), and the result is one process's.
+
+The alternative shape, `Shard(0)` DTensor parameters between steps (FSDP2), was measured on the
+same cases (bench/whole_tensor.py, Note in DESIGN.md): it makes `p.norm()` global by construction
+but Muon's Newton-Schulz differs from one process by 1.6e-3 (distributed bf16 matmuls round
+differently) and `torch.optim.Adafactor` raises; the owner step is exact for both.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardwise.errors import ShardwiseError
+
+_set_data = torch._C.TensorBase.data.__set__  # rebinds storage and shape; keeps the Parameter object
+
+
+class StepShape(enum.Enum):
+    """How an optimizer's step must see a sharded parameter (Note [whole-tensor step])."""
+
+    ROWS = "rows"
+    WHOLE = "whole"
+    REFUSE = "refuse"
+
+
+_ELEMENTWISE = {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+                torch.optim.Rprop}
+_COUPLED = {torch.optim.LBFGS: "its line search takes dot products over every parameter at once and re-runs "
+                               "the forward through a closure"}
+
+
+def step_shape(optimizer) -> StepShape:
+    """ROWS for the elementwise classes shardwise knows, REFUSE for coupled ones, WHOLE otherwise."""
+    kind = type(optimizer)
+    if kind in _ELEMENTWISE:
+        return StepShape.ROWS
+    if kind in _COUPLED or any(base in _COUPLED for base in kind.__mro__):
+        return StepShape.REFUSE
+    return StepShape.WHOLE
+
+
+def sharded_params(optimizer) -> list:
+    """The optimizer's parameters that hold rows of a tensor sharded over more than one rank."""
+    return [param for group in optimizer.param_groups for param in group["params"]
+            if getattr(param, "_sw_unit", None) is not None and param._sw_unit.world_size > 1]
+
+
+def refuse_coupled(optimizer) -> None:
+    kind = type(optimizer)
+    reason = next(why for base, why in _COUPLED.items() if base in kind.__mro__)
+    raise ShardwiseError(
+        f"{kind.__name__} cannot step a sharded model: {reason}, and each rank holds only some rows. "
+        "Use a per-tensor optimizer (AdamW, Muon, Adafactor, ...: Note [whole-tensor step]), or train "
+        "with strategy='ddp', where every rank holds whole parameters."
+    )
+
+
+def _owners(params: list, world_size: int) -> list[int]:
+    """Each parameter's owner rank: the least loaded so far, by elements (identical on every rank)."""
+    load = [0] * world_size
+    owners = []
+    for param in params:
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
+        owners.append(owner)
+    return owners
+
+
+def _gather_whole(rows: Tensor, param) -> Tensor:
+    """Every rank's rows of one parameter, as the unpadded whole tensor."""
+    layout, unit = param._sw_layout, param._sw_unit
+    out = torch.empty((unit.world_size * rows.numel(),), dtype=rows.dtype, device=rows.device)
+    dist.all_gather_into_tensor(out, rows.detach().contiguous().reshape(-1), group=unit.group)
+    return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
+
+
+class WholeStep:
+    """One step of a WHOLE optimizer: `begin` before the optimizer's own step, `end` after."""
+
+    def __init__(self, optimizer):
+        self.params = sharded_params(optimizer)
+        world_size = self.params[0]._sw_unit.world_size if self.params else 1
+        self.owners = _owners(self.params, world_size)
+        self.saved: list[tuple[Tensor, Tensor | None]] = []  # each param's own rows and gradient rows
+
+    def begin(self) -> None:
+        for param, owner in zip(self.params, self.owners):
+            rows, grad = param.detach(), param.grad
+            unit = param._sw_unit
+            whole = _gather_whole(rows, param)
+            whole_grad = _gather_whole(grad, param) if grad is not None else None
+            self.saved.append((rows, grad))
+            if unit.rank == owner:
+                _set_data(param, whole)
+                param.grad = whole_grad
+            else:
+                param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
+
+    def end(self) -> None:
+        with torch.no_grad():
+            for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
+                unit, layout = param._sw_unit, param._sw_layout
+                whole = param.detach() if unit.rank == owner else torch.empty(
+                    layout.shape, dtype=rows.dtype, device=rows.device)
+                dist.broadcast(whole, src=dist.get_global_rank(unit.group, owner), group=unit.group)
+                param.grad = None  # the whole gradient goes first: a grad must match the data's shape
+                _set_data(param, rows)
+                param.grad = grad
+                flat = whole.reshape(-1)
+                start = min(unit.rank * layout.shard_numel, flat.numel())
+                own = flat[start : start + layout.shard_numel]
+                param.view(-1)[: own.numel()].copy_(own)
+        self.saved = []
