@@ -10,6 +10,7 @@ import shardwise as sw
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch
 
+
 def _clip_one_rank(strategy, name):
     spec = ZOO[name]
     x, y = global_batch(spec, 0, 8)
@@ -21,7 +22,8 @@ def _clip_one_rank(strategy, name):
     got = sw.clip_grad_norm_(sharded, 0.05)
     # At one rank a shard is the whole tensor; a 0-D parameter's shard has one row (shape [1]).
     full = {name: p.grad for name, p in plain.named_parameters()}
-    same = all(p.grad is full[name] is None or torch.equal(p.grad.reshape(-1), full[name].reshape(-1)) for name, p in sharded.named_parameters())
+    same = all(p.grad is full[name] is None or torch.equal(p.grad.reshape(-1), full[name].reshape(-1))
+               for name, p in sharded.named_parameters())
     return torch.equal(got, expected), same
 
 

@@ -20,6 +20,7 @@ from shardwise.checkpoint import (
 )
 from shardwise.config import STRATEGIES, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
+from shardwise.ema import EMA
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.deferred import deferred_init
 from shardwise.engine.describe import UnitTable, describe
@@ -33,6 +34,7 @@ from shardwise.sampler import ResumableSampler
 
 __all__ = [
     "DiskOffload",
+    "EMA",
     "HogwildResult",
     "HostFrozen",
     "LoadReport",

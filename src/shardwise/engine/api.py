@@ -73,6 +73,7 @@ def shard(
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
+    _refuse_sparse_gradients(model, config.strategy)
     slicing = getattr(model, "_sw_slicing", None)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
     if slicing is not None:
         slicing.check_data_group(group)
@@ -87,3 +88,16 @@ def shard(
     model._shardwise = engine  # a plain attribute: not a module, so not in state_dict()
     model._ddp_params_and_buffers_to_ignore = RefuseDataParallel(config.strategy)  # Note [no second wrapper]
     return model
+
+
+def _refuse_sparse_gradients(model: nn.Module, strategy: str) -> None:
+    """A sparse gradient (nn.Embedding(sparse=True)) cannot be packed into the flat reduce."""
+    if strategy == "ddp":
+        return  # torch DDP reduces sparse gradients itself
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ShardwiseError(
+                f"{name or 'the model'} is an {type(module).__name__} with sparse=True: its sparse gradient cannot "
+                f"be sharded by strategy={strategy!r}. Build it with sparse=False (AdamW, Adam and the other "
+                "dense optimizers then apply), or use strategy='ddp', which reduces sparse gradients."
+            )

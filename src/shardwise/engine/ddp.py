@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ShardConfig
+from shardwise.engine.guards import NoCopies
 from shardwise.engine.host_copy import host_param_names
 from shardwise.errors import ShardwiseError
 
@@ -36,7 +37,7 @@ class _ForwardProxy(nn.Module):
         return self._original_forward(*args, **kwargs)
 
 
-class DDPEngine:
+class DDPEngine(NoCopies):
     """What `shard(..., strategy="ddp")` attaches to the model as `model._shardwise`."""
 
     strategy = "ddp"

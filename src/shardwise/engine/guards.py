@@ -29,3 +29,17 @@ class RefuseDataParallel:
             "Trainer, use shardwise.integrations.transformers.ShardwiseTrainer in its place; with Accelerate, "
             "do not pass the sharded model to accelerator.prepare."
         )
+
+
+class NoCopies:
+    """Base of the engines: `copy.deepcopy(model)` (so torch's `AveragedModel`), `pickle` and
+    `torch.save(model)` reach the engine through the model's hooks and would fail deep inside
+    torch with "cannot pickle ProcessGroup"; they fail here instead, with what to use."""
+
+    def __reduce_ex__(self, protocol):
+        raise ShardwiseError(
+            "copy.deepcopy / pickle / torch.save of a model after sw.shard(...): each rank holds only its rows "
+            "and the engine holds process groups. For an averaged model (torch's AveragedModel, an EMA) use "
+            "sw.EMA(model), which keeps the average sharded; for a whole copy, load "
+            "sw.full_state_dict(model) into a fresh model; to save, sw.save or sw.export."
+        )

@@ -14,12 +14,15 @@ optimizer hooks are the one place that sees every step without an extra call to 
 
 from __future__ import annotations
 
+import weakref
+
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.engine.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
 
 _WHOLE_STEPS: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
+_LIVE_UNITS: weakref.WeakSet = weakref.WeakSet()  # every sharded unit in this process
 
 _INSTALLED: list[bool] = []
 
@@ -27,10 +30,12 @@ _INSTALLED: list[bool] = []
 def watch_units(units) -> None:
     """Tie each unit's shards to the unit and install the global hooks once per process."""
     for unit in units:
+        _LIVE_UNITS.add(unit)
         for shard, layout in zip(unit.shard_params, unit.layouts):
             shard._sw_unit, shard._sw_layout = unit, layout
     if not _INSTALLED:
         register_optimizer_step_pre_hook(_refuse_replaced_params)
+        register_optimizer_step_pre_hook(_refuse_optimizer_of_nothing)
         register_optimizer_step_pre_hook(_begin_whole_step)
         register_optimizer_step_post_hook(_end_whole_step)
         register_optimizer_step_post_hook(_mark_stepped_units_stale)
@@ -50,6 +55,21 @@ def _refuse_replaced_params(optimizer, args, kwargs) -> None:
             "would step tensors the model no longer uses. Build the optimizer after sw.shard(model, ...), "
             "from model.parameters()."
         )
+
+
+def _refuse_optimizer_of_nothing(optimizer, args, kwargs) -> None:
+    """At an optimizer's first step: one that holds none of a sharded model's parameters and no
+    gradient at all (built over another model, or over a copy) would step nothing, silently."""
+    if getattr(optimizer, "_sw_checked", False) or not _LIVE_UNITS:
+        return
+    params = list(_params(optimizer))
+    if params and not any(getattr(p, "_sw_unit", None) is not None or p.grad is not None for p in params):
+        raise ShardwiseError(
+            f"this {type(optimizer).__name__} holds {len(params)} parameters, none of them a parameter of the "
+            "model sw.shard(...) sharded and none with a gradient: its step would change nothing. Build it "
+            "from the sharded model's parameters (model.parameters() after sw.shard), not another model's."
+        )
+    optimizer._sw_checked = True
 
 
 def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:

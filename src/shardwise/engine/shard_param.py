@@ -28,14 +28,33 @@ way: `clip_grads_with_norm_(model.parameters(), max_norm, total)` reads `.grad` 
 `total` a user passes comes from `get_total_norm` over this rank's rows, which takes tensors
 and cannot be caught). Any other read of `.grad` is a plain read; at world size 1 the rows are
 the whole tensor and torch's functions are exact.
+
+Note [rows meet a whole tensor]: a tensor of the parameter's full shape combined with its rows
+(an EMA copy taken before `shard()` updated by `ema.lerp_(p, 0.1)`, `p.copy_(full)`) is a shape
+error from deep inside torch, or, where the first dimension equals the world size, a silent
+broadcast of one row over all. Every torch function that takes a shard and such a tensor (also
+paired in foreach lists) raises instead, naming the fix. It runs for ops on shards only, i.e. in
+the optimizer step, outside forward and backward (which see full views): measured in
+bench/whole_tensor.py beside the step.
+
+Note [parameter hooks]: autograd never delivers a gradient to a shard (the forward used the
+unit's full views; GatherUnit), so a hook registered on it would never run, or run with None.
+`register_hook` on a shard keeps the hook with the shard and GatherUnit runs it on the
+parameter's whole gradient of this backward, this rank's contribution, before the reduce (as
+torch DDP runs parameter hooks before its all-reduce); what it returns replaces the gradient.
+`register_post_accumulate_grad_hook` would see only rows after the reduce, so it is refused with
+the two fixes: `register_hook` to read or change the gradient, `sw.optimizer_in_backward` to step
+in backward.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import sys
 
 import torch
+import torch.utils.hooks
 from torch import nn
 
 from shardwise.errors import ShardwiseError
@@ -50,6 +69,27 @@ _AFTER_STEP_CLIPS = {**_TORCH_CLIPS, inspect.unwrap(torch.nn.utils.clip_grad_val
 
 class ShardParameter(nn.Parameter):
     """A parameter holding this rank's rows of a sharded tensor (Note [writes the engine must see])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():  # nn.Parameter's own behaviour: plain results
+            if func not in _REBINDS:
+                _refuse_rows_with_whole(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    def register_hook(self, hook):
+        """Note [parameter hooks]: runs on this parameter's whole gradient, before the reduce."""
+        hooks = self.__dict__.setdefault("_sw_grad_hooks", collections.OrderedDict())  # weakly referenced
+        return _add_hook(hooks, hook)
+
+    def register_post_accumulate_grad_hook(self, hook):
+        raise ShardwiseError(
+            "register_post_accumulate_grad_hook on a sharded parameter would see only this rank's rows of "
+            "the reduced gradient (Note [parameter hooks]). To read or change the whole gradient, use "
+            "p.register_hook(fn) (shardwise runs it before the reduce); to step in backward, use "
+            "sw.optimizer_in_backward(model, optimizer)."
+        )
 
     @property
     def data(self) -> torch.Tensor:
@@ -96,6 +136,49 @@ class ShardParameter(nn.Parameter):
     @grad.deleter
     def grad(self) -> None:
         _set_grad(self, None)
+
+
+_REBINDS = {_set_data, _set_grad}  # the engine's own swaps of rows and whole tensors (whole_step.py)
+
+
+def _add_hook(hooks: dict, hook):
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def run_grad_hooks(shard: ShardParameter, grad: torch.Tensor) -> torch.Tensor:
+    """Note [parameter hooks]: `grad` after every hook the user registered on `shard`."""
+    for hook in shard.__dict__.get("_sw_grad_hooks", {}).values():
+        result = hook(grad)
+        grad = grad if result is None else result
+    return grad
+
+
+def _groups(args, kwargs):
+    """Tensors that meet elementwise: the plain arguments together, and each position of lists."""
+    values = list(args) + list(kwargs.values())
+    plain = [v for v in values if isinstance(v, torch.Tensor)]
+    lists = [v for v in values if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor)]
+    yield plain
+    if lists:
+        yield from zip(*lists)
+
+
+def _refuse_rows_with_whole(func, args, kwargs) -> None:
+    """Note [rows meet a whole tensor]."""
+    for group in _groups(args, kwargs):
+        for shard in group:
+            layout = getattr(shard, "_sw_layout", None) if isinstance(shard, ShardParameter) else None
+            if layout is None or shard.shape == layout.shape:
+                continue
+            if any(not isinstance(t, ShardParameter) and t.shape == layout.shape for t in group):
+                raise ShardwiseError(
+                    f"{getattr(func, '__name__', func)} combines this rank's rows of {layout.owned.name!r} "
+                    f"({list(shard.shape)}) with a tensor of its full shape {list(layout.shape)}: every rank holds "
+                    "only its rows after sw.shard(...). For an average of the weights use sw.EMA(model); for "
+                    "whole values, sw.full_parameters(model) (Note [rows meet a whole tensor])."
+                )
 
 
 def _sharded(param: ShardParameter) -> bool:

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 
+from shardwise.engine.compat import running_autograd_grad
 from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
 
 
@@ -61,7 +63,17 @@ class GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine.post_backward(ctx.unit, list(grads))
+        if ctx.num_shards and running_autograd_grad(ctx.next_functions[0][0]):
+            raise ShardwiseError(
+                "torch.autograd.grad over a sharded model's parameters: each rank holds only rows of them, and "
+                "their gradients exist whole only inside shardwise's reduce. Call loss.backward() and read "
+                "p.grad (this rank's rows of the averaged gradient), or p.register_hook(fn) to see each "
+                "parameter's whole gradient; for MAML-style inner steps use strategy='ddp'. A gradient "
+                "penalty with respect to the inputs (autograd.grad(out, inputs)) works as it is."
+            )
+        grads = [grad if grad is None else run_grad_hooks(shard, grad)  # Note [parameter hooks]
+                 for grad, shard in zip(grads, ctx.unit.shard_params)]
+        ctx.engine.post_backward(ctx.unit, grads)
         return (None, None) + (None,) * ctx.num_shards
 
 

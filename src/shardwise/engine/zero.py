@@ -68,6 +68,7 @@ from shardwise.config import ShardConfig
 from shardwise.engine.collectives import new_reduce_group
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.guards import NoCopies
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.offload import open_store
 from shardwise.engine.optim_hooks import watch_units
@@ -81,7 +82,7 @@ from shardwise.engine.units import UnitSpec, build_units, root_scope_modules
 from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, refuse_nested_backward
 
 
-class ZeroEngine:
+class ZeroEngine(NoCopies):
     """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None):
