@@ -109,6 +109,7 @@ class FlatUnit:
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
         self.pending_gather: coll.Pending | None = None  # the all-gather in flight (GATHERING)
         self.where = "set-up"  # the engine's step and phase, for errors that name where a rank waited
+        self.pinned = False  # read by an input-gradient graph (create_graph): kept until the window closes
 
     @property
     def label(self) -> str:
@@ -275,10 +276,11 @@ class FlatUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
             self._copy_out(gathered, target)
 
-    def free(self) -> None:
-        """Release the full values (zero3 only; zero1/zero2 keep them); the shards are registered
-        again, so no name ever refers to freed storage (reading it crashed the process)."""
-        if not self.keep_full and self.residency is Residency.GATHERED:
+    def free(self, *, unpin: bool = False) -> None:
+        """Release the full values (zero3; zero1/zero2 keep them), unless pinned (Note [gradients of
+        inputs], window.py) until the window closes (`unpin`); the shards are registered again."""
+        self.pinned = self.pinned and not unpin
+        if not self.keep_full and not self.pinned and self.residency is Residency.GATHERED:
             self.full_flat.untyped_storage().resize_(0)
             self._move(Residency.SHARDED)
             self.install_shards()

@@ -31,6 +31,13 @@ use_reentrant=True)`, torch's default when the flag is not given) recomputes und
 see and lose them (measured: parameters 0.43 off one process after one step). Every unit hook
 in backward checks that it runs in the window's graph task and raises otherwise, on every rank
 (they all run the same checkpoint), naming the fix: `use_reentrant=False`.
+
+Note [gradients of inputs]: a gradient penalty (WGAN-GP, R1) takes
+`torch.autograd.grad(score, inputs, create_graph=True)` through the model, then backwards a loss
+that holds that gradient. The first call reaches the units' pre-backward hooks but is not the
+step's backward: it must not open the reduce (which would close the window with zero gradients),
+and zero3 must gather each unit it passes and keep it (pinned) until the window closes, since the
+gradient's own graph reads the full values again in the real backward.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
+from torch.autograd.graph import get_gradient_edge
 
-from shardwise.engine.compat import running_autograd_grad
+from shardwise.engine.compat import Reach, reach
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
@@ -63,7 +71,7 @@ class GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.num_shards and running_autograd_grad(ctx.next_functions[0][0]):
+        if ctx.num_shards and reach(ctx.next_functions[0][0]) is Reach.CAPTURES:
             raise ShardwiseError(
                 "torch.autograd.grad over a sharded model's parameters: each rank holds only rows of them, and "
                 "their gradients exist whole only inside shardwise's reduce. Call loss.backward() and read "
@@ -136,3 +144,10 @@ def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
             "gradient_checkpointing_kwargs={'use_reentrant': False})), or use sw.shard(..., "
             "checkpoint_activations=True) (Note [one backward at a time])."
         )
+
+
+def in_grad_call(unit: FlatUnit) -> bool:
+    """Note [gradients of inputs]: whether the autograd task reaching `unit` leaves its parameters
+    alone (`autograd.grad(out, inputs)`), so it is not the step's backward."""
+    shard = next((s for s in unit.shard_params if s.requires_grad), None)
+    return shard is not None and reach(get_gradient_edge(shard).node) is Reach.SKIPS

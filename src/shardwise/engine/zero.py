@@ -5,8 +5,7 @@
 | zero1 | kept                           | kept until the step (reduced as ready) |
 | zero2 | kept                           | reduce-scattered per unit, freed    |
 | zero3 | gathered per use, freed        | as zero2                            |
-
-Optimizer state is always sharded: the optimizer only ever sees shards.
+Optimizer state is always sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
 
@@ -21,14 +20,12 @@ The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifec
 - finalize_backward: `_finalize_backward`: reduce what is left in the fixed order, wait for
   every reduce, reinstall the shards.
 
-Note [unit window], Note [aborted backward] and Note [one backward at a time] are in
-window.py, Note [recompute] in recompute.py.
-
+Notes [unit window], [aborted backward], [one backward at a time], [gradients of inputs]: window.py.
 Note [outer calls]: a unit, or a module of the root unit (an embedding, a final norm, T5's
 encoder that `generate()` calls by itself), may be called outside the model's forward. The
-outermost hooked module called then opens a pass as the model's forward would: the same
-agreement and (zero1/2) re-gathers, the root unit's full values in place, the same window,
-so such a call joins a pending backward exactly; it closes the pass when it returns.
+outermost hooked module called then opens a pass as the model's forward would: the same agreement
+and (zero1/2) re-gathers, the root unit's full values in place, the same window, so such a
+call joins a pending backward exactly; it closes the pass when it returns. [recompute]: recompute.py.
 
 Note [frozen units]: a unit with no trainable parameter has no `GatherUnit`, so zero3
 frees it after its backward from a hook on its inputs' gradients instead.
@@ -79,7 +76,7 @@ from shardwise.engine.sharding import shard_units
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit_choice import warn_if_root_holds_most
 from shardwise.engine.units import UnitSpec, build_units, root_scope_modules
-from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, refuse_nested_backward
+from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, in_grad_call, refuse_nested_backward
 
 
 class ZeroEngine(NoCopies):
@@ -321,6 +318,9 @@ class ZeroEngine(NoCopies):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
+        if in_grad_call(unit):  # Note [gradients of inputs] (window.py): not the step's backward
+            unit.pinned = True
+            return self._ensure_gathered(unit, [])
         self._queue_finalize()
         refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.step.backward_queue)
@@ -367,7 +367,7 @@ class ZeroEngine(NoCopies):
             unit.finish_gather()  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()
-            unit.free()
+            unit.free(unpin=True)
         self.step = StepState()
         self._set_where("between steps")
 
