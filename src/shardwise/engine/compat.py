@@ -4,8 +4,11 @@ a torch release changes one of them (STYLE.md: lean on torch's internals in one 
 from __future__ import annotations
 
 import enum
+import inspect
 
 import torch
+
+from shardwise.errors import ShardwiseError
 
 _GRAD_CALL = "autograd.grad"
 
@@ -28,3 +31,23 @@ def reach(accumulate_node) -> Reach:
         if _GRAD_CALL in str(error):
             return Reach.CAPTURES
         raise
+
+
+# Note [rank-local clipping] (shard_param.py): torch's clipping functions by code object. They
+# read `.grad` in a comprehension at their start, before touching any gradient.
+_CLIPS = {inspect.unwrap(fn).__code__: fn.__name__ for fn in (
+    torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grads_with_norm_, torch.nn.utils.clip_grad_value_)}
+
+
+def refuse_clip_after_step(frame) -> None:
+    """Under sw.optimizer_in_backward only: a `.grad` read from one of torch's clipping functions
+    would find every gradient already stepped and dropped, and clip nothing without a word."""
+    if frame is not None and frame.f_code.co_name == "<listcomp>":  # Python 3.11 gives it a frame
+        frame = frame.f_back
+    function = _CLIPS.get(frame.f_code) if frame is not None else None
+    if function is not None:
+        raise ShardwiseError(
+            f"torch.nn.utils.{function} with sw.optimizer_in_backward: every unit was stepped during "
+            "backward and its gradient dropped, so there is nothing left to clip. Clip without "
+            "optimizer_in_backward (Note [optimizer in backward])."
+        )

@@ -20,14 +20,16 @@ changed. Every write path is made visible:
   global step hook (optim_hooks.py).
 
 Note [rank-local clipping]: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` on a
-sharded model would compute the norm of this rank's rows only, and each rank would clip by
-a different factor. Reading `.grad` from inside that function (it collects the gradients in
-a comprehension at its start, before touching any) is refused with the fix,
-`sw.clip_grad_norm_`, which computes the global norm. Its two halves are refused the same
-way: `clip_grads_with_norm_(model.parameters(), max_norm, total)` reads `.grad` likewise (the
-`total` a user passes comes from `get_total_norm` over this rank's rows, which takes tensors
-and cannot be caught). Any other read of `.grad` is a plain read; at world size 1 the rows are
-the whole tensor and torch's functions are exact.
+sharded model would compute the norm of this rank's rows only, and each rank would clip by a
+different factor. A sharded parameter's gradient therefore knows it is rows: over more than one
+rank it is a `RowsGrad`, a tensor that refuses every norm (`torch.linalg.vector_norm`,
+`_foreach_norm`, `Tensor.norm`: what torch's `clip_grad_norm_` and `get_total_norm`, and a
+user's `p.grad.norm()`, compute) with the fix, `sw.clip_grad_norm_`, and is a plain tensor to
+everything else (elementwise ops, optimizers, `clip_grads_with_norm_` by a global total, which
+is exact). At world size 1 the rows are the whole tensor and gradients stay plain. This replaced
+a walk of the caller's stack frame on every `.grad` read; what remains of it (compat.py) runs
+only under `sw.optimizer_in_backward`, where the gradient is gone and nothing else can carry the
+knowledge that torch's clipping would find nothing to clip.
 
 Note [rows meet a whole tensor]: a tensor of the parameter's full shape combined with its rows
 (an EMA copy taken before `shard()` updated by `ema.lerp_(p, 0.1)`, `p.copy_(full)`) is a shape
@@ -50,21 +52,35 @@ in backward.
 from __future__ import annotations
 
 import collections
-import inspect
 import sys
 
 import torch
 import torch.utils.hooks
 from torch import nn
 
+from shardwise.engine.compat import refuse_clip_after_step
 from shardwise.errors import ShardwiseError
 
 _set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds storage
 _get_grad, _set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
-_TORCH_CLIPS = {inspect.unwrap(torch.nn.utils.clip_grad_norm_).__code__: "clip_grad_norm_",
-                inspect.unwrap(torch.nn.utils.clip_grads_with_norm_).__code__: "clip_grads_with_norm_"}
-# Exact on shards, but with sw.optimizer_in_backward it would find no gradient left to clip.
-_AFTER_STEP_CLIPS = {**_TORCH_CLIPS, inspect.unwrap(torch.nn.utils.clip_grad_value_).__code__: "clip_grad_value_"}
+_ROW_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
+              torch._foreach_norm}
+
+
+class RowsGrad(torch.Tensor):
+    """This rank's rows of a sharded parameter's gradient (Note [rank-local clipping])."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _ROW_NORMS:
+            raise ShardwiseError(
+                "a norm of a sharded parameter's gradient (torch.nn.utils.clip_grad_norm_ or get_total_norm, "
+                "p.grad.norm()) sees only this rank's rows: the norm would be this rank's and every rank would "
+                "clip by a different factor. Use sw.clip_grad_norm_(model, max_norm), which computes the global "
+                "norm with torch's arithmetic and clips by it (Note [rank-local clipping])."
+            )
+        with torch._C.DisableTorchFunctionSubclass():  # plain results: only the gradient itself is rows
+            return func(*args, **(kwargs or {}))
 
 
 class ShardParameter(nn.Parameter):
@@ -109,28 +125,15 @@ class ShardParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        caller = sys._getframe(1)
-        if caller.f_code.co_name == "<listcomp>":  # Python 3.11 gives comprehensions a frame
-            caller = caller.f_back
-        stepped = getattr(getattr(self, "_sw_unit", None), "optimizer_in_backward", False)
-        function = (_AFTER_STEP_CLIPS if stepped else _TORCH_CLIPS).get(caller.f_code) if caller is not None else None
-        if function is not None and stepped:
-            raise ShardwiseError(
-                f"torch.nn.utils.{function} with sw.optimizer_in_backward: every unit was stepped during "
-                "backward and its gradient dropped, so there is nothing left to clip. Clip without "
-                "optimizer_in_backward (Note [optimizer in backward])."
-            )
-        if function is not None and _sharded(self):
-            raise ShardwiseError(
-                f"torch.nn.utils.{function} on a sharded model sees only this rank's rows: the norm would be "
-                "this rank's and every rank would clip by a different factor. Use "
-                "sw.clip_grad_norm_(model, max_norm), which computes the global norm and clips by it "
-                "(Note [rank-local clipping])."
-            )
+        unit = self.__dict__.get("_sw_unit")
+        if unit is not None and getattr(unit, "optimizer_in_backward", False):
+            refuse_clip_after_step(sys._getframe(1))  # Note [rank-local clipping]
         return _get_grad(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
+        if value is not None and type(value) is not RowsGrad and _sharded(self):
+            value = value.as_subclass(RowsGrad)  # an alias, no copy: zero1's grads stay views
         _set_grad(self, value)
 
     @grad.deleter

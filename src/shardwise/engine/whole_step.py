@@ -36,6 +36,7 @@ from torch import Tensor
 from shardwise.errors import ShardwiseError
 
 _set_data = torch._C.TensorBase.data.__set__  # rebinds storage and shape; keeps the Parameter object
+_set_grad = torch._C.TensorBase.grad.__set__
 
 
 class StepShape(enum.Enum):
@@ -53,9 +54,19 @@ _COUPLED = {torch.optim.LBFGS: "its line search takes dot products over every pa
                                "the forward through a closure"}
 
 
+def _unwrapped(optimizer):
+    """The torch optimizer inside Accelerate's (`.optimizer`) or Lightning's (`._optimizer`) wrapper,
+    whose own step just calls it (the step hooks see the inner one)."""
+    for attribute in ("optimizer", "_optimizer"):
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return _unwrapped(inner)
+    return optimizer
+
+
 def step_shape(optimizer) -> StepShape:
     """ROWS for the elementwise classes shardwise knows, REFUSE for coupled ones, WHOLE otherwise."""
-    kind = type(optimizer)
+    kind = type(_unwrapped(optimizer))
     if kind in _ELEMENTWISE:
         return StepShape.ROWS
     if kind in _COUPLED or any(base in _COUPLED for base in kind.__mro__):
@@ -70,7 +81,7 @@ def sharded_params(optimizer) -> list:
 
 
 def refuse_coupled(optimizer) -> None:
-    kind = type(optimizer)
+    kind = type(_unwrapped(optimizer))
     reason = next(why for base, why in _COUPLED.items() if base in kind.__mro__)
     raise ShardwiseError(
         f"{kind.__name__} cannot step a sharded model: {reason}, and each rank holds only some rows. "
@@ -116,7 +127,7 @@ class WholeStep:
             self.saved.append((rows, grad))
             if unit.rank == owner:
                 _set_data(param, whole)
-                param.grad = whole_grad
+                _set_grad(param, whole_grad)  # plain: the whole gradient is no RowsGrad
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
