@@ -3,7 +3,9 @@ upgrade that changes one fails here, loudly, instead of switching a guard off in
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
 from shardwise.engine.compat import Reach, reach
@@ -41,3 +43,71 @@ def test_reach_tells_backward_from_autograd_grad():
     assert _probe("backward") == [Reach.RUNS]
     assert _probe("grad") == [Reach.CAPTURES]
     assert _probe("grad_of_other") == [Reach.SKIPS]
+
+
+def test_ddp_reads_the_ignore_attribute_first():
+    """Catches a torch release whose DistributedDataParallel no longer reads the attribute the
+    engine puts on a sharded model (its refusal of a second wrapper would switch off silently)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
+
+    class Read(Exception):
+        pass
+
+    class Refuse:
+        def __iter__(self):
+            raise Read
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 2)
+        setattr(model, DDP_IGNORE_ATTRIBUTE, Refuse())
+        with pytest.raises(Read):
+            torch.nn.parallel.DistributedDataParallel(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reentrant_checkpoint_runs_its_backward_in_the_known_code_object():
+    """Catches a torch release that moves the reentrant checkpoint's nested backward elsewhere (the
+    engine would no longer see it and would lose its gradients: Note [one backward at a time])."""
+    import sys
+
+    from shardwise.engine.compat import REENTRANT_BACKWARD
+
+    seen = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            frame = sys._getframe()
+            while frame is not None:
+                seen.append(frame.f_code is REENTRANT_BACKWARD)
+                frame = frame.f_back
+            return grad * 3
+
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(Spy.apply, x, use_reentrant=True).sum().backward()
+    assert any(seen)
+
+
+def test_graph_task_id_and_the_undecorated_step():
+    """Catches a torch release that changes the graph task id outside backward (-1) or drops the
+    `__wrapped__` of an optimizer's step (offload would re-enter the step hooks)."""
+    from shardwise.engine.compat import graph_task_id, undecorated_step
+
+    assert graph_task_id() == -1
+    inside = []
+    x = torch.randn(2, requires_grad=True)
+    x.register_hook(lambda g: inside.append(graph_task_id()))
+    (x * 2).sum().backward()
+    assert inside and inside[0] != -1
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert undecorated_step(optimizer) is not type(optimizer).step

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import DiskOffload, HostFrozen, MixedPrecision, ShardConfig
+from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
@@ -86,7 +87,7 @@ def shard(
     else:
         engine = apply_zero(model, config, units, group, init_fn)
     model._shardwise = engine  # a plain attribute: not a module, so not in state_dict()
-    model._ddp_params_and_buffers_to_ignore = RefuseDataParallel(config.strategy)  # Note [no second wrapper]
+    setattr(model, DDP_IGNORE_ATTRIBUTE, RefuseDataParallel(config.strategy))  # Note [no second wrapper]
     return model
 
 

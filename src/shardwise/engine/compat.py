@@ -7,10 +7,36 @@ import enum
 import inspect
 
 import torch
+import torch.utils.checkpoint
 
 from shardwise.errors import ShardwiseError
 
 _GRAD_CALL = "autograd.grad"
+
+# The C setters of Tensor.data and Tensor.grad: they rebind a Parameter's storage (and shape) while
+# keeping the Python object an optimizer holds, and bypass ShardParameter's own properties.
+set_data = torch._C.TensorBase.data.__set__
+get_grad, set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
+
+# A reentrant activation checkpoint's nested backward runs in this code object (window.py,
+# Note [one backward at a time]).
+REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
+
+# What torch's DistributedDataParallel reads first when it is built (guards.py, Note [no second
+# wrapper]) and which parameters it leaves alone (ddp.py, host-shared weights).
+DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
+
+
+def graph_task_id() -> int:
+    """The running autograd graph task's id, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def undecorated_step(optimizer):
+    """The optimizer class's `step` without torch's wrapper that runs the step hooks (offload.py
+    steps one chunk at a time inside the user's step and must not re-enter the hooks)."""
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step)
 
 
 class Reach(enum.Enum):

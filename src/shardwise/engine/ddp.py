@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ShardConfig
+from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.guards import NoCopies
 from shardwise.engine.host_copy import host_param_names
 from shardwise.errors import ShardwiseError
@@ -50,7 +51,7 @@ class DDPEngine(NoCopies):
             device_ids = [torch.cuda.current_device()]
         proxy = _ForwardProxy(model, model.forward)
         # Host-shared frozen weights (Note [host copy]): DDP's start-up broadcast would write them.
-        proxy._ddp_params_and_buffers_to_ignore = [f"model.{name}" for name in host_param_names(model)]
+        setattr(proxy, DDP_IGNORE_ATTRIBUTE, [f"model.{name}" for name in host_param_names(model)])
         self.ddp = DistributedDataParallel(
             proxy,
             device_ids=device_ids,

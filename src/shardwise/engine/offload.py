@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.config import DiskOffload
+from shardwise.engine.compat import undecorated_step
 from shardwise.errors import ShardwiseError
 
 
@@ -108,8 +109,7 @@ def _chunked_step(optimizer, args, kwargs):
                 chunks.setdefault(chunk, []).append((group_index, param, store))
     if not chunks:
         return None
-    step = type(optimizer).step
-    step = getattr(step, "__wrapped__", step)  # the undecorated step: no hooks re-entered
+    step = undecorated_step(optimizer)  # no hooks re-entered
     full_groups = [group["params"] for group in optimizer.param_groups]
     try:
         for chunk in chunks.values():

@@ -17,6 +17,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from shardwise.engine.compat import graph_task_id
+
 
 def checkpoint_forward(module: nn.Module, before_recompute: Callable[[], None]) -> None:
     """Keep only the unit's inputs in forward and recompute it in backward.
@@ -28,7 +30,7 @@ def checkpoint_forward(module: nn.Module, before_recompute: Callable[[], None]) 
     original = module.forward
 
     def recompute_or_run(*args, **kwargs):
-        if torch._C._current_graph_task_id() != -1:  # inside backward: this is the recompute
+        if graph_task_id() != -1:  # inside backward: this is the recompute
             before_recompute()
         return original(*args, **kwargs)
 

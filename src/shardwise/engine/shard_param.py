@@ -58,11 +58,10 @@ import torch
 import torch.utils.hooks
 from torch import nn
 
-from shardwise.engine.compat import refuse_clip_after_step
+from shardwise.engine.compat import get_grad, refuse_clip_after_step, set_data, set_grad
 from shardwise.errors import ShardwiseError
 
-_set_data = torch._C.TensorBase.data.__set__  # the plain setter, which rebinds storage
-_get_grad, _set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.__set__
+_set_data, _get_grad, _set_grad = set_data, get_grad, set_grad  # compat.py
 _ROW_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
               torch._foreach_norm}
 

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardwise.engine.compat import set_data, set_grad
 from shardwise.errors import ShardwiseError
 
-_set_data = torch._C.TensorBase.data.__set__  # rebinds storage and shape; keeps the Parameter object
-_set_grad = torch._C.TensorBase.grad.__set__
+_set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
 
 
 class StepShape(enum.Enum):

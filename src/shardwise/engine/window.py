@@ -49,7 +49,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
-from shardwise.engine.compat import Reach, reach
+from shardwise.engine.compat import REENTRANT_BACKWARD, Reach, graph_task_id, reach
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
@@ -122,10 +122,9 @@ class StepState:
 
 def in_backward() -> bool:
     """Inside autograd's backward: a unit's forward hooks then come from a recompute."""
-    return torch._C._current_graph_task_id() != -1
+    return graph_task_id() != -1
 
 
-_REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
 
 
 def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
@@ -134,8 +133,8 @@ def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
     its own backward; only then is the call stack walked: backward hooks run per unit per step)."""
     frame, nested = sys._getframe(1) if recompute else None, False
     while frame is not None and not nested:
-        nested, frame = frame.f_code is _REENTRANT_BACKWARD, frame.f_back
-    if nested or step.callback_queued and torch._C._current_graph_task_id() != step.graph_task:
+        nested, frame = frame.f_code is REENTRANT_BACKWARD, frame.f_back
+    if nested or step.callback_queued and graph_task_id() != step.graph_task:
         raise ShardwiseError(
             "a backward ran inside the model's backward (a reentrant activation checkpoint: "
             "torch.utils.checkpoint(..., use_reentrant=True), torch's default when the flag is not given); "
