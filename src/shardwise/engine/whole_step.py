@@ -20,9 +20,15 @@ preconditioners). Run on rows they train a different model without a word. The p
   shaped on its owner (what such optimizers need), and the result is one process's.
 
 The alternative shape, `Shard(0)` DTensor parameters between steps (FSDP2), was measured on the
-same cases (bench/whole_tensor.py, Note in DESIGN.md): it makes `p.norm()` global by construction
-but Muon's Newton-Schulz differs from one process by 1.6e-3 (distributed bf16 matmuls round
-differently) and `torch.optim.Adafactor` raises; the owner step is exact for both.
+bench GPT (bench/results/whole_tensor.md, 3 interleaved rounds, a loaded machine): it makes
+`p.norm()` global by construction, but Muon there ends 3.7e-4 from one process after 3 steps
+(its Newton-Schulz runs in bf16 and distributed matmuls round differently), `torch.optim.Adafactor`
+raises (`aten.pow_`: in-place op needing a placement change), and its Muon step took 23.7x an
+AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The owner step is bitwise
+for Muon and Adafactor at ws 2 and 4 and took 16.6-19.2x (ws 2), 25.4-33.7x (ws 4) an AdamW row
+step, 1.5-2.3x the whole training step: most of it is Newton-Schulz itself (about 4 s of 5), the
+rest one all-gather per parameter and gradient and one broadcast per parameter (batching those
+per unit, and reducing the gradient to its owner only, are the next steps).
 """
 
 from __future__ import annotations
