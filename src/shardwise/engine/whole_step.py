@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import shardwise.engine.collectives as coll
 from shardwise.engine.compat import set_data, set_grad
 from shardwise.errors import ShardwiseError
 
@@ -110,8 +111,9 @@ def _owners(params: list, world_size: int) -> list[int]:
 def _gather_whole(rows: Tensor, param) -> Tensor:
     """Every rank's rows of one parameter, as the unpadded whole tensor."""
     layout, unit = param._sw_layout, param._sw_unit
-    out = torch.empty((unit.world_size * rows.numel(),), dtype=rows.dtype, device=rows.device)
-    dist.all_gather_into_tensor(out, rows.detach().contiguous().reshape(-1), group=unit.group)
+    send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
+    out = coll.all_gather(send, unit.world_size, unit.group, async_op=False,
+                          what=f"the whole-tensor step's gather of {layout.owned.name!r}").wait()
     return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
 
 
