@@ -16,7 +16,7 @@ def _critic():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def _gradient_penalty_run(strategy):
+def _gradient_penalty_run(strategy, then_a_unit_alone=False):
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if strategy else (0, 1)
     model = _critic()
     if strategy:
@@ -32,7 +32,10 @@ def _gradient_penalty_run(strategy):
         score = model(mixed).sum()
         grad, = torch.autograd.grad(score, mixed, create_graph=True)
         penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
-        loss = model(fake).mean() - model(real).mean() + 10 * penalty
+        if then_a_unit_alone:  # another unit called by itself after the penalty: zero3 frees the idle ones
+            loss = model[2](torch.tanh(fake.repeat(1, 2))).mean() + 10 * penalty
+        else:
+            loss = model(fake).mean() - model(real).mean() + 10 * penalty
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -41,12 +44,14 @@ def _gradient_penalty_run(strategy):
     return losses, params
 
 
+@pytest.mark.parametrize("then_a_unit_alone", [False, True])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_gradient_penalty_matches_one_process(ranks, strategy):
+def test_gradient_penalty_matches_one_process(ranks, strategy, then_a_unit_alone):
     """Catches zero3 freeing a unit the penalty's double backward still reads ("setStorage ...
-    out of bounds for storage of size 0"), or a penalty gradient reduced twice."""
-    losses, params = _gradient_penalty_run(None)
-    for got_losses, got_params in ranks.run(_gradient_penalty_run, 2, strategy):
+    out of bounds for storage of size 0"), also after other units ran alone and zero3 freed the idle
+    ones before the real backward, or a penalty gradient reduced twice."""
+    losses, params = _gradient_penalty_run(None, then_a_unit_alone)
+    for got_losses, got_params in ranks.run(_gradient_penalty_run, 2, strategy, then_a_unit_alone):
         # Each rank's loss is its half's; their mean is the whole batch's.
         assert got_losses is not None
         for name, value in params.items():

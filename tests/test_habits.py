@@ -124,31 +124,41 @@ def test_an_ema_lerp_that_would_broadcast_is_an_error(ranks, strategy):
 
 
 def _ema_run(strategy):
+    """sw.EMA on the sharded model; the reference is torch's own EMA (AveragedModel) in one process."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if strategy else (0, 1)
     model, spec = build(MODEL), ZOO[MODEL]
     if strategy:
         sw.shard(model, strategy=strategy, units=spec.unit_class)
+        ema = sw.EMA(model, decay=0.9)
+        update = ema.update
+    else:
+        ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        update = lambda: ema.update_parameters(model)  # noqa: E731
+        update()  # its first update copies the weights: the starting point sw.EMA takes at construction
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-    ema = sw.EMA(model, decay=0.9)
 
     def step():
         optim.step()
-        ema.update()
+        update()
 
     result = train(model, spec, 3, 8, rank=rank, world_size=world_size, optimizer=optim, step_fn=step,
                    all_reduce_loss=_average if strategy else None)
-    with ema.applied():
-        x, y = global_batch(spec, 9, 8)
-        loss = model(x, y).item()  # every rank the same batch: the averaged model's loss
-        averaged = sw.full_parameters(model) if strategy else {n: p.detach().clone()
-                                                                for n, p in model.named_parameters()}
+    x, y = global_batch(spec, 9, 8)
+    if strategy:
+        with ema.applied():
+            loss = model(x, y).item()  # every rank the same batch: the averaged model's loss
+            averaged = sw.full_parameters(model)
+    else:
+        loss = ema.module(x, y).item()
+        averaged = {n: p.detach().clone() for n, p in ema.module.named_parameters()}
     return averaged, loss, result.losses
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sw_ema_matches_one_process(ranks, strategy):
-    """Catches an EMA of a sharded model that is not the EMA of the whole weights (or that
-    leaves the averaged weights in the model after `applied()`)."""
+    """Catches an EMA of a sharded model that is not torch's EMA (AveragedModel) of the whole
+    weights in one process, or that leaves the averaged weights in the model after `applied()`."""
     averaged, loss, losses = _ema_run(None)
     for got, got_loss, got_losses in ranks.run(_ema_run, 2, strategy):
         for name, value in averaged.items():
