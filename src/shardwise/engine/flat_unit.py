@@ -366,7 +366,7 @@ class FlatUnit:
     def finish_reduce(self, pending: coll.Pending, indices: list[int]) -> None:
         """Hand each trainable shard its averaged gradient rows (accumulating onto an existing grad)."""
         reduced = pending.wait()
-        used_by_any = reduced[reduced.numel() - len(indices) :] > 0  # Note [unused params]
+        used_by_any = (reduced[reduced.numel() - len(indices) :] > 0).tolist()  # one host read per unit, not per param
         offset = 0
         for column, i in enumerate(indices):
             layout, shard = self.layouts[i], self.shard_params[i]
