@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from shardwise.checkpoint.files import DTYPE_OF_CODE, FileWriter, TensorSpec, dtype_code, file_digest
+from shardwise.checkpoint.index import INDEX
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source, read_index
 from shardwise.errors import ShardwiseError
 
@@ -75,9 +76,21 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
                 status = f"BAD: {error}"
             ok = ok and status == "ok"
         lines.append(f"    {name}  {_size(entry['bytes'])}  {entry['digest'][:23]}…  {status}")
+    foreign = _foreign_files(path, index["files"])
+    for name in foreign:
+        lines.append(f"    {name}  NOT SHARDWISE'S: not listed in index.json; shardwise never reads it")
+    if foreign:
+        ok = False
+        lines.append(f"the directory holds {len(foreign)} file(s) that are not part of the checkpoint: remove them "
+                     "(or find out where they came from) before sharing or loading it elsewhere")
     if verify:
         lines.append("checksums verified: every file is intact" if ok else "checksums FAILED: see above")
     return lines, ok
+
+
+def _foreign_files(path: Path, files) -> list[str]:
+    """Entries of checkpoint directory `path` that its index does not list (a pickle someone added)."""
+    return sorted(name for name in os.listdir(path) if name != INDEX and name not in files)
 
 
 def export_checkpoint(path, out) -> Path:
