@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.save import save
-from shardwise.checkpoint.sources import read_index
+from shardwise.checkpoint.schema import read_index
 from shardwise.checkpoint.values import from_json, to_json
 from shardwise.engine.api import shard
 from shardwise.engine.grads import clip_grad_norm_, no_sync
@@ -96,7 +96,7 @@ class ShardwiseStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path = Path(checkpoint_path)
-        extra = read_index(path).get("extra") or {}
+        extra = read_index(path).extra
         if _STATE in extra:
             meta = from_json(extra[_STATE])
         elif (path / _LEGACY).is_file():
