@@ -11,6 +11,7 @@ import torch
 from shardwise._version import __version__
 from shardwise.checkpoint.files import dtype_code
 from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.publish import recover_interrupted
 from shardwise.checkpoint.schema import FORMAT, INDEX, VERSION, index_digest, read_index
 from shardwise.engine.info import engine_of
 from shardwise.errors import ShardwiseError
@@ -85,7 +86,9 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def latest(directory) -> Path | None:
     """The most recently saved complete checkpoint directly inside `directory`, or None.
 
-    Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned.
+    Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned; a whole checkpoint a
+    save over its own name left hidden is put back first (Note [atomic publish] in publish.py).
     """
+    recover_interrupted(Path(directory))  # a save over the same name cut between its renames
     found = list_checkpoints(Path(directory))
     return found[-1] if found else None
