@@ -168,6 +168,7 @@ def _rename_file(index, name):
 
 MALFORMED = {  # name: (change to a whole index (re-digested), what the error names)
     "params-a-list": (lambda i: i.update(params=list(i["params"].values())), "field params is a list"),
+    "file-entry-a-list": (lambda i: i["files"].update({RANK_FILE: []}), r"safetensors'\] is \[\], not an object"),
     "shape-a-string": (lambda i: i["params"]["0.weight"]["shape"].__setitem__(0, "8"), r"shape\[0\] is '8'"),
     "negative-shape": (lambda i: i["params"]["0.weight"].update(shape=[-16, -8]), r"shape\[0\] is -16"),
     "chunk-zero": (lambda i: _first_slice(i).update(chunk=0), r"slices\[0\].chunk is 0"),

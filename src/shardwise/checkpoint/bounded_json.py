@@ -24,6 +24,8 @@ class Fields:
 
     def _get(self, obj, key, at: str):
         where = f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else str(key)
+        if not isinstance(obj, dict) and not (isinstance(obj, list) and isinstance(key, int)):
+            raise self.fail(at or "(the whole file)", f"is {short(obj)}, not an object")
         if isinstance(obj, dict) and key not in obj or isinstance(obj, list) and not 0 <= key < len(obj):
             raise self.fail(where, "is missing")
         return obj[key], where
