@@ -7,8 +7,8 @@ The LightningModule holds the model and only the math; `ShardwiseStrategy` (inst
 `strategy="ddp"` or `"fsdp"`) shards it with `sw.shard` where DDP would wrap it. Clipping
 (`gradient_clip_val`) is the global norm, gradient accumulation (`accumulate_grad_batches`)
 skips the reduce on all but the last micro-batch, and `ModelCheckpoint` writes shardwise
-checkpoint directories (every rank its rows and optimizer rows, with Lightning's own state in
-`lightning.pt`) into OUT/checkpoints every `--save-every` steps. Started again with the same
+checkpoint directories (every rank its rows and optimizer rows, with Lightning's own state as
+JSON in index.json) into OUT/checkpoints every `--save-every` steps. Started again with the same
 `--out`, the script resumes from the newest one (`fit(ckpt_path=...)`: model, optimizer rows,
 Lightning's loops; a plain `DataLoader` starts its epoch again, as under Lightning's DDP). GPT-2
 is built from a small config over a byte-level vocabulary of 256: nothing is downloaded.

@@ -10,6 +10,7 @@ import pytest
 
 import shardwise as sw
 from helpers.ckpt_more_ranks import load_gpt_error, save_and_die, save_gpt, save_with_full_disk
+from shardwise.checkpoint.schema import index_digest
 from shardwise.models.zoo import build
 
 
@@ -97,6 +98,7 @@ def test_index_from_another_checkpoint(good, tmp_path):
     shutil.copytree(checkpoint, twin)
     index = json.loads((twin / "index.json").read_text())
     index["id"] = "0" * 32
+    index["digest"] = index_digest(index)  # a whole index of another checkpoint, not a damaged one
     (twin / "index.json").write_text(json.dumps(index))
     assert "copied from another checkpoint" in _load_error(twin)
     _assert_still_loadable(root, checkpoint)

@@ -115,7 +115,7 @@ def test_lightning_lm_trains_and_checkpoints(tmp_path):
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"], saved
     for name in saved:
-        assert {"index.json", "lightning.pt", "rank-00001-of-00002.safetensors"} <= \
+        assert {"index.json", "rank-00001-of-00002.safetensors"} <= \
             {p.name for p in (out / "checkpoints" / name).iterdir()}
 
 

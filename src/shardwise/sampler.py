@@ -96,6 +96,7 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume where `state_dict()` was taken: the next iteration starts at the saved position."""
+        _check_state(state)
         if state["num_samples"] != self.num_samples_total:
             raise ShardwiseError(
                 f"the saved sampler walked a dataset of {state['num_samples']} samples, this one has "
@@ -103,3 +104,15 @@ class ResumableSampler(Sampler[int]):
             )
         self.seed, self.shuffle, self.drop_last = state["seed"], state["shuffle"], state["drop_last"]
         self.epoch, self.start, self.taken = state["epoch"], state["position"], 0
+
+
+def _check_state(state) -> None:
+    """Refuse a saved state that would fail later, while iterating (a seed torch cannot take)."""
+    kinds = {"epoch": int, "position": int, "seed": int, "num_samples": int, "shuffle": bool, "drop_last": bool}
+    bad = [key for key, kind in kinds.items() if not isinstance(state, dict) or type(state.get(key)) is not kind]
+    if not bad and not (0 <= state["epoch"] < 2**62 and 0 <= state["position"] < 2**62
+                        and -(2**63) <= state["seed"] and state["seed"] + state["epoch"] < 2**64):
+        bad = ["epoch, position or seed (out of range)"]
+    if bad:
+        raise ShardwiseError(f"the saved ResumableSampler state is damaged ({', '.join(bad)}): "
+                             f"{str(state)[:120]}. Load an earlier checkpoint.")

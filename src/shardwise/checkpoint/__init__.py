@@ -1,9 +1,10 @@
 """Checkpoints: `sw.save` (and `sw.save_async`), `sw.load`, `sw.export`, `sw.latest`, and `sw.dcp_state_dict`.
 
-Read in this order: save.py (the format and Note [atomic save]) → index.py → load.py
-→ sources.py (what a load reads from) → files.py (safetensors I/O, checksums).
-names.py, ranks.py, values.py and optim_state.py are the small pieces both sides share;
-tools.py backs `shardwise ckpt inspect|export|diff`.
+Read in this order: save.py (the format and Note [atomic save]) → index.py → schema.py (index.json
+as typed, checked records) → load.py and load_plan.py (Note [validate, then apply]) → sources.py
+(what a load reads from) → files.py (safetensors I/O, checksums). names.py, ranks.py, values.py,
+optim_state.py and bounded_json.py are the small pieces both sides share; tools.py backs
+`shardwise ckpt inspect|export|diff`.
 """
 
 from shardwise.checkpoint.background import PendingSave, save_async

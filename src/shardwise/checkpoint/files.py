@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -192,21 +193,30 @@ class FileReader:
     an index) says, and that the header parses and covers the file exactly.
     """
 
-    def __init__(self, path: Path, *, expected_bytes: int | None = None, what: str = "file"):
+    def __init__(self, path: Path, *, expected_bytes: int | None = None, what: str = "file",
+                 follow_symlinks: bool = True):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW))
         except FileNotFoundError:
             raise ShardwiseError(f"{what} {self.path} is missing") from None
-        if expected_bytes is not None and size != expected_bytes:
-            raise ShardwiseError(
-                f"{what} {self.path} is {size} bytes but the index says {expected_bytes}: the file was "
-                f"{'truncated' if size < expected_bytes else 'replaced or appended to'}, or index.json "
-                "belongs to another checkpoint. Load an earlier checkpoint (`shardwise ckpt inspect DIR` "
-                "verifies one)."
-            )
-        self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as error:
+            if os.path.islink(self.path):
+                raise ShardwiseError(f"{what} {self.path} is a symlink: shardwise reads only a checkpoint's "
+                                     "own files (Note [contained names] in schema.py); copy the file in") from None
+            raise ShardwiseError(f"cannot read {what} {self.path}: {error}") from None
         try:
+            info = os.fstat(self._fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ShardwiseError(f"{what} {self.path} is not a regular file")
+            size = info.st_size
+            if expected_bytes is not None and size != expected_bytes:
+                raise ShardwiseError(
+                    f"{what} {self.path} is {size} bytes but the index says {expected_bytes}: the file was "
+                    f"{'truncated' if size < expected_bytes else 'replaced or appended to'}, or index.json "
+                    "belongs to another checkpoint. Load an earlier checkpoint (`shardwise ckpt inspect DIR` "
+                    "verifies one)."
+                )
             self.entries, self.metadata, self.header_bytes = self._parse(size)
         except BaseException:
             os.close(self._fd)
@@ -229,13 +239,15 @@ class FileReader:
         if not isinstance(header, dict):
             raise ShardwiseError(f"{corrupt}: its header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ShardwiseError(f"{corrupt}: its __metadata__ is not an object of strings")
         data_start, expected_end, entries = 8 + length, 0, {}
         spans = []
         for key, value in header.items():
             try:
                 dtype = DTYPE_OF_CODE[value["dtype"]]
-                shape = tuple(int(d) for d in value["shape"])
-                begin, end = (int(x) for x in value["data_offsets"])
+                shape = tuple(_count(d) for d in value["shape"])
+                begin, end = (_count(x) for x in value["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise ShardwiseError(f"{corrupt}: entry {key!r} has no valid dtype/shape/data_offsets") from None
             if end - begin != math.prod(shape) * dtype.itemsize:
@@ -252,6 +264,44 @@ class FileReader:
                 f"({'truncated' if size < data_start + expected_end else 'trailing bytes'})"
             )
         return entries, metadata, header_bytes
+
+    def check_header(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]],
+                     digest: str) -> None:
+        """Refuse a header that differs from what an index says the file holds: the same keys, each
+        with `expected[key]`'s (dtype, shape), and the file's digest recomputed from the header bytes
+        and the index's crcs (Note [chunk checksums]), so every header byte (offsets, metadata) is
+        checked before any data is read."""
+        if set(self.entries) != set(expected):
+            odd = sorted(set(self.entries) ^ set(expected))
+            raise ShardwiseError(f"{self.path}'s header lists other tensors than the index ({odd[:4]} differ): "
+                                 "the file does not belong to this checkpoint or was changed. Load an earlier one.")
+        for key, (dtype, shape, _) in expected.items():
+            entry = self.entries[key]
+            if dtype is not None and (entry.dtype, entry.shape) != (dtype, shape):
+                raise ShardwiseError(
+                    f"{self.path}'s header says tensor {key!r} is {DTYPES[entry.dtype]} {list(entry.shape)}, the index "
+                    f"{DTYPES[dtype]} {list(shape)}: the file or index.json was changed. Load an earlier checkpoint.")
+        recomputed = hashlib.sha256(self.header_bytes)
+        for key, entry in sorted(self.entries.items(), key=lambda item: item[1].begin):
+            for crc in expected[key][2]:
+                recomputed.update(crc.to_bytes(4, "little"))
+        if "sha256:" + recomputed.hexdigest() != digest:
+            raise ShardwiseError(f"{self.path}'s header does not match the digest in the index: the file was changed "
+                                 "(its header bytes or its tensors' offsets). Load an earlier checkpoint.")
+
+    def verify_rows(self, key: str, lo: int, hi: int, *, crcs, chunk: int) -> None:
+        """Check the crcs of every chunk holding rows lo:hi of `key`, one chunk in memory at a time."""
+        entry = self.entry(key)
+        if not 0 <= lo <= hi <= entry.rows:
+            raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
+        step = chunk * entry.row_bytes
+        scratch = bytearray(min(step, entry.end - entry.begin))
+        for position in range(lo // chunk, -(-hi // chunk) if step else 0):
+            start = entry.begin + position * step
+            data = memoryview(scratch)[: min(step, entry.end - start)]
+            self._pread_into(data, start)
+            if position >= len(crcs) or zlib.crc32(data) != crcs[position]:
+                self._mismatch(key, position, chunk, entry)
 
     def entry(self, key: str) -> HeaderEntry:
         if key not in self.entries:
@@ -303,12 +353,15 @@ class FileReader:
         for index, start in enumerate(range(0, len(data), max(step, 1))):
             position = first + index
             if position >= len(crcs) or zlib.crc32(data[start : start + step]) != crcs[position]:
-                row = position * chunk
-                raise ShardwiseError(
-                    f"checksum mismatch in {self.path}, tensor {key!r}, rows {row}:{min(row + chunk, entry.rows)}: "
-                    "the file is corrupt (flipped bytes, a bad disk or an interrupted copy). Load an earlier "
-                    "checkpoint; `shardwise ckpt inspect DIR` verifies every file of one."
-                )
+                self._mismatch(key, position, chunk, entry)
+
+    def _mismatch(self, key, position, chunk, entry):
+        row = position * chunk
+        raise ShardwiseError(
+            f"checksum mismatch in {self.path}, tensor {key!r}, rows {row}:{min(row + chunk, entry.rows)}: "
+            "the file is corrupt (flipped bytes, a bad disk or an interrupted copy). Load an earlier "
+            "checkpoint; `shardwise ckpt inspect DIR` verifies every file of one."
+        )
 
     def close(self) -> None:
         if self._fd is not None:
@@ -322,9 +375,16 @@ class FileReader:
         self.close()
 
 
-def file_digest(path: Path) -> str:
+def _count(value) -> int:
+    """A header's shape entry or offset: a non-negative JSON integer (not a bool, a float or a string)."""
+    if type(value) is not int or not 0 <= value < 2**62:
+        raise ValueError(value)
+    return value
+
+
+def file_digest(path: Path, *, follow_symlinks: bool = True) -> str:
     """Recompute a file's digest from its bytes (Note [chunk checksums]): reads it all."""
-    with FileReader(path) as reader:
+    with FileReader(path, follow_symlinks=follow_symlinks) as reader:
         digest = hashlib.sha256(reader.header_bytes)
         for key, entry in sorted(reader.entries.items(), key=lambda item: item[1].begin):
             chunk = chunk_rows(entry.shape, entry.dtype)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from pathlib import Path
 
@@ -11,11 +11,13 @@ import torch
 from shardwise._version import __version__
 from shardwise.checkpoint.files import dtype_code
 from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.publish import recover_interrupted
+from shardwise.checkpoint.schema import FORMAT, INDEX, VERSION, index_digest, read_index
 from shardwise.engine.info import engine_of
+from shardwise.errors import ShardwiseError
 
-INDEX = "index.json"
-FORMAT = "shardwise-checkpoint"
-VERSION = 1
+__all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints"]
+log = logging.getLogger("shardwise.checkpoint")
 
 
 def build_index(job, records: list) -> dict:
@@ -46,7 +48,7 @@ def build_index(job, records: list) -> dict:
             target = where[entry["name"]] if where is not None else \
                 optimizer["state"][entry["name"]]["tensors"][entry["state_key"]]
             target["slices"].append({k: entry[k] for k in ("file", "key", "rows", "chunk", "crcs")})
-    return {
+    index = {
         "format": FORMAT, "version": VERSION, "id": job.checkpoint_id, "saved_at": time.time(),
         "shardwise_version": __version__, "torch_version": torch.__version__,
         "strategy": getattr(engine, "strategy", None) or "none", "world_size": world,
@@ -57,29 +59,36 @@ def build_index(job, records: list) -> dict:
         "objects_by_rank": None if all(r["objects"] == job.objects for r, _ in records)
         else [r["objects"] for r, _ in records],
     }
+    index["digest"] = index_digest(index)  # Note [index digest] in schema.py
+    return index
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete shardwise checkpoints directly inside `directory`, oldest first (by save time)."""
+    """Complete shardwise checkpoints directly inside `directory`, oldest first (by save time).
+
+    A directory whose index.json is damaged (it fails read_index) is skipped with a log line:
+    one bad sibling must not hide the others."""
     found = []
     if not directory.is_dir():
         return []
     for child in directory.iterdir():
-        if child.name.startswith(".") or not (child / INDEX).is_file():
+        if child.name.startswith(".") or not (child / INDEX).exists():
             continue
         try:
-            index = json.loads((child / INDEX).read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
+            index = read_index(child)
+        except ShardwiseError as error:
+            log.warning("sw.latest: skipping %s: %s", child, error)
             continue
-        if isinstance(index, dict) and index.get("format") == FORMAT:
-            found.append((index.get("saved_at", 0.0), child.name, child))
+        found.append((index.saved_at, child.name, child))
     return [child for *_, child in sorted(found)]
 
 
 def latest(directory) -> Path | None:
     """The most recently saved complete checkpoint directly inside `directory`, or None.
 
-    Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned.
+    Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned; a whole checkpoint a
+    save over its own name left hidden is put back first (Note [atomic publish] in publish.py).
     """
+    recover_interrupted(Path(directory))  # a save over the same name cut between its renames
     found = list_checkpoints(Path(directory))
     return found[-1] if found else None

@@ -1,20 +1,30 @@
-"""`sw.load`: match names, check, then read each rank's rows into the model, its optimizer
-state, scheduler, stateful objects and RNGs (save.py's docstring has the format)."""
+"""`sw.load`: match names, check everything, then write into the model, its optimizer state,
+scheduler, stateful objects and RNGs (save.py's docstring has the format).
+
+Note [validate, then apply]: a load runs in two phases with an agreement of every rank between
+them. `plan_load` (load_plan.py) checks all that a load can refuse and writes nothing: names and
+shapes, optimizer groups and the type of every saved setting against the current one, object
+and scheduler states decoded, the RNG states tried on throwaway generators, and every chunk of
+every row this rank will read (its crc, `Source.verify`). Only when every rank's plan succeeded
+does any rank apply it: keyword objects and the scheduler first (their own `load_state_dict`
+may still refuse; another agreement follows), then the model's rows, the optimizer state and
+the RNGs, whose every byte was checked. So a refused load leaves the model and the optimizer as
+they were, on every rank. The rows are read twice (checked, then read into place) rather than
+held twice in memory; the second read usually comes from the page cache.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from shardwise.checkpoint.names import Rename, clean_name, make_renamer, persistent_buffers
-from shardwise.checkpoint.optim_state import optimizer_names
+from shardwise.checkpoint.load_plan import LoadJob, LoadPlan, plan_load
+from shardwise.checkpoint.names import Rename, make_renamer
 from shardwise.checkpoint.ranks import all_gather_object, group_of
-from shardwise.checkpoint.report import LoadReport, match
-from shardwise.checkpoint.sources import CheckpointDir, Source, open_source
-from shardwise.checkpoint.values import from_json, like_current, restore_rng
-from shardwise.engine.info import row_view, shard_info
+from shardwise.checkpoint.report import LoadReport
+from shardwise.checkpoint.sources import open_source
+from shardwise.checkpoint.values import from_json, restore_rng
+from shardwise.engine.info import row_view
 from shardwise.errors import ShardwiseError
 
 
@@ -33,6 +43,7 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     `strict=True` raises a ShardwiseError carrying the report when anything is missing,
     unexpected or shaped differently, before changing anything; `strict=False` loads
     what matches (fine-tuning a new head) and returns the report (`print(report)`).
+    A damaged checkpoint is refused before anything changes (Note [validate, then apply]).
     RNG states are restored when resuming (`optim` given, same world size) unless
     `restore_rng` says otherwise. Objects passed as keywords (`sampler=...`) get the
     state saved under the same keyword.
@@ -45,89 +56,82 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
         view.write_back()
         return report
     group, rank, world = group_of(model)
-    source, report, error = None, None, None
+    source, plan = None, None
     try:
-        source = open_source(path, make_renamer(rename))
-        report = _load_into(LoadJob(source, model, optim, scheduler, objects, strict, restore_rng, rank, world))
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
-        error = exc
+        with _agreement(path, group, world):
+            source = open_source(path, make_renamer(rename))
+            plan = plan_load(LoadJob(source, model, optim, scheduler, objects, strict, restore_rng, rank, world))
+        with _agreement(path, group, world):
+            _apply_states(plan)
+        with _agreement(path, group, world):
+            _apply_tensors(plan)
     finally:
         if source is not None:
             source.close()
-    # One agreement point: a rank that found a corrupt file makes every rank raise, none hangs.
-    messages = all_gather_object(None if error is None else str(error), group, world)
-    if error is not None:
-        raise error
-    failed = [(r, message) for r, message in enumerate(messages) if message is not None]
-    if failed:
-        raise ShardwiseError(f"rank {failed[0][0]} could not load {path}: {failed[0][1]}")
-    return report
+    return plan.report
 
 
-@dataclass
-class LoadJob:
-    """One `sw.load` call on this rank: what it reads from, what it fills, and how."""
+class _agreement:
+    """One agreement point: a rank that failed inside makes every rank raise, and none hangs."""
 
-    source: Source
-    model: nn.Module
-    optim: torch.optim.Optimizer | None
-    scheduler: object | None
-    objects: dict  # keyword objects with load_state_dict (sampler=...)
-    strict: bool
-    restore_rng: bool | None  # None: restore when resuming (optim given)
-    rank: int
-    world: int
+    def __init__(self, path, group, world: int):
+        self.path, self.group, self.world = path, group, world
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and not isinstance(error, Exception):
+            return False  # KeyboardInterrupt, SystemExit: no agreement, the process is going
+        messages = all_gather_object(None if error is None else str(error), self.group, self.world)
+        if error is not None:
+            return False  # re-raised as it is
+        failed = [(r, message) for r, message in enumerate(messages) if message is not None]
+        if failed:
+            raise ShardwiseError(f"rank {failed[0][0]} could not load {self.path}: {failed[0][1]}")
+        return False
 
 
-def _load_into(job: LoadJob) -> LoadReport:
-    """Load `job.source` into the model (and the rest) on this rank; strict refusals happen before any write."""
-    source, model, optim, scheduler, objects = job.source, job.model, job.optim, job.scheduler, job.objects
-    infos = {clean_name(raw): info for raw, info in shard_info(model).items()}
-    buffers = persistent_buffers(model)
-    report = LoadReport(source.description, extra=dict(source.extra))
-    targets = {name: (tuple(info.full_shape), [name, *map(clean_name, info.aliases)])
-               for name, info in infos.items()}
-    for name, buffer in buffers.items():
-        targets.setdefault(name, (tuple(buffer.shape), [name]))
-    pairs = match(source, targets, report)
-    if optim is not None:
-        _check_optimizer(source, optim, infos, pairs, report)
-    if scheduler is not None and source.scheduler is None:
-        report.problems.append("the checkpoint holds no scheduler state (it was saved without scheduler=)")
-    object_states = {}
-    for key in objects:
-        if key not in source.objects:
-            report.problems.append(f"the checkpoint holds no state for {key}= (pass it to sw.save as well)")
-            continue
-        try:
-            object_states[key] = source.object_state(key, objects[key], job.rank, job.world)
-        except ShardwiseError as error:
-            report.problems.append(str(error))
-    if job.strict and not report.ok:
-        raise ShardwiseError(f"{report}\nstrict=True refuses a partial load: fix the names (rename=...), or pass "
-                             "strict=False to load what matches (fine-tuning a changed head).")
-    rows = {name: (infos[name].row_start, infos[name].row_end) if name in infos else
-            (0, buffers[name].shape[0] if buffers[name].dim() else 1) for name in pairs}
-    if isinstance(source, CheckpointDir):
-        source.prepare([(pairs[name], *rows[name]) for name in pairs])
+def _apply_states(plan: LoadPlan) -> None:
+    """Keyword objects and the scheduler: their own load_state_dict may refuse the state."""
+    origin = plan.job.source.values_file
+    for key, state in plan.object_states.items():
+        _call_load_state_dict(plan.job.objects[key], state, f"{origin}: {key}=")
+    if plan.scheduler_state is not None:
+        _call_load_state_dict(plan.job.scheduler, plan.scheduler_state, f"{origin}: scheduler")
+
+
+def _call_load_state_dict(obj, state, what: str) -> None:
+    try:
+        obj.load_state_dict(state)
+    except Exception as error:  # noqa: BLE001 - the object's own code: any type
+        raise ShardwiseError(f"{what}: {type(obj).__name__}.load_state_dict refused the saved state "
+                             f"({type(error).__name__}: {error}); the model and optimizer were not changed") from None
+
+
+def _apply_tensors(plan: LoadPlan) -> None:
+    """The model's rows, the optimizer state and the RNGs, every byte of them already checked."""
+    job, report = plan.job, plan.report
     with torch.no_grad():
-        for name, tensor in pairs.items():
-            if name in infos:
-                info = infos[name]
-                _read_into(tensor, *rows[name], row_view(info.param, info, *rows[name]))
-            else:
-                buffer = buffers[name]
-                _read_into(tensor, *rows[name], buffer.reshape(-1) if buffer.dim() == 0 else buffer)
+        for name, tensor, lo, hi, dest in plan.reads:
+            _read_into(tensor, lo, hi, dest)
             report.loaded.append(name)
-        if optim is not None and source.optimizer is not None:
-            _load_optimizer(source, optim, infos, pairs)
-    if scheduler is not None and source.scheduler is not None:
-        scheduler.load_state_dict(from_json(source.scheduler))
-    for key, state in object_states.items():
-        objects[key].load_state_dict(from_json(state))
-    wanted = optim is not None if job.restore_rng is None else job.restore_rng
-    _maybe_restore_rng(source, report, wanted, job.rank, job.world)
-    return report
+        for group, settings in zip(job.optim.param_groups if job.optim else (), plan.optim_settings or ()):
+            group.update(settings)
+        for param, scalars, tensors, device in plan.optim_states:
+            if scalars is None:
+                job.optim.state.pop(param, None)  # no state in the checkpoint: as a fresh optimizer
+                continue
+            new = {key: from_json(value, device) for key, value in scalars.items()}
+            for key, tensor, info in tensors:
+                floating = tensor.dtype.is_floating_point and param.dtype.is_floating_point
+                buffer = torch.zeros(param.shape, dtype=param.dtype if floating else tensor.dtype, device=param.device)
+                _read_into(tensor, info.row_start, info.row_end, row_view(buffer, info, info.row_start, info.row_end))
+                new[key] = buffer
+            job.optim.state[param] = new
+    if plan.rng is not None:
+        restore_rng(*plan.rng)
+        report.rng_restored = True
 
 
 def _read_into(tensor, lo: int, hi: int, dest: torch.Tensor) -> None:
@@ -140,67 +144,3 @@ def _read_into(tensor, lo: int, hi: int, dest: torch.Tensor) -> None:
         torch.autograd.graph.increment_version(dest)
     else:
         dest.copy_(rows.reshape(dest.shape))
-
-
-def _check_optimizer(source: Source, optim, infos, pairs, report: LoadReport) -> None:
-    saved = source.optimizer
-    if saved is None:
-        report.problems.append("the checkpoint holds no optimizer state (it was saved without optim=)")
-        return
-    if saved["class"] != type(optim).__name__:
-        report.problems.append(f"the optimizer state was saved from {saved['class']}, not {type(optim).__name__}")
-    names = optimizer_names(optim, infos)
-    if len(saved["param_groups"]) != len(optim.param_groups):
-        report.problems.append(f"the checkpoint has {len(saved['param_groups'])} optimizer param groups, the "
-                               f"optimizer {len(optim.param_groups)}; their settings were not loaded")
-        return
-    for index, (then, now) in enumerate(zip(saved["param_groups"], optim.param_groups)):
-        current = {pairs[n].name if n in pairs else n for n in (names[id(p)] for p in now["params"])}
-        if set(then["params"]) != current:
-            differ = sorted(set(then["params"]) ^ current)
-            report.problems.append(f"optimizer param group {index} holds different parameters in the checkpoint "
-                                   f"and in the optimizer (differing: {differ[:4]}{'...' if len(differ) > 4 else ''})")
-
-
-def _load_optimizer(source: Source, optim, infos, pairs) -> None:
-    """Param group settings, then each param's state: scalars from JSON, rows from files."""
-    saved = source.optimizer
-    names = optimizer_names(optim, infos)
-    same_groups = len(saved["param_groups"]) == len(optim.param_groups)
-    for index, group in enumerate(optim.param_groups):
-        if same_groups:
-            for key, value in saved["param_groups"][index]["options"].items():
-                group[key] = like_current(from_json(value), group.get(key))
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for param in group["params"]:
-            name = names[id(param)]
-            saved_state = saved["state"].get(pairs[name].name) if name in pairs else None
-            if saved_state is None:
-                optim.state.pop(param, None)  # no state in the checkpoint: as a fresh optimizer
-                continue
-            info = infos[name]
-            device = param.device if on_device else "cpu"
-            new = {key: from_json(value, device) for key, value in saved_state["scalars"].items()}
-            for key in saved_state["tensors"]:
-                tensor = source.optimizer_tensor(pairs[name].name, key)
-                floating = tensor.dtype.is_floating_point and param.dtype.is_floating_point
-                buffer = torch.zeros(param.shape, dtype=param.dtype if floating else tensor.dtype, device=param.device)
-                _read_into(tensor, info.row_start, info.row_end, row_view(buffer, info, info.row_start, info.row_end))
-                new[key] = buffer
-            optim.state[param] = new
-
-
-def _maybe_restore_rng(source: Source, report: LoadReport, wanted: bool, rank: int, world: int) -> None:
-    if not wanted:
-        return
-    if source.world_size != world:
-        report.notes.append("RNG states not restored: " + (
-            "the source holds none" if source.world_size is None else
-            f"saved by {source.world_size} ranks, loading on {world} (each rank's stream belongs to its rank)"))
-        return
-    saved = source.rng_of(rank)
-    if saved is None:
-        report.notes.append("RNG states not restored: the checkpoint holds none for this rank")
-        return
-    restore_rng(*saved)
-    report.rng_restored = True

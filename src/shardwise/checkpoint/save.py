@@ -20,10 +20,10 @@ Note [atomic save]: every rank writes into `.NAME.partial` next to the target; o
 every rank has reported its file (a gather on rank 0), rank 0 writes index.json and
 renames the directory to NAME. A directory without index.json is never a checkpoint,
 and `.NAME.partial` never looks like one, so a crash, a full disk or a killed rank
-at any point leaves the previous checkpoint as the latest and whole. A later save
-to the same NAME removes the leftover partial directory. Saving over an existing
-checkpoint NAME renames it to `.NAME.old` first and deletes it after the new one is in
-place; a crash between those two renames leaves the old one there, under that name.
+at any point leaves the previous checkpoint as the latest and whole. Saving over an
+existing NAME swaps the two directories in one step (Note [atomic publish] in
+publish.py); the hidden directories interrupted saves leave are removed by the next
+save (Note [leftovers]).
 
 Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
 are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype
 from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
+from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
 from shardwise.engine.info import ShardInfo, row_view, shard_info
@@ -75,6 +77,7 @@ class SaveJob:
     world: int
     keep_last: int | None
     durable: bool
+    started: float = 0.0  # time.time() when the save began (Note [leftovers])
 
 
 def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
@@ -117,11 +120,13 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     objects = {k: to_json(v.state_dict(), f"{k}.state_dict()") for k, v in extra.items() if _is_stateful(v)}
     values = {k: to_json(v, f"extra value {k}=") for k, v in extra.items() if not _is_stateful(v)}
 
+    started = time.time()
     checkpoint_id = broadcast_object(_start_partial(path, partial) if rank == 0 else None, group, rank, world)
     if checkpoint_id.startswith("error:"):
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plan, optim, scheduler_state, objects, values,
-                   persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable)
+                   persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
+                   started)
 
 
 def complete(job: SaveJob, group) -> None:
@@ -248,14 +253,7 @@ def _finish(job: SaveJob, records: list) -> str | None:
             if durable:
                 os.fsync(f.fileno())
         _fsync_dir(partial, durable)
-        if path.exists():  # replace an older checkpoint of the same name
-            old = path.parent / f".{path.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(partial, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(partial, path)
+        publish(partial, path, job.checkpoint_id)  # Note [atomic publish]
         _fsync_dir(path.parent, durable)
     except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
         failed = True
@@ -267,6 +265,7 @@ def _finish(job: SaveJob, records: list) -> str | None:
         for old in list_checkpoints(path.parent)[:-job.keep_last]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
+    clean_leftovers(path.parent, job.started)  # Note [leftovers]
     return None
 
 

@@ -9,17 +9,17 @@ renamed on the way in (Note [wrapper prefixes] in names.py).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from shardwise.checkpoint.files import DTYPE_OF_CODE, FileReader
-from shardwise.checkpoint.index import FORMAT, INDEX, VERSION
+from shardwise.checkpoint.files import FileReader
 from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.schema import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord, read_index
 from shardwise.errors import ShardwiseError
 
 
@@ -32,19 +32,20 @@ class SourceTensor:
     dtype: torch.dtype
     aliases: tuple[str, ...]
     read: Callable[[int, int, Tensor | None], Tensor]
-    slices: list[dict] | None = None  # a checkpoint directory's row slices: {file, key, rows, chunk, crcs}
+    slices: tuple[SliceRecord, ...] | None = None  # a checkpoint directory's row slices
 
 
 class Source:
     """Base: a source with tensors only (no optimizer, scheduler, RNG or extras)."""
 
     description = ""
+    values_file = ""  # the file its saved settings and states come from (errors name it)
     world_size: int | None = None
     strategy: str | None = None
 
     def __init__(self) -> None:
         self.tensors: dict[str, SourceTensor] = {}
-        self.optimizer: dict | None = None  # {"class", "param_groups": [{"params", "options"}], "state"}
+        self.optimizer: OptimizerRecord | None = None
         self.scheduler: dict | None = None
         self.objects: dict = {}
         self.extra: dict = {}
@@ -69,120 +70,119 @@ class Source:
             return self.objects[key]
         return by_rank[rank][key]
 
+    def verify(self, needs: list[tuple[SourceTensor, int, int]]) -> None:
+        """Check, before any of them, that the reads in `needs` will succeed (a checkpoint directory
+        reads and checks their chunks); the other sources were checked when opened."""
+
     def close(self) -> None:
         pass
 
 
-def not_a_checkpoint(path: Path) -> ShardwiseError:
-    """The error for a directory without index.json, with what the directory does hold."""
-    inside = sorted(p.name for p in path.iterdir() if (p / INDEX).is_file()) if path.is_dir() else []
-    partial = sorted(p.name for p in path.iterdir() if p.name.endswith(".partial")) if path.is_dir() else []
-    hint = ""
-    if inside:
-        more = '...' if len(inside) > 5 else ''
-        hint = f" It holds checkpoints {inside[:5]}{more}: pass one of them, or sw.latest({str(path)!r})."
-    elif partial:
-        hint = f" It holds unfinished saves {partial}: a save that crashed before it completed."
-    return ShardwiseError(f"{path} is not a shardwise checkpoint: it has no {INDEX}.{hint}")
-
-
 class CheckpointDir(Source):
-    """A directory `sw.save` wrote (see save.py for the layout)."""
+    """A directory `sw.save` wrote (see save.py for the layout), read through its typed index
+    records (Note [index records] in schema.py)."""
 
     def __init__(self, path: Path, renamer: Callable[[str], str]):
         super().__init__()
         self.path = path
-        self.index = read_index(path)
-        self.description = str(path)
-        self.world_size, self.strategy = self.index["world_size"], self.index["strategy"]
+        self.index = index = read_index(path)
+        self.description, self.values_file = str(path), str(path / INDEX)
+        self.world_size, self.strategy = index.world_size, index.strategy
         self.readers: dict[str, FileReader] = {}
-        for name, entry in self.index["files"].items():
+        self._verified: set[tuple[str, int, int]] = set()  # reads whose chunks verify() checked
+        self._expected = _expected_headers(index)
+        for name, entry in index.files.items():
             file = path / name
-            if not file.is_file():
+            if not os.path.lexists(file):
                 raise ShardwiseError(
                     f"shard file {name} listed in {path / INDEX} is missing: the checkpoint is incomplete "
                     "(a partial copy, or a file deleted since). Load an earlier checkpoint."
                 )
-            if file.stat().st_size != entry["bytes"]:
-                FileReader(file, expected_bytes=entry["bytes"], what="shard file").close()  # raises, naming it
+            if os.lstat(file).st_size != entry.nbytes or os.path.islink(file):
+                FileReader(file, expected_bytes=entry.nbytes, what="shard file", follow_symlinks=False).close()
         self.rename = lambda name: renamer(clean_name(name))
-        for kind in ("params", "buffers"):
-            for name, entry in self.index[kind].items():
-                tensor = self._source_tensor(self.rename(name), entry)
-                tensor.aliases = tuple(self.rename(a) for a in entry.get("aliases", ()))
+        for records in (index.params, index.buffers):
+            for name, record in records.items():
+                tensor = self._source_tensor(self.rename(name), record)
+                tensor.aliases = tuple(self.rename(a) for a in record.aliases)
                 self.tensors[tensor.name] = tensor
-        optim = self.index.get("optimizer")
-        if optim is not None:
-            self.optimizer = {
-                "class": optim["class"],
-                "param_groups": [{"params": [self.rename(n) for n in g["params"]], "options": g["options"]}
-                                 for g in optim["param_groups"]],
-                "state": {self.rename(n): s for n, s in optim["state"].items()},
-            }
-        self.scheduler = self.index.get("scheduler")
-        self.objects = self.index.get("objects", {})
-        self.objects_by_rank = self.index.get("objects_by_rank")
-        self.extra = self.index.get("extra", {})
+        if index.optimizer is not None:
+            self.optimizer = replace(
+                index.optimizer, groups=tuple(replace(g, params=tuple(map(self.rename, g.params)))
+                                              for g in index.optimizer.groups),
+                state={self.rename(n): s for n, s in index.optimizer.state.items()})
+        self.scheduler = index.scheduler
+        self.objects = index.objects
+        self.objects_by_rank = index.objects_by_rank
+        self.extra = index.extra
 
-    def _source_tensor(self, name: str, entry: dict) -> SourceTensor:
-        shape, dtype = tuple(entry["shape"]), DTYPE_OF_CODE[entry["dtype"]]
-        slices = entry["slices"]
-        return SourceTensor(name, shape, dtype, (),
-                            lambda lo, hi, out: self._read(name, slices, shape, dtype, lo, hi, out), slices)
+    def _source_tensor(self, name: str, record: TensorRecord) -> SourceTensor:
+        return SourceTensor(name, record.shape, record.dtype, (),
+                            lambda lo, hi, out: self._read(name, record, lo, hi, out), record.slices)
 
     def optimizer_tensor(self, name: str, key: str) -> SourceTensor:
-        entry = self.optimizer["state"][name]["tensors"][key]
-        return self._source_tensor(f"{name}:{key}", entry)
+        return self._source_tensor(f"{name}:{key}", self.optimizer.state[name].tensors[key])
 
     def reader(self, file: str) -> FileReader:
+        """The open reader of `file`, its header checked against the index (dtype, shape, digest)."""
         if file not in self.readers:
-            reader = FileReader(self.path / file, expected_bytes=self.index["files"][file]["bytes"], what="shard file")
-            owner = reader.metadata.get("checkpoint_id")
-            if owner != self.index["id"]:
+            reader = FileReader(self.path / file, expected_bytes=self.index.files[file].nbytes, what="shard file",
+                                follow_symlinks=False)
+            try:
+                owner = reader.metadata.get("checkpoint_id")
+                if owner != self.index.id:
+                    raise ShardwiseError(
+                        f"shard file {self.path / file} belongs to checkpoint {owner}, but {INDEX} is that of "
+                        f"checkpoint {self.index.id}: index.json was copied from another checkpoint. Load an "
+                        "earlier checkpoint.")
+                reader.check_header(self._expected[file], self.index.files[file].digest)
+            except BaseException:
                 reader.close()
-                raise ShardwiseError(
-                    f"shard file {self.path / file} belongs to checkpoint {owner}, but {INDEX} is that of "
-                    f"checkpoint {self.index['id']}: index.json was copied from another checkpoint. Load an "
-                    "earlier checkpoint."
-                )
+                raise
             self.readers[file] = reader
         return self.readers[file]
 
-    def prepare(self, needs: list[tuple[SourceTensor, int, int]]) -> None:
-        """Open (and check) every file the reads in `needs` will touch, before anything is written."""
+    def verify(self, needs: list[tuple[SourceTensor, int, int]]) -> None:
+        """Open every file the reads in `needs` touch and check every chunk they will read, so that
+        the reads that follow (into a model) cannot fail on a bad byte (Note [validate, then apply])."""
         for tensor, lo, hi in needs:
-            for entry in tensor.slices or ():
-                if entry["rows"][0] < hi and entry["rows"][1] > lo:
-                    self.reader(entry["file"])
+            for piece, a, b in self._parts(tensor.name, tensor.slices, lo, hi):
+                self.reader(piece.file).verify_rows(piece.key, a - piece.lo, b - piece.lo, crcs=piece.crcs,
+                                                    chunk=piece.chunk)
+            self._verified.add((tensor.name, lo, hi))
 
-    def _read(self, name, slices, shape, dtype, lo, hi, out):
-        row_shape = shape[1:]
-        parts = [(s, max(lo, s["rows"][0]), min(hi, s["rows"][1])) for s in slices
-                 if s["rows"][0] < hi and s["rows"][1] > lo]
+    def _parts(self, name, slices, lo, hi):
+        parts = [(s, max(lo, s.lo), min(hi, s.hi)) for s in slices if s.lo < hi and s.hi > lo]
         if sum(b - a for _, a, b in parts) != hi - lo:
             raise ShardwiseError(f"{self.path / INDEX} does not cover rows {lo}:{hi} of {name!r}: the index is damaged")
+        return parts
+
+    def _read(self, name, record: TensorRecord, lo, hi, out):
+        parts = self._parts(name, record.slices, lo, hi)
+        checked = (name, lo, hi) in self._verified  # its chunks were checked: read just the rows
+
+        def rows(piece, a, b, into):
+            return self.reader(piece.file).read_rows(piece.key, a - piece.lo, b - piece.lo, out=into,
+                                                     crcs=None if checked else piece.crcs, chunk=piece.chunk)
+
         if len(parts) == 1:
-            s, a, b = parts[0]
-            return self.reader(s["file"]).read_rows(s["key"], a - s["rows"][0], b - s["rows"][0],
-                                                    crcs=s["crcs"], chunk=s["chunk"], out=out)
-        target = out if out is not None else torch.empty((hi - lo, *row_shape), dtype=dtype)
-        for s, a, b in parts:
+            return rows(*parts[0], out)
+        target = out if out is not None else torch.empty((hi - lo, *record.shape[1:]), dtype=record.dtype)
+        for piece, a, b in parts:
             view = target[a - lo : b - lo]
-            piece = self.reader(s["file"]).read_rows(s["key"], a - s["rows"][0], b - s["rows"][0],
-                                                     crcs=s["crcs"], chunk=s["chunk"], out=view)
-            if piece is not view:
-                view.copy_(piece.reshape(view.shape))
+            got = rows(piece, a, b, view)
+            if got is not view:
+                view.copy_(got.reshape(view.shape))
         return target
 
     def rng_of(self, rank: int):
-        entries = self.index.get("rng") or []
-        if rank >= len(entries):
+        if rank >= len(self.index.rng):
             return None
-        entry = entries[rank]
-        reader = self.reader(entry["file"])
-        tensors = {key: reader.read_rows(key, 0, reader.entry(key).rows, crcs=check["crcs"], chunk=check["chunk"])
-                   for key, check in entry["tensors"].items()}
-        return tensors, entry
+        entry = self.index.rng[rank]
+        reader = self.reader(entry.file)
+        tensors = {key: reader.read_rows(key, 0, reader.entry(key).rows, crcs=crcs, chunk=chunk)
+                   for key, (chunk, crcs) in entry.tensors.items()}
+        return tensors, entry.scalars
 
     def close(self) -> None:
         for reader in self.readers.values():
@@ -190,24 +190,24 @@ class CheckpointDir(Source):
         self.readers.clear()
 
 
-def read_index(path: Path) -> dict:
-    """Parse and check `path/index.json`; a ShardwiseError names what is wrong."""
-    index_path = path / INDEX
-    if not path.is_dir() or not index_path.is_file():
-        raise not_a_checkpoint(path)
-    try:
-        index = json.loads(index_path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ShardwiseError(f"{index_path} does not parse ({error}): the checkpoint is corrupt") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ShardwiseError(f"{index_path} is not a shardwise index (no \"format\": \"{FORMAT}\")")
-    if index.get("version") != VERSION:
-        raise ShardwiseError(f"{index_path} has format version {index.get('version')}; this shardwise reads "
-                             f"version {VERSION}. Upgrade shardwise to load it.")
-    missing = [k for k in ("id", "files", "params", "buffers", "world_size", "strategy") if k not in index]
-    if missing:
-        raise ShardwiseError(f"{index_path} lacks {missing}: the index is damaged")
-    return index
+def _expected_headers(index: Index) -> dict[str, dict]:
+    """Per file: {key: (dtype, shape, crcs)} of every tensor the index says it holds; an RNG
+    tensor's dtype and shape are the header's own (the index records only its crcs)."""
+    expected: dict[str, dict] = {name: {} for name in index.files}
+    records = [*index.params.values(), *index.buffers.values()]
+    if index.optimizer is not None:
+        records += [t for state in index.optimizer.state.values() for t in state.tensors.values()]
+    for record in records:
+        for piece in record.slices:
+            shape = (piece.hi - piece.lo, *record.shape[1:])
+            if piece.key in expected[piece.file]:
+                raise ShardwiseError(f"{index.path / INDEX} names tensor {piece.key!r} of {piece.file} twice: the "
+                                     "index is damaged")
+            expected[piece.file][piece.key] = (record.dtype, shape, piece.crcs)
+    for entry in index.rng:
+        for key, (_, crcs) in entry.tensors.items():
+            expected[entry.file][key] = (None, None, crcs)
+    return expected
 
 
 class SafetensorsFile(Source):

@@ -6,8 +6,9 @@ import datetime
 import os
 from pathlib import Path
 
-from shardwise.checkpoint.files import DTYPE_OF_CODE, FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source, read_index
+from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
+from shardwise.checkpoint.schema import INDEX, read_index
+from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
 
 _MB = 1e6
@@ -32,52 +33,63 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
     """
     path = Path(path)
     index = read_index(path)
-    saved = datetime.datetime.fromtimestamp(index.get("saved_at", 0)).isoformat(timespec="seconds")
+    saved = datetime.datetime.fromtimestamp(index.saved_at).isoformat(timespec="seconds")
     lines = [f"checkpoint {path}",
-             f"  id {index['id']}, saved {saved} by shardwise {index.get('shardwise_version')} "
-             f"(torch {index.get('torch_version')})",
-             f"  strategy {index['strategy']}, world size {index['world_size']}"]
-    extra = index.get("extra") or {}
-    if extra:
-        lines.append(f"  extra: {extra}")
-    optim = index.get("optimizer")
+             f"  id {index.id}, saved {saved} by shardwise {index.shardwise_version} (torch {index.torch_version})",
+             f"  strategy {index.strategy}, world size {index.world_size}"]
+    if index.extra:
+        shown = {key: _clip(repr(value)) for key, value in index.extra.items()}
+        lines.append("  extra: {" + ", ".join(f"{key!r}: {value}" for key, value in shown.items()) + "}")
+    optim = index.optimizer
     if optim:
-        groups = ", ".join(
-            "{" + ", ".join(f"{k}={v}" for k, v in g["options"].items() if k in ("lr", "weight_decay", "name")) + "}"
-            for g in optim["param_groups"])
-        lines.append(f"  optimizer {optim['class']}: {len(optim['state'])} params with state; groups {groups}")
+        groups = ", ".join("{" + ", ".join(f"{k}={_clip(repr(v))}" for k, v in g.options.items()
+                                           if k in ("lr", "weight_decay", "name")) + "}" for g in optim.groups)
+        lines.append(f"  optimizer {_clip(optim.class_name)}: {len(optim.state)} params with state; groups {groups}")
     else:
         lines.append("  optimizer: none saved")
-    lines.append(f"  scheduler: {'saved' if index.get('scheduler') is not None else 'none saved'}; "
-                 f"objects: {sorted(index.get('objects') or {}) or 'none'}")
+    lines.append(f"  scheduler: {'saved' if index.scheduler is not None else 'none saved'}; "
+                 f"objects: {sorted(index.objects) or 'none'}")
     total = 0
-    lines.append(f"  {len(index['params'])} parameters, {len(index['buffers'])} buffers:")
-    for kind in ("params", "buffers"):
-        for name, entry in index[kind].items():
-            count = 1
-            for d in entry["shape"]:
-                count *= d
-            nbytes = count * DTYPE_OF_CODE[entry["dtype"]].itemsize
-            total += nbytes
-            tied = f"  tied: {', '.join(entry['aliases'])}" if entry.get("aliases") else ""
-            frozen = "  frozen" if entry.get("requires_grad") is False else ""
+    lines.append(f"  {len(index.params)} parameters, {len(index.buffers)} buffers:")
+    for kind, records in (("params", index.params), ("buffers", index.buffers)):
+        for name, record in records.items():
+            total += record.nbytes
+            tied = f"  tied: {', '.join(record.aliases)}" if record.aliases else ""
+            frozen = "  frozen" if record.requires_grad is False else ""
             suffix = "  (buffer)" if kind == "buffers" else ""
-            lines.append(f"    {name:50s} {str(entry['shape']):18s} {entry['dtype']:5s} {_size(nbytes):>10s}"
-                         f"{tied}{frozen}{suffix}")
+            lines.append(f"    {name:50s} {str(list(record.shape)):18s} {dtype_code(record.dtype):5s} "
+                         f"{_size(record.nbytes):>10s}{tied}{frozen}{suffix}")
     lines.append(f"  model: {_size(total)}; files:")
     ok = True
-    for name, entry in index["files"].items():
+    for name, entry in index.files.items():
         status = ""
         if verify:
             try:
-                status = "ok" if file_digest(path / name) == entry["digest"] else "CORRUPT (digest differs)"
+                status = ("ok" if file_digest(path / name, follow_symlinks=False) == entry.digest
+                          else "CORRUPT (digest differs)")
             except ShardwiseError as error:
                 status = f"BAD: {error}"
             ok = ok and status == "ok"
-        lines.append(f"    {name}  {_size(entry['bytes'])}  {entry['digest'][:23]}…  {status}")
+        lines.append(f"    {name}  {_size(entry.nbytes)}  {entry.digest[:23]}…  {status}")
+    foreign = _foreign_files(path, index.files)
+    for name in foreign:
+        lines.append(f"    {name}  NOT SHARDWISE'S: not listed in index.json; shardwise never reads it")
+    if foreign:
+        ok = False
+        lines.append(f"the directory holds {len(foreign)} file(s) that are not part of the checkpoint: remove them "
+                     "(or find out where they came from) before sharing or loading it elsewhere")
     if verify:
         lines.append("checksums verified: every file is intact" if ok else "checksums FAILED: see above")
     return lines, ok
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _foreign_files(path: Path, files) -> list[str]:
+    """Entries of checkpoint directory `path` that its index does not list (a pickle someone added)."""
+    return sorted(name for name in os.listdir(path) if name != INDEX and name not in files)
 
 
 def export_checkpoint(path, out) -> Path:

@@ -6,6 +6,7 @@ No pickle: every value is JSON or a tensor in a safetensors file.
 from __future__ import annotations
 
 import base64
+import math
 import random
 
 import numpy as np
@@ -47,25 +48,84 @@ def to_json(value, where: str):
     )
 
 
-def from_json(value, device: torch.device | str = "cpu"):
-    """Inverse of `to_json` (lists stay lists)."""
+def from_json(value, device: torch.device | str = "cpu", where: str = "a saved value"):
+    """Inverse of `to_json` (lists stay lists); a tagged tensor that does not decode (an unknown
+    dtype, bad base64, bytes that do not fill its shape) is a ShardwiseError naming `where`."""
     if isinstance(value, dict):
         if "__tensor__" in value:
-            dtype = getattr(torch, value["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise ShardwiseError(f"unknown dtype {value['dtype']!r} in the checkpoint")
-            return torch.tensor(value["__tensor__"], dtype=dtype, device=device)
+            dtype, number = _dtype(value, where), value["__tensor__"]
+            if type(number) not in (bool, int, float):
+                raise ShardwiseError(f"{where}: a saved scalar tensor holds {number!r}, not a number")
+            try:
+                return torch.tensor(number, dtype=dtype, device=device)
+            except (RuntimeError, OverflowError, TypeError) as error:
+                raise ShardwiseError(f"{where}: {number!r} is not a {dtype} ({error})") from None
         if "__tensor_bytes__" in value:
-            dtype = getattr(torch, value["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise ShardwiseError(f"unknown dtype {value['dtype']!r} in the checkpoint")
-            data = bytearray(base64.b64decode(value["__tensor_bytes__"]))
-            flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            return flat.view(dtype).reshape(value["shape"]).to(device)
-        return {key: from_json(item, device) for key, item in value.items()}
+            return _tensor_from_bytes(value, _dtype(value, where), where).to(device)
+        return {key: from_json(item, device, f"{where}[{key!r}]") for key, item in value.items()}
     if isinstance(value, list):
-        return [from_json(item, device) for item in value]
+        return [from_json(item, device, f"{where}[{i}]") for i, item in enumerate(value)]
     return value
+
+
+def _dtype(value: dict, where: str) -> torch.dtype:
+    name = value.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise ShardwiseError(f"{where}: unknown dtype {name!r} in the checkpoint")
+    return dtype
+
+
+def _tensor_from_bytes(value: dict, dtype: torch.dtype, where: str) -> Tensor:
+    text, shape = value["__tensor_bytes__"], value.get("shape")
+    try:
+        data = bytearray(base64.b64decode(text, validate=True))
+    except (TypeError, ValueError) as error:  # binascii.Error is a ValueError
+        raise ShardwiseError(f"{where}: a saved tensor's bytes are not base64 ({error})") from None
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**40 for d in shape) or \
+            math.prod(shape) * dtype.itemsize != len(data):
+        raise ShardwiseError(f"{where}: a saved tensor's {len(data)} bytes do not make shape {shape!r} of {dtype}")
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
+
+
+def check_like(saved, current, where: str) -> None:
+    """Refuse a saved value that cannot stand where the current one does (a string for a
+    learning rate, a list of 1 for Adam's 2 betas); None and unknown types accept anything."""
+    def fail(what):
+        raise ShardwiseError(f"{where} is {_show(saved)} in the checkpoint, {what}: the checkpoint was edited or "
+                             "damaged, or saved by other code. Load an earlier checkpoint.")
+
+    if current is None or not isinstance(current, (bool, int, float, str, Tensor, tuple, list, dict)):
+        return
+    if isinstance(current, bool):
+        if type(saved) is not bool:
+            fail("not true or false")
+    elif isinstance(current, (int, float)):
+        if type(saved) not in (int, float) and not (isinstance(saved, Tensor) and saved.numel() == 1):
+            fail("not a number")
+    elif isinstance(current, str):
+        if not isinstance(saved, str):
+            fail("not a string")
+    elif isinstance(current, Tensor):
+        if not (type(saved) in (bool, int, float) or isinstance(saved, Tensor) and saved.shape == current.shape):
+            fail(f"not a number or a tensor of shape {list(current.shape)}")
+    elif isinstance(current, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or isinstance(current, tuple) and len(saved) != len(current):
+            fail(f"not a list of {len(current)}")
+        if len(saved) == len(current):
+            for i, (a, b) in enumerate(zip(saved, current)):
+                check_like(a, b, f"{where}[{i}]")
+    elif isinstance(current, dict):
+        if not isinstance(saved, dict):
+            fail("not an object")
+        for key in saved.keys() & current.keys():
+            check_like(saved[key], current[key], f"{where}[{key!r}]")
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def like_current(saved, current):
@@ -92,6 +152,26 @@ def capture_rng() -> tuple[dict[str, Tensor], dict]:
         for index, state in enumerate(states):
             tensors[f"rng/cuda{index}"] = state
     return tensors, scalars
+
+
+def check_rng(tensors: dict[str, Tensor], scalars: dict, where: str) -> None:
+    """Refuse RNG states that `restore_rng` could not set, by setting them on throwaway generators
+    (Note [validate, then apply] in load.py): nothing of this process's RNGs changes."""
+    try:
+        torch.Generator().set_state(tensors["rng/torch"].to(torch.uint8))
+        numpy = scalars["numpy"]
+        np.random.RandomState().set_state((numpy["kind"], tensors["rng/numpy"].numpy().astype(np.uint32),
+                                           numpy["pos"], numpy["has_gauss"], numpy["cached"]))
+        python = scalars["python"]
+        random.Random().setstate((python["version"], tuple(int(x) for x in tensors["rng/python"].tolist()),
+                                  python["gauss_next"]))
+        for index in range(scalars.get("cuda") or 0):
+            state = tensors[f"rng/cuda{index}"]
+            if state.dim() != 1:
+                raise ValueError(f"rng/cuda{index} has shape {list(state.shape)}")
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as error:
+        raise ShardwiseError(f"{where}: the saved RNG states cannot be restored ({type(error).__name__}: {error}): "
+                             "the checkpoint is damaged. Load an earlier one, or pass restore_rng=False.") from None
 
 
 def restore_rng(tensors: dict[str, Tensor], scalars: dict) -> None:

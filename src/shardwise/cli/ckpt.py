@@ -18,7 +18,8 @@ def add_commands(commands) -> None:
     inspect = actions.add_parser(
         "inspect", help="strategy, world size, step, keys, shapes, sizes; verifies every file's checksum",
         description="Describe checkpoint DIR and verify every file against the digest in its index "
-                    "(reads every byte). Exit status 1 when a file is missing, truncated or corrupt.",
+                    "(reads every byte). Exit status 1 when a file is missing, truncated or corrupt, or DIR "
+                    "holds files its index does not list; 2 when index.json itself is damaged.",
     )
     inspect.add_argument("dir", metavar="DIR", help="a checkpoint directory (the one holding index.json)")
     inspect.add_argument("--no-verify", action="store_true", help="skip reading the files (fast)")

@@ -13,8 +13,15 @@ micro-batch (`sw.no_sync`); `gradient_clip_val` clips by the global norm (`sw.cl
 not torch's rank-local one). Checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`,
 `fit(ckpt_path=...)`) are shardwise checkpoint directories written by every rank
 (`sw.save`: each rank its rows and optimizer rows, any world size loads them), with Lightning's
-own loop and callback state beside them in `lightning.pt` (written by rank 0 with torch.save,
-as Lightning writes its .ckpt files).
+own loop and callback state inside index.json as JSON (Note [lightning state]).
+
+Note [lightning state]: Lightning's own state (loops, callbacks, hyper-parameters, schedulers)
+is stored as the checkpoint's JSON extra value `lightning` (small tensors tagged, as object
+states are), so it is covered by the index's digest and loading it runs no code: no pickle
+anywhere. A value that JSON cannot hold (an object among the hyper-parameters) is refused when
+saving, naming it. A `lightning.pt` beside the index (written by shardwise 0.1 with torch.save)
+is still read, with `torch.load(weights_only=...)` as the caller passes it (True unless the
+caller says False: torch's restricted unpickler runs no code).
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.save import save
+from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.values import from_json, to_json
 from shardwise.engine.api import shard
 from shardwise.engine.grads import clip_grad_norm_, no_sync
 from shardwise.errors import ShardwiseError
 
-_META = "lightning.pt"  # Lightning's own state (loops, callbacks, hyper-parameters) inside the checkpoint
+_STATE = "lightning"  # the extra value holding Lightning's own state (Note [lightning state])
+_LEGACY = "lightning.pt"  # where shardwise 0.1 wrote it, with torch.save
 
 
 class ShardwiseStrategy(DDPStrategy):
@@ -75,14 +85,25 @@ class ShardwiseStrategy(DDPStrategy):
         if len(optimizers) > 1:
             raise ShardwiseError("ShardwiseStrategy checkpoints one optimizer; this module configures "
                                  f"{len(optimizers)}")
-        path = save(filepath, self.lightning_module, optimizers[0] if optimizers else None)
-        if self.is_global_zero:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            torch.save(meta, Path(path) / _META)
-        self.barrier("ShardwiseStrategy.save_checkpoint")
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        try:
+            state = to_json(meta, "Lightning's checkpoint")
+        except ShardwiseError as error:
+            raise ShardwiseError(f"{error}. ShardwiseStrategy stores Lightning's state as JSON (no pickle): leave "
+                                 "such values out (save_hyperparameters(ignore=[...])) or make them JSON "
+                                 "values") from None
+        save(filepath, self.lightning_module, optimizers[0] if optimizers else None, **{_STATE: state})
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        meta = torch.load(Path(checkpoint_path) / _META, weights_only=False)  # Lightning's own file
+        path = Path(checkpoint_path)
+        extra = read_index(path).extra
+        if _STATE in extra:
+            meta = from_json(extra[_STATE])
+        elif (path / _LEGACY).is_file():
+            meta = _load_legacy(path / _LEGACY, weights_only)
+        else:
+            raise ShardwiseError(f"{path} holds no Lightning state: it was saved by sw.save, not by "
+                                 "ShardwiseStrategy. Load its weights with sw.load(path, module) instead.")
         return {**meta, "state_dict": {}, "optimizer_states": [], "_shardwise_path": str(checkpoint_path)}
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
@@ -90,3 +111,19 @@ class ShardwiseStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         load(checkpoint["_shardwise_path"], self.lightning_module, self.optimizers[0] if self.optimizers else None)
+
+
+def _load_legacy(file: Path, weights_only: bool | None) -> dict:
+    """Lightning's state from a `lightning.pt` (Note [lightning state]): torch.load with the caller's
+    `weights_only`, True unless the caller trusts the file and says False."""
+    weights_only = True if weights_only is None else weights_only
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as error:  # noqa: BLE001 - torch raises many types for a refused or bad file
+        raise ShardwiseError(
+            f"{file} could not be read with torch.load(weights_only={weights_only}) ({error}). It was written "
+            "by shardwise 0.1 with torch.save; pass weights_only=False (trainer.fit(..., weights_only=False)) "
+            "only if you trust where it came from, or re-save the checkpoint.") from None
+    if not isinstance(meta, dict):
+        raise ShardwiseError(f"{file} holds a {type(meta).__name__}, not Lightning's checkpoint dict")
+    return meta

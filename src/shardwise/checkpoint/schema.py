@@ -1,0 +1,304 @@
+"""index.json as typed records, read and checked before anything else of a checkpoint is.
+
+Note [index records]: a checkpoint directory is read through these records only. `read_index`
+opens index.json (a regular file, never through a symlink, at most MAX_INDEX_BYTES, read
+bounded), parses it (nesting at most MAX_DEPTH), checks its digest (Note [index digest]),
+then every field: its type, its bounds, and its agreement with the other fields (a slice
+names a listed file, its rows lie inside its tensor and tile it, one crc per chunk; a file
+name is a plain name inside the directory, Note [contained names]). Any violation is a
+ShardwiseError naming the file and the field; the code after this never meets a raw dict
+of the index, so it has no second set of checks to keep in step.
+
+Note [index digest]: "digest" is the sha256 of every other field, encoded canonically (sorted
+keys, no spaces, `index_digest`), so a changed value anywhere (an `lr`, a `step`, a dtype) is
+refused before it is used. It detects damage and edits, not a forger: whoever can write the
+directory can recompute it, which is why every field is still checked for what it can be.
+
+Note [contained names]: a file named by the index is a plain name (letters, digits, `_ . -`,
+ending in `.safetensors`): no separator, no `..`, no absolute path, so a load reads only
+inside the checkpoint directory; the files themselves are opened without following symlinks
+(files.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardwise.checkpoint.bounded_json import Fields, parse_json, read_bounded
+from shardwise.checkpoint.files import DTYPE_OF_CODE
+from shardwise.errors import ShardwiseError
+
+INDEX = "index.json"
+FORMAT = "shardwise-checkpoint"
+VERSION = 2  # 2: the index carries its digest (Note [index digest])
+MAX_INDEX_BYTES = 64 * 2**20  # far above any real index (crcs are 4 bytes per 4 MiB of data)
+MAX_DEPTH = 64  # JSON nesting: Lightning's state and a data loader's are under 12
+_MAX_DIM = 2**48
+_MAX_DIMS = 32
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_NOW_BOUND = 1e11  # seconds since 1970: the year 5138
+
+
+def index_digest(index: dict) -> str:
+    """The digest of `index` without its "digest" field (Note [index digest])."""
+    body = {k: v for k, v in index.items() if k != "digest"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    """Rows lo:hi of a tensor, stored as tensor `key` of `file`, with a crc32 per `chunk` rows."""
+
+    file: str
+    key: str
+    lo: int
+    hi: int
+    chunk: int
+    crcs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A parameter, buffer or optimizer-state tensor: full shape, dtype, and the slices holding it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    slices: tuple[SliceRecord, ...]
+    aliases: tuple[str, ...] = ()
+    requires_grad: bool | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    nbytes: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    params: tuple[str, ...]
+    options: dict  # JSON (values.from_json turns it into values)
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    scalars: dict  # JSON
+    tensors: dict[str, TensorRecord]
+
+
+@dataclass(frozen=True)
+class OptimizerRecord:
+    class_name: str
+    groups: tuple[GroupRecord, ...]
+    state: dict[str, StateRecord]
+
+
+@dataclass(frozen=True)
+class RngRecord:
+    """One rank's RNG states: tensors in `file` ({key: (chunk, crcs)}) and JSON scalars."""
+
+    file: str
+    tensors: dict[str, tuple[int, tuple[int, ...]]]
+    scalars: dict
+
+
+@dataclass(frozen=True)
+class Index:
+    path: Path  # the checkpoint directory
+    id: str
+    saved_at: float
+    shardwise_version: str
+    torch_version: str
+    strategy: str
+    world_size: int
+    files: dict[str, FileRecord]
+    params: dict[str, TensorRecord]
+    buffers: dict[str, TensorRecord]
+    optimizer: OptimizerRecord | None
+    scheduler: dict | None
+    rng: tuple[RngRecord, ...]
+    objects: dict
+    objects_by_rank: tuple[dict, ...] | None
+    extra: dict
+
+
+def read_index(path: Path) -> Index:
+    """Read, parse and check `path/index.json` (Note [index records]); a ShardwiseError names what is wrong."""
+    path = Path(path)
+    raw = read_bounded(path / INDEX, MAX_INDEX_BYTES, not_found=lambda: _not_a_checkpoint(path))
+    return parse_index(path, parse_json(path / INDEX, raw, MAX_DEPTH))
+
+
+def parse_index(path: Path, index) -> Index:
+    """The typed records of a parsed index.json of checkpoint directory `path`."""
+    f = Fields(path / INDEX)
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise ShardwiseError(f"{path / INDEX} is not a shardwise index (no \"format\": \"{FORMAT}\")")
+    if index.get("version") != VERSION:
+        raise ShardwiseError(f"{path / INDEX} has format version {index.get('version')!r}; this shardwise reads "
+                             f"version {VERSION}. Load it with the shardwise that saved it (version 1: shardwise "
+                             "0.1), or save it again.")
+    if index.get("digest") != index_digest(index):
+        raise ShardwiseError(f"{path / INDEX} does not match its own digest: the index was changed or damaged since "
+                             "it was saved (an edited value, a flipped byte). Load an earlier checkpoint.")
+    world = f.int(index, "world_size", 1, 2**20)
+    files = {_file_name(f, name, f"files[{name!r}]"): FileRecord(
+                 f.int(entry, "bytes", 0, 2**62, f"files[{name!r}]"),
+                 f.match(entry, "digest", _DIGEST, f"files[{name!r}]"))
+             for name, entry in f.dict(index, "files").items()}
+    params = {f.name(n, "params"): _tensor(f, e, f"params[{n!r}]", files, param=True)
+              for n, e in f.dict(index, "params").items()}
+    buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files)
+               for n, e in f.dict(index, "buffers").items()}
+    optimizer = None if index.get("optimizer") is None else _optimizer(f, index["optimizer"], params, files)
+    scheduler = index.get("scheduler")
+    if scheduler is not None:
+        f.dict(index, "scheduler")
+    rng = tuple(_rng(f, entry, f"rng[{i}]", files) for i, entry in enumerate(f.list(index, "rng")))
+    if len(rng) not in (0, world):
+        raise f.fail("rng", f"has {len(rng)} ranks' states for world size {world}")
+    by_rank = index.get("objects_by_rank")
+    if by_rank is not None:
+        by_rank = tuple(f.dict(by_rank, i, "objects_by_rank") for i in range(len(f.list(index, "objects_by_rank"))))
+        if len(by_rank) != world:
+            raise f.fail("objects_by_rank", f"has {len(by_rank)} entries for world size {world}")
+    return Index(path, f.match(index, "id", re.compile(r"[0-9a-zA-Z_-]{1,64}")),
+                 f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
+                 f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
+                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
+
+
+def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, shape=None) -> TensorRecord:
+    entry = f.dict({where: entry}, where, "")
+    dims = f.list(entry, "shape", where, limit=_MAX_DIMS)
+    got = tuple(f.int(dims, i, 0, _MAX_DIM, f"{where}.shape") for i in range(len(dims)))
+    if shape is not None and got != shape:
+        raise f.fail(f"{where}.shape", f"is {list(got)}, its parameter's is {list(shape)}")
+    code = f.str(entry, "dtype", 16, where)
+    if code not in DTYPE_OF_CODE:
+        raise f.fail(f"{where}.dtype", f"is {code!r}, not a dtype shardwise stores ({sorted(DTYPE_OF_CODE)})")
+    dtype = DTYPE_OF_CODE[code]
+    if math.prod(got) * dtype.itemsize > 2**62:
+        raise f.fail(f"{where}.shape", f"{list(got)} is larger than any file")
+    rows = got[0] if got else 1
+    row_bytes = math.prod(got[1:]) * dtype.itemsize
+    slices = []
+    for i, raw in enumerate(f.list(entry, "slices", where)):
+        at = f"{where}.slices[{i}]"
+        raw = f.dict({at: raw}, at, "")
+        file = f.str(raw, "file", 256, at)
+        if file not in files:
+            raise f.fail(f"{at}.file", f"names {file!r}, which the index's files do not list")
+        bounds = f.list(raw, "rows", at, limit=2)
+        lo, hi = (f.int(bounds, j, 0, rows, f"{at}.rows") for j in range(2)) if len(bounds) == 2 else (0, -1)
+        if not lo < hi:
+            raise f.fail(f"{at}.rows", f"is {bounds!r}: not rows lo < hi inside the tensor's {rows}")
+        chunk = f.int(raw, "chunk", 1, _MAX_DIM, at)
+        crcs = _crcs(f, raw, at, -(-(hi - lo) // chunk) if row_bytes else 0)
+        slices.append(SliceRecord(file, f.str(raw, "key", 4096, at), lo, hi, chunk, crcs))
+    covered = 0
+    for piece in sorted(slices, key=lambda s: s.lo):
+        if piece.lo != covered:
+            raise f.fail(f"{where}.slices", f"leave rows {covered}:{piece.lo} uncovered or overlap at row {piece.lo}")
+        covered = piece.hi
+    if covered != rows:
+        raise f.fail(f"{where}.slices", f"cover rows 0:{covered} of {rows}")
+    aliases, requires_grad = (), None
+    if param:
+        names = f.list(entry, "aliases", where)
+        aliases = tuple(f.name(names[i], f"{where}.aliases") for i in range(len(names)))
+        requires_grad = f.bool(entry, "requires_grad", where)
+    return TensorRecord(got, dtype, tuple(slices), aliases, requires_grad)
+
+
+def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
+    crcs = f.list(raw, "crcs", at)
+    if len(crcs) != expected:
+        raise f.fail(f"{at}.crcs", f"has {len(crcs)} checksums for {expected} chunks")
+    return tuple(f.int(crcs, i, 0, 2**32 - 1, f"{at}.crcs") for i in range(len(crcs)))
+
+
+def _optimizer(f: Fields, raw, params: dict, files: dict) -> OptimizerRecord:
+    raw = f.dict({"optimizer": raw}, "optimizer", "")
+    groups = []
+    for i, group in enumerate(f.list(raw, "param_groups", "optimizer")):
+        at = f"optimizer.param_groups[{i}]"
+        group = f.dict({at: group}, at, "")
+        names = f.list(group, "params", at)
+        for j in range(len(names)):
+            if f.name(names[j], f"{at}.params") not in params:
+                raise f.fail(f"{at}.params[{j}]", f"names {names[j]!r}, which the index's params do not list")
+        groups.append(GroupRecord(tuple(names), f.dict(group, "options", at)))
+    state = {}
+    for name, entry in f.dict(raw, "state", "optimizer").items():
+        at = f"optimizer.state[{name!r}]"
+        if name not in params:
+            raise f.fail(at, "names a parameter the index's params do not list")
+        entry = f.dict({at: entry}, at, "")
+        tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files,
+                                                         shape=params[name].shape)
+                   for key, value in f.dict(entry, "tensors", at).items()}
+        state[name] = StateRecord(f.dict(entry, "scalars", at), tensors)
+    return OptimizerRecord(f.str(raw, "class", 256, "optimizer"), tuple(groups), state)
+
+
+def _rng(f: Fields, raw, at: str, files: dict) -> RngRecord:
+    raw = f.dict({at: raw}, at, "")
+    file = f.str(raw, "file", 256, at)
+    if file not in files:
+        raise f.fail(f"{at}.file", f"names {file!r}, which the index's files do not list")
+    tensors = {}
+    for key, check in f.dict(raw, "tensors", at).items():
+        where = f"{at}.tensors[{key!r}]"
+        check = f.dict({where: check}, where, "")
+        crcs = f.list(check, "crcs", where)
+        tensors[f.name(key, f"{at}.tensors")] = (f.int(check, "chunk", 1, _MAX_DIM, where),
+                                                 _crcs(f, check, where, len(crcs)))
+    numpy = f.dict(raw, "numpy", at)
+    f.str(numpy, "kind", 32, f"{at}.numpy")
+    f.int(numpy, "pos", 0, 624, f"{at}.numpy")
+    f.int(numpy, "has_gauss", 0, 1, f"{at}.numpy")
+    f.number(numpy, "cached", -1e308, 1e308, f"{at}.numpy")
+    python = f.dict(raw, "python", at)
+    f.int(python, "version", 0, 64, f"{at}.python")
+    if python.get("gauss_next") is not None:
+        f.number(python, "gauss_next", -1e308, 1e308, f"{at}.python")
+    f.int(raw, "cuda", 0, 4096, at)
+    scalars = {"numpy": numpy, "python": python, "cuda": raw["cuda"]}
+    return RngRecord(file, tensors, scalars)
+
+
+def _file_name(f: Fields, value: str, where: str) -> str:
+    if not _FILE_NAME.fullmatch(value) or ".." in value:
+        raise f.fail(where, "is not a plain file name inside the checkpoint directory (Note [contained names]): a "
+                            "path, a '..' or a name shardwise never writes")
+    return value
+
+
+def _not_a_checkpoint(path: Path) -> ShardwiseError:
+    """The error for a directory without index.json, with what the directory does hold."""
+    inside = sorted(p.name for p in path.iterdir() if (p / INDEX).is_file()) if path.is_dir() else []
+    partial = sorted(p.name for p in path.iterdir() if p.name.endswith(".partial")) if path.is_dir() else []
+    hint = ""
+    if inside:
+        more = '...' if len(inside) > 5 else ''
+        hint = f" It holds checkpoints {inside[:5]}{more}: pass one of them, or sw.latest({str(path)!r})."
+    elif partial:
+        hint = f" It holds unfinished saves {partial}: a save that crashed before it completed."
+    return ShardwiseError(f"{path} is not a shardwise checkpoint: it has no {INDEX}.{hint}")
