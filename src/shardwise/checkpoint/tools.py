@@ -10,11 +10,11 @@ from shardwise.checkpoint.files import DTYPE_OF_CODE, FileWriter, TensorSpec, dt
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source, read_index
 from shardwise.errors import ShardwiseError
 
-_MB = 1e6
+_MIB = 2**20  # MiB, as the estimator and sw.describe print
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / _MB:.2f} MB" if nbytes >= 10_000 else f"{nbytes} B"
+    return f"{nbytes / _MIB:.2f} MiB" if nbytes >= 10_000 else f"{nbytes} B"
 
 
 def _nbytes(tensor: SourceTensor) -> int:
