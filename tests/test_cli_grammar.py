@@ -40,6 +40,16 @@ def test_estimate_takes_model_positionally_like_plan_and_units(capsys):
     assert capsys.readouterr().out == positional
 
 
+def test_estimating_a_hugging_face_type_prints_no_transformers_warning():
+    """Catches `shardwise estimate gpt2 ... --batch` printing transformers' `loss_type=None` warning
+    (GPT-2's class name names no loss; the probe's forward computes one). A fresh process: the
+    warning is printed once per process."""
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "estimate", "gpt2", "n_layer=1", "n_embd=32",
+                           "n_head=2", "vocab_size=64", "--batch", "1", "--seq", "8"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "loss_type" not in done.stdout + done.stderr, done.stderr
+
+
 def test_the_gather_row_is_explained(capsys):
     """Catches the gather/reduce buffers row changing with --batch and nothing saying why."""
     assert cli.main(["estimate", "gpt", "--world-size", "2"]) == 0

@@ -147,7 +147,10 @@ def _hf_model(config) -> nn.Module:
 
     try:
         try:
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
+            if getattr(model, "loss_type", "") is None:  # GPT-2's class name names no loss: transformers warns
+                model.loss_type = "ForCausalLM"
+            return model
         except ValueError as error:
             if "Unrecognized configuration class" not in str(error):
                 raise
