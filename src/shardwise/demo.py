@@ -92,7 +92,7 @@ def train_rank(args: argparse.Namespace, strategy: str) -> None:
     """One rank of training under torchrun (or, as the reference, one process on the whole
     global batch); rank 0 writes the results file."""
     reference = strategy == REFERENCE
-    torch.set_num_threads(args.nproc if reference else 1)  # the reference runs alone: the ranks' cores
+    torch.set_num_threads(1)  # one thread per process (more threads on busy cores only wait for each other)
     sw.init()
     rank, world_size = sw.get_rank(), sw.get_world_size()
     batch = args.batch * (args.nproc if reference else 1)  # the reference takes every rank's rows
