@@ -128,3 +128,12 @@ def test_output_comparison_is_strict_where_it_matters():
     assert not doc_blocks.output_matches(shown, "step 0 loss 2.786\nstep 19 loss 1.456")
     assert not doc_blocks.output_matches("loaded 48 tensors", "loaded 47 tensors from x")
     assert doc_blocks.output_matches("loaded 48 tensors from ...", "loaded 48 tensors from ckpt/a")
+
+
+def test_doc_blocks_print_no_warning_about_token_ids(launches):
+    """Catches a page building a GPT-2 config over a small vocabulary that keeps GPT-2's token ids
+    (bos/eos 50256): from_pretrained then warns that the ids are outside the vocabulary."""
+    for key in sorted({session.launch for session in SESSIONS}):
+        _, output, _ = launches(key)
+        warned = [line for line in output.splitlines() if "50256" in line]
+        assert warned == [], f"launch {key}:\n" + "\n".join(warned)
