@@ -181,9 +181,9 @@ def test_lightning_lm_trains_and_checkpoints(tmp_path):
             {p.name for p in (out / "checkpoints" / name).iterdir()}
     assert_resumes_exactly("lightning_lm.py", args, out, ["checkpoints/epoch=0-step=4.ckpt"],
                            "checkpoints/epoch=0-step=4.ckpt", output, "resuming from",
-                           known_gap="Lightning saves the StatefulDataLoader's position with the one batch its loop "
-                                     "fetched ahead, so the resumed run starts a batch late (loops/fit_loop.py "
-                                     "on_save_checkpoint; no prefetch correction)")
+                           known_gap="resumed through Lightning (StatefulDataLoader position, shardwise's RNG "
+                                     "states), step 3 still differs from the uninterrupted run; why is not found "
+                                     "yet (leaving out the one batch Lightning's loop prefetches did not change it)")
 
 
 def test_every_example_is_tested():
