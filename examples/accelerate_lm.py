@@ -11,18 +11,23 @@ loop Accelerate's docs write (`prepare`, `accumulate`, `backward`, `clip_grad_no
 rows only). Mixed precision is `sw.shard(..., precision="bf16")` (`--precision`), not
 `Accelerator(mixed_precision=...)`, which is refused. GPT-2 is built from a small config over a
 byte-level vocabulary of 256: nothing is downloaded. Every `--save-every` optimizer steps, and at
-the end, `sw.save` writes OUT/step-N (model and optimizer, every rank its rows; any world size
-loads it); `accelerator.save_model` writes OUT/final/model.safetensors from rank 0.
+the end, `sw.save` writes OUT/step-N (model and optimizer, every rank its rows and RNG states);
+started again with the same `--out`, the script resumes from the newest one: the data order
+depends only on (seed, epoch) (`use_seedable_sampler`), and `skip_first_batches` skips what the
+saved steps consumed, so a resumed run ends bitwise equal to an uninterrupted one at the same
+world size. `accelerator.save_model` writes OUT/final/model.safetensors from rank 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sysconfig
 from pathlib import Path
 
 import torch
+from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -56,24 +61,35 @@ def main() -> None:
                                   n_head=4, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)                                      # every rank builds the same model
     model = AutoModelForCausalLM.from_config(config)
+    model.loss_type = "ForCausalLM"                           # GPT2LMHeadModel's name names no loss: else a warning
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  # before shard(): works too
     sw.shard(model, strategy=args.strategy, precision=args.precision)          # shardwise
     loader = DataLoader(byte_windows(args.seq), batch_size=args.batch, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
+    # save_model stores the tied head once (as from_pretrained expects) and warns that it did: expected here.
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)
 
     # On CPU, Accelerate sees torchrun's ranks only with cpu=True; without it each rank would think it
     # runs alone and prepare() would hand every rank the same batches.
     accelerator = ShardwiseAccelerator(gradient_accumulation_steps=args.accumulate,           # shardwise
-                                       cpu=not torch.cuda.is_available())
+                                       cpu=not torch.cuda.is_available(),
+                                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     if accelerator.num_processes != sw.get_world_size():
         raise SystemExit(f"Accelerate sees {accelerator.num_processes} processes, torchrun started "
                          f"{sw.get_world_size()}")
     model, optim, loader = accelerator.prepare(model, optim, loader)  # the model stays as sw.shard left it
 
-    model.train()
     step, micro_losses = 0, []
+    if (checkpoint := sw.latest(args.out)) is not None:      # resume: model, optimizer rows, RNG states
+        step = sw.load(checkpoint, model, optim).extra["step"]
+        accelerator.print(f"resumed from {checkpoint} at step {step}")
+    steps_per_epoch = math.ceil(len(loader) / args.accumulate)  # a short last step ends each epoch
+
+    model.train()
     while step < args.max_steps:
-        for ids in loader:
+        epoch, done = divmod(step, steps_per_epoch)
+        loader.set_epoch(epoch)                               # the order depends on (seed, epoch) only
+        for ids in accelerator.skip_first_batches(loader, done * args.accumulate) if done else loader:
             with accelerator.accumulate(model):               # no reduce on all but the last micro-batch
                 loss = model(input_ids=ids, labels=ids).loss
                 accelerator.backward(loss)

@@ -69,6 +69,7 @@ def main() -> None:
     torch.manual_seed(0)                                      # every rank builds the same model
     with sw.deferred_init():                                  # nothing allocated until shard()
         model = AutoModelForCausalLM.from_config(config)
+    model.loss_type = "ForCausalLM"                           # GPT2LMHeadModel's name names no loss: else a warning
     sw.shard(model, strategy=args.strategy)                   # units="auto": GPT-2's GPT2Block layers
     if rank == 0:
         print(sw.describe(model))

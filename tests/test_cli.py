@@ -73,3 +73,17 @@ def test_ckpt_commands(tmp_path, capsys):
     assert cli.main(["ckpt", "inspect", str(tmp_path)]) == 2
     assert "not a shardwise checkpoint" in capsys.readouterr().err
     assert cli.main(["ckpt"]) == 0 and "inspect" in capsys.readouterr().out
+
+
+def test_demo_summary_shows_the_drift_of_ddp_itself_and_the_formula(capsys):
+    """Catches the demo printing ddp and zero3 losses that differ with nothing saying torch's DDP
+    drifts from one process as much, and model state without the 16/N formula beside it."""
+    def run(strategy, losses, state):
+        return {"strategy": strategy, "world_size": 2, "params": 1_000_000, "losses": losses,
+                "median_step_s": 0.1, "peak_rss_mib": [400.0, 400.0], "model_state_mib": [state, state]}
+    demo.print_summary([run("ddp", [5.0, 3.0001], 15.3), run("zero3", [5.0, 2.9998], 7.7),
+                        run(demo.REFERENCE, [5.0, 3.0], 15.3)], world_size=2)
+    out = capsys.readouterr().out
+    assert "max |loss - 1 proc|" in out and "1.0e-04" in out and "2.0e-04" in out, out
+    assert "(15.3)" in out and "(7.6)" in out, out  # 16 and 16/2 bytes per parameter
+    assert "by as much as torch's DDP does" in out

@@ -62,7 +62,8 @@ def test_a_close_budget_says_by_how_much():
 
 
 def test_ckpt_export_into_a_new_folder(tmp_path):
-    """Catches a raw FileNotFoundError traceback when OUT's folder does not exist yet."""
+    """Catches a raw FileNotFoundError traceback when OUT's folder does not exist yet (with --mkdir:
+    it is created, and the output says so)."""
     import shardwise as sw
     from shardwise.models.zoo import build
 
@@ -72,7 +73,7 @@ def test_ckpt_export_into_a_new_folder(tmp_path):
     finally:
         sw.shutdown()
     out = tmp_path / "new" / "folder" / "model.safetensors"
-    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out)]) == 0
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 0
     assert out.is_file()
 
 

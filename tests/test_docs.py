@@ -46,3 +46,18 @@ def test_api_reference_lists_every_public_name():
         if not places & listed:
             missing.append(name)
     assert missing == [], f"add to docs/reference/shardwise.md: {missing}"
+
+
+def test_api_entries_under_internal_paths_are_titled_by_their_public_name():
+    """Catches the API reference titling `sw.save` or `sw.plan` by the internal path it is listed
+    under (`shardwise.checkpoint.save.save`): every public name not written `::: shardwise.<name>`
+    sets its heading (and table-of-contents label) to `sw.<name>`."""
+    page = (ROOT / "docs" / "reference" / "shardwise.md").read_text()
+    untitled = []
+    for match in re.finditer(r"^::: (\S+)\n((?:    .*\n)*)", page, re.MULTILINE):
+        path, options = match.group(1), match.group(2)
+        name = path.rsplit(".", 1)[1]
+        if path.count(".") > 1 and name in sw.__all__:
+            if f'heading: "sw.{name}"' not in options or f'toc_label: "sw.{name}"' not in options:
+                untitled.append(path)
+    assert untitled == [], f"give these a heading/toc_label of sw.<name> in docs/reference/shardwise.md: {untitled}"

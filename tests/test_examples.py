@@ -1,8 +1,10 @@
 """Every script in examples/ runs for a few steps, as a user launches it (torchrun, 2 ranks).
 
 Each example prints `step N loss X` on rank 0; a run passes when it exits 0 within its
-timeout and its losses are finite and fall. A hang kills the whole process group and
-shows the output so far.
+timeout, its losses are finite and fall, and it prints no third-party warning or notice. Each
+is then cut back to its step-2 checkpoint and started again: it must resume by itself and end
+bitwise equal to its uninterrupted run. A hang kills the whole process group and shows the
+output so far.
 """
 
 from __future__ import annotations
@@ -10,17 +12,23 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300  # seconds per launch; 20-45 s each on 2 busy cores
 STEP = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
+# What third-party libraries print unasked: warnings, deprecations, tips, start-up banners, progress bars.
+NOISE = re.compile(r"warn|deprecat|tip:|^\[transformers\]|^\[rank \d\]|gpu available|tpu available|initializing "
+                   r"distributed|distributed_backend|it/s\]|omp_num_threads|site-packages|^\{'", re.I | re.M)
 
 
 def run_example(script: str, *args: str, cwd: Path, nproc: int = 2) -> str:
@@ -48,18 +56,61 @@ def losses(output: str) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in STEP.findall(output)}
 
 
+def assert_quiet(output: str) -> None:
+    """No line of a third-party warning, notice or banner (rank 0's own lines only)."""
+    noisy = [line for line in output.splitlines() if NOISE.search(line)]
+    assert noisy == [], "third-party lines in the output:\n" + "\n".join(noisy)
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every .safetensors file under `folder`, by file and name."""
+    return {f"{file.relative_to(folder)}:{name}": value for file in sorted(folder.rglob("*.safetensors"))
+            for name, value in safetensors.torch.load_file(file).items()}
+
+
+def assert_resumes_exactly(script: str, args: list[str], out: Path, cut: list[str], final: str,
+                           first: str, resumed_line: str, known_gap: str = "") -> None:
+    """Cut `out` back to its step-2 checkpoint (delete `cut`), start the same command again: it must say
+    `resumed_line`, log steps 3 and 4 as the uninterrupted run `first` did, and write `final` with
+    every tensor bitwise equal to the uninterrupted run's. With `known_gap`, a difference is an
+    expected failure (strict: equal results fail, so the gap's note is removed once it is closed)."""
+    expected = tensors(out / final)
+    assert expected, f"nothing to compare in {out / final}"
+    for name in cut:
+        shutil.rmtree(out / name)
+    output = run_example(script, *args, cwd=out.parent)
+    assert resumed_line in output, output[-2000:]
+    assert_quiet(output)
+    again = {step: loss for step, loss in STEP.findall(output)}
+    assert sorted(again) == ["3", "4"], output[-2000:]
+    got = tensors(out / final)
+    assert got.keys() == expected.keys()
+    different = [name for name in expected if not torch.equal(expected[name], got[name])]
+    same_losses = again == {step: loss for step, loss in STEP.findall(first) if step in again}
+    if known_gap:
+        assert different or not same_losses, f"{script} now resumes exactly: drop its known_gap"
+        pytest.xfail(known_gap)
+    assert same_losses, (again, first)
+    assert different == [], f"resumed at step 2, these differ from the uninterrupted run: {different[:5]}"
+
+
 def test_hf_causal_lm_trains_saves_and_resumes(tmp_path):
     """Catches the example going stale against the API (it must run as a user copies it), a loss
-    that does not fall or turns non-finite under zero3 at 2 ranks, checkpoints not written, and a
-    resume that does not pick up the newest checkpoint: the second launch, at world size 1, must
-    continue from step 4 of the 2-rank run (any world size loads any checkpoint)."""
+    that does not fall or turns non-finite under zero3 at 2 ranks, checkpoints not written, a
+    third-party warning in its output, a resume from step 2 that does not end bitwise equal to the
+    uninterrupted run, and a resume that does not pick up the newest checkpoint: the last launch,
+    at world size 1, must continue from step 4 of the 2-rank run (any world size loads any checkpoint)."""
     out = tmp_path / "run"
-    first = losses(run_example("hf_causal_lm.py", "--max-steps", "4", "--save-every", "2", "--batch", "4",
-                               "--seq", "64", "--out", str(out), cwd=tmp_path))
+    args = ["--max-steps", "4", "--save-every", "2", "--batch", "4", "--seq", "64", "--out", str(out)]
+    output = run_example("hf_causal_lm.py", *args, cwd=tmp_path)
+    assert_quiet(output)
+    first = losses(output)
     assert sorted(first) == [1, 2, 3, 4], first
     assert all(math.isfinite(x) for x in first.values()) and first[4] < first[1], first
     assert sorted(p.name for p in out.iterdir()) == ["hf", "step-000002", "step-000004"]
     assert {"config.json", "model.safetensors"} <= {p.name for p in (out / "hf").iterdir()}
+    assert_resumes_exactly("hf_causal_lm.py", args, out, ["step-000004", "hf"], "hf", output,
+                           "resumed from")
 
     output = run_example("hf_causal_lm.py", "--max-steps", "6", "--batch", "4", "--seq", "64", "--out", str(out),
                          cwd=tmp_path, nproc=1)
@@ -78,45 +129,61 @@ def assert_trained(output: str, steps: int) -> None:
 
 def test_hf_trainer_trains_and_saves_its_checkpoints(tmp_path):
     """Catches the Trainer example going stale (ShardwiseTrainer, TrainingArguments of the pinned
-    transformers), its loss not falling at 2 ranks with gradient accumulation, and the Trainer's
-    own checkpoints (save_strategy="steps") not written: each holds the whole model and, in
-    shardwise/, every rank's optimizer rows."""
+    transformers), its loss not falling at 2 ranks with gradient accumulation, the Trainer's
+    own checkpoints (save_strategy="steps") not written (each holds the whole model and, in
+    shardwise/, every rank's optimizer rows), DeepSpeed's, transformers' or the Trainer's own
+    lines in the output, and a restart that needs --resume or does not end bitwise equal."""
     out = tmp_path / "trainer"
-    output = run_example("hf_trainer.py", "--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64",
-                         "--out", str(out), cwd=tmp_path)
+    args = ["--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64", "--out", str(out)]
+    output = run_example("hf_trainer.py", *args, cwd=tmp_path)
     assert_trained(output, 4)
+    assert_quiet(output)
     assert (out / "final" / "model.safetensors").is_file()
     for step in (2, 4):
         assert (out / f"checkpoint-{step}" / "model.safetensors").is_file(), sorted(out.iterdir())
         assert (out / f"checkpoint-{step}" / "shardwise" / "index.json").is_file()
+    assert_resumes_exactly("hf_trainer.py", args, out, ["checkpoint-4", "final"], "final", output,
+                           "resuming from")
 
 
 def test_accelerate_lm_trains_and_saves(tmp_path):
     """Catches the Accelerate example going stale (ShardwiseAccelerator against the pinned accelerate),
     Accelerate not seeing torchrun's 2 ranks (the script exits non-zero then), its loss not falling
-    with accumulation and clipping, and sw.save / save_model not writing."""
+    with accumulation and clipping, sw.save / save_model not writing, Accelerate's or transformers'
+    warnings in the output, and a restart that does not resume by itself, bitwise equal."""
     out = tmp_path / "acc"
-    output = run_example("accelerate_lm.py", "--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64",
-                         "--out", str(out), cwd=tmp_path)
+    args = ["--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64", "--out", str(out)]
+    output = run_example("accelerate_lm.py", *args, cwd=tmp_path)
     assert_trained(output, 4)
+    assert_quiet(output)
     assert sorted(p.name for p in out.iterdir()) == ["final", "step-000002", "step-000004"]
     assert (out / "step-000004" / "rank-00001-of-00002.safetensors").is_file()
     assert (out / "final" / "model.safetensors").is_file()
+    assert_resumes_exactly("accelerate_lm.py", args, out, ["step-000004", "final"], "final", output,
+                           "resumed from")
 
 
 def test_lightning_lm_trains_and_checkpoints(tmp_path):
     """Catches the Lightning example going stale (ShardwiseStrategy against the pinned lightning),
-    its loss not falling with gradient_clip_val and accumulate_grad_batches at 2 ranks, and
-    ModelCheckpoint not writing shardwise checkpoint directories with Lightning's state beside."""
+    its loss not falling with gradient_clip_val and accumulate_grad_batches at 2 ranks,
+    ModelCheckpoint not writing shardwise checkpoint directories with Lightning's state beside,
+    Lightning's tips, banners and deprecations in the output, and a restart from step 2 that
+    does not end bitwise equal (a loader Lightning cannot resume starts its epoch again)."""
     out = tmp_path / "lit"
-    output = run_example("lightning_lm.py", "--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64",
-                         "--out", str(out), cwd=tmp_path)
+    args = ["--max-steps", "4", "--save-every", "2", "--batch", "2", "--seq", "64", "--out", str(out)]
+    output = run_example("lightning_lm.py", *args, cwd=tmp_path)
     assert_trained(output, 4)
+    assert_quiet(output)
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"], saved
     for name in saved:
         assert {"index.json", "rank-00001-of-00002.safetensors"} <= \
             {p.name for p in (out / "checkpoints" / name).iterdir()}
+    assert_resumes_exactly("lightning_lm.py", args, out, ["checkpoints/epoch=0-step=4.ckpt"],
+                           "checkpoints/epoch=0-step=4.ckpt", output, "resuming from",
+                           known_gap="resumed through Lightning (StatefulDataLoader position, shardwise's RNG "
+                                     "states), step 3 still differs from the uninterrupted run; why is not found "
+                                     "yet (leaving out the one batch Lightning's loop prefetches did not change it)")
 
 
 def test_every_example_is_tested():

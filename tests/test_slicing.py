@@ -43,6 +43,8 @@ GRID = [
     ("llama", 2, 2, "zero3"),
     ("llama_kv4", 1, 4, None),
     ("gpt2", 1, 2, None),
+    ("llama_labels", 1, 2, None),  # Hugging Face's own loss: model(input_ids, labels=...).loss
+    ("gpt2_labels", 1, 2, None),
     ("uneven", 1, 3, None),
     ("uneven", 1, 4, None),
 ]
@@ -53,8 +55,9 @@ def test_sliced_matches_one_process(ranks, name, data, tensor, strategy):
     """Catches a missing or doubled reduction on either axis (f's gradient all-reduce, g's forward
     all-reduce, the engine's data-axis average), a bias added once per slice, q/k/v cut across heads
     or parts, vocabulary slices that double-count or drop a row, a loss computed on one slice, an
-    uneven split that loses a feature, a tied embedding/head that became two parameters, and data
-    that differs across the tensor axis: any of these moves losses or parameters past 1e-5."""
+    uneven split that loses a feature, a tied embedding/head that became two parameters, data
+    that differs across the tensor axis, and transformers' own `labels=` loss refused or computed
+    on one slice: any of these moves losses or parameters past 1e-5."""
     got = ranks.run(run_mesh, data * tensor, name, data, tensor, strategy, timeout=300)
     ref = reference(name)
     for rank, result in enumerate(got):

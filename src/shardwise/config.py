@@ -17,6 +17,7 @@ What each strategy keeps, as the engine and the estimator read it:
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 
@@ -140,7 +141,9 @@ class ShardConfig:
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
-            raise ShardwiseError(f"strategy={self.strategy!r} is not one of {STRATEGIES}")
+            close = difflib.get_close_matches(str(self.strategy), STRATEGIES, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ShardwiseError(f"strategy={self.strategy!r} is not one of {STRATEGIES}{hint}")
         if self.strategy == "ddp" and not self.precision.is_full:
             raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
                                  "around the forward")

@@ -55,6 +55,21 @@ class GPT2LM(LlamaLM):
         self.seed = 0
 
 
+class HFLossLM(nn.Module):
+    """`inner`'s Hugging Face model trained through its own loss: `model(input_ids=x, labels=x).loss`
+    (transformers shifts the labels and reshapes the logits itself; Note [hf loss])."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.lm, self.seed = inner.lm, 0
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def forward(self, x, y):
+        return self.lm(input_ids=x, labels=x).loss
+
+
 UNEVEN_VOCAB, UNEVEN_WIDTH, UNEVEN_HIDDEN = 10, 12, 30
 UNEVEN_PLAN = {"emb": "vocab", "fc1": "colwise", "fc2": "rowwise", "head": "vocab"}
 
@@ -105,6 +120,8 @@ MODELS = {
     "llama_kv4": ZooSpec("llama_kv4", lambda: LlamaLM(4), _llama_batch, None, False),
     "gpt2": ZooSpec("gpt2", GPT2LM, _llama_batch, None, False),
     "uneven": ZooSpec("uneven", UnevenLM, _uneven_batch, None, False),
+    "llama_labels": ZooSpec("llama_labels", lambda: HFLossLM(LlamaLM(2)), _llama_batch, None, False),
+    "gpt2_labels": ZooSpec("gpt2_labels", lambda: HFLossLM(GPT2LM()), _llama_batch, None, False),
 }
 PLANS = {"uneven": UNEVEN_PLAN}  # the others use plan="auto"
 

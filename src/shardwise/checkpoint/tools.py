@@ -11,11 +11,11 @@ from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
 
-_MB = 1e6
+_MIB = 2**20  # MiB, as the estimator and sw.describe print
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / _MB:.2f} MB" if nbytes >= 10_000 else f"{nbytes} B"
+    return f"{nbytes / _MIB:.2f} MiB" if nbytes >= 10_000 else f"{nbytes} B"
 
 
 def _nbytes(tensor: SourceTensor) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from shardwise.checkpoint import tools
 from shardwise.errors import ShardwiseError
@@ -31,6 +32,7 @@ def add_commands(commands) -> None:
     )
     export.add_argument("dir", metavar="DIR", help="a checkpoint directory")
     export.add_argument("out", metavar="OUT.safetensors", help="the file to write")
+    export.add_argument("--mkdir", action="store_true", help="create OUT's directory when it does not exist")
     diff = actions.add_parser(
         "diff", help="keys, shapes and dtypes that differ between two checkpoints",
         description="Compare DIR and OTHER (checkpoint directories, .safetensors files or torch.save'd "
@@ -47,12 +49,20 @@ def add_commands(commands) -> None:
 def run(args) -> int:
     """Run the parsed `shardwise ckpt ...` command; its exit status."""
     try:
+        for path in filter(None, (getattr(args, "dir", None), getattr(args, "other", None))):
+            if not Path(path).exists():
+                raise ShardwiseError(f"{path} does not exist")
         if args.action == "inspect":
             lines, ok = tools.inspect(args.dir, verify=not args.no_verify)
             print("\n".join(lines))
             return 0 if ok else 1
         if args.action == "export":
-            print(f"wrote {tools.export_checkpoint(args.dir, args.out)}")
+            folder = Path(args.out).parent
+            created = not folder.is_dir()
+            if created and not args.mkdir:
+                raise ShardwiseError(f"directory {folder} does not exist: create it, or pass --mkdir")
+            written = tools.export_checkpoint(args.dir, args.out)
+            print(f"created {folder}/\n" * created + f"wrote {written}")
             return 0
         if args.action == "diff":
             lines, same = tools.diff(args.dir, args.other, values=args.values)

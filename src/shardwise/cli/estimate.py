@@ -1,11 +1,11 @@
 """`shardwise estimate` and `shardwise plan`: the estimator from the shell.
 
-    shardwise estimate --model gpt:d_model=512,n_layers=8,vocab_size=8192 --strategy zero3 \\
+    shardwise estimate gpt d_model=512 n_layers=8 vocab_size=8192 --strategy zero3 \\
         --world-size 4 --precision bf16 --batch 4 --seq 128
-    shardwise plan --memory 8GiB --world-size 4 gpt:d_model=2048,n_layers=24
+    shardwise plan llama hidden_size=2048 num_hidden_layers=22 --memory 8GiB --world-size 4
 
-MODEL is a zoo name (`shardwise.models.zoo`), `gpt:key=value,...` (GPTConfig fields), or
-`module:function` / `path/to/file.py:function` naming a function that returns a model.
+MODEL [KEY=VALUE ...] is read by cli/models.py: a zoo name, module:function, a .py file, a
+Hugging Face model type with its sizes, or a directory with a config.json.
 Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated;
 `--batch` runs the activation probe (estimate/probe.py) on meta tensors too. The RSS that
 importing and building a module:function model adds to this process (e.g. transformers)
@@ -14,16 +14,16 @@ is added to the runtime row: a training script imports the same.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import importlib
-import importlib.util
 import json
 import re
 import sys
 
-import torch
 from torch import nn
 
+from shardwise.cli.models import HELP as MODEL_HELP
+from shardwise.cli.models import build_model, load_function
 from shardwise.engine.describe import describe
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.core import MIB, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
@@ -42,80 +42,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def build_model(spec: str) -> tuple[nn.Module, object]:
-    """The model MODEL names, built on the meta device, and the unit spec to cut it with."""
-    from shardwise.models.gpt import GPT, Block, GPTConfig
-    from shardwise.models.zoo import ZOO
-
-    with torch.device("meta"):
-        if spec in ZOO:
-            return ZOO[spec].build(), ZOO[spec].unit_class
-        if spec == "gpt" or spec.startswith("gpt:"):
-            return GPT(_gpt_config(spec[4:], GPTConfig)), Block
-        if ":" in spec:
-            model = load_function(spec)()
-            if not isinstance(model, nn.Module):
-                raise ShardwiseError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
-            return model, None
-    raise ShardwiseError(f"MODEL {spec!r} is not a zoo name ({', '.join(sorted(ZOO))}), "
-                         "gpt:key=value,... or module:function")
-
-
-def _gpt_config(text: str, config_class):
-    fields = {f.name for f in dataclasses.fields(config_class)}
-    values = {}
-    for item in filter(None, text.split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields or not value.isdigit():
-            raise ShardwiseError(f"gpt:{text}: {item!r} is not key=int with key one of {sorted(fields)}")
-        values[key] = int(value)
-    if "d_model" in values and "n_heads" not in values:  # 64-wide heads unless told otherwise
-        values["n_heads"] = max(1, values["d_model"] // 64) if values["d_model"] % 64 == 0 else 1
-    try:
-        return config_class(**values)
-    except ValueError as error:
-        raise ShardwiseError(f"gpt:{text}: {error}") from error
-
-
-def load_function(spec: str):
-    """The function `module:function` or `path/to/file.py:function` names."""
-    module_name, _, function_name = spec.rpartition(":")
-    function = getattr(_import(module_name), function_name, None)
-    if not callable(function):
-        raise ShardwiseError(f"{module_name} has no function {function_name!r}")
-    return function
-
-
-def _import(name: str):
-    # As `python -m` does: the current directory is importable (module:function from here).
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")
-    if name.endswith(".py"):
-        spec = importlib.util.spec_from_file_location("_shardwise_user_model", name)
-        if spec is None:
-            raise ShardwiseError(f"cannot load {name}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        raise ShardwiseError(f"cannot import {name!r} ({error}); MODEL module:function imports from the current "
-                             "directory and the Python path, or pass a file: path/to/file.py:function") from None
-
-
 # ---- the two commands --------------------------------------------------------------
 
 
 def add_commands(commands) -> None:
     """Add `estimate` and `plan` to the `shardwise` command's subparsers."""
-    model_help = ("a zoo name, gpt:key=value,... (GPTConfig fields, e.g. gpt:d_model=512,n_layers=8,"
-                  "vocab_size=8192) or module:function returning a model; built on the meta device")
     est = commands.add_parser(
         "estimate", help="per-rank memory of one configuration, by kind, before building anything",
         description="Predict what one rank holds (parameters, gradients, optimizer state, gather/reduce "
                     "buffers, activations, Python + torch) for a strategy, world size and precision.")
-    est.add_argument("--model", required=True, metavar="MODEL", help=model_help)
+    _add_model(est)
+    est.add_argument("--model", dest="model_option", default=None, help=argparse.SUPPRESS)  # the older spelling
     est.add_argument("--strategy", default="zero3", choices=("ddp", "zero1", "zero2", "zero3"),
                      help="default: zero3")
     est.add_argument("--world-size", type=int, default=1, help="ranks (default: 1)")
@@ -128,12 +65,27 @@ def add_commands(commands) -> None:
         description="Weigh ddp, zero1, zero2, zero3, zero3+bf16 and zero3 with disk offload (cheapest "
                     "first) against --memory per rank; name the first that fits and say why each other "
                     "does not. Exit status 1 when none fits.")
-    pl.add_argument("model", metavar="MODEL", help=model_help)
+    _add_model(pl)
     pl.add_argument("--memory", required=True, help="per-rank budget, e.g. 8GiB, 512MiB, 2GB")
     pl.add_argument("--world-size", type=int, required=True, help="ranks")
     pl.add_argument("--offload-dir", default="/tmp/shardwise-offload",
                     help="directory the offload options would use (default: /tmp/shardwise-offload)")
     _add_common(pl)
+
+
+def _add_model(parser) -> None:
+    parser.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
+    parser.add_argument("overrides", metavar="KEY=VALUE", nargs="*",
+                        help="sizes for gpt or a Hugging Face model type, e.g. hidden_size=512 num_hidden_layers=4")
+
+
+def model_spec(args) -> str:
+    """MODEL as given (estimate also takes the older --model MODEL); a one-line error when missing."""
+    spec = args.model or getattr(args, "model_option", None)
+    if not spec:
+        raise ShardwiseError(f"name a MODEL: shardwise {args.command} MODEL [KEY=VALUE ...] (e.g. `shardwise "
+                             f"{args.command} llama hidden_size=512 num_hidden_layers=4`)")
+    return spec
 
 
 def _add_common(parser) -> None:
@@ -162,9 +114,11 @@ def _add_common(parser) -> None:
 def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
+        spec = model_spec(args)
         before = process_rss()
-        model, units = build_model(args.model)
-        imported = max(0, process_rss() - before) if _is_function(args.model) else 0
+        model, units = build_model(spec, args.overrides)
+        imported = max(0, process_rss() - before) if _is_function(spec) else 0
+        args.model = " ".join([spec, *args.overrides])  # as the output names it
         units = _units(model, args.units, units)
         runtime = (RUNTIME_BYTES if args.world_size > 1 else RUNTIME_BYTES_SINGLE) + imported
         inputs = load_function(args.inputs) if args.inputs else None
@@ -185,7 +139,10 @@ def run(args) -> int:
 
 
 def _is_function(spec: str) -> bool:
-    return ":" in spec and not spec.startswith("gpt:")
+    """MODEL is code from outside shardwise (module:function, a file, Hugging Face): its imports count."""
+    from shardwise.models.zoo import ZOO
+
+    return spec not in ZOO and spec != "gpt" and not spec.startswith("gpt:")
 
 
 def _as_json(est) -> dict:
@@ -260,7 +217,7 @@ def add_units_command(commands) -> None:
         description="Print the unit plan of MODEL (built on the meta device: nothing is allocated): each "
                     "unit's path, module class, parameters, share, full MiB, MiB per rank at --world-size, "
                     "and the shared or tied parameters it owns.")
-    units.add_argument("model", metavar="MODEL", help="a zoo name, gpt:key=value,... or module:function")
+    _add_model(units)
     units.add_argument("--units", default="auto", metavar="UNITS",
                        help="'auto' (default), a block class name, or comma-separated module names")
     units.add_argument("--world-size", type=int, default=1, help="ranks, for MiB per rank (default: 1)")
@@ -269,7 +226,7 @@ def add_units_command(commands) -> None:
 def run_units(args) -> int:
     """Run `shardwise units MODEL`."""
     try:
-        model, default = build_model(args.model)
+        model, default = build_model(model_spec(args), args.overrides)
         print(describe(model, _units(model, args.units, default), args.world_size))
         return 0
     except ShardwiseError as error:

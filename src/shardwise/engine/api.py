@@ -68,8 +68,9 @@ def shard(
                             find_unused_parameters=find_unused_parameters, frozen=frozen)
     if engine_of(model) is not None:
         raise ShardwiseError(
-            f"this model is already sharded with strategy={engine_of(model).strategy!r}; "
-            "build a fresh model (or load a checkpoint into one) to change strategy"
+            f"this model is already sharded with strategy={engine_of(model).strategy!r}: "
+            + ("call sw.shard() once per model; drop the second call" if engine_of(model).strategy == strategy else
+               "build a fresh model (or load a checkpoint into one) to change strategy")
         )
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")

@@ -225,6 +225,8 @@ def estimate(
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
+    if gather:
+        notes.append(_gather_note(strategy, probed, batch is None))
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -322,6 +324,19 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
         else:
             gradients += reduced
     return parameters, gradients, optimizer_state, offloaded
+
+
+def _gather_note(strategy: str, probed: bool, no_batch: bool) -> str:
+    """What the gather/reduce buffers row holds, in a line (Note [transient buffers])."""
+    held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
+            "zero3": "the root unit and up to 3 others gathered at once"}.get(
+                strategy, "two units re-gathered after the step")
+    if probed or strategy == "ddp":
+        return f"gather/reduce buffers: held only while a step runs: {held}"
+    probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"
+             if no_batch else "")
+    return (f"gather/reduce buffers: held only while a step runs: {held}, plus in backward one unit's and the "
+            f"root's full gradients and one reduce in flight{probe}")
 
 
 def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:

@@ -27,6 +27,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
 from shardwise.parallel.slicing.clip import clip_sliced_grad_norm_
 from shardwise.parallel.slicing.full import unslice_values
+from shardwise.parallel.slicing.hf_loss import use_sliced_loss
 from shardwise.parallel.slicing.layers import slice_module
 from shardwise.parallel.slicing.plan import Slice, resolve
 from shardwise.parallel.slicing.view import UnslicedView
@@ -117,6 +118,8 @@ def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Modu
     _broadcast_values(model, tensor_group)
     for name, module, spec in resolved:
         slice_module(name, module, spec, rank, world, tensor_group)
+    if any(spec.kind == "vocab" for _, _, spec in resolved):
+        use_sliced_loss(model)  # Note [hf loss]: model(..., labels=...) on the slices
     model._sw_slicing = Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved})
     model.register_state_dict_post_hook(_refuse_state_dict)
     if world > 1:

@@ -1,0 +1,139 @@
+"""Every Python block of README.md and docs/ runs as a reader would run it, and prints what the page shows.
+
+How a block runs (one process, torchrun ranks, after the block before it, with setup for the
+reader's own objects) is said by a comment above it: see tests/helpers/doc_blocks.py. The
+one-process sessions run one after another in one child process; each torchrun session is a
+launch of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import doc_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "tests" / "scripts" / "doc_sessions.py"
+SESSIONS = doc_blocks.sessions()
+RUNNER_END = "\x00doctest-block-end"  # printed after each block: splits a session's output by block
+TIMEOUT = 600  # seconds for all sessions of one world size together
+
+
+def write_script(session: doc_blocks.Session, folder: Path) -> Path:
+    """The session as the file a reader would save: its blocks in order, each after its setup."""
+    folder.mkdir(parents=True)
+    parts = []
+    for block in session.blocks:
+        parts += [f"# ---- {block.name}\n", block.setup.strip("\n") + "\n", block.code,
+                  f"print({RUNNER_END!r}, flush=True)\n"]
+    script = folder / "session.py"
+    script.write_text("".join(parts))
+    return script
+
+
+def child_env() -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def communicate(command: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """Run `command` in a session of its own; past `timeout` kill all of it (torchrun's ranks too)."""
+    process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -1, output + f"\n(killed after {timeout} s)"
+    return process.returncode, output
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Runs the sessions of one launch (Session.launch: one world size) together, the first time a
+    test asks for one of them: {launch: ({session name: {"printed", "error", "seconds"} of rank 0, and other ranks'
+    errors}, the launch's output, {session name: script})}."""
+    base, done = tmp_path_factory.mktemp("docs"), {}
+
+    def launch(key: tuple[int, str]):
+        world_size = key[0]
+        if key not in done:
+            folder = base / f"launch{len(done)}"
+            chosen = [s for s in SESSIONS if s.launch == key]
+            scripts = {s.name: str(write_script(s, folder / f"s{i}")) for i, s in enumerate(chosen)}
+            (folder / "sessions.json").write_text(json.dumps(scripts))
+            runner = [str(RUNNER), "sessions.json", "results.json"]
+            if world_size:
+                command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world_size}", "--local-ranks-filter=0", *runner]
+            else:
+                command = [sys.executable, *runner]
+            code, output = communicate(command, folder, TIMEOUT)
+            results = {}
+            for rank in range(max(world_size, 1)):
+                file = folder / ("results.json" + (f".{rank}" if rank else ""))
+                for name, result in (json.loads(file.read_text()) if file.exists() else {}).items():
+                    results.setdefault(name, result)
+                    if result["error"] and not results[name]["error"]:
+                        results[name]["error"] = f"rank {rank}:\n{result['error']}"
+            done[key] = results, output, scripts
+        return done[key]
+
+    return launch
+
+
+def check_printed(session: doc_blocks.Session, printed: list[str]) -> None:
+    for block, out in zip(session.blocks, printed):
+        if block.expected is not None:
+            assert doc_blocks.output_matches(block.expected, out), (
+                f"{block.name} prints\n{out}\nbut the page shows\n{block.expected}")
+
+
+@pytest.mark.parametrize("session", SESSIONS, ids=[s.name for s in SESSIONS])
+def test_doc_block_runs_and_prints_what_the_page_shows(session, launches):
+    """Catches a block of README.md or docs/ that no longer runs as written (a missing import, a
+    renamed argument, a name the page never defines) or that prints other than the output the
+    page shows under it (a logged loss off by the accumulation factor, a changed table)."""
+    results, output, scripts = launches(session.launch)
+    assert session.name in results, f"the launch never reached {session.name}:\n{output[-4000:]}"
+    result = results[session.name]
+    script = Path(scripts[session.name])
+    assert not result["error"], f"{session.name}:\n{script.read_text()}\n{result['error']}"
+    check_printed(session, result["printed"])
+
+
+def test_doc_blocks_are_found_and_skips_say_why():
+    """Catches the block parser silently finding nothing (then no block would be tested) and a
+    block skipped without the reason it cannot run."""
+    assert len(SESSIONS) >= 25
+    assert all(len(block.skip) > 10 for block in doc_blocks.skipped())
+
+
+def test_output_comparison_is_strict_where_it_matters():
+    """Catches the comparison accepting a loss off by a factor (the bug it exists for) or
+    rejecting the last-digit differences between CPUs it must allow."""
+    shown = "step 0 loss 5.571\n...\nstep 19 loss 2.912"
+    assert doc_blocks.output_matches(shown, "step 0 loss 5.572\nstep 1 loss 4.1\nstep 19 loss 2.911")
+    assert not doc_blocks.output_matches(shown, "step 0 loss 2.786\nstep 19 loss 1.456")
+    assert not doc_blocks.output_matches("loaded 48 tensors", "loaded 47 tensors from x")
+    assert doc_blocks.output_matches("loaded 48 tensors from ...", "loaded 48 tensors from ckpt/a")
+
+
+def test_doc_blocks_print_no_warning_about_token_ids(launches):
+    """Catches a page building a GPT-2 config over a small vocabulary that keeps GPT-2's token ids
+    (bos/eos 50256): from_pretrained then warns that the ids are outside the vocabulary."""
+    for key in sorted({session.launch for session in SESSIONS}):
+        _, output, _ = launches(key)
+        warned = [line for line in output.splitlines() if "50256" in line]
+        assert warned == [], f"launch {key}:\n" + "\n".join(warned)
