@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
+from shardwise.teardown import close_all, close_group_at_exit
 
 # torchrun always sets all of these together; a subset means a hand-made launch went wrong.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -69,7 +70,8 @@ def init(
         store = _attempt_store(env["rank"], env["world_size"], timeout)
         dist.init_process_group(backend, store=store, rank=env["rank"], world_size=env["world_size"],
                                 timeout=timeout)
-    return dist.group.WORLD
+    # Registered first, so closed last: after every group shardwise makes on top of it.
+    return close_group_at_exit(dist.group.WORLD, "the default process group (sw.init)")  # Note [exit teardown]
 
 
 # How often a rank looks at the store while ranks join; joining costs at most a few of these.
@@ -199,6 +201,9 @@ def is_main(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def shutdown() -> None:
-    """Leave the default process group (safe to call when none is initialized)."""
+    """Close what shardwise opened (Note [exit teardown]) and leave the default process group
+    (safe to call when none is initialized). A script that ends without it is closed the same
+    way at exit."""
+    close_all()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""What shardwise closes when a process ends without `sw.shutdown()` (Note [exit teardown]).
+
+Note [exit teardown]: a script that ends with `sys.exit(0)`, falls off its end or raises,
+without `dist.destroy_process_group()`, leaves its process groups to the end of the process:
+torch keeps every group in a C++ registry (`_register_process_group`), so they outlive the
+interpreter and are torn down by the C++ runtime's exit, after Python is gone, in no order
+of ours. A 2-rank zero3 job (two gloo groups: the world and its reduce group, Note
+[collective order]) that ended with `sys.exit(0)` aborted on one rank in 3 of 36 runs at
+exit ("terminate called without an active exception", exit code -6), so torchrun reported
+the job failed; torch DDP alone (one group) exited cleanly. So whatever shardwise opens
+registers how to close it here, and one `atexit` hook (registered on first use) closes it
+all while the interpreter is still whole, newest first: a background save's thread is done
+by then (Python joins non-daemon threads before atexit hooks run) and an error nobody
+waited for is logged; then the groups shardwise made (reduce groups, checkpoint groups),
+then the default group and its store when `sw.init()` formed them. Nothing collective runs
+at exit: ranks reach their exit at different times (one may have raised), so a barrier there
+could wait for a rank that never comes. A process killed by a signal runs no atexit hook;
+its peers' groups fail their next collective within `sw.init(timeout=...)` as before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Callable
+
+import torch.distributed as dist
+
+log = logging.getLogger("shardwise")
+
+_closers: list[tuple[str, Callable[[], None]]] = []  # (what, how to close it), oldest first
+_lock = threading.Lock()
+_hooked = False
+
+
+def at_exit(what: str, close: Callable[[], None]) -> None:
+    """Have `close` run when the process exits without tearing down (Note [exit teardown]),
+    after everything registered later. `what` names it in the log if closing fails."""
+    global _hooked
+    with _lock:
+        _closers.append((what, close))
+        if not _hooked:
+            atexit.register(close_all)
+            _hooked = True
+
+
+def close_group_at_exit(group: dist.ProcessGroup, what: str) -> dist.ProcessGroup:
+    """Destroy `group` at exit unless it is gone by then (`sw.shutdown()`, the user's
+    `destroy_process_group`); returns `group`."""
+    at_exit(what, lambda: _destroy(group))
+    return group
+
+
+def close_all() -> None:
+    """Run every registered closer, newest first, each once; a failure is logged, not raised
+    (the process is ending: its exit code must stay its own)."""
+    while True:
+        with _lock:
+            if not _closers:
+                return
+            what, close = _closers.pop()
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - logged: the exit code stays the script's
+            log.warning("shardwise: closing %s at exit failed: %s", what, error)
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    if not dist.is_initialized():
+        return  # the whole package was torn down (destroy_process_group())
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return  # this group was destroyed already
+    if group is dist.group.WORLD:
+        dist.destroy_process_group()
+    else:
+        dist.destroy_process_group(group)
