@@ -23,23 +23,28 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import weakref
 from typing import Callable
 
 import torch.distributed as dist
 
 log = logging.getLogger("shardwise")
 
-_closers: list[tuple[str, Callable[[], None]]] = []  # (what, how to close it), oldest first
+# (what, how to close it, a weak reference to what it closes or None), oldest first. Weak: a closer
+# must not keep a group (its gloo threads and sockets) alive after the engine that made it is gone.
+_closers: list[tuple[str, Callable[[], None], weakref.ref | None]] = []
 _lock = threading.Lock()
 _hooked = False
 
 
-def at_exit(what: str, close: Callable[[], None]) -> None:
+def at_exit(what: str, close: Callable[[], None], *, owner: weakref.ref | None = None) -> None:
     """Have `close` run when the process exits without tearing down (Note [exit teardown]),
-    after everything registered later. `what` names it in the log if closing fails."""
+    after everything registered later. `what` names it in the log if closing fails; once
+    `owner` (a weak reference) is dead, the closer is dropped."""
     global _hooked
     with _lock:
-        _closers.append((what, close))
+        _closers[:] = [c for c in _closers if c[2] is None or c[2]() is not None]
+        _closers.append((what, close, owner))
         if not _hooked:
             atexit.register(close_all)
             _hooked = True
@@ -48,7 +53,8 @@ def at_exit(what: str, close: Callable[[], None]) -> None:
 def close_group_at_exit(group: dist.ProcessGroup, what: str) -> dist.ProcessGroup:
     """Destroy `group` at exit unless it is gone by then (`sw.shutdown()`, the user's
     `destroy_process_group`); returns `group`."""
-    at_exit(what, lambda: _destroy(group))
+    ref = weakref.ref(group)
+    at_exit(what, lambda: _destroy(ref()), owner=ref)
     return group
 
 
@@ -59,15 +65,15 @@ def close_all() -> None:
         with _lock:
             if not _closers:
                 return
-            what, close = _closers.pop()
+            what, close, _ = _closers.pop()
         try:
             close()
         except Exception as error:  # noqa: BLE001 - logged: the exit code stays the script's
             log.warning("shardwise: closing %s at exit failed: %s", what, error)
 
 
-def _destroy(group: dist.ProcessGroup) -> None:
-    if not dist.is_initialized():
+def _destroy(group: dist.ProcessGroup | None) -> None:
+    if group is None or not dist.is_initialized():
         return  # the whole package was torn down (destroy_process_group())
     try:
         dist.get_process_group_ranks(group)

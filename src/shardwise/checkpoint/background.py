@@ -18,6 +18,7 @@ failure nobody waited for is logged.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import replace
 
 import torch
@@ -77,7 +78,8 @@ def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = Non
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
     pending = PendingSave(_host_copy(job), _checkpoint_group(job.model))  # job.model: a sliced model's view
     _background.append(pending)
-    at_exit(f"the background save of {pending.path}", pending._report_at_exit)
+    ref = weakref.ref(pending)  # waited for and dropped: nothing to report, the closer goes with it
+    at_exit(f"the background save of {pending.path}", lambda: ref() and ref()._report_at_exit(), owner=ref)
     return pending
 
 
