@@ -249,3 +249,23 @@ def test_one_process_without_a_launcher_says_so_once(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("runs this script as one process") == 1, done.stderr
+
+
+def test_a_store_that_goes_away_mid_join_is_named(tmp_path):
+    """Catches a rank whose store's host exits while it waits to be welcomed (its rank 0 died, or another
+    job's rank 0 finished) failing with torch's raw store error instead of a ShardwiseError that says so."""
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE="2", RANK="1",
+               OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    code = "import shardwise as sw\ntry:\n    sw.init(timeout=60)\nexcept sw.ShardwiseError as e:\n    print(e)"
+    rank1 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    deadline = time.monotonic() + 60
+    while not store.check(["shardwise/hello/1/1"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    del store  # the host of the store exits before welcoming rank 1
+    out, err = rank1.communicate(timeout=90)
+    assert "lost the rendezvous store" in out, out + err[-2000:]

@@ -120,7 +120,16 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
             "(torchrun sets them) and that rank 0's host is reachable."
         ) from None
     deadline = time.monotonic() + timeout.total_seconds()
-    token = _agree_token(store, rank, world_size, deadline, run_id=_run_id())
+    try:
+        token = _agree_token(store, rank, world_size, deadline, run_id=_run_id())
+    except ShardwiseError:
+        raise
+    except (RuntimeError, dist.DistError) as error:  # the store went away mid-join: its host exited
+        raise ShardwiseError(
+            f"rank {rank} lost the rendezvous store at {host}:{port} while joining: {str(error).splitlines()[0]}. "
+            "The process hosting it (rank 0, or torchrun's agent) exited: its own log says why; a rank of "
+            "another job pointed at this store sees this once that job ends."
+        ) from None
     return dist.PrefixStore(f"shardwise/{token}", store)
 
 
