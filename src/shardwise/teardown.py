@@ -1,15 +1,18 @@
 """What shardwise closes when a process ends without `sw.shutdown()` (Note [exit teardown]).
 
-Note [exit teardown]: a script that ends with `sys.exit(0)`, falls off its end or raises,
-without `dist.destroy_process_group()`, leaves its process groups to the end of the process:
-torch keeps every group in a C++ registry (`_register_process_group`), so they outlive the
-interpreter and are torn down by the C++ runtime's exit, after Python is gone, in no order
-of ours. A 2-rank zero3 job (two gloo groups: the world and its reduce group, Note
-[collective order]) that ended with `sys.exit(0)` aborted on one rank in 3 of 36 runs at
-exit ("terminate called without an active exception", exit code -6), so torchrun reported
-the job failed; torch DDP alone (one group) exited cleanly. So whatever shardwise opens
-registers how to close it here, and one `atexit` hook (registered on first use) closes it
-all while the interpreter is still whole, newest first: a background save's thread is done
+Note [exit teardown]: a 2-rank zero3 job that ended with `sys.exit(0)` and no
+`sw.shutdown()` aborted on one rank in 3 of 36 runs at exit ("terminate called without an
+active exception", exit code -6), so torchrun reported the job failed. The core dump shows
+why: a gloo worker thread (`ProcessGroupGloo::runLoop`) destroys a finished `AsyncGatherWork`
+after `wait()` has returned on the main thread; when Python has already dropped the tensor it
+sent (`sw.full_state_dict`'s gather of a temporary), that destruction must take the GIL to
+free the tensor's Python object, and if the interpreter is finalizing by then, taking the
+GIL ends the thread with a forced unwind through a noexcept frame: std::terminate. So the
+exit hook gives the GIL up for a moment (`_DRAIN_S`) before the interpreter finalizes, so
+that such a worker finishes while Python still runs; what remains is a worker not scheduled
+at all within that time. Beyond that, whatever shardwise opens registers how to close it
+here, and one `atexit` hook (registered on first use) closes it all while the interpreter is
+still whole, newest first: a background save's thread is done
 by then (Python joins non-daemon threads before atexit hooks run) and an error nobody
 waited for is logged; then the groups shardwise made (reduce groups, checkpoint groups),
 then the default group and its store when `sw.init()` formed them. Nothing collective runs
@@ -23,6 +26,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -58,12 +62,18 @@ def close_group_at_exit(group: dist.ProcessGroup, what: str) -> dist.ProcessGrou
     return group
 
 
+# How long the exit hook leaves the GIL to the collectives' worker threads (Note [exit teardown]).
+_DRAIN_S = 0.1
+
+
 def close_all() -> None:
     """Run every registered closer, newest first, each once; a failure is logged, not raised
-    (the process is ending: its exit code must stay its own)."""
+    (the process is ending: its exit code must stay its own). Then let the collectives'
+    worker threads finish the work they hold while the interpreter still runs."""
     while True:
         with _lock:
             if not _closers:
+                time.sleep(_DRAIN_S)  # releases the GIL (Note [exit teardown])
                 return
             what, close, _ = _closers.pop()
         try:
