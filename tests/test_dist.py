@@ -131,3 +131,141 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _join_jobs(store, world_size, claimants, wait_s):
+    """`_agree_token` for each (rank, run id) in threads on one store: each claimant's token or error."""
+    deadline = time.monotonic() + wait_s
+
+    def one(claimant):
+        rank, run_id = claimant
+        try:
+            return _agree_token(store, rank, world_size, deadline, run_id=run_id)
+        except sw.ShardwiseError as error:
+            return error
+
+    with ThreadPoolExecutor(len(claimants)) as pool:
+        return list(pool.map(one, claimants))
+
+
+def test_a_rank_of_another_job_on_the_same_store_is_refused():
+    """Catches two jobs pointed at one store forming one group from ranks of each (Note [what a job
+    trusts]): job B's rank 1 must be refused, job A's ranks must agree on their token."""
+    store = dist.HashStore()
+    a0, b1, a1 = _join_jobs(store, 2, [(0, "job-a"), (1, "job-b"), (1, "job-a")], 20)
+    assert isinstance(a0, str) and a1 == a0, (a0, a1)
+    assert isinstance(b1, sw.ShardwiseError) and "belongs to another job" in str(b1), b1
+
+
+def test_a_rank_claimed_twice_forms_no_group_with_both():
+    """Catches two copies of one job (no run id to tell them apart) both joining as rank 1: at most
+    one claimant may get rank 0's token, and the other must hear why."""
+    store = dist.HashStore()
+    results = _join_jobs(store, 2, [(1, ""), (1, ""), (0, "")], 20)
+    tokens = [r for r in results[:2] if isinstance(r, str)]
+    errors = [r for r in results if isinstance(r, sw.ShardwiseError)]
+    assert len(tokens) <= 1 and errors, results
+    assert all("two processes joined as rank 1" in str(e) for e in errors), errors
+    if isinstance(results[2], str):
+        assert tokens == [results[2]], results
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) of sockets listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(address)
+    return found
+
+
+def test_a_hand_launch_store_listens_on_master_addr_only():
+    """Catches rank 0's store of a hand launch listening on every interface (0.0.0.0 / ::) when
+    MASTER_ADDR=127.0.0.1: anyone on the network could join or feed the job's group."""
+    port = _free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK="0",
+               OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    code = "import shardwise as sw\nsw.init(timeout=60)"
+    rank0 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        addresses, deadline = [], time.monotonic() + 60
+        while not addresses and time.monotonic() < deadline and rank0.poll() is None:
+            addresses = _listening_addresses(port)
+            time.sleep(0.05)
+    finally:
+        rank0.kill()  # it would wait for rank 1 until its timeout
+        out, err = rank0.communicate(timeout=60)
+    assert addresses == ["0100007F"], (addresses, out, err)  # 127.0.0.1, little-endian hex
+
+
+TWO_JOBS_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist, shardwise as sw
+    try:
+        sw.init(timeout=15)
+    except sw.ShardwiseError as error:
+        print("refused:", error, flush=True)
+        sys.exit(0)
+    t = torch.tensor([float(sys.argv[1])])
+    dist.all_reduce(t)
+    print(f"sum={t.item():g}", flush=True)
+    sw.shutdown()
+""")
+
+
+def test_two_hand_launched_jobs_on_one_store_never_mix(tmp_path):
+    """Catches a rank of job B (another SHARDWISE_RUN_ID, the same MASTER_ADDR:MASTER_PORT) joining job A's
+    group (before: 3 of 10 trials formed a group from one rank of each): A's ranks sum their own values,
+    B's rank 1 is refused with the reason."""
+    script = tmp_path / "job.py"
+    script.write_text(TWO_JOBS_SCRIPT)
+    port = _free_port()
+
+    def start(rank, run_id, value):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                   OMP_NUM_THREADS="1", SHARDWISE_RUN_ID=run_id)
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        return subprocess.Popen([sys.executable, str(script), value], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+
+    a0 = start(0, "job-a", "1")
+    time.sleep(0.5)  # rank 0 hosts the store; B's rank 1 comes first
+    b1 = start(1, "job-b", "100")
+    a1 = start(1, "job-a", "1")
+    outs = [p.communicate(timeout=90)[0] for p in (a0, b1, a1)]
+    assert "sum=2" in outs[0] and "sum=2" in outs[2], outs
+    assert "refused:" in outs[1] and "belongs to another job" in outs[1], outs
+
+
+def test_one_process_without_a_launcher_says_so_once(tmp_path):
+    """Catches `python train.py` meant for torchrun silently training as one process (issue 20): one
+    log line through the `logging` module, however often sw.init() is called."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    code = "import warnings\nwarnings.simplefilter('error')\nimport shardwise as sw\nsw.init()\nsw.init()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("runs this script as one process") == 1, done.stderr
+
+
+def test_a_store_that_goes_away_mid_join_is_named(tmp_path):
+    """Catches a rank whose store's host exits while it waits to be welcomed (its rank 0 died, or another
+    job's rank 0 finished) failing with torch's raw store error instead of a ShardwiseError that says so."""
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE="2", RANK="1",
+               OMP_NUM_THREADS="1")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    code = "import shardwise as sw\ntry:\n    sw.init(timeout=60)\nexcept sw.ShardwiseError as e:\n    print(e)"
+    rank1 = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    deadline = time.monotonic() + 60
+    while not store.check(["shardwise/hello/1/1"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    del store  # the host of the store exits before welcoming rank 1
+    out, err = rank1.communicate(timeout=90)
+    assert "lost the rendezvous store" in out, out + err[-2000:]

@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     "shardwise._version": 0,
     "shardwise.errors": 0,
+    "shardwise.teardown": 0,  # what closes at exit (Note [exit teardown]): everything below may register
     "shardwise.config": 1,
     "shardwise.dist": 1,
     "shardwise.interfaces": 1,

@@ -20,11 +20,24 @@ earlier attempt used: rank 0 draws a fresh token and hands it to every other ran
 through keys named after a nonce each of them just drew (`_agree_token`), which no
 earlier attempt can have written. The same exchange bounds the join: when a rank does
 not show up within `timeout`, every rank raises an error naming the ranks that did not.
+
+Note [what a job trusts]: a job trusts its store and its peers. torch's object collectives
+(`all_gather_object`, `broadcast_object_list`, which shardwise uses for small reports) unpickle
+what peers send, and the store is unauthenticated: whoever can reach it can join or feed the
+group. So the store a hand launch makes (rank 0 hosts it) listens on the `MASTER_ADDR` given
+(`127.0.0.1` keeps it on this machine) rather than every interface, and every rank says which
+job it belongs to when it joins: `SHARDWISE_RUN_ID` if set, else torchrun's `TORCHELASTIC_RUN_ID`
+(the same on every worker of one torchrun, new per job). Rank 0 refuses a rank of another
+job pointed at the same store, and a second process claiming a rank that has joined is refused
+too, so two jobs never form one group from ranks of each. A hand launch without a run id
+cannot tell two copies of itself apart: which rank 1 came first wins, the other is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import time
 import uuid
 from datetime import timedelta
@@ -33,9 +46,11 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
+from shardwise.teardown import close_all, close_group_at_exit
 
 # torchrun always sets all of these together; a subset means a hand-made launch went wrong.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+log = logging.getLogger("shardwise")
 
 
 def init(
@@ -46,7 +61,10 @@ def init(
     """Join (or form) the default process group and return it.
 
     Reads torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`.
-    With none set, forms a one-rank group in this process. Picks gloo on CPU and NCCL
+    With none set, forms a one-rank group in this process and logs that it did (logger
+    "shardwise"). A hand launch (no torchrun) has rank 0 host the store on `MASTER_ADDR` only;
+    give its ranks one `SHARDWISE_RUN_ID` so that a rank of another job pointed at the same
+    store is refused (Note [what a job trusts]). Picks gloo on CPU and NCCL
     when CUDA is available (and then sets this rank's device from `LOCAL_RANK`);
     `backend` overrides. `timeout` (seconds or a timedelta) bounds joining the group
     and every collective, so a rank that dies or never starts makes the others fail
@@ -64,12 +82,18 @@ def init(
         torch.cuda.set_device(env["local_rank"])
     if env["world_size"] == 1 and env["rank"] == 0 and "MASTER_ADDR" not in os.environ:
         # One process, no launcher: an in-memory store needs no port.
+        # Said once per group formed (a second init() returns above), through logging: a script run
+        # without torchrun by mistake otherwise trains on one process without a word.
+        log.warning("shardwise: no launch environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT unset), so "
+                    "sw.init() runs this script as one process; launch it with `torchrun --nproc-per-node N` "
+                    "for more")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         store = _attempt_store(env["rank"], env["world_size"], timeout)
         dist.init_process_group(backend, store=store, rank=env["rank"], world_size=env["world_size"],
                                 timeout=timeout)
-    return dist.group.WORLD
+    # Registered first, so closed last: after every group shardwise makes on top of it.
+    return close_group_at_exit(dist.group.WORLD, "the default process group (sw.init)")  # Note [exit teardown]
 
 
 # How often a rank looks at the store while ranks join; joining costs at most a few of these.
@@ -83,61 +107,130 @@ def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     # As torch's env:// does: torchrun's agent hosts the store, else rank 0 hosts it.
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosts = rank == 0 and not hosted_by_agent
+    listen_fd = _listening_socket(host, port) if hosts else None  # Note [what a job trusts]
     try:
         # wait_for_workers=False: the join below waits, and names the ranks that did not come.
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not hosted_by_agent,
-                              timeout=timeout, wait_for_workers=False, multi_tenant=True)
+        store = dist.TCPStore(host, port, world_size, is_master=hosts, timeout=timeout, wait_for_workers=False,
+                              multi_tenant=True, master_listen_fd=listen_fd)
     except (RuntimeError, dist.DistStoreError) as error:
         raise ShardwiseError(
             f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
             f"{timeout.total_seconds():.0f} s: {str(error).splitlines()[0]}. Check MASTER_ADDR/MASTER_PORT "
             "(torchrun sets them) and that rank 0's host is reachable."
         ) from None
-    token = _agree_token(store, rank, world_size, time.monotonic() + timeout.total_seconds())
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        token = _agree_token(store, rank, world_size, deadline, run_id=_run_id())
+    except ShardwiseError:
+        raise
+    except (RuntimeError, dist.DistError) as error:  # the store went away mid-join: its host exited
+        raise ShardwiseError(
+            f"rank {rank} lost the rendezvous store at {host}:{port} while joining: {str(error).splitlines()[0]}. "
+            "The process hosting it (rank 0, or torchrun's agent) exited: its own log says why; a rank of "
+            "another job pointed at this store sees this once that job ends."
+        ) from None
     return dist.PrefixStore(f"shardwise/{token}", store)
 
 
-def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float) -> str:
-    """Rank 0 draws a token; every rank receives it; all wait until all have. Raises naming absent ranks.
+def _listening_socket(host: str, port: int) -> int:
+    """A socket bound to `host` (MASTER_ADDR) only, for rank 0's store: torch's own binds every
+    interface (Note [what a job trusts]). Its descriptor passes to the store, which owns it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(256)
+    except OSError as error:
+        raise ShardwiseError(
+            f"rank 0 cannot host the rendezvous store on MASTER_ADDR={host} MASTER_PORT={port}: {error}. Set "
+            "MASTER_ADDR to an address of rank 0's own host (127.0.0.1 for one machine) and MASTER_PORT to a free "
+            "port (another job may hold this one)."
+        ) from None
+    return listener.detach()
 
-    Rank r > 0 announces a fresh nonce under `hello/r` and waits for `welcome/<nonce>`: a
-    key no earlier attempt can have written. Rank 0 answers every nonce it sees under
-    `hello/r` (a stale one from an earlier attempt too: nobody waits for that answer),
-    until every rank has confirmed under `<token>/joined/r`, then says `<token>/go`.
+
+def _run_id() -> str:
+    """What every rank of one job shares and another job does not (Note [what a job trusts])."""
+    return os.environ.get("SHARDWISE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+
+
+def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float, run_id: str = "") -> str:
+    """Rank 0 draws a token; every rank of its job receives it; all wait until all have. Raises
+    naming absent ranks, a rank of another job, or a second claimant of a rank.
+
+    Rank r > 0 announces its run id and a fresh nonce as the next of its numbered `hello/r/<i>`
+    keys (numbered, so that a second process claiming rank r cannot overwrite the first's) and
+    waits for `welcome/<nonce>`: a key no earlier attempt can have written. Rank 0 answers every
+    hello it sees (a stale one from an earlier attempt too: nobody waits for that answer): the
+    token for its own job's run id, a refusal for another's (Note [what a job trusts]). A welcomed
+    rank counts itself in under `<token>/joined/r`; the second to count in is refused. Once every
+    rank has, rank 0 says `<token>/go`, or `<token>/abort` when a rank is missing or claimed twice.
     """
     if rank == 0:
-        token = uuid.uuid4().hex
-        welcomed: dict[int, bytes] = {}
-        missing = list(range(1, world_size))
-        while missing:
-            for r in missing:
-                key = f"shardwise/hello/{r}"
-                if store.check([key]):
-                    nonce = store.get(key)
-                    if welcomed.get(r) != nonce:
-                        store.set(f"shardwise/welcome/{nonce.decode()}", token)
-                        welcomed[r] = nonce
-            missing = [r for r in missing if not store.check([f"shardwise/{token}/joined/{r}"])]
-            if missing and time.monotonic() > deadline:
-                store.set(f"shardwise/{token}/abort", ",".join(map(str, missing)))
-                raise ShardwiseError(_absent_message(missing, world_size))
-            if missing:
-                time.sleep(_POLL_S)
-        store.set(f"shardwise/{token}/go", "go")
-        return token
+        return _host_join(store, world_size, deadline, run_id)
     nonce = uuid.uuid4().hex
-    store.set(f"shardwise/hello/{rank}", nonce)
-    token = _poll(store, [f"shardwise/welcome/{nonce}"], deadline)
-    if token is None:
+    index = store.add(f"shardwise/hello/{rank}/count", 1)
+    store.set(f"shardwise/hello/{rank}/{index}", f"{run_id}\n{nonce}")
+    answer = _poll(store, [f"shardwise/welcome/{nonce}"], deadline)
+    if answer is None:
         raise ShardwiseError(_absent_message([0], world_size))
-    token = token.decode()
-    store.set(f"shardwise/{token}/joined/{rank}", "1")
+    verdict, _, value = answer.decode().partition("\n")
+    if verdict == "refused":
+        raise ShardwiseError(_other_job_message(run_id, value))
+    token = value
+    store.add(f"shardwise/{token}/joins", 1)  # all ranks' count-ins: rank 0 reads one key per poll
+    if store.add(f"shardwise/{token}/joined/{rank}", 1) > 1:
+        raise ShardwiseError(_claimed_twice_message([rank]))
     outcome = _poll(store, [f"shardwise/{token}/go", f"shardwise/{token}/abort"], deadline + _VERDICT_GRACE_S)
     if outcome is None:
         raise ShardwiseError(_absent_message([0], world_size))
     if outcome != b"go":
-        raise ShardwiseError(_absent_message([int(r) for r in outcome.decode().split(",")], world_size))
+        kind, _, ranks = outcome.decode().partition(":")
+        ranks = [int(r) for r in ranks.split(",")]
+        raise ShardwiseError(_claimed_twice_message(ranks) if kind == "twice" else _absent_message(ranks, world_size))
     return token
+
+
+def _host_join(store: dist.Store, world_size: int, deadline: float, run_id: str) -> str:
+    """Rank 0's side of `_agree_token`."""
+    token = uuid.uuid4().hex
+    answered = dict.fromkeys(range(1, world_size), 0)  # the hellos of each rank answered so far
+    missing = list(range(1, world_size))
+    while True:
+        for r in answered:  # a rank that joined too: a second claimant must hear the token, and be counted
+            answered[r] = _answer_hellos(store, r, answered[r], token, run_id)
+        missing = [r for r in missing if not store.check([f"shardwise/{token}/joined/{r}"])]
+        twice = []
+        if store.add(f"shardwise/{token}/joins", 0) > world_size - 1 - len(missing):
+            twice = [r for r in answered if store.add(f"shardwise/{token}/joined/{r}", 0) > 1]
+        if twice or (missing and time.monotonic() > deadline):
+            kind, ranks = ("twice", twice) if twice else ("absent", missing)
+            store.set(f"shardwise/{token}/abort", f"{kind}:{','.join(map(str, ranks))}")
+            raise ShardwiseError(_claimed_twice_message(ranks) if twice else _absent_message(ranks, world_size))
+        if not missing:
+            store.set(f"shardwise/{token}/go", "go")
+            return token
+        time.sleep(_POLL_S)
+
+
+def _answer_hellos(store: dist.Store, rank: int, answered: int, token: str, run_id: str) -> int:
+    """Welcome each new hello of `rank` of this job (refuse another job's); return how many are answered."""
+    count = store.add(f"shardwise/hello/{rank}/count", 0)
+    while answered < count:
+        key = f"shardwise/hello/{rank}/{answered + 1}"
+        if not store.check([key]):  # counted but not yet written: its turn comes at the next poll
+            break
+        their_run_id, _, nonce = store.get(key).decode().partition("\n")
+        if their_run_id == run_id:
+            store.set(f"shardwise/welcome/{nonce}", f"token\n{token}")
+        else:
+            store.set(f"shardwise/welcome/{nonce}", f"refused\n{run_id}")
+            log.warning("shardwise: refused a process of another job (run id %r, this job's is %r) that tried to "
+                        "join as rank %d through this job's store", their_run_id, run_id, rank)
+        answered += 1
+    return answered
 
 
 def _poll(store: dist.Store, keys: list[str], deadline: float) -> bytes | None:
@@ -156,6 +249,19 @@ def _absent_message(missing: list[int], world_size: int) -> str:
     return (f"rank{'s' if len(missing) > 1 else ''} {names} of {world_size} did not join the process group "
             "within sw.init(timeout=...): they did not start, crashed before sw.init(), or cannot reach the "
             "rendezvous store. Their own logs say why; raise the timeout if they start slowly.")
+
+
+def _other_job_message(run_id: str, theirs: str) -> str:
+    return (f"the rendezvous store at MASTER_ADDR:MASTER_PORT belongs to another job (run id {theirs!r}; this "
+            f"process's is {run_id!r}): two jobs were pointed at one store. Give each job its own MASTER_PORT, "
+            "and the same SHARDWISE_RUN_ID to every rank of one hand-launched job (torchrun sets its own).")
+
+
+def _claimed_twice_message(ranks: list[int]) -> str:
+    names = ", ".join(map(str, ranks))
+    return (f"two processes joined as rank {names} through one rendezvous store: two copies of a job (or two jobs "
+            "without SHARDWISE_RUN_ID) were pointed at one MASTER_ADDR:MASTER_PORT. Give each job its own "
+            "MASTER_PORT, and every rank of one hand-launched job the same SHARDWISE_RUN_ID.")
 
 
 def _read_launch_env() -> dict[str, int]:
@@ -199,6 +305,9 @@ def is_main(group: dist.ProcessGroup | None = None) -> bool:
 
 
 def shutdown() -> None:
-    """Leave the default process group (safe to call when none is initialized)."""
+    """Close what shardwise opened (Note [exit teardown]) and leave the default process group
+    (safe to call when none is initialized). A script that ends without it is closed the same
+    way at exit."""
+    close_all()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ import importlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="sw.init(timeout=...) in seconds")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (slows the job)")
     p.add_argument("--fault", default=None, help="JSON fault spec (see the module docstring)")
+    p.add_argument("--strategy", default="zero3", choices=["zero1", "zero2", "zero3"])
+    p.add_argument("--keep-last", type=int, default=None, help="sw.save(..., keep_last=N)")
+    p.add_argument("--end", default="shutdown", choices=["shutdown", "exit", "return", "raise"],
+                   help="how the script ends: sw.shutdown(), sys.exit(0) after the last save without it, "
+                        "falling off the end without it, or an uncaught exception (exit code 1) without it")
     p.add_argument("--stagger", type=float, default=0.0,
                    help="after a restart, rank r waits r times this many seconds before sw.init(), so that "
                         "rank 0 surely looks for its peers' addresses before they publish new ones")
@@ -172,7 +178,7 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    sw.shard(model, strategy="zero3", units=Block)
+    sw.shard(model, strategy=args.strategy, units=Block)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sampler = sw.ResumableSampler(NUM_SAMPLES, seed=3, drop_last=True)
     inputs, targets = dataset()
@@ -207,7 +213,8 @@ def main(argv=None) -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if state["step"] % args.save_every == 0:
-            sw.save(ckpt / f"step-{state['step']:05d}", model, optim, sampler=sampler, step=state["step"])
+            sw.save(ckpt / f"step-{state['step']:05d}", model, optim, sampler=sampler, step=state["step"],
+                    keep_last=args.keep_last)
             if rank == 0:
                 log_event(out, event="saved", step=state["step"])
 
@@ -217,7 +224,12 @@ def main(argv=None) -> None:
         (out / "result.json").write_text(json.dumps(
             {"steps": args.steps, "world_size": world, "resumed_from": resumed_from, "digest": digest(full)}))
         log_event(out, event="done", world_size=world)
-    sw.shutdown()
+    if args.end == "exit":
+        sys.exit(0)  # no sw.shutdown(): what the process's exit does with shardwise's groups and threads
+    if args.end == "raise":
+        raise RuntimeError("the script's own error, uncaught")
+    if args.end == "shutdown":
+        sw.shutdown()
 
 
 if __name__ == "__main__":

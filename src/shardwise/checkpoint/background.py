@@ -10,12 +10,15 @@ thread then writes the rank file and publishes the directory exactly as `sw.save
 their own, made once per model group, so they never pair with training's collectives. One
 background save runs at a time: the next `sw.save` / `sw.save_async` waits for it first and
 raises its error, if any, on every rank; `pending.wait()` does the same. Call `wait()` before
-the process group ends (the end of training), or the last checkpoint may be cut off.
+the process group ends (the end of training); a script that exits without it still has its
+save finished (Python joins the thread before the groups close, Note [exit teardown]), and a
+failure nobody waited for is logged.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import replace
 
 import torch
@@ -27,6 +30,7 @@ from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
 from shardwise.engine.info import ShardInfo, row_view
 from shardwise.errors import ShardwiseError
+from shardwise.teardown import at_exit, close_group_at_exit, log
 
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
 
@@ -37,6 +41,7 @@ class PendingSave:
     def __init__(self, job: SaveJob, group) -> None:
         self.path = job.path
         self.error: BaseException | None = None
+        self._waited = False
         self._thread = threading.Thread(target=self._run, args=(job, group), name=f"shardwise save {job.path.name}")
         self._thread.start()
 
@@ -52,9 +57,17 @@ class PendingSave:
     def wait(self):
         """Block until the checkpoint is published; return its path, or raise why it was not."""
         self._thread.join()
+        self._waited = True
         if self.error is not None:
             raise ShardwiseError(f"the background save of {self.path} failed: {self.error}") from self.error
         return self.path
+
+    def _report_at_exit(self) -> None:
+        """At exit (Note [exit teardown]) Python has joined the thread; say so when the save failed
+        and nobody called wait(), instead of losing the error with the process."""
+        if not self._waited and self.error is not None:
+            log.error("shardwise: the background save of %s failed and was never waited for: %s", self.path,
+                      self.error)
 
 
 def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
@@ -65,6 +78,8 @@ def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = Non
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
     pending = PendingSave(_host_copy(job), _checkpoint_group(job.model))  # job.model: a sliced model's view
     _background.append(pending)
+    ref = weakref.ref(pending)  # waited for and dropped: nothing to report, the closer goes with it
+    at_exit(f"the background save of {pending.path}", lambda: ref() and ref()._report_at_exit(), owner=ref)
     return pending
 
 
@@ -110,5 +125,6 @@ def _checkpoint_group(model: nn.Module):
         except (KeyError, ValueError, RuntimeError):
             cached = None
     if cached is None:  # every rank of the model's group gets here at the same save
-        cached = _groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        cached = _groups[ranks] = close_group_at_exit(  # Note [exit teardown]
+            dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True), "a checkpoint group")
     return cached

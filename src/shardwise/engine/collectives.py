@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.errors import ShardwiseError
+from shardwise.teardown import close_group_at_exit
 
 
 @dataclass
@@ -71,7 +72,9 @@ def new_reduce_group(group) -> dist.ProcessGroup:
         timeout = group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):  # a backend that does not say: torch's default
         timeout = None
-    return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True)
+    reduce_group = dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group),
+                                  use_local_synchronization=True)
+    return close_group_at_exit(reduce_group, "a reduce group")  # Note [exit teardown]
 
 
 # Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast

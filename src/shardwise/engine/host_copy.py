@@ -11,8 +11,17 @@ step, though it never changes. Here the frozen parameters (`requires_grad=False`
   so a model built under `sw.deferred_init()` never materializes its base. Without a source,
   the host's local rank 0 (torchrun's `LOCAL_RANK`; without it, the lowest rank on the host
   name) writes its own frozen values into `HostFrozen.directory` (default `/dev/shm`, which
-  is memory), every local rank maps it, and the file is unlinked once all have: the mapping
-  lives on, and nothing is left behind when the job ends or dies.
+  is memory), every local rank maps it, and the file is removed once all have: the mapping
+  lives on. How that file is kept private and never left behind: host_file.py, Note [host
+  copy file].
+- Every file is mapped only after its header is checked against the file (st_header.py):
+  offsets that do not tile the data exactly are refused, never mapped shifted.
+- A `source=` file that shrinks while mapped would kill the rank with SIGBUS at its next
+  read; each rank keeps the file open and checks its size before every forward, so the
+  forward raises a ShardwiseError instead. What this cannot catch: a shrink during a
+  forward or between a forward and its backward (autograd keeps views of the weights), or a
+  read outside a forward (`p.sum()`, `state_dict()`, `sw.export`). Replace a mapped file by
+  writing a new one and renaming it over the old: the ranks keep the old inode.
 - Several hosts each write and map their own copy; the leaders compare a crc32 of what they
   wrote, so hosts whose models differ (an unseeded init) are refused instead of trained.
 - The engine leaves host-shared parameters alone: no unit owns them (no shard, no gather,
@@ -28,7 +37,7 @@ import json
 import mmap
 import os
 import socket
-import uuid
+import stat as stat_mode
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -39,13 +48,19 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import HostFrozen
+from shardwise.engine.host_file import (
+    PREFIX,
+    create_private_file,
+    find_private_directory,
+    new_private_directory,
+    new_token,
+    remove,
+)
 from shardwise.engine.host_param import HostParameter, is_host_shared
+from shardwise.engine.st_header import CODE_OF_DTYPE, parse_header
 from shardwise.errors import ShardwiseError
 
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
-_CODES = {code: dtype for dtype, code in _DTYPES.items()}
+_FILE_NAME = "frozen.safetensors"
 
 
 @dataclass
@@ -57,6 +72,19 @@ class HostMapping:
     inode: int
     names: list[str] = field(default_factory=list)
     num_bytes: int = 0
+    size: int = 0  # the file's size when mapped
+    fd: int | None = None  # kept open for a `source=` file, to see it shrink (Note [host copy])
+
+    def check_size(self) -> None:
+        """Raise before a read of a mapping whose file shrank: that read would be a SIGBUS."""
+        if self.fd is None:
+            return
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise ShardwiseError(
+                f"{self.path} shrank from {self.size} to {size} bytes while its frozen weights are mapped "
+                "(frozen=sw.HostFrozen(source=...)): reading them would kill this rank with SIGBUS. Never truncate "
+                "or rewrite a mapped file in place; write a new file and rename it over the old one")
 
 
 def frozen_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[tuple[nn.Module, str]], list[str]]]:
@@ -82,57 +110,68 @@ def place_frozen_on_host(model: nn.Module, policy: HostFrozen, group) -> HostMap
         raise ShardwiseError("frozen='host' shares the frozen parameters, but none is frozen: set "
                              "requires_grad=False on the base (e.g. model.base.requires_grad_(False)) before sw.shard")
     if policy.source is not None:
-        path, unlink = Path(policy.source).absolute(), False
+        path, private = Path(policy.source).absolute(), None
     else:
         meta = [name for name, (param, _, _) in frozen.items() if param.device.type == "meta"]
         if meta:
             raise ShardwiseError(f"{meta[0]!r} is frozen and still on the meta device (sw.deferred_init): a "
                                  "deferred model's frozen weights come from a file, "
                                  "frozen=sw.HostFrozen(source='base.safetensors')")
-        path, unlink = _write_on_leader(frozen, policy, group), True
+        path, private = _write_on_leader(frozen, policy, group)
     mapping, error = None, None
     try:
-        mapping = _map(path, frozen)
-    except ShardwiseError as exc:
-        error = str(exc)
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or all raise
+        try:
+            mapping = _map(path, frozen, watch=policy.source is not None)
+        except ShardwiseError as exc:
+            error = str(exc)
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or all raise
+    finally:
+        if private is not None:  # the writer: mapped by all, or the handshake failed (Note [host copy file])
+            remove(private)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
     if failed:
-        if unlink and _is_local_leader(group):
-            path.unlink(missing_ok=True)
+        for param, holders, _ in frozen.values():  # another rank could not map: this one's model as it was
+            for module, attribute in holders:
+                module._parameters[attribute] = param
         raise ShardwiseError(f"rank {failed[0][0]}: {failed[0][1]}")
-    if unlink and _is_local_leader(group):
-        path.unlink(missing_ok=True)  # the mappings keep the pages; nothing is left behind
-    _refuse_unfreezing_after_shard(model, frozen)
+    _check_before_forward(model, frozen, mapping)
     return mapping
 
 
-def _write_on_leader(frozen, policy: HostFrozen, group) -> Path:
-    token = [uuid.uuid4().hex if dist.get_rank(group) == 0 else None]
+def _write_on_leader(frozen, policy: HostFrozen, group) -> tuple[Path, Path | None]:
+    """Local rank 0 of each host writes the copy (Note [host copy file]); every rank learns its
+    host's path. Returns the path, and on a writer its private directory to remove."""
+    token = [new_token() if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(token, group_src=0, group=group)
-    path = Path(policy.directory or _default_directory()).absolute() / f"shardwise-host-{token[0]}.safetensors"
-    leader = _is_local_leader(group)
-    crc, error = None, None
-    if leader:
-        try:
-            crc = write_safetensors(path, {name: param for name, (param, _, _) in frozen.items()})
-        except OSError as exc:
-            error = f"{path}: {exc}"
-    reports = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (socket.gethostname(), leader, crc, error), group=group)
-    errors = [r[3] for r in reports if r[3]]
-    if errors:
-        raise ShardwiseError(f"writing the host copy of the frozen weights failed: {errors[0]} "
-                             "(set frozen=sw.HostFrozen(directory=...) to a directory with room, on every host)")
-    crcs = {r[2] for r in reports if r[1]}
-    if len(crcs) > 1:
+    directory, leader = policy.directory or _default_directory(), _is_local_leader(group)
+    private, path, crc, error = None, None, None, None
+    try:
         if leader:
-            path.unlink(missing_ok=True)  # refused: leave nothing behind in shared memory
-        raise ShardwiseError("the hosts' frozen weights differ (crc32 of each host's copy), so each host would train "
-                             "against another base: seed the model identically on every rank, or map one file "
-                             "with frozen=sw.HostFrozen(source=...)")
-    return path
+            try:
+                private = new_private_directory(directory, token[0])
+                path = private / _FILE_NAME
+                crc = write_safetensors(path, {name: param for name, (param, _, _) in frozen.items()})
+            except OSError as exc:
+                error = f"{path or directory}: {exc}"
+        reports = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, (socket.gethostname(), leader, crc, error), group=group)
+        errors = [r[3] for r in reports if r[3]]
+        if errors:
+            raise ShardwiseError(f"writing the host copy of the frozen weights failed: {errors[0]} "
+                                 "(set frozen=sw.HostFrozen(directory=...) to a directory with room, on every host)")
+        if len({r[2] for r in reports if r[1]}) > 1:
+            raise ShardwiseError("the hosts' frozen weights differ (crc32 of each host's copy), so each host would "
+                                 "train against another base: seed the model identically on every rank, or map one "
+                                 "file with frozen=sw.HostFrozen(source=...)")
+    except BaseException:
+        if private is not None:
+            remove(private)  # refused or failed: leave nothing behind in shared memory
+        raise
+    if private is None:  # not found: _map says that every rank of a host must see the directory
+        private_of_leader = find_private_directory(directory, token[0])
+        return (private_of_leader or Path(directory).absolute() / f"{PREFIX}*-{token[0]}") / _FILE_NAME, None
+    return path, private
 
 
 def _default_directory() -> str:
@@ -150,82 +189,97 @@ def _is_local_leader(group) -> bool:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """Write `tensors` as one safetensors file, one tensor at a time (no copy of the whole);
-    the widest dtypes first, so every tensor starts at a multiple of its element size.
-    Returns the crc32 of the data."""
+    """Write `tensors` as one new safetensors file, private to this user (Note [host copy file]),
+    one tensor at a time (no copy of the whole); the widest dtypes first, so every tensor starts
+    at a multiple of its element size. Returns the crc32 of the data."""
     order = sorted(tensors, key=lambda n: -tensors[n].element_size())
     header, offset = {}, 0
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": CODE_OF_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     crc = 0
-    partial = path.with_name(path.name + ".partial")
-    try:
-        with open(partial, "wb") as out:
-            out.write(len(raw).to_bytes(8, "little") + raw)
-            for name in order:
-                data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-                out.write(data)
-                crc = zlib.crc32(data, crc)
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)  # a full /dev/shm must not stay full of our half file
-        raise
+    with os.fdopen(create_private_file(path), "wb") as out:
+        out.write(len(raw).to_bytes(8, "little") + raw)
+        for name in order:
+            data = memoryview(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            out.write(data)
+            crc = zlib.crc32(data, crc)
     return crc
 
 
-def _map(path: Path, frozen) -> HostMapping:
-    """Map `path` read-only and make each frozen parameter a view of its bytes."""
+def _map(path: Path, frozen, watch: bool) -> HostMapping:
+    """Check `path`'s header against the file, map it read-only and make each frozen parameter a
+    view of its bytes. `watch`: keep the file open to see it shrink (Note [host copy])."""
     try:
-        with open(path, "rb") as file:
-            stat = os.fstat(file.fileno())
-            buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ShardwiseError(f"cannot map the frozen weights' file {path}: {exc} (every rank of a host must "
                              "see HostFrozen.directory: a local directory such as /dev/shm)") from None
-    header_len = int.from_bytes(buffer[:8], "little")
-    header = json.loads(bytes(buffer[8 : 8 + header_len]))
-    aliases = header.pop("__metadata__", None) or {}  # sw.export stores a tied weight once: other name -> stored
-    mapping = HostMapping(path, stat.st_dev, stat.st_ino)
-    for name, (param, holders, names) in frozen.items():
-        stored = next((n for n in names if n in header), None) or next((aliases[n] for n in names if n in aliases
-                                                                        and aliases[n] in header), None)
-        if stored is None:
-            raise ShardwiseError(f"frozen parameter {name!r} is not in {path} (it holds {len(header)} tensors, e.g. "
-                                 f"{sorted(header)[:3]}); freeze only what the file holds, or export it with sw.export")
-        entry = header[stored]
-        dtype, shape = _CODES.get(entry["dtype"]), tuple(entry["shape"])
-        if dtype != param.dtype or shape != tuple(param.shape):
-            raise ShardwiseError(f"{name!r} is {tuple(param.shape)} {param.dtype} in the model but {shape} "
-                                 f"{entry['dtype']} in {path}")
-        begin, end = entry["data_offsets"]
-        start = 8 + header_len + begin
-        if start % param.element_size():
-            raise ShardwiseError(f"{stored!r} starts at byte {start} of {path}, not a multiple of its element size: "
-                                 "re-write the file with sw.export")
-        with warnings.catch_warnings():  # "the buffer is not writable": HostParameter refuses writes itself
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(buffer, dtype=dtype, count=param.numel(), offset=start) if end > begin \
-                else torch.empty(0, dtype=dtype)
-        shared = HostParameter(view.view(shape), name)
-        for module, attribute in holders:
-            module._parameters[attribute] = shared
-        mapping.names.append(name)
-        mapping.num_bytes += end - begin
+    try:
+        mapping = _map_open_file(fd, path, frozen, watch)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not watch:
+        os.close(fd)  # the mapping keeps the pages
     return mapping
 
 
-def _refuse_unfreezing_after_shard(model: nn.Module, frozen) -> None:
-    """A host weight unfrozen after shard() was copied out (copy-on-unfreeze) but no strategy
-    reduces its gradient: refuse at the next forward rather than let ranks drift apart."""
+def _map_open_file(fd: int, path: Path, frozen, watch: bool) -> HostMapping:
+    try:
+        stat = os.fstat(fd)
+        if not stat_mode.S_ISREG(stat.st_mode):
+            raise ShardwiseError(f"the frozen weights' file {path} is not a regular file")
+        header, aliases = parse_header(lambda offset, length: os.pread(fd, length, offset), stat.st_size, path)
+        buffer = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise ShardwiseError(f"cannot map the frozen weights' file {path}: {exc}") from None
+    mapping = HostMapping(path, stat.st_dev, stat.st_ino, size=stat.st_size, fd=fd if watch else None)
+    views = {name: _view(param, names, name, header, aliases, buffer, path)  # every check before any change
+             for name, (param, _, names) in frozen.items()}
+    for name, (param, holders, _) in frozen.items():
+        for module, attribute in holders:
+            module._parameters[attribute] = views[name]
+        mapping.names.append(name)
+        mapping.num_bytes += param.numel() * param.element_size()
+    return mapping
+
+
+def _view(param, names, name, header, aliases, buffer, path) -> HostParameter:
+    """`param` as a read-only view of its bytes in `buffer`, once its entry matches it."""
+    stored = next((n for n in names if n in header), None) or next((aliases[n] for n in names if n in aliases
+                                                                    and aliases[n] in header), None)
+    if stored is None:
+        raise ShardwiseError(f"frozen parameter {name!r} is not in {path} (it holds {len(header)} tensors, e.g. "
+                             f"{sorted(header)[:3]}); freeze only what the file holds, or export it with sw.export")
+    entry = header[stored]
+    if entry.dtype != param.dtype or entry.shape != tuple(param.shape):
+        raise ShardwiseError(f"{name!r} is {tuple(param.shape)} {param.dtype} in the model but {entry.shape} "
+                             f"{entry.dtype} in {path}")
+    if entry.begin % param.element_size():
+        raise ShardwiseError(f"{stored!r} starts at byte {entry.begin} of {path}, not a multiple of its element "
+                             "size: re-write the file with sw.export")
+    with warnings.catch_warnings():  # "the buffer is not writable": HostParameter refuses writes itself
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.frombuffer(buffer, dtype=entry.dtype, count=param.numel(), offset=entry.begin) \
+            if entry.end > entry.begin else torch.empty(0, dtype=entry.dtype)
+    return HostParameter(view.view(entry.shape), name)
+
+
+def _check_before_forward(model: nn.Module, frozen, mapping: HostMapping) -> None:
+    """Before every forward: a `source=` file that shrank is an error, not a SIGBUS (Note [host
+    copy]); and a host weight unfrozen after shard() was copied out (copy-on-unfreeze) but no
+    strategy reduces its gradient: refuse it rather than let ranks drift apart."""
     shared = [(name, module._parameters[attribute]) for name, (_, holders, _) in frozen.items()
               for module, attribute in holders[:1]]
 
     def check(module, args):
+        mapping.check_size()  # one fstat
         for name, param in shared:
             if not is_host_shared(param) or param.requires_grad:
                 raise ShardwiseError(f"{name!r} was shared read-only on the host (frozen='host') and was unfrozen "
