@@ -109,7 +109,6 @@ MISUSE = {
     "tied_sliced_two_ways": (2, ["tied to a parameter already sliced another way"]),
     "logits_argmax": (2, ["argmax on vocabulary-sliced logits", "sw.gather_logits"]),
     "logits_softmax": (2, ["softmax on vocabulary-sliced logits"]),
-    "hf_own_loss": (2, ["vocabulary-sliced logits"]),
     "pipeline_of_sliced": (2, ["this model is sliced", "pipeline"]),
     "state_dict_of_sliced": (2, ["sw.full_state_dict(model)"]),
     "deferred": (2, ["meta device", "build the model eagerly"]),

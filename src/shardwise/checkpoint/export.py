@@ -82,12 +82,22 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     return path
 
 
+# Note [sent tensors stay referenced]: gloo's worker thread may drop the last reference to a
+# finished gather's input after `gather` returned. If Python had already dropped its own, that
+# frees the Python object from the worker thread, which needs the GIL: at interpreter exit
+# (a script ending with sys.exit(0) after sw.full_state_dict) the thread cannot take it and the
+# process aborts ("terminate called without an active exception", exit -6, seen in a core dump).
+# The inputs (aliases of the shards: no copy) are kept until the next full_state_dict call.
+_SENT: list[torch.Tensor] = []
+
+
 def _gather_full(info: ShardInfo, group, rank: int, world: int) -> torch.Tensor | None:
     """The full value of one sharded parameter on rank 0 (None elsewhere): a collective."""
     rows = info.full_shape[0] if len(info.full_shape) else 1
     if rows == 0:
         return torch.empty(info.full_shape, dtype=info.param.dtype)
     shard = info.param.detach().contiguous()
+    _SENT.append(shard)  # Note [sent tensors stay referenced]
     per_rank = shard.shape[0]
     full = torch.empty((world * per_rank, *shard.shape[1:]), dtype=shard.dtype, device=shard.device) \
         if rank == 0 else None
@@ -107,6 +117,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
     other ranks get an empty dict unless `rank0_only=False`, which gives every rank the
     whole state (one all-gather per parameter). `only(name)` keeps the parameters it is true
     for (and no buffers): a PEFT model's adapters, without gathering its base."""
+    _SENT.clear()  # the previous call's gathers finished long ago
     slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: whole tensors (Note [unsliced view])
     if slicing is not None:
         model = slicing.checkpoint_view(model).model
