@@ -1,6 +1,7 @@
 """`sw.init()`: torchrun's environment, a single process, a half-set environment, the join of each attempt."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -217,6 +218,17 @@ TWO_JOBS_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _wait_listening(port: int, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port} after {seconds} s")
+
+
 def test_two_hand_launched_jobs_on_one_store_never_mix(tmp_path):
     """Catches a rank of job B (another SHARDWISE_RUN_ID, the same MASTER_ADDR:MASTER_PORT) joining job A's
     group (before: 3 of 10 trials formed a group from one rank of each): A's ranks sum their own values,
@@ -233,12 +245,15 @@ def test_two_hand_launched_jobs_on_one_store_never_mix(tmp_path):
                                 stderr=subprocess.STDOUT, text=True, env=env)
 
     a0 = start(0, "job-a", "1")
-    time.sleep(0.5)  # rank 0 hosts the store; B's rank 1 comes first
+    _wait_listening(port)  # rank 0 hosts the store (importing torch takes seconds on a loaded machine)
+    # B's rank 1 comes first
     b1 = start(1, "job-b", "100")
     a1 = start(1, "job-a", "1")
     outs = [p.communicate(timeout=90)[0] for p in (a0, b1, a1)]
     assert "sum=2" in outs[0] and "sum=2" in outs[2], outs
-    assert "refused:" in outs[1] and "belongs to another job" in outs[1], outs
+    # B's rank never joins. Its reason is "belongs to another job", or, when job A finished and its
+    # store went away before rank 0 told B (a race left open: issue 22's note), the named lost store.
+    assert "refused:" in outs[1] and "sum=" not in outs[1], outs
 
 
 def test_one_process_without_a_launcher_says_so_once(tmp_path):
