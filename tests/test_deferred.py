@@ -91,6 +91,7 @@ def _shard_plain_meta_model():
 
 PEAK_SCRIPT = textwrap.dedent("""
     import json, pathlib, resource, sys, torch, shardwise as sw
+    from shardwise.engine import engine_of
     from shardwise.models.gpt import GPT, GPTConfig, Block
     torch.set_num_threads(1)
     sw.init(timeout=120)
@@ -106,7 +107,7 @@ PEAK_SCRIPT = textwrap.dedent("""
         model = GPT(config)
     sw.shard(model, strategy="zero3", units=Block)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    units = model._shardwise.units
+    units = engine_of(model).units
     shards = sum(u.shard_flat.numel() * 4 for u in units)
     largest_unit = max(u.full_flat.numel() * 4 for u in units)
     full = sum(p.numel() for p in GPT(config).parameters()) * 4 if sw.get_rank() == 0 else 0

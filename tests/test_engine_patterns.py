@@ -12,6 +12,7 @@ from torch import nn
 
 import shardwise as sw
 import shardwise.engine.collectives as coll
+from shardwise.engine import engine_of
 
 
 class Enc(nn.Module):
@@ -172,7 +173,7 @@ def _outer_calls_after_a_step(strategy: str | None):
     optim.step()
     with torch.no_grad():
         outputs = [model.h[1](torch.ones(3, 4))]  # a unit alone first: its own pass
-        engine = getattr(model, "_shardwise", None)
+        engine = engine_of(model)
         resident = [unit.label for unit in engine.units[1:] if unit.resident] if strategy == "zero3" else []
         outputs += [model.emb(IDS), model.h[0](model.emb(IDS)), model.h[1](model.emb(IDS))]
     return outputs, resident
@@ -206,7 +207,7 @@ def _frozen_peak():
         block.requires_grad_(False)
     sw.shard(model, strategy="zero3", units=Blk)
     model(torch.randn(2, 8)).sum().backward()
-    return model._shardwise.peak_resident_units
+    return engine_of(model).peak_resident_units
 
 
 def test_zero3_frees_frozen_units_during_backward(ranks):
@@ -299,7 +300,7 @@ def _gathers_per_step():
             model(torch.randn(2, 4)).backward()
     finally:
         coll.all_gather = real
-    return counts, len(model._shardwise.units)
+    return counts, len(engine_of(model).units)
 
 
 def test_zero3_prefetches_in_the_forward_order_it_saw(ranks):

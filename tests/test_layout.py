@@ -154,3 +154,80 @@ def test_the_checker_sees_each_kind_of_problem(tmp_path, files, expected):
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
     assert any(expected in problem for problem in layout_problems(tmp_path))
+
+
+# Note [engine protocol] (engine/protocol.py): where a model's engine and slicing are kept.
+PRIVATE_ATTRIBUTES = {"_shardwise", "_sw_slicing"}
+PROTOCOL_MODULE = "shardwise.engine.protocol"
+
+
+def probing_problems(root: Path = SRC) -> list[str]:
+    """Every place that finds an engine other than through the protocol: a read of the attributes
+    it is kept in outside protocol.py, or hasattr/getattr on an engine (guessing which one it is)."""
+    problems = []
+    for name, path in module_files(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if name != PROTOCOL_MODULE and (
+                    isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRIBUTES
+                    or isinstance(node, ast.Constant) and node.value in PRIVATE_ATTRIBUTES):
+                problems.append(f"{where} reads a model's engine or slicing directly: use engine_of / slicing_of")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("hasattr", "getattr") and node.args
+                    and isinstance(node.args[0], ast.Name) and "engine" in node.args[0].id):
+                problems.append(f"{where} probes an engine with {node.func.id}: ask what engine.Engine declares")
+    return problems
+
+
+def test_the_engine_is_reached_through_its_protocol_only():
+    """Catches a caller that probes an engine's attributes (hasattr(engine, "units")) or reads the
+    model attribute it is kept in, instead of engine_of(model) and what Engine declares."""
+    assert probing_problems() == []
+
+
+@pytest.mark.parametrize("source", ['e = getattr(model, "_shardwise", None)\n', "s = model._sw_slicing\n",
+                                    'ok = hasattr(engine, "units")\n'])
+def test_the_protocol_checker_sees_each_probe(tmp_path, source):
+    """Catches a protocol checker that cannot fail."""
+    (tmp_path / "shardwise" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "shardwise" / "__init__.py").write_text("")
+    (tmp_path / "shardwise" / "checkpoint" / "__init__.py").write_text(source)
+    assert probing_problems(tmp_path)
+
+
+def engine_uses_problems(root: Path = SRC) -> list[str]:
+    """Each engine module says in its docstring which engine modules it uses ("Uses: a, b." or
+    "Uses: nothing of the engine."): the list must be exactly what it imports."""
+    problems = []
+    for name, path in module_files(root).items():
+        if not name.startswith("shardwise.engine.") or path.name == "__init__.py":
+            continue
+        imported = {target.split(".")[2] for target in imports_of(name, path, set(module_files(root)))
+                    if target.startswith("shardwise.engine.")}
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        said = " ".join(doc.split("Uses: ", 1)[1].split(".", 1)[0].split()) if "Uses: " in doc else None
+        if said is None:
+            problems.append(f"{name}: no 'Uses: ...' line in its docstring")
+            continue
+        listed = set() if said == "nothing of the engine" else {part.strip() for part in said.split(",")}
+        if listed != imported:
+            problems.append(f"{name}: docstring says it uses {sorted(listed)}, it imports {sorted(imported)}")
+    return problems
+
+
+def test_each_engine_file_says_which_others_it_uses():
+    """Catches an engine module that starts using another (or stops) without saying so in its first
+    lines, where the next reader looks for who calls whom."""
+    assert engine_uses_problems() == []
+
+
+def test_the_uses_checker_sees_a_wrong_list(tmp_path):
+    """Catches a uses checker that cannot fail."""
+    engine = tmp_path / "shardwise" / "engine"
+    engine.mkdir(parents=True)
+    (tmp_path / "shardwise" / "__init__.py").write_text("")
+    (engine / "__init__.py").write_text("")
+    (engine / "a.py").write_text('"""A.\nUses: nothing of the engine.\n"""\nfrom shardwise.engine import b\n')
+    (engine / "b.py").write_text('"""B.\nUses: nothing of the engine.\n"""\n')
+    assert engine_uses_problems(tmp_path) == [
+        "shardwise.engine.a: docstring says it uses [], it imports ['b']"]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.config import MixedPrecision
+from shardwise.engine import engine_of
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import assert_close_runs, global_batch, make_optimizer, rank_slice, reference_run, train
 
@@ -86,7 +87,7 @@ def _train_in_subgroups(strategy):
     spec = ZOO[MODEL]
     ndim = {n: p.ndim for n, p in model.named_parameters()}
     sw.shard(model, strategy=strategy, units=spec.unit_class, process_group=group)
-    engine = model._shardwise
+    engine = engine_of(model)
     separate = engine.units[0].reduce_group is not group
 
     def average(value):

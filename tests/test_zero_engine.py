@@ -10,6 +10,7 @@ from torch import nn
 
 import shardwise as sw
 import shardwise.engine.collectives as coll
+from shardwise.engine import engine_of
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch, make_optimizer, rank_slice
@@ -36,8 +37,8 @@ def _count_collectives(name):
     model = build(name)
     sw.shard(model, strategy="zero3", units=spec.unit_class)
     optimizer = make_optimizer(model)
-    num_units = len(model._shardwise.units)
-    trainable_units = sum(1 for u in model._shardwise.units if u.trainable())
+    num_units = len(engine_of(model).units)
+    trainable_units = sum(1 for u in engine_of(model).units if u.trainable())
     rank, world_size = dist.get_rank(), dist.get_world_size()
     coll.all_gather, coll.reduce_scatter_avg = gather, reduce
     counts = []
@@ -104,7 +105,7 @@ def _measure_step_memory(strategy):
         model(x, x).backward()
         optimizer.step()
     held = _held_bytes() - baseline
-    peak_units = model._shardwise.peak_resident_units
+    peak_units = engine_of(model).peak_resident_units
     return held, num_params, peak_units
 
 

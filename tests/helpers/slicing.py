@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
+from shardwise.engine import slicing_of
 from shardwise.models.zoo import ZOO, ZooSpec
 from shardwise.testing import RunResult, make_optimizer, train
 
@@ -257,7 +258,7 @@ def full_logits(name: str, tensor: int):
 def auto_plan_of(name: str) -> dict[str, str]:
     """The plan sw.slice(model) resolved for zoo/HF model `name`, as {module name: kind}."""
     model = sw.slice(build(name))
-    return {module: spec.kind for module, spec in model._sw_slicing.plan.items()}
+    return {module: spec.kind for module, spec in slicing_of(model).plan.items()}
 
 
 # ---- checkpoints across mesh shapes ----------------------------------------------------------
@@ -318,7 +319,7 @@ def count_step(name: str, data: int, tensor: int, global_batch_size: int = 8) ->
 
     model, optimizer, data_rank = _layout(name, data, tensor, True)
     spec = MODELS[name]
-    mesh_tensor = model._sw_slicing.group
+    mesh_tensor = slicing_of(model).group
     train(model, spec, 1, global_batch_size, rank=data_rank, world_size=data, optimizer=optimizer)
     x, y = MODELS[name].make_batch(torch.Generator().manual_seed(5), global_batch_size)
     per = global_batch_size // data

@@ -13,6 +13,7 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
 from shardwise.engine.info import ShardInfo, shard_info
+from shardwise.engine.protocol import slicing_of
 from shardwise.errors import ShardwiseError
 
 
@@ -28,7 +29,7 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     re-ties them. `duplicate_tied=True` stores every name (the tied bytes once per
     name), for a plain strict `load_state_dict`. Returns `path`.
     """
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: whole tensors (Note [unsliced view])
+    slicing = slicing_of(model)  # sliced by sw.slice: whole tensors (Note [unsliced view])
     if slicing is not None:
         model = slicing.checkpoint_view(model).model
     group, rank, world = group_of(model)
@@ -118,7 +119,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
     whole state (one all-gather per parameter). `only(name)` keeps the parameters it is true
     for (and no buffers): a PEFT model's adapters, without gathering its base."""
     _SENT.clear()  # the previous call's gathers finished long ago
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: whole tensors (Note [unsliced view])
+    slicing = slicing_of(model)  # sliced by sw.slice: whole tensors (Note [unsliced view])
     if slicing is not None:
         model = slicing.checkpoint_view(model).model
     group, rank, world = group_of(model)

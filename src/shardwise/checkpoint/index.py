@@ -51,7 +51,7 @@ def build_index(job, records: list) -> dict:
     index = {
         "format": FORMAT, "version": VERSION, "id": job.checkpoint_id, "saved_at": time.time(),
         "shardwise_version": __version__, "torch_version": torch.__version__,
-        "strategy": getattr(engine, "strategy", None) or "none", "world_size": world,
+        "strategy": engine.strategy if engine is not None else "none", "world_size": world,
         "files": {r["file"]: {"bytes": r["bytes"], "digest": r["digest"]} for r, _ in records},
         "params": params, "buffers": buffers, "optimizer": optimizer, "scheduler": job.scheduler_state,
         "rng": [r["rng"] for r, _ in records], "objects": job.objects, "extra": job.values,

@@ -25,6 +25,7 @@ from shardwise.checkpoint.report import LoadReport
 from shardwise.checkpoint.sources import open_source
 from shardwise.checkpoint.values import from_json, restore_rng
 from shardwise.engine.info import row_view
+from shardwise.engine.protocol import slicing_of
 from shardwise.errors import ShardwiseError
 
 
@@ -48,7 +49,7 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     `restore_rng` says otherwise. Objects passed as keywords (`sampler=...`) get the
     state saved under the same keyword.
     """
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: load whole tensors (Note [unsliced view])
+    slicing = slicing_of(model)  # sliced by sw.slice: load whole tensors (Note [unsliced view])
     if slicing is not None:
         view = slicing.checkpoint_view(model, optim, fill=False)
         report = load(path, view.model, view.optim, scheduler, strict=strict, rename=rename,

@@ -14,8 +14,7 @@ def group_of(model: nn.Module):
         return None, 0, 1
     engine = engine_of(model)
     part = unit_of_any_param(model) if engine is None else None  # a submodule of a sharded model
-    group = getattr(engine, "group", None) or getattr(engine, "process_group", None) or getattr(
-        part, "group", None) or dist.group.WORLD
+    group = engine.group if engine is not None else part.group if part is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -24,7 +23,7 @@ def is_sharded(model: nn.Module) -> bool:
     engine = engine_of(model)
     if engine is None:
         return unit_of_any_param(model) is not None  # a submodule of a zero-sharded model
-    return getattr(engine, "strategy", "ddp") != "ddp"
+    return engine.shards_rows
 
 
 def gather_object(obj, group, rank: int, world: int) -> list | None:

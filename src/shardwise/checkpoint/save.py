@@ -54,6 +54,7 @@ from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
 from shardwise.engine.info import ShardInfo, row_view, shard_info
+from shardwise.engine.protocol import slicing_of
 from shardwise.errors import ShardwiseError
 
 
@@ -105,7 +106,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here)."""
     wait_for_background_save()
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: save its whole tensors (Note [unsliced view])
+    slicing = slicing_of(model)  # sliced by sw.slice: save its whole tensors (Note [unsliced view])
     if slicing is not None:
         view = slicing.checkpoint_view(model, optim)
         model, optim = view.model, view.optim

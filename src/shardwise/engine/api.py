@@ -1,4 +1,6 @@
-"""`shard(model, strategy=...)`: the one entry point that applies a strategy in place."""
+"""`shard(model, strategy=...)`: the one entry point that applies a strategy in place.
+Uses: compat, ddp, deferred, guards, host_copy, protocol, units, zero.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.host_copy import place_frozen_on_host
-from shardwise.engine.info import engine_of
+from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
 from shardwise.engine.units import UnitSpec
 from shardwise.engine.zero import apply_zero
 from shardwise.errors import ShardwiseError
@@ -76,7 +78,7 @@ def shard(
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
     _refuse_sparse_gradients(model, config.strategy)
-    slicing = getattr(model, "_sw_slicing", None)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
+    slicing = slicing_of(model)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
     if slicing is not None:
         slicing.check_data_group(group)
     if config.frozen is not None:
@@ -87,7 +89,7 @@ def shard(
         engine = apply_ddp(model, group, config)
     else:
         engine = apply_zero(model, config, units, group, init_fn)
-    model._shardwise = engine  # a plain attribute: not a module, so not in state_dict()
+    attach_engine(model, engine)  # Note [engine protocol]
     setattr(model, DDP_IGNORE_ATTRIBUTE, RefuseDataParallel(config.strategy))  # Note [no second wrapper]
     return model
 

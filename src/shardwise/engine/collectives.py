@@ -1,4 +1,5 @@
 """The two collectives of the engine, and the layout changes around them.
+Uses: nothing of the engine.
 
 A unit's shards travel as one flat, rank-major buffer: rank r's rows of every
 parameter, one parameter after another (`S` elements per rank). Full values live
@@ -75,6 +76,28 @@ def new_reduce_group(group) -> dist.ProcessGroup:
     reduce_group = dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group),
                                   use_local_synchronization=True)
     return close_group_at_exit(reduce_group, "a reduce group")  # Note [exit teardown]
+
+
+# Note [host values]: some decisions of a step are made on host values: which units to re-gather
+# before a forward (consistency.py) and which parameters any rank used (unit_grads.py, Note [unused
+# params]). Reading a device tensor for them would stall a GPU's stream, so they travel on a CPU
+# group: the gloo group itself on CPU, a gloo group of the same ranks beside an NCCL one.
+def host_group_of(group) -> dist.ProcessGroup:
+    """A group of `group`'s ranks whose collectives take CPU tensors (Note [host values])."""
+    if dist.get_backend(group) != "nccl":
+        return group
+    host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    return close_group_at_exit(host, "a host group")  # Note [exit teardown]
+
+
+def any_rank(flags: list[bool], host_group) -> list[bool]:
+    """Each flag OR-ed over the ranks of `host_group` (a CPU group: Note [host values])."""
+    if not flags or dist.get_world_size(host_group) == 1:
+        return flags
+    values = torch.tensor(flags, dtype=torch.int32)
+    with named_failure("the agreement on which parameters have gradients"):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=host_group)
+    return [bool(v) for v in values.tolist()]
 
 
 # Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast

@@ -1,10 +1,13 @@
 """torch internals the engine relies on, in one place; tests/test_compat.py fails loudly when
-a torch release changes one of them (STYLE.md: lean on torch's internals in one place)."""
+a torch release changes one of them (STYLE.md: lean on torch's internals in one place).
+Uses: nothing of the engine.
+"""
 
 from __future__ import annotations
 
 import enum
 import inspect
+import sys
 
 import torch
 import torch.utils.checkpoint
@@ -22,6 +25,17 @@ get_grad, set_grad = torch._C.TensorBase.grad.__get__, torch._C.TensorBase.grad.
 # Note [one backward at a time]).
 REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
 
+
+def in_reentrant_backward() -> bool:
+    """Whether the caller runs inside a reentrant checkpoint's nested backward (its frames are on
+    the call stack). Walks the stack: call it where that happens once per unit, not per tensor."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is REENTRANT_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
+
 # What torch's DistributedDataParallel reads first when it is built (guards.py, Note [no second
 # wrapper]) and which parameters it leaves alone (ddp.py, host-shared weights).
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
@@ -30,6 +44,11 @@ DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 def graph_task_id() -> int:
     """The running autograd graph task's id, -1 outside backward."""
     return torch._C._current_graph_task_id()
+
+
+def queue_backward_callback(callback) -> None:
+    """Run `callback` when the running backward's graph task ends (FSDP2 finalizes the same way)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def undecorated_step(optimizer):
@@ -65,9 +84,11 @@ _CLIPS = {inspect.unwrap(fn).__code__: fn.__name__ for fn in (
     torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grads_with_norm_, torch.nn.utils.clip_grad_value_)}
 
 
-def refuse_clip_after_step(frame) -> None:
-    """Under sw.optimizer_in_backward only: a `.grad` read from one of torch's clipping functions
-    would find every gradient already stepped and dropped, and clip nothing without a word."""
+def refuse_clip_after_step() -> None:
+    """Under sw.optimizer_in_backward only, from ShardParameter.grad: a `.grad` read from one of
+    torch's clipping functions would find every gradient already stepped and dropped, and clip
+    nothing without a word. Frame 2 is the reader (0: this function, 1: the property)."""
+    frame = sys._getframe(2)
     if frame is not None and frame.f_code.co_name == "<listcomp>":  # Python 3.11 gives it a frame
         frame = frame.f_back
     function = _CLIPS.get(frame.f_code) if frame is not None else None

@@ -1,5 +1,7 @@
 """Ranks agree on the model: the same parameters (and which are trainable) at `shard()` and
-before every forward, the same starting values, and which units need a re-gather."""
+before every forward, the same starting values, and which units need a re-gather.
+Uses: collectives, flat_unit.
+"""
 
 from __future__ import annotations
 

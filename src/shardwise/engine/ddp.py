@@ -1,4 +1,5 @@
 """`strategy="ddp"`: torch's DistributedDataParallel, applied in place.
+Uses: compat, host_copy, protocol.
 
 DDP's C++ reducer is the engine (bucketed all-reduce overlapped with backward); we do
 not rewrite it. What shardwise adds is the in-place contract every strategy keeps: the
@@ -21,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ShardConfig
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
-from shardwise.engine.guards import NoCopies
 from shardwise.engine.host_copy import host_param_names
+from shardwise.engine.protocol import Engine
 from shardwise.errors import ShardwiseError
 
 
@@ -38,13 +39,13 @@ class _ForwardProxy(nn.Module):
         return self._original_forward(*args, **kwargs)
 
 
-class DDPEngine(NoCopies):
-    """What `shard(..., strategy="ddp")` attaches to the model as `model._shardwise`."""
+class DDPEngine(Engine):
+    """What `shard(..., strategy="ddp")` attaches to the model (Note [engine protocol])."""
 
     strategy = "ddp"
 
     def __init__(self, model: nn.Module, process_group, find_unused_parameters: bool):
-        self.process_group = process_group
+        self.group = process_group
         self.original_forward = model.forward
         device_ids = None
         if next(model.parameters(), torch.empty(0)).is_cuda:

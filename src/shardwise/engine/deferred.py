@@ -1,4 +1,5 @@
 """Deferred initialization: build a model on the meta device, materialize it later, shard by shard.
+Uses: nothing of the engine.
 
     with sw.deferred_init():
         model = GPT(cfg)                 # allocates nothing

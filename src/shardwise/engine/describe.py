@@ -1,4 +1,6 @@
-"""`sw.describe(model)`: the unit plan as a table, the same wherever a plan is shown."""
+"""`sw.describe(model)`: the unit plan as a table, the same wherever a plan is shown.
+Uses: protocol, units.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardwise.engine.info import engine_of
+from shardwise.engine.protocol import engine_of
 from shardwise.engine.units import UnitSpec, build_units
 
 MIB = 2**20
@@ -47,7 +49,7 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
     """The units `shard(model, units=units)` makes (or made, for a sharded model) at `world_size`
     (default: the model's, else 1). Works on a model built under `torch.device("meta")`."""
     engine = engine_of(model)
-    if engine is not None and hasattr(engine, "units"):
+    if engine is not None and engine.shards_rows:
         plans = [(unit.module, unit.path, [layout.owned for layout in unit.layouts]) for unit in engine.units]
         world_size = world_size or engine.world_size
         sizes = {layout.owned.name: (layout.shape, unit.dtype.itemsize) for unit in engine.units

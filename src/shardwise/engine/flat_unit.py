@@ -1,15 +1,17 @@
-"""The engine's unit: flat shards, full views, gather/free, and the gradient reduce.
+"""The engine's unit: flat shards, full views, gather and free. Uses: collectives, param_layout,
+phase, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / world_size)` rows (a 0-D scalar counts as one row; the
 last ranks hold zero padding), and after `shard()` the registered parameter is this
-rank's chunk, under its original name. Two memory layouts, one per policy:
+rank's chunk, under its original name. Its gradients are `unit.grads` (unit_grads.py). Two
+memory layouts, one per stage (Note [stages], stage.py):
 
-- `keep_full=True` (zero1, zero2): the full padded values stay allocated
+- full parameters kept (zero1, zero2): the full padded values stay allocated
   (`full_flat`, param-major) and each shard *is* a view of this rank's rows in it,
   so the optimizer updates the full buffer in place and no separate copy exists.
   The next forward re-gathers a unit whose rows changed.
-- `keep_full=False` (zero3): the shards live in one rank-major `shard_flat`, which
+- not kept (zero3): the shards live in one rank-major `shard_flat`, which
   is directly the all-gather's input; `full_flat` is allocated only while the unit
   is gathered and its storage is released (resized to 0) afterwards.
 
@@ -21,9 +23,7 @@ wrong number):
                                    ^-----------start_gather (rows changed, zero1/2)----'
 
 zero1/zero2 start GATHERED and stay there (their full values are kept); zero3 starts
-SHARDED. Gradients have their own phase (`GradPhase`): IDLE until a backward hands the
-unit gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE
-once the reduce-scatter has landed (`end_accumulation`).
+SHARDED. Gradients have their own phase (unit_grads.GradPhase).
 
 Note [version counters]: autograd saves the full views for backward. Refilling their
 storage after a free would bump the version counter and make autograd refuse the
@@ -41,7 +41,10 @@ from torch import Tensor, nn
 import shardwise.engine.collectives as coll
 from shardwise.config import MixedPrecision
 from shardwise.engine.param_layout import ParamLayout, lay_out
+from shardwise.engine.phase import Clock
 from shardwise.engine.shard_param import make_shard
+from shardwise.engine.stage import Stage
+from shardwise.engine.unit_grads import UnitGrads
 from shardwise.engine.units import UnitPlan
 from shardwise.errors import ShardwiseError
 
@@ -54,13 +57,6 @@ class Residency(enum.Enum):
     GATHERED = "gathered"  # full_flat holds every rank's rows
 
 
-class GradPhase(enum.Enum):
-    """Whether a unit holds full gradients waiting for their reduce (Note [unit lifecycle])."""
-
-    IDLE = "idle"
-    ACCUMULATING = "accumulating"  # full gradients summing in full_grad (zero1; no_sync)
-
-
 _TRANSITIONS = {
     Residency.SHARDED: {Residency.GATHERING},
     Residency.GATHERING: {Residency.GATHERED},
@@ -71,14 +67,14 @@ _TRANSITIONS = {
 class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
-    def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, keep_full: bool,
-                 keep_full_grad: bool, precision: MixedPrecision, store=None):
+    def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, stage: Stage,
+                 precision: MixedPrecision, store=None, reduce_group=None, clock: Clock | None = None):
         self.module, self.path = plan.module, plan.path
         self.rank, self.world_size, self.group = rank, world_size, group
-        self.keep_full = keep_full
-        self.keep_full_grad = keep_full_grad  # zero1: full grads live until the step
+        self.stage = stage
         self.store = store  # offload: the master shards live in a memory-mapped file
-        self.reduce_group = group  # the engine may give reduce-scatters a group of their own
+        self.reduce_group = reduce_group or group  # reduce-scatters may have a group of their own
+        self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
         self.layouts, self.shard_total = lay_out(plan.params, world_size)
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
@@ -95,21 +91,34 @@ class FlatUnit:
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
         # With a low param_dtype the fp32 master rows need their own storage.
-        self.aliased = keep_full and self.compute_dtype == self.dtype
+        self.aliased = stage.aliases_shards(self.compute_dtype, self.dtype)
         self.full_flat = torch.empty(world_size * self.shard_total, dtype=self.compute_dtype, device=self.device)
         self.full_views = [self._full_view(layout) for layout in self.layouts]
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
-        self.full_grad: Tensor | None = None  # accumulated full gradients (zero1; no_sync)
-        self.grad_phase = GradPhase.IDLE
-        self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
-        self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
-        self.gathered_stamp = -1  # _master_stamp() right after the last gather (keep_full)
+        self.grads = UnitGrads(self)
+        self.gathered_stamp = -1  # _master_stamp() right after the last gather (full params kept)
         self.stale = False  # an optimizer stepped these shards since the last gather (optim_hooks.py)
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
         self.pending_gather: coll.Pending | None = None  # the all-gather in flight (GATHERING)
-        self.where = "set-up"  # the engine's step and phase, for errors that name where a rank waited
         self.pinned = False  # read by an input-gradient graph (create_graph): kept until the window closes
+        self.stepped_in_backward = False  # sw.optimizer_in_backward steps it (step_in_backward.py)
+
+    @property
+    def where(self) -> str:
+        return str(self.clock)
+
+    def pin(self) -> None:
+        """Keep the full values until the window closes (Note [gradients of inputs], window.py)."""
+        self.pinned = True
+
+    def mark_stepped(self) -> None:
+        """An optimizer wrote these shards: re-gather before the next use (optim_hooks.py)."""
+        self.stale = True
+
+    def hand_steps_to_backward(self) -> None:
+        """sw.optimizer_in_backward steps this unit during backward (Note [optimizer in backward])."""
+        self.stepped_in_backward = True
 
     @property
     def label(self) -> str:
@@ -141,7 +150,7 @@ class FlatUnit:
         real = self._padded_region(layout)[: layout.rows * layout.row_numel]
         return real.view(layout.shape)
 
-    def _own_rows(self, flat_by_param: Tensor, layout: ParamLayout) -> Tensor:
+    def own_rows(self, flat_by_param: Tensor, layout: ParamLayout) -> Tensor:
         region_start = self.world_size * layout.offset + self.rank * layout.shard_numel
         return flat_by_param[region_start : region_start + layout.shard_numel]
 
@@ -159,7 +168,7 @@ class FlatUnit:
                 for view, original in zip(self.full_views, originals):
                     if original is not None:
                         view.copy_(original.detach())
-                shard_tensors = [self._own_rows(self.full_flat, layout).view(layout.shard_shape)
+                shard_tensors = [self.own_rows(self.full_flat, layout).view(layout.shard_shape)
                                  for layout in self.layouts]
             else:
                 self.shard_flat = self.store.zeros(self.shard_total, self.dtype) if self.store is not None \
@@ -168,7 +177,7 @@ class FlatUnit:
                     if original is not None:
                         self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
                 shard_tensors = [self._shard_segment(layout).view(layout.shard_shape) for layout in self.layouts]
-                if self.keep_full:  # low-precision zero1/zero2: the kept full values, cast once
+                if self.stage.keeps_full_params:  # low-precision zero1/zero2: the kept full values, cast once
                     self.full_flat.zero_()
                     for view, original in zip(self.full_views, originals):
                         if original is not None:
@@ -180,7 +189,7 @@ class FlatUnit:
             # The original full tensor is no longer registered anywhere; dropping our last
             # reference is what actually frees it (4 bytes per parameter otherwise).
             layout.owned.param = None
-        if self.keep_full:
+        if self.stage.keeps_full_params:
             self.gathered_stamp = self._master_stamp()
         else:
             self.free()
@@ -190,11 +199,11 @@ class FlatUnit:
         for zero1/zero2, the kept full copy). Every rank receives every value."""
         layout = self.layouts[index]
         with torch.no_grad():
-            if self.keep_full:
+            if self.stage.keeps_full_params:
                 self.full_views[index].copy_(value)
             if not self.aliased:
                 self._shard_segment(layout).copy_(self._own_rows_of(value, layout))
-            if self.keep_full:
+            if self.stage.keeps_full_params:
                 self.gathered_stamp = self._master_stamp()  # the full copy is current
 
     def _shard_segment(self, layout: ParamLayout) -> Tensor:
@@ -234,14 +243,14 @@ class FlatUnit:
     # ---- gather / free -----------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        if self.keep_full:  # the rows changed since the last gather
+        if self.stage.keeps_full_params:  # the rows changed since the last gather
             return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
 
     def _send_buffer(self, dtype: torch.dtype) -> Tensor:
         """This rank's rows of every parameter as one flat tensor in `dtype`: the all-gather's input."""
         if self.aliased:  # the shards are scattered views into full_flat: pack them
-            rows = [self._own_rows(self.full_flat, layout) for layout in self.layouts]
+            rows = [self.own_rows(self.full_flat, layout) for layout in self.layouts]
             return torch.cat(rows or [self.full_flat[:0]])
         return self.shard_flat.to(dtype)  # a no-op at full precision, a cast to param_dtype otherwise
 
@@ -280,7 +289,7 @@ class FlatUnit:
         """Release the full values (zero3; zero1/zero2 keep them), unless pinned (Note [gradients of
         inputs], window.py) until the window closes (`unpin`); the shards are registered again."""
         self.pinned = self.pinned and not unpin
-        if not self.keep_full and not self.pinned and self.residency is Residency.GATHERED:
+        if not self.stage.keeps_full_params and not self.pinned and self.residency is Residency.GATHERED:
             self.full_flat.untyped_storage().resize_(0)
             self._move(Residency.SHARDED)
             self.install_shards()
@@ -298,102 +307,6 @@ class FlatUnit:
             out[layout.owned.name] = target[start : start + layout.rows * layout.row_numel].view(layout.shape).clone()
         return out
 
-    # ---- gradients ---------------------------------------------------------------
-
     def trainable(self) -> list[int]:
+        """The indices of the parameters that require grad (the ones the reduce carries)."""
         return [i for i, shard in enumerate(self.shard_params) if shard.requires_grad]
-
-    def _begin_accumulation(self) -> None:
-        if self.full_grad is None:
-            self.full_grad = torch.zeros(self.full_flat.shape, dtype=self.reduce_dtype, device=self.device)
-            return
-        # zero1 keeps full_grad allocated across steps, and its shards' grads are views of
-        # their own rows in it: set aside any the user kept (accumulating across steps),
-        # then start the new window from zero.
-        for i, shard in enumerate(self.shard_params):
-            if shard.grad is not None:
-                self.carried[i] = shard.grad.clone()
-                shard.grad = None
-        self.full_grad.zero_()
-
-    def accumulate(self, grads: list[Tensor | None]) -> None:
-        """Add this backward's full gradients into `full_grad` (zero1, or under no_sync)."""
-        if self.grad_phase is GradPhase.IDLE:
-            self._begin_accumulation()
-            self.grad_phase = GradPhase.ACCUMULATING
-        with torch.no_grad():
-            for index, (layout, grad) in enumerate(zip(self.layouts, grads)):
-                if grad is not None:
-                    self.used.add(index)
-                    start = self.world_size * layout.offset
-                    self.full_grad[start : start + layout.rows * layout.row_numel].add_(grad.reshape(-1))
-
-    def full_grad_list(self) -> list[Tensor | None]:
-        if self.full_grad is None:
-            return [None] * len(self.layouts)
-        out = []
-        for index, layout in enumerate(self.layouts):
-            start = self.world_size * layout.offset
-            used = index in self.used
-            out.append(self.full_grad[start : start + layout.rows * layout.row_numel] if used else None)
-        return out
-
-    def start_reduce(self, grads: list[Tensor | None], async_op: bool) -> tuple[coll.Pending, list[int]]:
-        """Reduce-scatter (average) the full gradients of the trainable parameters.
-
-        Note [unused params]: a parameter no rank used this step must keep `grad=None`,
-        as in a single process (AdamW then leaves it alone: no decay, no moment update),
-        while one used by some ranks gets the average with zeros from the others. One
-        "used" flag per parameter rides in every rank's segment of the same
-        reduce-scatter, so every rank learns whether anyone used it without another
-        collective.
-        """
-        indices = self.trainable()
-        segments, offset = [], 0
-        for i in indices:
-            segments.append((offset, self.layouts[i].shard_numel))
-            offset += self.layouts[i].shard_numel
-        rows = [self.layouts[i].rows for i in indices]
-        packed = coll.pack([grads[i] for i in indices], rows, self.world_size, segments,
-                           offset + len(indices), torch.empty(0, dtype=self.reduce_dtype, device=self.device))
-        flags = packed.view(self.world_size, -1)[:, offset:]
-        for column, i in enumerate(indices):
-            if grads[i] is not None:
-                flags[:, column] = 1.0
-        what = f"the gradient reduce-scatter of unit {self.label} ({self.where})"
-        return coll.reduce_scatter_avg(packed, self.world_size, self.reduce_group, async_op, what), indices
-
-    def finish_reduce(self, pending: coll.Pending, indices: list[int]) -> None:
-        """Hand each trainable shard its averaged gradient rows (accumulating onto an existing grad)."""
-        reduced = pending.wait()
-        used_by_any = (reduced[reduced.numel() - len(indices) :] > 0).tolist()  # one host read per unit, not per param
-        offset = 0
-        for column, i in enumerate(indices):
-            layout, shard = self.layouts[i], self.shard_params[i]
-            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(self.dtype)
-            offset += layout.shard_numel
-            carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
-            if not used_by_any[column]:
-                if carried is not None:
-                    shard.grad = carried  # nobody added to it this time: it stays what it was
-                continue
-            if shard.grad is not None:
-                shard.grad.add_(rows)
-            elif self.keep_full_grad and self.full_grad is not None and self.full_grad.dtype == self.dtype:
-                # zero1: the shard's grad is a view of its own rows of the kept full grads,
-                # so the gradients are stored once, not twice.
-                own = self._own_rows(self.full_grad, layout).view(layout.shard_shape)
-                own.copy_(rows)
-                if carried is not None:
-                    own.add_(carried)
-                shard.grad = own
-            else:
-                shard.grad = rows if carried is None else rows + carried
-
-    def end_accumulation(self) -> None:
-        """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""
-        self.grad_phase = GradPhase.IDLE
-        self.carried.clear()
-        self.used.clear()
-        if not self.keep_full_grad:
-            self.full_grad = None

@@ -1,4 +1,6 @@
-"""Gradient helpers that work on any model, sharded or not: accumulation and clipping."""
+"""Gradient helpers that work on any model, sharded or not: accumulation and clipping.
+Uses: protocol.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.info import engine_of
-from shardwise.engine.step_in_backward import steps_in_backward
+from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 
 
@@ -33,17 +34,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     at one rank it equals `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` bitwise.
     """
     engine = engine_of(model)
-    if steps_in_backward(model):
+    if engine is not None and engine.steps_in_backward():
         raise ShardwiseError(
             "sw.clip_grad_norm_ with sw.optimizer_in_backward: each unit was already stepped during backward, "
             "before the global norm existed, so there is nothing left to clip. Clip without "
             "optimizer_in_backward, or turn clipping off (Trainer: TrainingArguments(max_grad_norm=0); "
             "Lightning: gradient_clip_val=None) (Note [optimizer in backward])."
         )
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: Note [sliced norm] (parallel/slicing)
+    slicing = slicing_of(model)  # sliced by sw.slice: Note [sliced norm] (parallel/slicing)
     if slicing is not None:
         return slicing.clip_grad_norm_(model, max_norm, norm_type)
-    if engine is not None and hasattr(engine, "units"):  # zero: each rank holds some gradient rows
+    if engine is not None and engine.shards_rows:  # zero: each rank holds some gradient rows
         # model.parameters() order, as torch's clip_grad_norm_(model.parameters()) stacks its norms.
         grads = [p.grad for p in model.parameters() if getattr(p, "_sw_unit", None) is not None
                  and p.grad is not None]

@@ -1,4 +1,5 @@
 """Refusing a second data-parallel wrapper around a sharded model, before it can do harm.
+Uses: nothing of the engine.
 
 Note [no second wrapper]: torch's DistributedDataParallel (and so Accelerate's `prepare`
 and transformers' `Trainer`, which wrap in it) broadcasts rank 0's parameters to every

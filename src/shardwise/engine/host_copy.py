@@ -1,4 +1,5 @@
 """`shard(..., frozen="host")`: one read-only copy of the frozen weights per host, mapped by every local rank.
+Uses: host_file, host_param, st_header.
 
 Note [host copy]: fine-tuning a large frozen base with a small trainable part is the common
 case; DDP keeps a full copy of the base on every rank and FSDP2 / zero3 all-gather it every

@@ -1,4 +1,5 @@
 """The file of a written host copy: private while it exists, gone once mapped, swept if its job died.
+Uses: nothing of the engine.
 
 Note [host copy file]: without `HostFrozen(source=...)` the host's local rank 0 writes the
 frozen weights into `HostFrozen.directory` (default /dev/shm, which every local user can

@@ -1,4 +1,5 @@
 """A frozen parameter whose values live in a read-only mapping that every local rank shares.
+Uses: nothing of the engine.
 
 Note [read-only host weights]: `frozen="host"` (host_copy.py) makes each frozen parameter a
 view of one file mapped with `PROT_READ` by every rank of the host, so the host holds one

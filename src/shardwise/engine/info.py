@@ -1,4 +1,5 @@
 """What a sharded model tells the layers above it: which rows this rank holds, full values.
+Uses: host_param, protocol.
 
 Checkpoints, exports and tests reach the engine through these functions only; they work
 on an unsharded model too (every rank then holds every row).
@@ -6,19 +7,13 @@ on an unsharded model too (every rank then holds every row).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.engine.host_param import is_host_shared
+from shardwise.engine.protocol import ShardInfo, engine_of, slicing_of
 from shardwise.errors import ShardwiseError
-
-
-def engine_of(model: nn.Module):
-    """The engine `shard()` attached (a `ZeroEngine` or `DDPEngine`), or None for an unsharded model."""
-    return getattr(model, "_shardwise", None)
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -29,38 +24,13 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     group too. Meant for tests and small models; checkpoints stream instead.
     """
     engine = engine_of(model)
-    if engine is not None and hasattr(engine, "full_parameters"):
-        full = engine.full_parameters()  # the units' parameters; host-shared ones are whole on every rank
+    full = engine.full_parameters() if engine is not None else None
+    if full is not None:  # the units' parameters; host-shared ones are whole on every rank
         full.update({name: p.detach().clone() for name, p in model.named_parameters() if is_host_shared(p)})
     else:
         full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    slicing = getattr(model, "_sw_slicing", None)  # sliced by sw.slice: gather the slices too (a collective)
+    slicing = slicing_of(model)  # sliced by sw.slice: gather the slices too (a collective)
     return slicing.unslice(model, full) if slicing is not None else full
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """Which rows of a parameter this rank holds, for checkpoints and exports.
-
-    `param` is the registered tensor (for a sharded model: this rank's chunk, padded to
-    `rows_per_rank` rows; a 0-D scalar is a 1-row chunk). Rows `row_start:row_end` of
-    the full tensor are `param[: row_end - row_start]`; the rest is padding.
-    `aliases` are every other name the same parameter is registered under (ties).
-    """
-
-    param: torch.Tensor
-    full_shape: torch.Size
-    row_start: int
-    row_end: int
-    aliases: tuple[str, ...]
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """This rank's real rows (a view of `param`), shaped like the full tensor's rows."""
-        if len(self.full_shape) == 0:
-            return self.param.reshape(-1)[: self.row_end - self.row_start].reshape(
-                () if self.row_end > self.row_start else (0,))
-        return self.param[: self.row_end - self.row_start]
 
 
 def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
@@ -68,13 +38,14 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
 
     Host-shared frozen weights (`frozen="host"`, Note [host copy]) are left out: checkpoints and
     exports hold what the strategy trains; the frozen base is the file every rank maps."""
-    if getattr(model, "_sw_slicing", None) is not None:
+    if slicing_of(model) is not None:
         raise ShardwiseError("this model is sliced (sw.slice): its parameters hold slices, not rows of the full "
                              "tensors. sw.save, sw.load, sw.export and sw.full_state_dict handle sliced models; "
                              "other tools need sw.full_state_dict(model) first")
     engine = engine_of(model)
-    if engine is not None and hasattr(engine, "shard_info"):
-        return engine.shard_info()
+    info = engine.shard_info() if engine is not None else None
+    if info is not None:
+        return info
     if unit_of_any_param(model) is not None:
         return _part_shard_info(model)
     names_by_param = _names_by_param(model)

@@ -1,4 +1,5 @@
 """Offload to disk: fp32 master shards and optimizer state in memory-mapped files.
+Uses: compat.
 
 `shard(model, strategy="zero3", offload="disk:/fast/scratch")` puts each unit's master
 shards in a file under `PATH/rank<r>/` and maps it shared, so the kernel can page it

@@ -1,4 +1,5 @@
 """What the engine learns from the user's optimizer, through torch's global step hooks.
+Uses: whole_step.
 
 The user builds an ordinary torch optimizer (before or after `shard()`), so torch's global
 optimizer hooks are the one place that sees every step without an extra call to remember:
@@ -76,7 +77,7 @@ def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:
     for param in _params(optimizer):
         unit = getattr(param, "_sw_unit", None)
         if unit is not None:
-            unit.stale = True
+            unit.mark_stepped()
 
 
 def _begin_whole_step(optimizer, args, kwargs) -> None:

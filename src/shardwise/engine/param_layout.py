@@ -1,4 +1,5 @@
 """Where one owned parameter lives in its unit's flat buffers: dim-0 chunks, padded per rank.
+Uses: units.
 
 A parameter of `rows` rows (a 0-D scalar counts as one) is cut into chunks of
 `rows_per_rank = ceil(rows / world_size)` rows; rank r's chunk sits at `offset` in that

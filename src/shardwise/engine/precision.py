@@ -1,4 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
+Uses: protocol, step_in_backward.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.engine.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.errors import ShardwiseError
 
@@ -48,9 +50,9 @@ class LossScaler:
 
     def __init__(self, model: nn.Module, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
-        state = getattr(model, "_shardwise", None)
-        self.group = getattr(state, "group", None) or getattr(state, "process_group", None)
-        if getattr(model, "_sw_slicing", None) is not None:  # sliced (sw.slice): tensor ranks hold other
+        engine = engine_of(model)
+        self.group = engine.group if engine is not None else None
+        if slicing_of(model) is not None:  # sliced (sw.slice): tensor ranks hold other
             self.group = None  # gradients than their data group's, so the whole mesh (the world) agrees
         if steps_in_backward(model):
             raise ShardwiseError(NO_SCALING)

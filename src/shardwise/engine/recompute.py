@@ -1,4 +1,5 @@
 """`checkpoint_activations=True`: a unit keeps only its inputs in forward and recomputes in backward.
+Uses: compat.
 
 Note [recompute]: activation checkpointing from outside (`torch.utils.checkpoint` around a
 unit, Hugging Face's `gradient_checkpointing_enable()`, or `checkpoint_activations=True`)

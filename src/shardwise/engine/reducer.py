@@ -1,15 +1,20 @@
 """The gradient side of a step: reduce-scatters issued in one fixed unit order, one in flight.
+Uses: collectives, flat_unit.
 
 Note [collective order] (zero.py): every rank must issue the same sequence of reduce-scatters,
 so a unit whose gradients are ready waits for every unit before it in `order` (the reverse of
 registration: roughly the order backward finishes them); `finish` reduces the units no rank
-reached this step (their gradients are zeros, or zero1's kept ones) in the same order.
+reached this step (their gradients are zeros, or zero1's kept ones) in the same order. Each
+landed reduce waits for `finish`, which agrees once which parameters any rank used (Note [unused
+params], unit_grads.py) and hands every unit its rows. Under sw.optimizer_in_backward each unit
+is handed its rows, and stepped, as soon as its reduce lands (one agreement per unit).
 """
 
 from __future__ import annotations
 
 import collections
 
+from shardwise.engine.collectives import any_rank
 from shardwise.engine.flat_unit import FlatUnit
 
 # Reduce-scatters allowed in flight during backward. One overlaps the previous unit's
@@ -22,8 +27,8 @@ MAX_PENDING_REDUCES = 1
 class Reducer:
     """Issues each unit's reduce in `order`, at most MAX_PENDING_REDUCES in flight; `reset()` per backward."""
 
-    def __init__(self, order: list[FlatUnit]):
-        self.order = order
+    def __init__(self, order: list[FlatUnit], host_group):
+        self.order, self.host_group = order, host_group
         self.stepper = None  # Note [optimizer in backward] (step_in_backward.py): steps each reduced unit
         self.reset()
 
@@ -31,7 +36,8 @@ class Reducer:
         self.reduced: set[int] = set()  # units whose reduce was issued in this backward
         self.ready: dict[int, list] = {}  # units whose gradients wait for their turn
         self.next = 0  # position in `order`
-        self.pending: collections.deque = collections.deque()
+        self.pending: collections.deque = collections.deque()  # units whose reduce is in flight
+        self.landed: list[FlatUnit] = []  # units whose reduce landed, rows not handed out yet
 
     def add(self, unit: FlatUnit, grads: list) -> None:
         """`unit`'s gradients for this backward are complete: reduce them in their turn."""
@@ -42,13 +48,16 @@ class Reducer:
             self.next += 1
 
     def finish(self) -> None:
-        """Reduce every unit not reduced yet, in order, and wait for all reduces to land."""
+        """Reduce every unit not reduced yet, in order, wait for all reduces to land, and hand
+        every unit its rows after one agreement on which parameters were used."""
         for unit in self.order[self.next :]:
             grads = self.ready.pop(id(unit), None)
-            self._launch(unit, unit.full_grad_list() if grads is None else grads)
+            self._launch(unit, unit.grads.full_list() if grads is None else grads)
         self.next = len(self.order)
         while self.pending:
-            self._finish_oldest()
+            self._land_oldest()
+        self._hand_out(self.landed)
+        self.landed = []
         if self.stepper is not None:
             self.stepper.after_backward()
 
@@ -56,12 +65,9 @@ class Reducer:
         """A backward that raised midway: wait for its reduces (every rank issued the same ones),
         drop the step's gradients (what it reduced, and every unit's accumulation), start over."""
         while self.pending:
-            unit, pending, _ = self.pending.popleft()
-            pending.wait()
+            self.pending.popleft().grads.land()
         for unit in self.order:
-            unit.end_accumulation()
-            for shard in unit.shard_params:
-                shard.grad = None
+            unit.grads.drop()
         self.reset()
         if self.stepper is not None:
             self.stepper.after_abandon()
@@ -71,13 +77,24 @@ class Reducer:
         if not unit.trainable():
             return
         while len(self.pending) >= MAX_PENDING_REDUCES:
-            self._finish_oldest()
-        pending, indices = unit.start_reduce(grads, async_op=True)
-        self.pending.append((unit, pending, indices))
+            self._land_oldest()
+        unit.grads.start_reduce(grads, async_op=True)
+        self.pending.append(unit)
 
-    def _finish_oldest(self) -> None:
-        unit, pending, indices = self.pending.popleft()
-        unit.finish_reduce(pending, indices)
-        unit.end_accumulation()
-        if self.stepper is not None:
-            self.stepper.after_reduce(unit)
+    def _land_oldest(self) -> None:
+        unit = self.pending.popleft()
+        unit.grads.land()
+        if self.stepper is None:
+            self.landed.append(unit)
+            return
+        self._hand_out([unit])  # Note [optimizer in backward]: step it now
+        self.stepper.after_reduce(unit)
+
+    def _hand_out(self, units: list[FlatUnit]) -> None:
+        """One agreement (over the host group) on which parameters any rank used, then the rows."""
+        used = any_rank([flag for unit in units for flag in unit.grads.used_here], self.host_group)
+        start = 0
+        for unit in units:
+            count = len(unit.grads.used_here)
+            unit.grads.hand_out(used[start : start + count])
+            start += count

@@ -1,4 +1,5 @@
 """The registered parameter after `shard()`: this rank's rows, in the user's own Parameter object.
+Uses: compat.
 
 Note [kept parameter objects]: an optimizer built before `shard()` (the order Accelerate and
 Hugging Face examples use) holds the model's original `nn.Parameter` objects. So `shard()`
@@ -52,7 +53,6 @@ in backward.
 from __future__ import annotations
 
 import collections
-import sys
 
 import torch
 import torch.utils.hooks
@@ -125,8 +125,8 @@ class ShardParameter(nn.Parameter):
     @property
     def grad(self) -> torch.Tensor | None:
         unit = self.__dict__.get("_sw_unit")
-        if unit is not None and getattr(unit, "optimizer_in_backward", False):
-            refuse_clip_after_step(sys._getframe(1))  # Note [rank-local clipping]
+        if unit is not None and unit.stepped_in_backward:
+            refuse_clip_after_step()  # Note [rank-local clipping]
         return _get_grad(self)
 
     @grad.setter

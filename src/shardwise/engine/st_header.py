@@ -1,4 +1,5 @@
 """A safetensors file's header, parsed and checked against the file before anything is mapped.
+Uses: nothing of the engine.
 
 The host copy (host_copy.py, Note [host copy]) makes parameters views of a file's bytes at
 the offsets its header names, so a header that lies about them must be refused before the

@@ -1,4 +1,5 @@
 """`model.state_dict()` and `model.load_state_dict()` on a sharded model: never shards that look whole.
+Uses: info.
 
 Note [state dict]: a registered parameter of a zero model is this rank's padded rows, so
 torch's own `state_dict()` would hand out `wte.weight` as [250, 64] where the model has

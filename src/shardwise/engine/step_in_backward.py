@@ -1,5 +1,6 @@
 """`sw.optimizer_in_backward(model, optimizer)`: each unit's shards are stepped as soon as their
 gradient is reduced, and the gradient is dropped at once.
+Uses: protocol, whole_step.
 
 Note [optimizer in backward]: a zero model holds, per parameter and rank, 4/N bytes of values,
 8/N of AdamW moments and 4/N of gradient, and all three live together from the end of backward
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.engine.info import engine_of
+from shardwise.engine.protocol import engine_of
 from shardwise.engine.whole_step import StepShape, step_shape
 from shardwise.errors import ShardwiseError
 
@@ -133,7 +134,8 @@ class UnitStepper:
 
 def steps_in_backward(model: nn.Module) -> bool:
     """Whether sw.optimizer_in_backward steps this model's units."""
-    return getattr(getattr(engine_of(model), "reducer", None), "stepper", None) is not None
+    engine = engine_of(model)
+    return engine is not None and engine.steps_in_backward()
 
 
 def _settings(optimizer) -> list[dict]:
@@ -153,7 +155,7 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     gradient and state; `any_optimizer=True` accepts another one you know to be such (not one
     with group-level counters, global norms, step hooks or a closure)."""
     engine = engine_of(model)
-    if engine is None or not hasattr(engine, "reducer"):
+    if engine is None or not engine.shards_rows:
         raise ShardwiseError(
             "sw.optimizer_in_backward needs a model sharded with strategy='zero1', 'zero2' or 'zero3': "
             "call sw.shard(model, strategy=...) first, then build the optimizer from model.parameters()."
@@ -190,4 +192,4 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     stepper = UnitStepper(engine, optimizer)
     engine.reducer.stepper = stepper
     for unit in engine.units:
-        unit.optimizer_in_backward = True  # read by ShardParameter.grad: torch's clipping is refused
+        unit.hand_steps_to_backward()  # read by ShardParameter.grad: torch's clipping is refused

@@ -1,4 +1,5 @@
 """Which modules are units: what `shard(units=...)` accepts, and the choice `units="auto"` makes.
+Uses: nothing of the engine.
 
 Note [auto units]: a unit is the grain of communication, and what is not in a unit sits in
 the root, gathered for the whole step. `"auto"` (the default) takes, in order:

@@ -1,4 +1,5 @@
 """Cutting a model into units, and deciding which unit owns each (possibly shared) parameter.
+Uses: host_param, unit_choice.
 
 A unit is the grain of communication: one all-gather and one reduce-scatter per unit
 per step. The root module is always a unit, so every parameter has an owner.

@@ -1,4 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
+Uses: collectives, compat.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,

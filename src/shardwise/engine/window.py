@@ -1,4 +1,5 @@
 """A unit window's autograd pieces: `GatherUnit`, `Use`, and the per-window `StepState`.
+Uses: compat, flat_unit, shard_param.
 
 Note [unit window]: a window runs from the first forward after the shards were installed
 to the end of the backward through it. The unit's first use in the window runs
@@ -42,14 +43,13 @@ gradient's own graph reads the full values again in the real backward.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
-from shardwise.engine.compat import REENTRANT_BACKWARD, Reach, graph_task_id, reach
+from shardwise.engine.compat import Reach, graph_task_id, in_reentrant_backward, reach
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
@@ -111,9 +111,6 @@ class StepState:
     pass_uses: dict[int, tuple] = field(default_factory=dict)  # this forward pass's Use outputs, by unit
     order: list[int] = field(default_factory=list)  # units in the order this forward pass first used them
     open_units: list[FlatUnit] = field(default_factory=list)  # units whose forward is running
-    prefetching: dict[int, FlatUnit] = field(default_factory=dict)  # gathers in flight, in issue order
-    gather_queue: list[FlatUnit] = field(default_factory=list)  # forward: units to gather, fixed order
-    backward_queue: list[FlatUnit] = field(default_factory=list)  # zero3 backward: the same, reversed
     callback_queued: bool = False  # _finalize_backward is queued on autograd's engine
     in_window: bool = False
     graph_task: int = -1  # the autograd graph task running this window's backward
@@ -131,9 +128,7 @@ def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
     """Note [one backward at a time]: raise inside a backward nested in the window's own, or, for
     a `recompute`, inside a reentrant checkpoint's (which runs in the window's task, just before
     its own backward; only then is the call stack walked: backward hooks run per unit per step)."""
-    frame, nested = sys._getframe(1) if recompute else None, False
-    while frame is not None and not nested:
-        nested, frame = frame.f_code is REENTRANT_BACKWARD, frame.f_back
+    nested = recompute and in_reentrant_backward()
     if nested or step.callback_queued and graph_task_id() != step.graph_task:
         raise ShardwiseError(
             "a backward ran inside the model's backward (a reentrant activation checkpoint: "

@@ -1,11 +1,8 @@
-"""`strategy="zero1" | "zero2" | "zero3"`: three policies over one mechanism (flat_unit.py).
-
-| stage | full params                    | full grads                          |
-|-------|--------------------------------|-------------------------------------|
-| zero1 | kept                           | kept until the step (reduced as ready) |
-| zero2 | kept                           | reduce-scattered per unit, freed    |
-| zero3 | gathered per use, freed        | as zero2                            |
-Optimizer state is always sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
+"""`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
+(flat_unit.py). Uses: collectives, compat, consistency, flat_unit, gather_schedule, info, offload,
+optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict, unit_choice,
+units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
+optimizers (whole_step.py).
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
 
@@ -62,50 +59,57 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
-from shardwise.engine.collectives import new_reduce_group
+from shardwise.engine.collectives import host_group_of, new_reduce_group
+from shardwise.engine.compat import graph_task_id, queue_backward_callback
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit
-from shardwise.engine.guards import NoCopies
+from shardwise.engine.gather_schedule import GatherScheduler
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.offload import open_store
 from shardwise.engine.optim_hooks import watch_units
+from shardwise.engine.phase import Clock, Phase
 from shardwise.engine.precision import cast_floating_inputs
+from shardwise.engine.protocol import Engine
 from shardwise.engine.recompute import checkpoint_forward
 from shardwise.engine.reducer import Reducer
 from shardwise.engine.sharding import shard_units
+from shardwise.engine.stage import Stage
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit_choice import warn_if_root_holds_most
 from shardwise.engine.units import UnitSpec, build_units, root_scope_modules
 from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, in_grad_call, refuse_nested_backward
 
 
-class ZeroEngine(NoCopies):
-    """What `shard(..., strategy="zero*")` attaches to the model as `model._shardwise`."""
+class ZeroEngine(Engine):
+    """What `shard(..., strategy="zero*")` attaches to the model (Note [engine protocol])."""
+
+    shards_rows = True
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None):
         self.config, self.strategy, self.group = config, config.strategy, group
-        self.precision = config.precision
+        self.stage, self.precision, self.clock = Stage.of(config), config.precision, Clock()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
         check_same_model_on_every_rank(model, group)
         self.store = open_store(config.offload, self.rank)
-        self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn)
-        self.root = self.units[0]
+        self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(group)  # Note [collective order]
-        for unit in self.units:
-            unit.reduce_group = reduce_group
+        self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn,
+                                 reduce_group=reduce_group, clock=self.clock)
+        self.root = self.units[0]
         watch_units(self.units)
         install_state_dict_hooks(model, self)  # Note [state dict]
-        self._max_in_flight = 2 if config.keeps_full_params else 1  # zero3: current + one prefetched
-        self.reducer = Reducer(list(reversed(self.units)))  # Note [collective order]
+        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight)
+        # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
+        # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order.
+        flags_group = reduce_group if self.host_group is group else self.host_group
+        self.reducer = Reducer(list(reversed(self.units)), flags_group)  # Note [collective order]
         self.sync_grads = True
-        self.num_steps = 0  # finished backwards
         self.num_forwards = 0  # root forwards, agreed across ranks before each
         self.forward_order: list[int] = []  # units in the order the last forward used them
         self.prefetch_order: list[FlatUnit] = list(self.units)  # agreed by every rank (_begin_forward)
-        self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
         self.step = StepState()
         if self.precision.param_dtype != torch.float32:
             self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
@@ -169,7 +173,7 @@ class ZeroEngine(NoCopies):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
-            if not unit.trainable() and not unit.keep_full and unit is not self.root:
+            if not unit.trainable() and not self.stage.keeps_full_params and unit is not self.root:
                 # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
                 # gradients are computed once its backward is done.
                 inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -182,7 +186,7 @@ class ZeroEngine(NoCopies):
     def _prepare_recompute(self, unit: FlatUnit) -> None:
         """Note [recompute]: the unit's full values present and registered, nothing else."""
         refuse_nested_backward(self.step, recompute=True)
-        self._ensure_gathered(unit, self.step.backward_queue)
+        self._ensure_gathered(unit, self.gathers.backward_queue)
         fulls = self.step.fulls.get(id(unit))
         if fulls is None:  # the window closed after an earlier backward: leaves that, like the
             # forward's views, require grad, so the recompute saves what the forward saved
@@ -200,17 +204,18 @@ class ZeroEngine(NoCopies):
             self._close_window()  # evaluation or a dropped loss: no backward can come
         self.step.in_window = True
         self.step.pass_uses, self.step.order = {}, []
-        self._set_where("forward")
+        self.clock.enter(Phase.FORWARD)
         # The same list on every rank (zero3: units not gathered; zero1/2: units whose rows changed).
-        queue, same_order = agree_before_forward(self.units, self.group, self.num_forwards, self.forward_order)
+        queue, same_order = agree_before_forward(self.units, self.host_group, self.num_forwards,
+                                                 self.forward_order)
         # zero3 prefetches in the last forward's order once every rank agrees on it (registration
         # order otherwise): forward gathers in that order, backward gathers in its reverse.
         self.prefetch_order = list(self.units)
-        if not self.root.keep_full and same_order and self.forward_order:
+        if not self.stage.keeps_full_params and same_order and self.forward_order:
             position = {key: i for i, key in enumerate(self.forward_order)}
             self.prefetch_order.sort(key=lambda u: position.get(id(u), len(position)))
         position = {id(u): i for i, u in enumerate(self.prefetch_order)}
-        self.step.gather_queue = sorted(queue, key=lambda u: position[id(u)])
+        self.gathers.forward_queue = sorted(queue, key=lambda u: position[id(u)])
         self.num_forwards += 1
 
     def _backward_possible(self) -> bool:
@@ -236,97 +241,52 @@ class ZeroEngine(NoCopies):
             unit.install_full(list(self.step.fulls[id(unit)]))
         else:  # nothing to differentiate (frozen, or no grad): plain fresh views
             unit.install_full([view.view(view.shape) for view in unit.full_views])
-        if not unit.keep_full:
-            self._free_idle(keep={id(unit)})
-        self._issue_queued(self.step.gather_queue, up_to=None)
+        if not self.stage.keeps_full_params:
+            self.gathers.free_idle({id(unit)}, self.step.open_units)
+        self.gathers.issue(self.gathers.forward_queue)
 
     def _end_forward(self) -> None:
-        self._drain(self.step.gather_queue)  # units this rank did not run still take their gather
+        self.gathers.drain(self.gathers.forward_queue)  # units this rank did not run still take their gather
         for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
-            if id(unit) in self.step.fulls and (unit.keep_full or unit.resident):
+            if id(unit) in self.step.fulls and (self.stage.keeps_full_params or unit.resident):
                 unit.install_full(list(self.step.fulls[id(unit)]))
         self.step.pass_uses = {}  # only this pass's graph may keep its Use nodes alive
         backward_possible = self._backward_possible()
         if self.step.order:
             self.forward_order = self.step.order
-        if not self.root.keep_full:
+        if not self.stage.keeps_full_params:
             # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
             # its root), one gather fewer per step. "Last" by registration, not by this
             # rank's forward, so every rank keeps the same one (Note [collective order]).
             last = {id(self.units[-1])} if torch.is_grad_enabled() else set()
-            self._free_idle(keep={id(self.root)} | last)
-            self.step.backward_queue = [u for u in reversed(self.prefetch_order) if not u.resident]
+            self.gathers.free_idle({id(self.root)} | last, self.step.open_units)
+            self.gathers.backward_queue = [u for u in reversed(self.prefetch_order) if not u.resident]
         if not backward_possible:
             self._close_window()
 
-    def _drain(self, queue: list[FlatUnit]) -> None:
-        while queue or self.step.prefetching:
-            self._issue_queued(queue, up_to=None)
-            for unit in list(self.step.prefetching.values()):
-                del self.step.prefetching[id(unit)]
-                unit.finish_gather()  # freed (or kept) by the caller, the same on every rank
-
-    # ---- gathering ---------------------------------------------------------------
-
-    def _issue_queued(self, queue: list[FlatUnit], up_to: FlatUnit | None) -> None:
-        """Issue queued gathers in their fixed order, through `up_to` if given, else just
-        enough to keep the policy's number in flight (Note [collective order])."""
-        while queue:
-            if up_to is None and len(self.step.prefetching) >= self._max_in_flight:
-                return
-            unit = queue.pop(0)
-            unit.start_gather(async_op=True)
-            self.step.prefetching[id(unit)] = unit
-            if unit is up_to:
-                return
-
     def _ensure_gathered(self, unit: FlatUnit, queue: list[FlatUnit] | None = None) -> None:
-        queue = self.step.gather_queue if queue is None else queue
-        if unit in queue:
-            self._issue_queued(queue, up_to=unit)
-        if id(unit) in self.step.prefetching:
-            # Gathers land in issue order: those queued before this unit first. A zero3 unit
-            # among them that is not running is one this rank skipped: drop it again.
-            for other in list(self.step.prefetching.values()):
-                del self.step.prefetching[id(other)]
-                other.finish_gather()
-                if other is unit:
-                    break
-                if not other.keep_full and not any(other is u for u in self.step.open_units):
-                    other.free()
-        elif not unit.keep_full and unit.needs_gather():
-            # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
-            unit.start_gather(async_op=False)
-            unit.finish_gather()
-        if not unit.keep_full:
-            resident = sum(1 for u in self.units if u is not self.root and u.resident)
-            self.peak_resident_units = max(self.peak_resident_units, resident)
-
-    def _free_idle(self, keep: set[int]) -> None:
-        busy = keep | {id(u) for u in self.step.open_units} | set(self.step.prefetching)
-        for unit in self.units:
-            if id(unit) not in busy:
-                unit.free()
+        queue = self.gathers.forward_queue if queue is None else queue
+        self.gathers.ensure_gathered(unit, queue, self.step.open_units)
 
     # ---- backward ----------------------------------------------------------------
 
     def _queue_finalize(self) -> None:
         if not self.step.callback_queued:
             self.step.callback_queued = True
-            self.step.graph_task = torch._C._current_graph_task_id()
-            self._set_where("backward")
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+            self.step.graph_task = graph_task_id()
+            self.clock.enter(Phase.BACKWARD)
+            queue_backward_callback(self._finalize_backward)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         if in_grad_call(unit):  # Note [gradients of inputs] (window.py): not the step's backward
-            unit.pinned = True
+            unit.pin()
             return self._ensure_gathered(unit, [])
         self._queue_finalize()
         refuse_nested_backward(self.step)
-        self._ensure_gathered(unit, self.step.backward_queue)
+        self._ensure_gathered(unit, self.gathers.backward_queue)
         if id(unit) in self.step.fulls:  # free() registered the shards; a recompute inside reads these
             unit.install_full(list(self.step.fulls[id(unit)]))
-        self._issue_queued(self.step.backward_queue, up_to=None)  # prefetch the next one
+        self.gathers.issue(self.gathers.backward_queue)  # prefetch the next one
 
     def _frozen_backward_done(self, unit: FlatUnit) -> None:
         """Note [frozen units]: a frozen zero3 unit's backward is done; free it like post_backward."""
@@ -337,43 +297,39 @@ class ZeroEngine(NoCopies):
         """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
         self._queue_finalize()  # also for a graph that reached no unit output hook
         refuse_nested_backward(self.step)
-        if not unit.keep_full and unit is not self.root:
+        if not self.stage.keeps_full_params and unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
             # worth less at the backward peak; bench/max_model.py).
             unit.free()
         if not self.sync_grads:
-            unit.accumulate(grads)
+            unit.grads.accumulate(grads)
             return
         # zero1 keeps its full grads; zero2/zero3 have some only after no_sync micro-batches.
         # Either way the reduce starts now, overlapping the rest of backward.
-        if unit.keep_full_grad or unit.full_grad is not None:
-            unit.accumulate(grads)
-            grads = unit.full_grad_list()
+        if self.stage.keeps_full_grads or unit.grads.holds_full():
+            unit.grads.accumulate(grads)
+            grads = unit.grads.full_list()
         self.reducer.add(unit, grads)
 
     def _finalize_backward(self) -> None:
-        self._drain(self.step.backward_queue)  # units this rank's backward never reached
+        self.gathers.drain(self.gathers.backward_queue)  # units this rank's backward never reached
         if self.sync_grads:
             # Units not reduced yet: zero1's kept grads, and units unused this step on this
             # rank (zeros). Same fixed order as during backward (Note [collective order]).
             self.reducer.finish()
         self.reducer.reset()
-        self.num_steps += 1
+        self.clock.step_done()
         self._close_window()
 
     def _close_window(self) -> None:
-        for unit in self.step.prefetching.values():
-            unit.finish_gather()  # a gather in flight must land before its buffers go
+        self.gathers.land_all()  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()
             unit.free(unpin=True)
         self.step = StepState()
-        self._set_where("between steps")
-
-    def _set_where(self, phase: str) -> None:
-        for unit in self.units:  # for errors that say where a rank waited
-            unit.where = f"step {self.num_steps}, {phase}"
+        self.gathers.reset()
+        self.clock.enter(Phase.BETWEEN_STEPS)
 
     # ---- user-facing helpers -----------------------------------------------------
 
@@ -387,11 +343,24 @@ class ZeroEngine(NoCopies):
         finally:
             self.sync_grads = previous
 
+    @property
+    def num_steps(self) -> int:
+        """Finished backwards."""
+        return self.clock.steps
+
+    @property
+    def peak_resident_units(self) -> int:
+        """Most non-root units gathered at once (zero3's memory check)."""
+        return self.gathers.peak_resident_units
+
     def shard_info(self) -> dict[str, ShardInfo]:
         return units_shard_info(self.units, self.rank, self.module_paths)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: value for unit in self.units for name, value in unit.gather_copy().items()}
+
+    def steps_in_backward(self) -> bool:
+        return self.reducer.stepper is not None
 
 
 def apply_zero(model: nn.Module, config: ShardConfig, units: UnitSpec, group: dist.ProcessGroup,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.engine.protocol import engine_of
+
 
 def _storages_of(tensors) -> dict[int, int]:
     found = {}
@@ -29,9 +31,9 @@ def _model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | No
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-    engine = getattr(model, "_shardwise", None)
-    for unit in getattr(engine, "units", ()):
-        tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
+    engine = engine_of(model)
+    for unit in engine.units if engine is not None else ():
+        tensors += [unit.full_flat, unit.shard_flat, unit.grads.full]
     return tensors
 
 
@@ -43,7 +45,8 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
 def resident_model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Like `model_state_bytes`, but offloaded (memory-mapped) state counts only for the
     pages of it this process has resident right now."""
-    store = getattr(getattr(model, "_shardwise", None), "store", None)
+    engine = engine_of(model)
+    store = engine.store if engine is not None else None
     tensors = _model_state_tensors(model, optimizer)
     if store is None:
         return sum(_storages_of(tensors).values())

@@ -30,6 +30,7 @@ from shardwise.checkpoint.export import full_state_dict
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.save import save
 from shardwise.engine.grads import clip_grad_norm_
+from shardwise.engine.protocol import engine_of
 from shardwise.engine.step_in_backward import steps_in_backward
 from shardwise.errors import ShardwiseError
 from shardwise.integrations.prepared import mark_prepared
@@ -41,7 +42,7 @@ class ShardwiseTrainer(transformers.Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         model = self.model
-        if getattr(model, "_shardwise", None) is None:
+        if engine_of(model) is None:
             raise ShardwiseError("ShardwiseTrainer trains a sharded model: call sw.shard(model, strategy=...) "
                                  "before building the trainer (or use transformers.Trainer for an unsharded one)")
         mark_prepared(model)

@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
 
 _SIGNALS = {-9: "SIGKILL: killed, e.g. by the out-of-memory killer", -11: "SIGSEGV", -15: "SIGTERM", -6: "SIGABRT"}
@@ -80,7 +81,7 @@ def hogwild(train_fn: Callable[..., Any], model: nn.Module, *, num_procs: int, a
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise ShardwiseError("hogwild shares parameters through host shared memory: move the model to the CPU "
                              "(GPUs have no lock-free shared updates across processes here)")
-    if getattr(model, "_shardwise", None) is not None:
+    if engine_of(model) is not None:
         raise ShardwiseError("this model is sharded (sw.shard); hogwild needs a plain model, whose parameters "
                              "every process shares whole")
     threads = threads_per_proc or max(1, (os.cpu_count() or 1) // num_procs)

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from shardwise.engine import engine_of
+from shardwise.engine.protocol import attach_slicing, slicing_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
 from shardwise.parallel.slicing.clip import clip_sliced_grad_norm_
@@ -105,7 +106,7 @@ def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Modu
         if engine_of(model) is not None:
             raise ShardwiseError("this model is already sharded: call sw.slice(model, ...) before sw.shard(model, "
                                  "...), on a fresh model (Note [slice then shard])")
-        if getattr(model, "_sw_slicing", None) is not None:
+        if slicing_of(model) is not None:
             raise ShardwiseError("this model is already sliced; slice a fresh model once")
         meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
         if meta:
@@ -120,7 +121,7 @@ def slice(model: nn.Module, plan: dict | str = "auto", *, group=None) -> nn.Modu
         slice_module(name, module, spec, rank, world, tensor_group)
     if any(spec.kind == "vocab" for _, _, spec in resolved):
         use_sliced_loss(model)  # Note [hf loss]: model(..., labels=...) on the slices
-    model._sw_slicing = Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved})
+    attach_slicing(model, Slicing(tensor_group, rank, world, {name: spec for name, _, spec in resolved}))
     model.register_state_dict_post_hook(_refuse_state_dict)
     if world > 1:
         model.register_forward_pre_hook(_same_inputs_check(tensor_group), with_kwargs=True)

@@ -20,7 +20,7 @@ from shardwise.engine import engine_of
 def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient so the global norm is at most `max_norm`; return the norm before (Note [sliced norm])."""
     engine = engine_of(model)
-    if engine is not None and hasattr(engine, "units"):
+    if engine is not None and engine.shards_rows:
         params, group = [s for u in engine.units for s in u.shard_params], dist.group.WORLD
     else:
         params, group = list(model.parameters()), slicing.group

@@ -26,14 +26,16 @@ from torch import Tensor, nn
 
 from shardwise.engine import engine_of
 from shardwise.engine.info import ShardInfo
+from shardwise.engine.protocol import Engine, attach_engine, slicing_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.full import unslice
 
 
-class _ViewEngine:
-    """What the checkpoint code asks of `model._shardwise`: the rows, the group, the strategy."""
+class _ViewEngine(Engine):
+    """What the checkpoint code asks of the view's engine (Note [engine protocol]): the rows, the group."""
 
-    strategy = "zero3"  # each rank holds its own rows
+    strategy = "zero3"
+    shards_rows = True  # each rank holds its own rows
 
     def __init__(self, infos: dict[str, ShardInfo], group) -> None:
         self.infos, self.group = infos, group
@@ -57,14 +59,14 @@ class UnslicedView:
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         engine = engine_of(model)
-        data_group = getattr(engine, "group", None) or getattr(engine, "process_group", None)
-        data = dist.get_world_size(data_group) if data_group is not None else 1
-        if data * model._sw_slicing.world_size != self.world:
+        data = dist.get_world_size(engine.group) if engine is not None else 1
+        tensor_ranks = slicing_of(model).world_size
+        if data * tensor_ranks != self.world:
             raise ShardwiseError(
                 f"a checkpoint of a sliced model spans the whole world ({self.world} ranks), but this model's mesh "
-                f"is {data} data x {model._sw_slicing.world_size} tensor ranks. Slice over the tensor axis and "
+                f"is {data} data x {tensor_ranks} tensor ranks. Slice over the tensor axis and "
                 "sw.shard over the data axis of one mesh that holds every rank (Note [unsliced view])")
-        sharded = engine is not None and hasattr(engine, "units")  # zero: rows of each slice; ddp: whole slices
+        sharded = engine is not None and engine.shards_rows  # zero: rows of each slice; ddp: whole slices
         self.engine_infos = engine.shard_info() if sharded else None
         self.data_group = engine.group if sharded else None
         names = _first_names(model)
@@ -77,7 +79,7 @@ class UnslicedView:
             infos[name], rows_of[id(param)] = self._info(value, full_shape, param.dtype, names[id(param)][1:])
         self.infos = infos
         self.model = nn.Module()
-        self.model._shardwise = _ViewEngine(infos, self.group)
+        attach_engine(self.model, _ViewEngine(infos, self.group))
         for name, buffer in _persistent(model).items():  # buffers are whole on every rank: the model's own
             _attach(self.model, name, buffer)
         self.optim = self._view_optimizer(rows_of, fill) if optim is not None else None

@@ -1,0 +1,42 @@
+"""What a zero stage keeps between uses: the one object the units and the engine ask, in place of
+flags tested in each method. Uses: nothing of the engine.
+
+Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under three policies:
+
+| stage | full params kept | full grads kept until the step | gathers in flight |
+|-------|------------------|--------------------------------|-------------------|
+| zero1 | yes              | yes (reduced at the end)       | 1 (re-gathers after a step) |
+| zero2 | yes              | no: reduce-scattered per unit  | 1 |
+| zero3 | no: per use      | no                             | 2 (the current unit and one prefetched) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.config import ShardConfig
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A zero stage's policy (Note [stages])."""
+
+    name: str
+    keeps_full_params: bool
+    keeps_full_grads: bool
+
+    @classmethod
+    def of(cls, config: ShardConfig) -> Stage:
+        return cls(config.strategy, config.keeps_full_params, config.keeps_full_grads)
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit."""
+        return 1 if self.keeps_full_params else 2
+
+    def aliases_shards(self, compute_dtype: torch.dtype, master_dtype: torch.dtype) -> bool:
+        """Whether a shard *is* its rows of the kept full buffer (zero1/zero2 at full precision);
+        with a lower compute dtype the fp32 master rows need storage of their own."""
+        return self.keeps_full_params and compute_dtype == master_dtype

@@ -1,0 +1,154 @@
+"""One unit's gradient side: accumulate full gradients, pack them for the reduce-scatter, hand
+each shard its averaged rows. Uses: collectives.
+
+A unit's gradients have their own phase (`GradPhase`): IDLE until a backward hands the unit
+gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE once the
+reduce has landed and its rows were handed out (`hand_out`).
+
+Note [unused params]: a parameter no rank used this step must keep `grad=None`, as in a single
+process (AdamW then leaves it alone: no decay, no moment update), while one used by some ranks
+gets the average with zeros from the others. Which parameters a rank used is host knowledge (a
+gradient is None or not), so the ranks agree on it with one small all-reduce of host values per
+step over the host group (collectives.any_rank), after every reduce has landed: the hot path
+reads no device value to decide it (a read per parameter, then per unit, stalled a GPU's stream
+at every unit boundary).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import Tensor
+
+import shardwise.engine.collectives as coll
+
+
+class GradPhase(enum.Enum):
+    """Whether a unit holds full gradients waiting for their reduce."""
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"  # full gradients summing in `full` (zero1; no_sync)
+
+
+class UnitGrads:
+    """The gradients of one unit (flat_unit.FlatUnit): read its layout, write only its own fields."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit
+        self.full: Tensor | None = None  # accumulated full gradients, param-major (zero1; no_sync)
+        self.phase = GradPhase.IDLE
+        self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
+        self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
+        self.pending: coll.Pending | None = None  # the reduce-scatter in flight
+        self.indices: list[int] = []  # the trainable parameters it reduces, in packing order
+        self.used_here: list[bool] = []  # per reduced parameter: did this rank have a gradient
+        self.reduced: Tensor | None = None  # this rank's averaged rows, landed, not yet handed out
+
+    # ---- accumulation (zero1, no_sync) --------------------------------------------------
+
+    def _begin_accumulation(self) -> None:
+        unit = self.unit
+        if self.full is None:
+            self.full = torch.zeros(unit.full_flat.shape, dtype=unit.reduce_dtype, device=unit.device)
+            return
+        # zero1 keeps `full` allocated across steps, and its shards' grads are views of their
+        # own rows in it: set aside any the user kept (accumulating across steps), then start
+        # the new window from zero.
+        for i, shard in enumerate(unit.shard_params):
+            if shard.grad is not None:
+                self.carried[i] = shard.grad.clone()
+                shard.grad = None
+        self.full.zero_()
+
+    def accumulate(self, grads: list[Tensor | None]) -> None:
+        """Add this backward's full gradients into `full` (zero1, or under no_sync)."""
+        if self.phase is GradPhase.IDLE:
+            self._begin_accumulation()
+            self.phase = GradPhase.ACCUMULATING
+        with torch.no_grad():
+            for index, (layout, grad) in enumerate(zip(self.unit.layouts, grads)):
+                if grad is not None:
+                    self.used.add(index)
+                    start = self.unit.world_size * layout.offset
+                    self.full[start : start + layout.rows * layout.row_numel].add_(grad.reshape(-1))
+
+    def holds_full(self) -> bool:
+        """Whether accumulated full gradients exist (zero1 always; zero2/zero3 after no_sync)."""
+        return self.full is not None
+
+    def full_list(self) -> list[Tensor | None]:
+        """The accumulated full gradients per parameter (None: unused in the window)."""
+        if self.full is None:
+            return [None] * len(self.unit.layouts)
+        out = []
+        for index, layout in enumerate(self.unit.layouts):
+            start = self.unit.world_size * layout.offset
+            out.append(self.full[start : start + layout.rows * layout.row_numel] if index in self.used else None)
+        return out
+
+    # ---- the reduce ------------------------------------------------------------------------
+
+    def start_reduce(self, grads: list[Tensor | None], async_op: bool) -> None:
+        """Reduce-scatter (average) the full gradients of the trainable parameters; a None is
+        zeros here and "unused" in `used_here` (Note [unused params])."""
+        unit = self.unit
+        self.indices = unit.trainable()
+        self.used_here = [grads[i] is not None for i in self.indices]
+        segments, offset = [], 0
+        for i in self.indices:
+            segments.append((offset, unit.layouts[i].shard_numel))
+            offset += unit.layouts[i].shard_numel
+        rows = [unit.layouts[i].rows for i in self.indices]
+        packed = coll.pack([grads[i] for i in self.indices], rows, unit.world_size, segments, offset,
+                           torch.empty(0, dtype=unit.reduce_dtype, device=unit.device))
+        what = f"the gradient reduce-scatter of unit {unit.label} ({unit.where})"
+        self.pending = coll.reduce_scatter_avg(packed, unit.world_size, unit.reduce_group, async_op, what)
+
+    def land(self) -> None:
+        """Wait for the reduce-scatter; its rows wait for `hand_out`."""
+        pending, self.pending = self.pending, None
+        self.reduced = pending.wait()
+
+    def hand_out(self, used_by_any: list[bool]) -> None:
+        """Give each trainable shard its averaged rows (accumulating onto an existing grad);
+        `used_by_any[k]`: some rank used the k-th reduced parameter (Note [unused params])."""
+        unit, reduced, self.reduced = self.unit, self.reduced, None
+        offset = 0
+        for column, i in enumerate(self.indices):
+            layout, shard = unit.layouts[i], unit.shard_params[i]
+            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(unit.dtype)
+            offset += layout.shard_numel
+            carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
+            if not used_by_any[column]:
+                if carried is not None:
+                    shard.grad = carried  # nobody added to it this time: it stays what it was
+                continue
+            if shard.grad is not None:
+                shard.grad.add_(rows)
+            elif unit.stage.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
+                # zero1: the shard's grad is a view of its own rows of the kept full grads,
+                # so the gradients are stored once, not twice.
+                own = unit.own_rows(self.full, layout).view(layout.shard_shape)
+                own.copy_(rows)
+                if carried is not None:
+                    own.add_(carried)
+                shard.grad = own
+            else:
+                shard.grad = rows if carried is None else rows + carried
+        self.end_accumulation()
+
+    def end_accumulation(self) -> None:
+        """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""
+        self.phase = GradPhase.IDLE
+        self.carried.clear()
+        self.used.clear()
+        if not self.unit.stage.keeps_full_grads:
+            self.full = None
+
+    def drop(self) -> None:
+        """A backward that raised midway (Note [aborted backward]): forget this step's gradients."""
+        self.reduced = None
+        self.end_accumulation()
+        for shard in self.unit.shard_params:
+            shard.grad = None
