@@ -87,15 +87,15 @@ def storages_bytes(tensors) -> int:
 def model_state_bytes(model, optimizer) -> int:
     tensors = [t for p in model.parameters() for t in (p, p.grad)]
     tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    for unit in getattr(getattr(model, "_shardwise", None), "units", []):
-        tensors += [unit.full_flat, unit.shard_flat, unit.full_grad]
+    for unit in _units_of(model):
+        tensors += [unit.full_flat, unit.shard_flat, unit.grads.full]
     return storages_bytes(tensors)
 
 
 def activation_bytes(model, x, y) -> int:
     """Bytes autograd saves in one forward (by storage), the parameters' own storages excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    for unit in getattr(getattr(model, "_shardwise", None), "units", []):
+    for unit in _units_of(model):
         params.add(unit.full_flat.untyped_storage().data_ptr())
     saved = {}
 
@@ -295,3 +295,11 @@ def run_launcher(args) -> None:
 if __name__ == "__main__":
     cli = parse_args()
     run_worker(cli) if cli.worker else run_launcher(cli)
+
+
+def _units_of(model) -> tuple:
+    """The zero engine's units (none for ddp or an unsharded model)."""
+    from shardwise.engine import engine_of
+
+    engine = engine_of(model)
+    return engine.units if engine is not None else ()

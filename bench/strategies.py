@@ -39,12 +39,13 @@ import torch
 
 import deepspeed_arms as ds
 
-CONFIGS = ("ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS)
-LABELS = {"ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS)
+LABELS = {"local": "no communication (each rank alone)",
+          "ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
           "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3", **ds.LABELS}
 # ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
 # as (replicated bytes, sharded bytes / N).
-FORMULA = {"ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
+FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
            "zero3": (0, 16), "fsdp2": (0, 16), **ds.FORMULA}
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -108,7 +109,7 @@ def apply_config(model, config: str, args, world_size: int):
     from shardwise.models.gpt import Block
 
     adamw = dict(lr=args.lr, weight_decay=args.weight_decay)
-    if config == "reference":
+    if config in ("reference", "local"):  # local: every rank trains its own rows, no collective at all
         return model, torch.optim.AdamW(model.parameters(), **adamw)
     if config == "ddp":
         ddp = DDP(model)  # torch defaults, as a user writes it
@@ -140,7 +141,7 @@ def model_state_bytes(model, optimizer, config: str) -> int:
     """Bytes of distinct storages holding params, grads, optimizer state and engine buffers.
 
     Counted by storage, not by tensor, because zero1/zero2 shards are views into the full
-    buffer and zero1's shard grads are views into `full_grad`: a view costs nothing more.
+    buffer and zero1's shard grads are views into `unit.grads.full`: a view costs nothing more.
     A storage resized to 0 (zero3's freed `full_flat`) counts 0.
     """
     from torch.distributed.tensor import DTensor
@@ -164,14 +165,21 @@ def model_state_bytes(model, optimizer, config: str) -> int:
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 add(value)
-    engine = getattr(model, "_shardwise", None)
-    for unit in getattr(engine, "units", []):
-        for buffer in (unit.full_flat, unit.shard_flat, unit.full_grad):
+    for unit in _units_of(model):
+        for buffer in (unit.full_flat, unit.shard_flat, unit.grads.full):
             add(buffer)
     if config in ds.CONFIGS:
         for tensor in ds.state_tensors(model, optimizer):
             add(tensor)
     return sum(storages.values())
+
+
+def _units_of(model) -> tuple:
+    """The zero engine's units (none for ddp or an unsharded model)."""
+    from shardwise.engine import engine_of
+
+    engine = engine_of(model)
+    return engine.units if engine is not None else ()
 
 
 def run_worker(args) -> None:
@@ -335,11 +343,12 @@ def add_loss_diff_vs_ddp(group: list[dict]) -> None:
                       f"max |loss - DDP's| = {row['max_loss_diff_vs_ddp']:.2e}")
 
 
-def paired_ratio(row: dict, anchor: dict | None) -> float | None:
-    """Median over rounds of this config's step time / the anchor's in the same round."""
+def paired_text(row: dict, anchor: dict | None) -> str:
+    """The paired ratio with its per-round range: "1.03 (0.93-1.12)"."""
     if not anchor or "run_medians_s" not in row or "run_medians_s" not in anchor:
-        return None
-    return statistics.median(a / b for a, b in zip(row["run_medians_s"], anchor["run_medians_s"]))
+        return "—"
+    ratios = [a / b for a, b in zip(row["run_medians_s"], anchor["run_medians_s"])]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
 def fmt(value, spec: str) -> str:
@@ -361,18 +370,19 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
         by = {r["config"]: r for r in group}
         fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
         lines += ["", f"### world size {ws}", "",
-                  "| config | median step s | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
+                  "| config | median step s | × no-comm | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
                   "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference | "
                   "vs DDP |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in group:
             if "error" in r["timed"]:
-                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 9)
+                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 10)
                 continue
             t, m = r["median_step_s"], r["model_state_mib"]
             lines.append(
-                f"| {r['label']} | {t:.3f} | {fmt(paired_ratio(r, by.get('ddp')), '.2f')} | "
-                f"{fmt(paired_ratio(r, by.get('fsdp2')), '.2f')} | {m:.1f} | {r['formula_mib']:.1f} | "
+                f"| {r['label']} | {t:.3f} | {paired_text(r, by.get('local'))} | "
+                f"{paired_text(r, by.get('ddp'))} | {paired_text(r, by.get('fsdp2'))} | "
+                f"{m:.1f} | {r['formula_mib']:.1f} | "
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
                 f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} | "
                 f"{fmt(r.get('max_loss_diff_vs_ddp'), '.1e')} |")
