@@ -111,3 +111,15 @@ def test_graph_task_id_and_the_undecorated_step():
     assert inside and inside[0] != -1
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert undecorated_step(optimizer) is not type(optimizer).step
+
+
+def test_preserve_version_counter_keeps_the_counter():
+    """Catches a torch release where refilling a tensor under the preserved counter bumps it (autograd
+    would then refuse the full views it saved: Note [version counters])."""
+    from shardwise.engine.compat import preserve_version_counter
+
+    tensor = torch.zeros(4)
+    before = tensor._version
+    with preserve_version_counter(tensor):
+        tensor.copy_(torch.ones(4))
+    assert tensor._version == before and torch.equal(tensor, torch.ones(4))

@@ -309,3 +309,19 @@ def test_zero3_prefetches_in_the_forward_order_it_saw(ranks):
     for counts, num_units in ranks.run(_gathers_per_step, 2):
         # Once the order is known: each unit once in forward, each but the last once more in backward.
         assert counts[1] <= 2 * num_units - 1 < counts[0], (counts, num_units)
+
+
+def _after_one_step_summed_in_place(name: str, strategy: str | None):
+    coll.ALL_REDUCE_FROM_BYTES = 0  # zero1 sums its kept gradients in place (Note [kept gradients summed in place])
+    return _after_one_step(name, strategy)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_zero1_patterns_with_gradients_summed_in_place(ranks, name):
+    """Catches zero1's in-place sum losing a gradient carried from an earlier backward, averaging
+    twice, or keeping a partial sum after a backward that raised (the zoo's units are below the
+    size where that form is taken, so this forces it)."""
+    reference = _after_one_step(name, None)
+    for got in ranks.run(_after_one_step_summed_in_place, 2, name, "zero1"):
+        for key, value in reference.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)

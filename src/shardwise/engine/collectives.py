@@ -158,15 +158,37 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
     return pending
 
 
+def sums_in_place(full: Tensor, world_size: int, group) -> bool:
+    """Whether `reduce_in_place` is the faster reduce of kept full gradients (`full`, param-major):
+    gloo's all-reduce over its own reduce-scatter from ALL_REDUCE_FROM_BYTES per rank (Note [gloo
+    collectives]); it also skips packing rank-major. Depends only on sizes and the backend, so every
+    rank decides alike."""
+    return _is_gloo(group) and full.numel() * full.element_size() // world_size >= ALL_REDUCE_FROM_BYTES
+
+
+def reduce_in_place(full: Tensor, group, async_op: bool, what: str = "an all-reduce") -> Pending:
+    """Sum `full` over the ranks in place (the caller divides the rows it keeps)."""
+    with named_failure(what):
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    pending = Pending([work], full, what)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
 def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor]) -> None:
     """Rank-major gathered rows -> each parameter's param-major padded region.
 
-    `segments[i]` is (offset, numel) of parameter i inside one rank's shard;
-    `full_regions[i]` is its padded full region (`world_size * numel` elements).
+    `segments[i]` is (offset, numel) of parameter i inside one rank's shard, back to back from 0
+    (param_layout.lay_out); `full_regions[i]` is its padded full region (`world_size * numel`
+    elements). One `split_with_sizes_copy` for the unit, as FSDP2 copies out, not a copy per parameter.
     """
+    if not segments:
+        return
     by_rank = gathered.view(world_size, -1)
-    for (offset, numel), region in zip(segments, full_regions):
-        region.view(world_size, numel).copy_(by_rank[:, offset : offset + numel])
+    sizes = [numel for _, numel in segments]
+    torch.split_with_sizes_copy(by_rank, sizes, dim=1,
+                                out=[region.view(world_size, numel) for region, numel in zip(full_regions, sizes)])
 
 
 def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments: list[tuple[int, int]],

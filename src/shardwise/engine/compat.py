@@ -41,6 +41,11 @@ def in_reentrant_backward() -> bool:
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
+# Refilling a freed unit's storage without bumping the version counters autograd saved
+# (flat_unit.py, Note [version counters]), as FSDP2 does.
+preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
 def graph_task_id() -> int:
     """The running autograd graph task's id, -1 outside backward."""
     return torch._C._current_graph_task_id()

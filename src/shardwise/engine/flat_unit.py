@@ -1,5 +1,5 @@
-"""The engine's unit: flat shards, full views, gather and free. Uses: collectives, param_layout,
-phase, shard_param, stage, unit_grads, units.
+"""The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
+param_layout, phase, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / world_size)` rows (a 0-D scalar counts as one row; the
@@ -28,7 +28,7 @@ SHARDED. Gradients have their own phase (unit_grads.GradPhase).
 Note [version counters]: autograd saves the full views for backward. Refilling their
 storage after a free would bump the version counter and make autograd refuse the
 saved tensors, although the values written back are identical; `_refill` therefore
-writes under `_unsafe_preserve_version_counter`, as FSDP2 does.
+writes under `compat.preserve_version_counter`, as FSDP2 does.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 import shardwise.engine.collectives as coll
 from shardwise.config import MixedPrecision
+from shardwise.engine.compat import preserve_version_counter
 from shardwise.engine.param_layout import ParamLayout, lay_out
 from shardwise.engine.phase import Clock
 from shardwise.engine.shard_param import make_shard
@@ -282,7 +283,7 @@ class FlatUnit:
         if storage.nbytes() == 0:
             storage.resize_(target.numel() * target.element_size())
         # Note [version counters]
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+        with torch.no_grad(), preserve_version_counter(target):
             self._copy_out(gathered, target)
 
     def free(self, *, unpin: bool = False) -> None:

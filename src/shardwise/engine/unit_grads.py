@@ -44,6 +44,7 @@ class UnitGrads:
         self.indices: list[int] = []  # the trainable parameters it reduces, in packing order
         self.used_here: list[bool] = []  # per reduced parameter: did this rank have a gradient
         self.reduced: Tensor | None = None  # this rank's averaged rows, landed, not yet handed out
+        self.summed_in_place = False  # the last reduce summed `full` itself (zero1 on gloo)
 
     # ---- accumulation (zero1, no_sync) --------------------------------------------------
 
@@ -95,6 +96,13 @@ class UnitGrads:
         unit = self.unit
         self.indices = unit.trainable()
         self.used_here = [grads[i] is not None for i in self.indices]
+        what = f"the gradient reduce of unit {unit.label} ({unit.where})"
+        self.summed_in_place = self._sums_in_place()
+        if self.summed_in_place:  # Note [kept gradients summed in place]
+            if self.full is None:  # a unit this rank never used: zeros, as the others' full buffers
+                self._begin_accumulation()
+            self.pending = coll.reduce_in_place(self.full, unit.reduce_group, async_op, what)
+            return
         segments, offset = [], 0
         for i in self.indices:
             segments.append((offset, unit.layouts[i].shard_numel))
@@ -102,8 +110,17 @@ class UnitGrads:
         rows = [unit.layouts[i].rows for i in self.indices]
         packed = coll.pack([grads[i] for i in self.indices], rows, unit.world_size, segments, offset,
                            torch.empty(0, dtype=unit.reduce_dtype, device=unit.device))
-        what = f"the gradient reduce-scatter of unit {unit.label} ({unit.where})"
         self.pending = coll.reduce_scatter_avg(packed, unit.world_size, unit.reduce_group, async_op, what)
+
+    def _sums_in_place(self) -> bool:
+        """Note [kept gradients summed in place]: zero1 keeps every full gradient until the step,
+        param-major, in the shards' own dtype; where an all-reduce is the faster collective (gloo,
+        collectives.sums_in_place) it sums that buffer in place, and each shard's gradient is a view
+        of its own rows, divided by the world size: no rank-major copy, no separate reduced buffer.
+        Decided from the stage, dtypes and sizes alone, so every rank issues the same collective."""
+        unit = self.unit
+        return (unit.stage.keeps_full_grads and unit.reduce_dtype == unit.dtype
+                and coll.sums_in_place(unit.full_flat, unit.world_size, unit.reduce_group))
 
     def land(self) -> None:
         """Wait for the reduce-scatter; its rows wait for `hand_out`."""
@@ -114,6 +131,8 @@ class UnitGrads:
         """Give each trainable shard its averaged rows (accumulating onto an existing grad);
         `used_by_any[k]`: some rank used the k-th reduced parameter (Note [unused params])."""
         unit, reduced, self.reduced = self.unit, self.reduced, None
+        if self.summed_in_place:
+            return self._hand_out_in_place(used_by_any)
         offset = 0
         for column, i in enumerate(self.indices):
             layout, shard = unit.layouts[i], unit.shard_params[i]
@@ -136,6 +155,27 @@ class UnitGrads:
                 shard.grad = own
             else:
                 shard.grad = rows if carried is None else rows + carried
+        self.end_accumulation()
+
+    def _hand_out_in_place(self, used_by_any: list[bool]) -> None:
+        """Note [kept gradients summed in place]: each shard's gradient is its own rows of the summed
+        `full`, averaged in place (plus what it carried from earlier backwards)."""
+        unit = self.unit
+        for column, i in enumerate(self.indices):
+            layout, shard = unit.layouts[i], unit.shard_params[i]
+            carried = self.carried.pop(i, None)
+            if not used_by_any[column]:
+                if carried is not None:
+                    shard.grad = carried
+                continue
+            own = unit.own_rows(self.full, layout).view(layout.shard_shape)
+            own.div_(unit.world_size)
+            if shard.grad is not None:  # a gradient set since the accumulation began
+                shard.grad.add_(own)
+                continue
+            if carried is not None:
+                own.add_(carried)
+            shard.grad = own
         self.end_accumulation()
 
     def end_accumulation(self) -> None:
