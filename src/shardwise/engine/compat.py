@@ -41,6 +41,10 @@ def in_reentrant_backward() -> bool:
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
+# Inside a tensor subclass's __torch_function__ (ShardParameter, RowsGrad, the host copy's
+# parameters): run torch's own behaviour, plain tensors out.
+plain_tensors = torch._C.DisableTorchFunctionSubclass
+
 # Refilling a freed unit's storage without bumping the version counters autograd saved
 # (flat_unit.py, Note [version counters]), as FSDP2 does.
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter

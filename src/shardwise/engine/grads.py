@@ -1,5 +1,5 @@
 """Gradient helpers that work on any model, sharded or not: accumulation and clipping.
-Uses: protocol.
+Uses: compat, protocol.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.engine.compat import plain_tensors
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 
@@ -73,7 +74,7 @@ def _global_norm(grads: list[torch.Tensor], norm_type: float, group) -> torch.Te
     rows are zero), so each rank sends its rows' norms, raised to p, in one all-reduce; the
     float64 sum of every element that shardwise used before ended 1.15e-4 from one process on
     an OPT model after 5 clipped steps, where torch DDP ends 1.3e-6."""
-    with torch._C.DisableTorchFunctionSubclass():  # RowsGrad refuses norms to everyone else
+    with plain_tensors():  # RowsGrad refuses norms to everyone else
         local = torch.stack(torch._foreach_norm(grads, norm_type)).float()  # one kernel, as get_total_norm
     if norm_type == float("inf"):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

@@ -1,5 +1,5 @@
 """A frozen parameter whose values live in a read-only mapping that every local rank shares.
-Uses: nothing of the engine.
+Uses: compat.
 
 Note [read-only host weights]: `frozen="host"` (host_copy.py) makes each frozen parameter a
 view of one file mapped with `PROT_READ` by every rank of the host, so the host holds one
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.engine.compat import plain_tensors
 from shardwise.errors import ShardwiseError
 
 _IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
@@ -54,7 +55,7 @@ class _ReadOnlyMixin:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():  # plain tensors below: no re-entry
+        with plain_tensors():  # plain tensors below: no re-entry
             _check_write(func, args, kwargs)
             target = _target(args, kwargs)
             if isinstance(target, HostParameter) and _unfreezes(func, args, kwargs):
@@ -128,7 +129,7 @@ def _same_view(current: torch.Tensor, new) -> bool:
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """The same memory as a plain tensor (no guard): what pickling writes."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with plain_tensors():
         return torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), False)
 
 
@@ -159,7 +160,7 @@ class HostParameter(_ReadOnlyMixin, nn.Parameter):
 
     def unfreeze(self) -> nn.Parameter:
         """Copy-on-unfreeze: this process's own copy of the values, then a plain trainable Parameter."""
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensors():
             self.data = self.data.clone()
         self.__class__ = nn.Parameter  # the same object: optimizers and modules that hold it keep it
         self.requires_grad_(True)
@@ -170,12 +171,12 @@ class HostParameter(_ReadOnlyMixin, nn.Parameter):
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:
-            with torch._C.DisableTorchFunctionSubclass():
+            with plain_tensors():
                 memo[id(self)] = nn.Parameter(self.data.clone(), requires_grad=False)
         return memo[id(self)]
 
     def __repr__(self):
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensors():
             return f"HostParameter({self._sw_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, read-only)"
 
 

@@ -58,7 +58,7 @@ import torch
 import torch.utils.hooks
 from torch import nn
 
-from shardwise.engine.compat import get_grad, refuse_clip_after_step, set_data, set_grad
+from shardwise.engine.compat import get_grad, plain_tensors, refuse_clip_after_step, set_data, set_grad
 from shardwise.errors import ShardwiseError
 
 _set_data, _get_grad, _set_grad = set_data, get_grad, set_grad  # compat.py
@@ -78,7 +78,7 @@ class RowsGrad(torch.Tensor):
                 "clip by a different factor. Use sw.clip_grad_norm_(model, max_norm), which computes the global "
                 "norm with torch's arithmetic and clips by it (Note [rank-local clipping])."
             )
-        with torch._C.DisableTorchFunctionSubclass():  # plain results: only the gradient itself is rows
+        with plain_tensors():  # plain results: only the gradient itself is rows
             return func(*args, **(kwargs or {}))
 
 
@@ -88,7 +88,7 @@ class ShardParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():  # nn.Parameter's own behaviour: plain results
+        with plain_tensors():  # nn.Parameter's own behaviour: plain results
             if func not in _REBINDS:
                 _refuse_rows_with_whole(func, args, kwargs)
             return func(*args, **kwargs)
