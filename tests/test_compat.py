@@ -123,3 +123,20 @@ def test_preserve_version_counter_keeps_the_counter():
     with preserve_version_counter(tensor):
         tensor.copy_(torch.ones(4))
     assert tensor._version == before and torch.equal(tensor, torch.ones(4))
+
+
+def test_chunk_cat_lays_gradients_out_rank_major_with_padding():
+    """Catches a torch release that changes `_chunk_cat`'s layout (the reduce-scatter would hand
+    each rank another rank's rows): the engine's own per-parameter packing is the reference."""
+    import shardwise.engine.collectives as coll
+
+    grads = [torch.randn(5, 3), torch.randn(4), torch.randn(()), torch.randn(1, 2), torch.randn(0, 3),
+             torch.randn(3, 2, 2)]
+    rows = [5, 4, 1, 1, 0, 3]
+    for world in (1, 2, 3, 4):
+        per_rank = [-(-r // world) * (g[0].numel() if g.dim() and r else 1) for g, r in zip(grads, rows)]
+        segments = [(sum(per_rank[:i]), n) for i, n in enumerate(per_rank)]
+        like = torch.empty(0)
+        fast = coll.pack(grads, rows, world, segments, sum(per_rank), like)
+        slow = coll.pack(grads + [None], rows + [1], world, segments + [(sum(per_rank), 0)], sum(per_rank), like)
+        assert torch.equal(fast, slow), world

@@ -12,6 +12,7 @@ from torch import nn
 
 import shardwise as sw
 import shardwise.engine.collectives as coll
+from helpers.forms import coll_threshold
 from shardwise.engine import engine_of
 
 
@@ -312,8 +313,8 @@ def test_zero3_prefetches_in_the_forward_order_it_saw(ranks):
 
 
 def _after_one_step_summed_in_place(name: str, strategy: str | None):
-    coll.ALL_REDUCE_FROM_BYTES = 0  # zero1 sums its kept gradients in place (Note [kept gradients summed in place])
-    return _after_one_step(name, strategy)
+    with coll_threshold(0):  # zero1 sums its kept gradients in place (Note [kept gradients summed in place])
+        return _after_one_step(name, strategy)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

@@ -10,6 +10,7 @@ from torch import nn
 
 import shardwise as sw
 import shardwise.engine.collectives as coll
+from helpers.forms import coll_threshold
 from shardwise.engine import engine_of
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.models.zoo import ZOO, build
@@ -231,3 +232,16 @@ def test_rank_divergent_branch_neither_hangs_nor_mixes_units(ranks, strategy):
     """Catches a unit used on one rank only hanging the others, or its collective pairing
     with another unit's: the branch's gradient must be rank 0's, averaged with rank 1's zeros."""
     assert ranks.run(_divergent_grads, 2, strategy, timeout=60) == [[], []]
+
+
+def _divergent_grads_all_reduce_form(strategy):
+    with coll_threshold(0):  # the form real models' units take (Note [gloo collectives])
+        return _divergent_grads(strategy)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_rank_divergent_branch_in_the_all_reduce_form(ranks, strategy):
+    """Catches zero1's in-place sum sending a unit's sums of an earlier step again when this rank
+    did not use the unit (Note [kept gradients summed in place]): measured, rank 0's branch
+    gradient was wrong from the second step."""
+    assert ranks.run(_divergent_grads_all_reduce_form, 2, strategy, timeout=60) == [[], []]

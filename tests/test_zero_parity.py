@@ -2,7 +2,7 @@
 
 import pytest
 
-import shardwise.engine.collectives as coll
+from helpers.forms import coll_threshold
 from helpers.parity import check_parity, run_on_rank
 from shardwise.models.zoo import ZOO
 
@@ -29,8 +29,8 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
 
 
 def _run_with_all_reduce_form(*args):
-    coll.ALL_REDUCE_FROM_BYTES = 0  # every reduce as gloo's all-reduce (Note [gloo collectives])
-    return run_on_rank(*args)
+    with coll_threshold(0):  # every reduce as gloo's all-reduce (Note [gloo collectives])
+        return run_on_rank(*args)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

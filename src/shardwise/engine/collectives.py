@@ -1,5 +1,5 @@
 """The two collectives of the engine, and the layout changes around them.
-Uses: nothing of the engine.
+Uses: compat.
 
 A unit's shards travel as one flat, rank-major buffer: rank r's rows of every
 parameter, one parameter after another (`S` elements per rank). Full values live
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardwise.engine.compat import chunk_cat
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import close_group_at_exit
 
@@ -30,12 +31,16 @@ class Pending:
 
     `what` names the collective, the unit and the step, so that a rank which died or stopped
     calling collectives surfaces on the others as an error saying where they were waiting.
-    `finish` turns the landed buffer into the result (Note [gloo collectives])."""
+    `finish` turns the landed buffer into the result (Note [gloo collectives]). `sent` keeps the
+    input alive until the collective has landed: the caller drops its own reference at once, and
+    a buffer freed (and its memory reused) while a backend thread still reads it would send
+    whatever was written there next."""
 
     works: list  # dist.Work handles still to wait for ([] when they already completed)
     output: Tensor
     what: str = "a collective"
     finish: Callable[[Tensor], Tensor] | None = None
+    sent: Tensor | None = None
 
     def wait(self) -> Tensor:
         works, self.works = self.works, []
@@ -44,6 +49,7 @@ class Pending:
                 work.wait()
         if self.finish is not None:
             self.output, self.finish = self.finish(self.output), None
+        self.sent = None
         return self.output
 
 
@@ -133,7 +139,7 @@ def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool, what:
                      for rank, rows in enumerate(by_rank)]
         else:
             works = [dist.all_gather_single(gathered, shard_flat, group=group, async_op=True)]
-    pending = Pending(works, gathered, what)
+    pending = Pending(works, gathered, what, sent=shard_flat)
     if not async_op:
         pending.wait()
     return pending
@@ -152,7 +158,7 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
         else:
             shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
             work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
-            pending = Pending([work], shard, what)
+            pending = Pending([work], shard, what, sent=packed)
     if not async_op:
         pending.wait()
     return pending
@@ -193,7 +199,15 @@ def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]],
 
 def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments: list[tuple[int, int]],
          total: int, like: Tensor) -> Tensor:
-    """Full gradients (None = unused this step: zeros) -> one rank-major buffer for reduce-scatter."""
+    """Full gradients (None = unused this step: zeros) -> one rank-major buffer for reduce-scatter.
+
+    Rank r's segment of parameter i is its rows r*c:(r+1)*c (c = ceil(rows / world_size)), the last
+    ranks' padded with zeros: exactly what chunking every gradient along dim 0 into `world_size`
+    padded chunks and concatenating chunk-wise gives, so it is one `chunk_cat` kernel (FSDP2's
+    reduce-scatter input is built the same way) where every gradient is present, non-empty and in
+    `like`'s dtype; a copy per parameter otherwise."""
+    if grads and all(g is not None and g.numel() and g.dtype == like.dtype for g in grads):
+        return chunk_cat([g if g.dim() else g.reshape(1) for g in grads], world_size).view(-1)  # 0-D: one row
     packed = torch.zeros(world_size, total, dtype=like.dtype, device=like.device)
     for grad, num_rows, (offset, numel) in zip(grads, rows, segments):
         if grad is None or numel == 0:

@@ -45,6 +45,12 @@ DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 # parameters): run torch's own behaviour, plain tensors out.
 plain_tensors = torch._C.DisableTorchFunctionSubclass
 
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int) -> torch.Tensor:
+    """Each tensor cut into `num_chunks` padded chunks along dim 0, concatenated chunk by chunk:
+    a (num_chunks, sum of chunk sizes) tensor in one kernel (collectives.pack)."""
+    return torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks)
+
+
 # Refilling a freed unit's storage without bumping the version counters autograd saved
 # (flat_unit.py, Note [version counters]), as FSDP2 does.
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter

@@ -99,8 +99,8 @@ class UnitGrads:
         what = f"the gradient reduce of unit {unit.label} ({unit.where})"
         self.summed_in_place = self._sums_in_place()
         if self.summed_in_place:  # Note [kept gradients summed in place]
-            if self.full is None:  # a unit this rank never used: zeros, as the others' full buffers
-                self._begin_accumulation()
+            if self.phase is GradPhase.IDLE:  # this rank added nothing in this window: it sends zeros
+                self._begin_accumulation()  # (a buffer left from an earlier step would add its sums again)
             self.pending = coll.reduce_in_place(self.full, unit.reduce_group, async_op, what)
             return
         segments, offset = [], 0

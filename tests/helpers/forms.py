@@ -1,0 +1,18 @@
+"""Forcing the engine's collective forms inside a rank, restored afterwards: rank processes are
+pooled across tests, so a module constant left changed would switch the form of later tests."""
+
+from __future__ import annotations
+
+import contextlib
+
+import shardwise.engine.collectives as coll
+
+
+@contextlib.contextmanager
+def coll_threshold(bytes_per_rank: int):
+    """Reduces whose rows per rank reach `bytes_per_rank` take gloo's all-reduce form (0: all)."""
+    previous, coll.ALL_REDUCE_FROM_BYTES = coll.ALL_REDUCE_FROM_BYTES, bytes_per_rank
+    try:
+        yield
+    finally:
+        coll.ALL_REDUCE_FROM_BYTES = previous
