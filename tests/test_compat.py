@@ -138,5 +138,6 @@ def test_chunk_cat_lays_gradients_out_rank_major_with_padding():
         segments = [(sum(per_rank[:i]), n) for i, n in enumerate(per_rank)]
         like = torch.empty(0)
         fast = coll.pack(grads, rows, world, segments, sum(per_rank), like)
+        flat = coll.pack([g.reshape(-1) for g in grads], rows, world, segments, sum(per_rank), like)  # zero1's
         slow = coll.pack(grads + [None], rows + [1], world, segments + [(sum(per_rank), 0)], sum(per_rank), like)
-        assert torch.equal(fast, slow), world
+        assert torch.equal(fast, slow) and torch.equal(flat, slow), world

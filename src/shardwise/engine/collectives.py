@@ -207,7 +207,8 @@ def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments:
     reduce-scatter input is built the same way) where every gradient is present, non-empty and in
     `like`'s dtype; a copy per parameter otherwise."""
     if grads and all(g is not None and g.numel() and g.dtype == like.dtype for g in grads):
-        return chunk_cat([g if g.dim() else g.reshape(1) for g in grads], world_size).view(-1)  # 0-D: one row
+        # By rows: zero1's kept gradients come flat, and a 0-D scalar is one row.
+        return chunk_cat([g.reshape(num_rows, -1) for g, num_rows in zip(grads, rows)], world_size).view(-1)
     packed = torch.zeros(world_size, total, dtype=like.dtype, device=like.device)
     for grad, num_rows, (offset, numel) in zip(grads, rows, segments):
         if grad is None or numel == 0:

@@ -4,10 +4,10 @@ Uses: collectives, flat_unit.
 Note [collective order] (zero.py): every rank must issue the same sequence of reduce-scatters,
 so a unit whose gradients are ready waits for every unit before it in `order` (the reverse of
 registration: roughly the order backward finishes them); `finish` reduces the units no rank
-reached this step (their gradients are zeros, or zero1's kept ones) in the same order. Each
-landed reduce waits for `finish`, which agrees once which parameters any rank used (Note [unused
-params], unit_grads.py) and hands every unit its rows. Under sw.optimizer_in_backward each unit
-is handed its rows, and stepped, as soon as its reduce lands (one agreement per unit).
+reached this step (their gradients are zeros, or zero1's kept ones) in the same order. A landed
+reduce hands out the rows of the parameters this rank used; `finish` agrees once which parameters
+any rank used (Note [unused params], unit_grads.py) and settles the rest. Under
+sw.optimizer_in_backward each unit is settled, and stepped, as soon as its reduce lands.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Reducer:
         self.next = len(self.order)
         while self.pending:
             self._land_oldest()
-        self._hand_out(self.landed)
+        self._settle(self.landed)
         self.landed = []
         if self.stepper is not None:
             self.stepper.after_backward()
@@ -87,14 +87,15 @@ class Reducer:
         if self.stepper is None:
             self.landed.append(unit)
             return
-        self._hand_out([unit])  # Note [optimizer in backward]: step it now
+        self._settle([unit])  # Note [optimizer in backward]: step it now
         self.stepper.after_reduce(unit)
 
-    def _hand_out(self, units: list[FlatUnit]) -> None:
-        """One agreement (over the host group) on which parameters any rank used, then the rows."""
+    def _settle(self, units: list[FlatUnit]) -> None:
+        """One agreement (over the host group) on which parameters any rank used, then the rows
+        of those this rank did not use (unit_grads.py, Note [unused params])."""
         used = any_rank([flag for unit in units for flag in unit.grads.used_here], self.host_group)
         start = 0
         for unit in units:
             count = len(unit.grads.used_here)
-            unit.grads.hand_out(used[start : start + count])
+            unit.grads.settle(used[start : start + count])
             start += count

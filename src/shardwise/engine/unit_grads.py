@@ -3,7 +3,7 @@ each shard its averaged rows. Uses: collectives.
 
 A unit's gradients have their own phase (`GradPhase`): IDLE until a backward hands the unit
 gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE once the
-reduce has landed and its rows were handed out (`hand_out`).
+reduce has landed and its rows were handed out (`land`, `settle`).
 
 Note [unused params]: a parameter no rank used this step must keep `grad=None`, as in a single
 process (AdamW then leaves it alone: no decay, no moment update), while one used by some ranks
@@ -43,7 +43,7 @@ class UnitGrads:
         self.pending: coll.Pending | None = None  # the reduce-scatter in flight
         self.indices: list[int] = []  # the trainable parameters it reduces, in packing order
         self.used_here: list[bool] = []  # per reduced parameter: did this rank have a gradient
-        self.reduced: Tensor | None = None  # this rank's averaged rows, landed, not yet handed out
+        self.waiting: dict[int, Tensor] = {}  # landed rows of parameters this rank did not use, by column
         self.summed_in_place = False  # the last reduce summed `full` itself (zero1 on gloo)
 
     # ---- accumulation (zero1, no_sync) --------------------------------------------------
@@ -123,60 +123,58 @@ class UnitGrads:
                 and coll.sums_in_place(unit.full_flat, unit.world_size, unit.reduce_group))
 
     def land(self) -> None:
-        """Wait for the reduce-scatter; its rows wait for `hand_out`."""
-        pending, self.pending = self.pending, None
-        self.reduced = pending.wait()
-
-    def hand_out(self, used_by_any: list[bool]) -> None:
-        """Give each trainable shard its averaged rows (accumulating onto an existing grad);
-        `used_by_any[k]`: some rank used the k-th reduced parameter (Note [unused params])."""
-        unit, reduced, self.reduced = self.unit, self.reduced, None
-        if self.summed_in_place:
-            return self._hand_out_in_place(used_by_any)
+        """Wait for the reduce, then hand out at once the rows of every parameter this rank used
+        (some rank used it, so it gets its average); keep the others' rows for `settle`, which the
+        agreement on which parameters any rank used decides (Note [unused params])."""
+        unit, pending, self.pending = self.unit, self.pending, None
+        reduced = pending.wait()
         offset = 0
         for column, i in enumerate(self.indices):
-            layout, shard = unit.layouts[i], unit.shard_params[i]
-            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(unit.dtype)
-            offset += layout.shard_numel
-            carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
-            if not used_by_any[column]:
-                if carried is not None:
-                    shard.grad = carried  # nobody added to it this time: it stays what it was
-                continue
-            if shard.grad is not None:
-                shard.grad.add_(rows)
-            elif unit.stage.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
-                # zero1: the shard's grad is a view of its own rows of the kept full grads,
-                # so the gradients are stored once, not twice.
-                own = unit.own_rows(self.full, layout).view(layout.shard_shape)
-                own.copy_(rows)
-                if carried is not None:
-                    own.add_(carried)
-                shard.grad = own
+            layout = unit.layouts[i]
+            if self.summed_in_place:  # Note [kept gradients summed in place]: the own rows of the sum
+                rows = unit.own_rows(self.full, layout).view(layout.shard_shape).div_(unit.world_size)
             else:
-                shard.grad = rows if carried is None else rows + carried
-        self.end_accumulation()
+                rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(unit.dtype)
+                offset += layout.shard_numel
+            if self.used_here[column]:
+                self._give(i, rows)
+            else:  # a copy: the reduced buffer is released now, as when every row is handed out
+                self.waiting[column] = rows if self.summed_in_place else rows.clone()
+        self.phase = GradPhase.IDLE
+        self.used.clear()
+        if not unit.stage.keeps_full_grads:
+            self.full = None
 
-    def _hand_out_in_place(self, used_by_any: list[bool]) -> None:
-        """Note [kept gradients summed in place]: each shard's gradient is its own rows of the summed
-        `full`, averaged in place (plus what it carried from earlier backwards)."""
-        unit = self.unit
-        for column, i in enumerate(self.indices):
-            layout, shard = unit.layouts[i], unit.shard_params[i]
+    def settle(self, used_by_any: list[bool]) -> None:
+        """The rows kept by `land`: a gradient where some rank used the parameter; where none did,
+        the shard keeps the gradient it had (None, as in one process). `used_by_any[k]` is about
+        the k-th reduced parameter."""
+        for column, rows in self.waiting.items():
+            i = self.indices[column]
+            if used_by_any[column]:
+                self._give(i, rows)
+                continue
             carried = self.carried.pop(i, None)
-            if not used_by_any[column]:
-                if carried is not None:
-                    shard.grad = carried
-                continue
-            own = unit.own_rows(self.full, layout).view(layout.shard_shape)
-            own.div_(unit.world_size)
-            if shard.grad is not None:  # a gradient set since the accumulation began
-                shard.grad.add_(own)
-                continue
             if carried is not None:
-                own.add_(carried)
-            shard.grad = own
-        self.end_accumulation()
+                self.unit.shard_params[i].grad = carried  # nobody added to it this time
+        self.waiting = {}
+        self.carried.clear()
+
+    def _give(self, i: int, rows: Tensor) -> None:
+        """Shard i's averaged rows: added to its gradient, or its gradient (plus what it carried)."""
+        unit, shard = self.unit, self.unit.shard_params[i]
+        carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
+        if shard.grad is not None:
+            shard.grad.add_(rows)
+        elif self.summed_in_place:  # `rows` is already the shard's own rows of the kept sums
+            shard.grad = rows if carried is None else rows.add_(carried)
+        elif unit.stage.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
+            # zero1: the shard's grad is a view of its own rows of the kept full grads,
+            # so the gradients are stored once, not twice.
+            own = unit.own_rows(self.full, unit.layouts[i]).view(unit.layouts[i].shard_shape).copy_(rows)
+            shard.grad = own if carried is None else own.add_(carried)
+        else:
+            shard.grad = rows if carried is None else rows + carried
 
     def end_accumulation(self) -> None:
         """After the synced reduce: zero2/zero3 drop the no_sync full grads; zero1 keeps its buffer."""
@@ -188,7 +186,7 @@ class UnitGrads:
 
     def drop(self) -> None:
         """A backward that raised midway (Note [aborted backward]): forget this step's gradients."""
-        self.reduced = None
+        self.waiting = {}
         self.end_accumulation()
         for shard in self.unit.shard_params:
             shard.grad = None
