@@ -238,6 +238,21 @@ def test_deep_nesting_and_a_huge_index(small, tmp_path):
     assert sw.latest(tmp_path) is None
 
 
+def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
+    """Catches a rank file whose header is 100k-deep JSON nesting (its index re-made to match its size)
+    escaping as a RecursionError from the checkpoint reader's own header parser, in sw.load and in
+    `shardwise ckpt inspect`: one parser (engine/st_header.py) serves the reader and the host copy."""
+    from shardwise.cli.main import main
+
+    bad = copy(small, tmp_path / "deep")
+    edit_header(bad / RANK_FILE, lambda header: b"[" * 100_000 + b"]" * 100_000)
+    size = (bad / RANK_FILE).stat().st_size
+    edit_index(bad, lambda index: index["files"][RANK_FILE].update(bytes=size))
+    assert RANK_FILE in _refused(bad, "nests too deeply")
+    assert main(["ckpt", "inspect", str(bad)]) == 1  # the file is BAD, the command runs to its end
+    assert "nests too deeply" in capsys.readouterr().out
+
+
 def test_symlinks_are_refused(small, tmp_path):
     """Catches a symlinked rank file or index.json being followed out of the checkpoint directory."""
     elsewhere = copy(small, tmp_path / "elsewhere")
