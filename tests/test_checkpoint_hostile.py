@@ -18,8 +18,8 @@ from helpers.damage import (
     edit_index,
     header_of,
     load_small,
+    match_file_size,
     same,
-    save_small,
     snapshot,
     trained,
 )
@@ -79,12 +79,6 @@ def test_inspect_flags_files_that_are_not_shardwise(tmp_path, capsys):
 
 
 # ---- every byte covered; validate, then apply; malformed metadata --------------------------------
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A checkpoint of a tiny model with AdamW state, a scheduler, a sampler and `step=2`."""
-    return save_small(tmp_path_factory.mktemp("small") / "ckpt")
 
 
 def _refused(path, match: str) -> str:
@@ -246,8 +240,7 @@ def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
 
     bad = copy(small, tmp_path / "deep")
     edit_header(bad / RANK_FILE, lambda header: b"[" * 100_000 + b"]" * 100_000)
-    size = (bad / RANK_FILE).stat().st_size
-    edit_index(bad, lambda index: index["files"][RANK_FILE].update(bytes=size))
+    match_file_size(bad)
     assert RANK_FILE in _refused(bad, "nests too deeply")
     assert main(["ckpt", "inspect", str(bad)]) == 1  # the file is BAD, the command runs to its end
     assert "nests too deeply" in capsys.readouterr().out
