@@ -4,6 +4,8 @@ import pytest
 
 from helpers.harness import RankPool
 
+pytest_plugins = ["helpers.damage"]  # the `small` checkpoint of the hostile and fuzz tests
+
 
 @pytest.fixture(scope="session")
 def ranks():

@@ -21,8 +21,8 @@ from helpers.damage import (
     edit_header,
     header_of,
     load_small,
+    match_file_size,
     same,
-    save_small,
     snapshot,
     trained,
 )
@@ -105,9 +105,9 @@ def _similar(old, choice: int):
 
 
 @pytest.fixture(scope="module")
-def original(tmp_path_factory):
-    checkpoint = save_small(tmp_path_factory.mktemp("fuzz") / "ckpt")
-    return checkpoint, snapshot(load_small(checkpoint))
+def original(small):
+    """The `small` checkpoint and what loading it writes."""
+    return small, snapshot(load_small(small))
 
 
 def _check(checkpoint: Path, mutant: Path, reference: dict, whole: bool) -> None:
@@ -180,10 +180,7 @@ def _fuzz_header(original, mutations: list, fix_index: bool) -> None:
             return
         edit_header(mutant / RANK_FILE, lambda _: encoded)
         if fix_index:  # the index agrees with the new file's size: the header's own checks must hold
-            index = json.loads((mutant / "index.json").read_text())
-            index["files"][RANK_FILE]["bytes"] = (mutant / RANK_FILE).stat().st_size
-            index["digest"] = digest(index)
-            (mutant / "index.json").write_text(json.dumps(index))
+            match_file_size(mutant)
         _check(checkpoint, mutant, reference, whole=False)
 
 

@@ -18,8 +18,8 @@ from helpers.damage import (
     edit_index,
     header_of,
     load_small,
+    match_file_size,
     same,
-    save_small,
     snapshot,
     trained,
 )
@@ -79,12 +79,6 @@ def test_inspect_flags_files_that_are_not_shardwise(tmp_path, capsys):
 
 
 # ---- every byte covered; validate, then apply; malformed metadata --------------------------------
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A checkpoint of a tiny model with AdamW state, a scheduler, a sampler and `step=2`."""
-    return save_small(tmp_path_factory.mktemp("small") / "ckpt")
 
 
 def _refused(path, match: str) -> str:
@@ -236,6 +230,20 @@ def test_deep_nesting_and_a_huge_index(small, tmp_path):
         f.truncate(512 * 2**20)
     _refused(huge, "more than any index")
     assert sw.latest(tmp_path) is None
+
+
+def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
+    """Catches a rank file whose header is 100k-deep JSON nesting (its index re-made to match its size)
+    escaping as a RecursionError from the checkpoint reader's own header parser, in sw.load and in
+    `shardwise ckpt inspect`: one parser (engine/st_header.py) serves the reader and the host copy."""
+    from shardwise.cli.main import main
+
+    bad = copy(small, tmp_path / "deep")
+    edit_header(bad / RANK_FILE, lambda header: b"[" * 100_000 + b"]" * 100_000)
+    match_file_size(bad)
+    assert RANK_FILE in _refused(bad, "nests too deeply")
+    assert main(["ckpt", "inspect", str(bad)]) == 1  # the file is BAD, the command runs to its end
+    assert "nests too deeply" in capsys.readouterr().out
 
 
 def test_symlinks_are_refused(small, tmp_path):

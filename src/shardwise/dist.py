@@ -29,8 +29,15 @@ group. So the store a hand launch makes (rank 0 hosts it) listens on the `MASTER
 job it belongs to when it joins: `SHARDWISE_RUN_ID` if set, else torchrun's `TORCHELASTIC_RUN_ID`
 (the same on every worker of one torchrun, new per job). Rank 0 refuses a rank of another
 job pointed at the same store, and a second process claiming a rank that has joined is refused
-too, so two jobs never form one group from ranks of each. A hand launch without a run id
-cannot tell two copies of itself apart: which rank 1 came first wins, the other is refused.
+too, so two jobs never form one group from ranks of each. Rank 0 also writes its job's run id
+under `shardwise/owner` before it answers anyone, and a joining rank that reads another run id
+there is refused at once: rank 0 answers hellos only until its group has formed, so a rank of
+another job that came later would otherwise wait out its timeout and blame a rank 0 that never
+joined. So the outcome does not depend on timing while the store lives: each job forms its own
+group, and a rank pointed at another job's store fails naming both run ids. Only a store that
+is gone (its host, rank 0 or torchrun's agent, exited: the other job ended) cannot say whose it
+was; the rank then fails naming the store's address. A hand launch without a run id cannot tell
+two copies of itself apart: which rank 1 came first wins, the other is refused.
 """
 
 from __future__ import annotations
@@ -164,7 +171,9 @@ def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float,
     keys (numbered, so that a second process claiming rank r cannot overwrite the first's) and
     waits for `welcome/<nonce>`: a key no earlier attempt can have written. Rank 0 answers every
     hello it sees (a stale one from an earlier attempt too: nobody waits for that answer): the
-    token for its own job's run id, a refusal for another's (Note [what a job trusts]). A welcomed
+    token for its own job's run id, a refusal for another's (Note [what a job trusts]); a rank that
+    finds another job's run id under `shardwise/owner` (rank 0 writes it first) takes that as the
+    refusal without waiting for an answer, which comes only until rank 0's group formed. A welcomed
     rank counts itself in under `<token>/joined/r`; the second to count in is refused. Once every
     rank has, rank 0 says `<token>/go`, or `<token>/abort` when a rank is missing or claimed twice.
     """
@@ -173,7 +182,7 @@ def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float,
     nonce = uuid.uuid4().hex
     index = store.add(f"shardwise/hello/{rank}/count", 1)
     store.set(f"shardwise/hello/{rank}/{index}", f"{run_id}\n{nonce}")
-    answer = _poll(store, [f"shardwise/welcome/{nonce}"], deadline)
+    answer = _await_welcome(store, nonce, run_id, deadline)
     if answer is None:
         raise ShardwiseError(_absent_message([0], world_size))
     verdict, _, value = answer.decode().partition("\n")
@@ -193,8 +202,27 @@ def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float,
     return token
 
 
+# The run id of the job whose rank 0 uses the store, written before it answers any hello (Note [what a job trusts]).
+_OWNER = "shardwise/owner"
+
+
+def _await_welcome(store: dist.Store, nonce: str, run_id: str, deadline: float) -> bytes | None:
+    """Rank 0's answer to the hello under `nonce`, a refusal when the store is another job's
+    (Note [what a job trusts]), or None once `deadline` passes."""
+    welcome = f"shardwise/welcome/{nonce}"
+    while True:
+        if store.check([welcome]):
+            return store.get(welcome)
+        if store.check([_OWNER]) and (owner := store.get(_OWNER).decode()) != run_id:
+            return f"refused\n{owner}".encode()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(_POLL_S)
+
+
 def _host_join(store: dist.Store, world_size: int, deadline: float, run_id: str) -> str:
     """Rank 0's side of `_agree_token`."""
+    store.set(_OWNER, run_id)
     token = uuid.uuid4().hex
     answered = dict.fromkeys(range(1, world_size), 0)  # the hellos of each rank answered so far
     missing = list(range(1, world_size))

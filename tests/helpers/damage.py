@@ -1,6 +1,7 @@
 """A small checkpoint with everything an index can hold, and ways to damage it as an unlucky
 operator or an attacker would: an edited index (with or without a fresh digest), an edited
-rank-file header, a flipped byte. Used by test_checkpoint_hostile.py and test_checkpoint_fuzz.py."""
+rank-file header, a flipped byte. Used by test_checkpoint_hostile.py and test_checkpoint_fuzz.py,
+which take their checkpoint from the `small` fixture (registered for every test module by conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,6 +42,12 @@ def trained(seed: int = 0):
 def save_small(path: Path) -> Path:
     model, optim, scheduler, sampler = trained()
     return sw.save(path, model, optim, scheduler, sampler=sampler, step=2)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> Path:
+    """A checkpoint of `trained()`: a tiny model with AdamW state, a scheduler, a sampler and `step=2`."""
+    return save_small(tmp_path_factory.mktemp("small") / "ckpt")
 
 
 def load_small(path: Path, parts=None):
@@ -101,6 +109,13 @@ def edit_header(file: Path, change) -> None:
     header = change(data[8 : 8 + length])
     header += b" " * (-len(header) % 8)
     file.write_bytes(struct.pack("<Q", len(header)) + header + data[8 + length :])
+
+
+def match_file_size(checkpoint: Path) -> None:
+    """Give the rank file's index entry its current size, with a fresh digest: an edited header that
+    changed the file's length then meets the header's own checks, not the size check before them."""
+    size = (checkpoint / RANK_FILE).stat().st_size
+    edit_index(checkpoint, lambda index: index["files"][RANK_FILE].update(bytes=size))
 
 
 def header_of(file: Path) -> dict:

@@ -15,6 +15,8 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
   open: a zero3 load would then look like it holds the whole shard twice.
 - Errors: a truncated file, a header that does not parse, a missing tensor, or a
   checksum mismatch each become a `ShardwiseError` that names the file and the fix.
+  The header is parsed and checked against the file by engine/st_header.py, the one
+  safetensors header parser, which the host copy of frozen weights uses too.
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` and
 `safetensors.torch.load_file` read them.
@@ -43,21 +45,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shardwise.engine.st_header import CODE_OF_DTYPE, Entry, read_header
 from shardwise.errors import ShardwiseError
 
 CHUNK_BYTES = 4 * 2**20
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
-DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        DTYPES[getattr(torch, _name)] = _code
-DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPES.items()}
+DTYPES = CODE_OF_DTYPE  # dtype -> its safetensors name ("F32"); st_header.DTYPE_OF_CODE is the reverse
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -170,20 +163,7 @@ class FileWriter:
         self._file.close()
 
 
-@dataclass
-class HeaderEntry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the file
-    end: int
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def row_bytes(self) -> int:
-        return (self.end - self.begin) // self.rows if self.rows else 0
+HeaderEntry = Entry  # one tensor of a file as its header says (st_header.py)
 
 
 class FileReader:
@@ -223,47 +203,8 @@ class FileReader:
             raise
 
     def _parse(self, size: int):
-        corrupt = f"{self.path} is not a valid safetensors file"
-        raw = os.pread(self._fd, 8, 0)
-        if len(raw) < 8:
-            raise ShardwiseError(f"{corrupt}: only {size} bytes (truncated?)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _MAX_HEADER_BYTES or 8 + length > size:
-            raise ShardwiseError(f"{corrupt}: its header claims {length} bytes but the file has {size} "
-                                 "(truncated, or not a safetensors file)")
-        header_bytes = os.pread(self._fd, length, 8)
-        try:
-            header = json.loads(header_bytes)
-        except ValueError as error:
-            raise ShardwiseError(f"{corrupt}: its header does not parse ({error}); the file is corrupt") from None
-        if not isinstance(header, dict):
-            raise ShardwiseError(f"{corrupt}: its header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise ShardwiseError(f"{corrupt}: its __metadata__ is not an object of strings")
-        data_start, expected_end, entries = 8 + length, 0, {}
-        spans = []
-        for key, value in header.items():
-            try:
-                dtype = DTYPE_OF_CODE[value["dtype"]]
-                shape = tuple(_count(d) for d in value["shape"])
-                begin, end = (_count(x) for x in value["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ShardwiseError(f"{corrupt}: entry {key!r} has no valid dtype/shape/data_offsets") from None
-            if end - begin != math.prod(shape) * dtype.itemsize:
-                raise ShardwiseError(f"{corrupt}: entry {key!r} has {end - begin} bytes for shape {list(shape)}")
-            spans.append((begin, end))
-            entries[key] = HeaderEntry(dtype, shape, data_start + begin, data_start + end)
-        for begin, end in sorted(spans):
-            if begin != expected_end:
-                raise ShardwiseError(f"{corrupt}: its tensors leave a gap or overlap at byte {begin}")
-            expected_end = end
-        if data_start + expected_end != size:
-            raise ShardwiseError(
-                f"{corrupt}: its header describes {data_start + expected_end} bytes but the file has {size} "
-                f"({'truncated' if size < data_start + expected_end else 'trailing bytes'})"
-            )
-        return entries, metadata, header_bytes
+        header = read_header(lambda offset, length: os.pread(self._fd, length, offset), size, self.path)
+        return header.entries, header.metadata, header.raw
 
     def check_header(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]],
                      digest: str) -> None:
@@ -373,13 +314,6 @@ class FileReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _count(value) -> int:
-    """A header's shape entry or offset: a non-negative JSON integer (not a bool, a float or a string)."""
-    if type(value) is not int or not 0 <= value < 2**62:
-        raise ValueError(value)
-    return value
 
 
 def file_digest(path: Path, *, follow_symlinks: bool = True) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.bounded_json import Fields, parse_json, read_bounded
-from shardwise.checkpoint.files import DTYPE_OF_CODE
+from shardwise.engine.st_header import DTYPE_OF_CODE
 from shardwise.errors import ShardwiseError
 
 INDEX = "index.json"
