@@ -28,9 +28,19 @@ HOST_VALUES = {
 }
 
 
+# torch's frames between a read and a dispatch mode (its entry is wrapped to stay out of compile)
+_MODE_MACHINERY = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/utils/_python_dispatch.py")
+
+
 def _caller() -> str:
-    ours = [f for f in traceback.extract_stack() if "/shardwise/" in f.filename]
-    return f"{ours[-1].filename.split('shardwise/')[-1]}:{ours[-1].name}" if ours else "torch or the test"
+    """The shardwise function that made the read itself (torch's own reads, an optimizer's inside a
+    step shardwise called, are torch's), as file:function."""
+    frames = [f for f in traceback.extract_stack() if f.filename != __file__ and not any(
+        part in f.filename for part in _MODE_MACHINERY)]
+    innermost = frames[-1]
+    if "/shardwise/" not in innermost.filename:
+        return "torch or the test"
+    return f"{innermost.filename.split('shardwise/')[-1]}:{innermost.name}"
 
 
 class _CountScalarReads(TorchDispatchMode):
@@ -90,3 +100,28 @@ def test_engine_host_reads_per_step(ranks, strategy):
         device_reads = {where: n for where, n in engine.items() if where not in HOST_VALUES}
         assert device_reads == {}, counts
         assert set(engine) == HOST_VALUES, counts  # both still run (the test sees them)
+
+
+def _count_scaled():
+    model, spec = build("gpt"), ZOO["gpt"]
+    sw.shard(model, strategy="zero2", units=spec.unit_class, precision="fp16")
+    optim = torch.optim.AdamW(model.parameters(), foreach=True)
+    scaler = sw.LossScaler(model)
+    x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
+    for _ in range(2):
+        counts = collections.Counter()
+        with _CountScalarReads(counts), _count_host_copies(counts):
+            scaler.scale(model(x, y)).backward()
+            scaler.step(optim)
+            scaler.update()
+            optim.zero_grad()
+    return dict(counts)
+
+
+def test_loss_scaler_reads_the_host_once_per_step(ranks):
+    """Catches the loss scaler's overflow check reading each gradient on the host (a `bool()` per
+    tensor before: a GPU stall per parameter); what remains is the one read that decides in Python
+    whether to step, as torch's GradScaler makes it."""
+    for counts in ranks.run(_count_scaled, 2):
+        engine = {where: n for where, n in counts.items() if where != "torch or the test" and where not in HOST_VALUES}
+        assert engine == {"engine/precision.py:unscale_": 1}, counts

@@ -1,5 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
-Uses: protocol, step_in_backward.
+Uses: compat, protocol, step_in_backward.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.engine.compat import plain_tensors
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.engine.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.errors import ShardwiseError
@@ -74,13 +75,16 @@ class LossScaler:
         if self._unscaled:
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        overflow = torch.zeros(1)
-        for grad in grads:
-            grad.mul_(1.0 / self.scale_value)
-            if not torch.isfinite(grad).all():
-                overflow.fill_(1.0)
+        overflow = torch.zeros(1, device=grads[0].device if grads else _group_device(self.group))
+        if grads:
+            with plain_tensors():  # a shard's RowsGrad refuses norms to users; this one is per tensor
+                torch._foreach_mul_(grads, 1.0 / self.scale_value)
+                largest = torch.stack(torch._foreach_norm(grads, float("inf")))  # inf or NaN where any is
+            overflow = (~torch.isfinite(largest)).any().float().reshape(1)  # on the device: no host read
         if dist.is_initialized():
             dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.group)
+        # The one host read of a step under a loss scaler (torch's GradScaler makes it too): whether
+        # to step is decided in Python.
         self.found_overflow = bool(overflow.item())
         self._unscaled = True
 
@@ -102,3 +106,10 @@ class LossScaler:
                 self.scale_value *= self.growth_factor
         self._unscaled = False
         self.found_overflow = False
+
+
+def _group_device(group) -> torch.device:
+    """Where `group`'s collectives take tensors (NCCL: the current GPU), for a rank with no gradient."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
