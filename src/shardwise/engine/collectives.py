@@ -128,16 +128,23 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def all_gather(shard_flat: Tensor, world_size: int, group, async_op: bool, what: str = "an all-gather") -> Pending:
-    """Gather every rank's flat shard into one rank-major buffer of `world_size * S`."""
-    gathered = torch.empty(world_size * shard_flat.numel(), dtype=shard_flat.dtype, device=shard_flat.device)
+def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_op: bool,
+               what: str = "an all-gather") -> Pending:
+    """Gather every rank's flat shard into one rank-major buffer of `world_size * S`. The shard may
+    come in parts (a zero1/zero2 unit's rows of each parameter), concatenated in order straight into
+    this rank's place of the buffer on gloo: one copy, not a concatenation and then a copy."""
+    parts = [shard_flat] if isinstance(shard_flat, Tensor) else shard_flat
+    like = parts[0]
+    gathered = torch.empty(world_size * sum(part.numel() for part in parts), dtype=like.dtype, device=like.device)
     with named_failure(what):
         if _is_gloo(group):  # Note [gloo collectives]
             by_rank = gathered.view(world_size, -1)
-            by_rank[dist.get_rank(group)].copy_(shard_flat)
+            torch.cat(parts, out=by_rank[dist.get_rank(group)])
+            shard_flat = None  # nothing else is sent: the buffer holds it
             works = [dist.broadcast(rows, src=dist.get_global_rank(group, rank), group=group, async_op=True)
                      for rank, rows in enumerate(by_rank)]
         else:
+            shard_flat = torch.cat(parts) if len(parts) > 1 else like
             works = [dist.all_gather_single(gathered, shard_flat, group=group, async_op=True)]
     pending = Pending(works, gathered, what, sent=shard_flat)
     if not async_op:

@@ -248,17 +248,16 @@ class FlatUnit:
             return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
 
-    def _send_buffer(self, dtype: torch.dtype) -> Tensor:
-        """This rank's rows of every parameter as one flat tensor in `dtype`: the all-gather's input."""
-        if self.aliased:  # the shards are scattered views into full_flat: pack them
-            rows = [self.own_rows(self.full_flat, layout) for layout in self.layouts]
-            return torch.cat(rows or [self.full_flat[:0]])
-        return self.shard_flat.to(dtype)  # a no-op at full precision, a cast to param_dtype otherwise
+    def _send_buffer(self, dtype: torch.dtype) -> list[Tensor]:
+        """This rank's rows of every parameter in `dtype`, in shard order: the all-gather's input."""
+        if self.aliased:  # the shards are scattered views into full_flat: sent in parts
+            return [self.own_rows(self.full_flat, layout).detach() for layout in self.layouts] or [self.full_flat[:0]]
+        return [self.shard_flat.to(dtype).detach()]  # a no-op at full precision, a cast to param_dtype otherwise
 
     def start_gather(self, async_op: bool) -> None:
         """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING)."""
         self._move(Residency.GATHERING)
-        send = self._send_buffer(self.compute_dtype).detach()
+        send = self._send_buffer(self.compute_dtype)
         self.pending_gather = coll.all_gather(send, self.world_size, self.group, async_op,
                                               what=f"the all-gather of unit {self.label} ({self.where})")
 
@@ -297,7 +296,7 @@ class FlatUnit:
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
-        send = self._send_buffer(self.dtype).detach()  # the fp32 masters, not the compute copy
+        send = self._send_buffer(self.dtype)  # the fp32 masters, not the compute copy
         gathered = coll.all_gather(send, self.world_size, self.group, async_op=False).wait()
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
