@@ -32,6 +32,13 @@ class Reducer:
         self.stepper = None  # Note [optimizer in backward] (step_in_backward.py): steps each reduced unit
         self.reset()
 
+    def step_units_with(self, stepper) -> None:
+        """Step each unit with `stepper` as its reduce lands (Note [optimizer in backward]); a
+        stepper given before is no longer run (a new optimizer replaces the old one)."""
+        if self.stepper is not None:
+            self.stepper.hook.remove()
+        self.stepper = stepper
+
     def reset(self) -> None:
         self.reduced: set[int] = set()  # units whose reduce was issued in this backward
         self.ready: dict[int, list] = {}  # units whose gradients wait for their turn

@@ -187,9 +187,6 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
                     "with optimizer_in_backward one optimizer steps every trainable parameter. Build it from "
                     "model.parameters() after sw.shard(...), or freeze what it should not train."
                 )
-    if engine.reducer.stepper is not None:  # a new optimizer: the old one is no longer stepped here
-        engine.reducer.stepper.hook.remove()
-    stepper = UnitStepper(engine, optimizer)
-    engine.reducer.stepper = stepper
+    engine.reducer.step_units_with(UnitStepper(engine, optimizer))
     for unit in engine.units:
         unit.hand_steps_to_backward()  # read by ShardParameter.grad: torch's clipping is refused
