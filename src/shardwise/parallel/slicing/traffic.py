@@ -7,10 +7,10 @@ the buffer of an all-reduce), for B sequences of S tokens per data rank, width D
 MLP ratio r, vocabulary V, c bytes per element:
 - zero3 over N data ranks: every unit's parameters gathered once in forward, and once more in
   backward except the root and the last block (both still gathered when backward starts):
-  (P_root + (2L-1)·P_block)·c gathered; every unit's gradients reduce-scattered once, with one
-  "used" flag per parameter and rank riding along (Note [unused params] in the engine):
-  (P + N·n_params)·c. P counts what the ranks of one data group hold whole (their slices, on
-  a 2-D mesh), rows padded to a multiple of N.
+  (P_root + (2L-1)·P_block)·c gathered; every unit's gradients reduce-scattered once: P·c.
+  P counts what the ranks of one data group hold whole (their slices, on a 2-D mesh), rows
+  padded to a multiple of N. Which parameters any rank used is agreed apart, in one integer
+  all-reduce per step (Note [unused params] in the engine), counted with the agreements.
 - slicing over T tensor ranks: per block, the attention output and the MLP output are summed in
   forward (g) and the gradients at the attention and MLP inputs in backward (f): 4·B·S·D; the
   embedding's sum (g) and the head input's gradient (f): 2·B·S·D; the sliced loss: 3·B·S
@@ -77,8 +77,7 @@ def predict_gpt(vocab: int, d_model: int, n_layers: int, mlp_ratio: int, seq: in
     if data > 1:
         block_elems, root_elems = sum(_padded(s, data) for s in block), sum(_padded(s, data) for s in root)
         traffic.data_gather = dtype_bytes * ((2 * n_layers - 1) * block_elems + root_elems)
-        flags = data * (n_layers * len(block) + len(root))
-        traffic.data_reduce = dtype_bytes * (n_layers * block_elems + root_elems + flags)
+        traffic.data_reduce = dtype_bytes * (n_layers * block_elems + root_elems)
         traffic.wire_bytes += (traffic.data_gather + traffic.data_reduce) * (data - 1) / data
     if tensor > 1:
         tokens = batch * seq
