@@ -98,10 +98,8 @@ def main() -> None:
     torch.set_num_threads(1)                                  # one thread per rank (CPU)
     for name in ("lightning.pytorch", "lightning.fabric"):    # GPU/TPU lines, tips, the distributed banner
         logging.getLogger(name).setLevel(logging.WARNING)
-    # lightning 2.x's pytree helper uses a class torch 2.13 deprecates: nothing this script can change.
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=DeprecationWarning)
-    # torchdata 0.11's StatefulDataLoader calls torch._C.set_vital, which torch 2.13 deprecates: likewise.
+    # torchdata 0.11's StatefulDataLoader calls torch._C.set_vital, which torch 2.13 deprecates: nothing this
+    # script can change (lightning's LeafSpec deprecation is dropped by shardwise's integration, Note [pinned pair]).
     warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
     # Started again, the script resumes into its own checkpoint directory on purpose.
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
