@@ -12,8 +12,8 @@ curves to `demo-out/`. Under torchrun it is one rank of training.
 
 Note [demo drift]: every strategy, torch's DDP included, adds the same numbers in another
 order than one process does, so their losses leave the reference's by float rounding,
-amplified step after step (within 3e-6 over the first 10 steps, 4e-2 by step 50, 8e-2 by step
-100 here, for ddp as for zero3).
+amplified step after step (within 3e-6 over the first 10 steps here; by step 100, 8e-2 for
+ddp as for zero3).
 The table prints each strategy's largest distance from the reference beside DDP's: zero3 drifts
 as far as DDP itself, which is what "changes memory, never the result" means at fp32.
 
