@@ -11,8 +11,13 @@ checkpoint directories (every rank its rows and optimizer rows, with Lightning's
 JSON in index.json) into OUT/checkpoints every `--save-every` steps. Started again with the same
 `--out`, the script resumes from the newest one (`fit(ckpt_path=...)`: model, optimizer rows,
 RNG states, Lightning's loops, and the data position: torchdata's `StatefulDataLoader` is one
-Lightning saves and restores). Unlike the other examples it does not yet end bitwise equal to
-an uninterrupted run (tests/test_examples.py holds that as a known gap).
+Lightning saves and restores) and ends bitwise equal to an uninterrupted run. Two choices in the
+loader make that so. The script deals the data out itself (`StatefulDistributedSampler`, its
+order fixed by seed and epoch): given `shuffle=True`, Lightning would wrap the loader's own
+random sampler in its `DistributedSamplerWrapper`, which hides that sampler's generator state
+from the checkpoint, and each `iter()` the resume makes draws a new order from the advancing
+generator. And the loader has its own generator: a loader without one draws its iterator's seed
+from the global RNG, which on resume happens after the RNG was restored, so dropout's draws shift.
 Lightning's start-up notes and tips are turned off at their loggers; rank 0 prints the steps. GPT-2
 is built from a small config over a byte-level vocabulary of 256: nothing is downloaded.
 `shardwise ckpt export DIR OUT.safetensors` turns a checkpoint into one plain safetensors file
@@ -33,6 +38,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import shardwise as sw
@@ -92,24 +98,25 @@ def main() -> None:
     torch.set_num_threads(1)                                  # one thread per rank (CPU)
     for name in ("lightning.pytorch", "lightning.fabric"):    # GPU/TPU lines, tips, the distributed banner
         logging.getLogger(name).setLevel(logging.WARNING)
-    # lightning 2.x's pytree helper uses a class torch 2.13 deprecates: nothing this script can change.
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=DeprecationWarning)
-    # torchdata 0.11's StatefulDataLoader calls torch._C.set_vital, which torch 2.13 deprecates: likewise.
+    # torchdata 0.11's StatefulDataLoader calls torch._C.set_vital, which torch 2.13 deprecates: nothing this
+    # script can change (lightning's LeafSpec deprecation is dropped by shardwise's integration, Note [pinned pair]).
     warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
     # Started again, the script resumes into its own checkpoint directory on purpose.
     warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
 
     torch.manual_seed(0)                                      # every rank builds the same model
     module = LitLM(args.seq, args.lr)
-    # Lightning deals it out (a DistributedSampler per rank) and saves its position in each checkpoint;
-    # its own generator keeps the iterator's seed draw off the global RNG that dropout uses.
-    loader = StatefulDataLoader(byte_windows(args.seq), batch_size=args.batch, shuffle=True,
-                                generator=torch.Generator().manual_seed(0))
+    # Each rank's share in an order fixed by (seed, epoch) alone, resumed at the sample it stopped at
+    # (Lightning saves the loader's position in each checkpoint); the loader's own generator keeps the
+    # iterator's seed draw off the global RNG that dropout uses (both: see the docstring).
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    data = byte_windows(args.seq)
+    sampler = StatefulDistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = StatefulDataLoader(data, batch_size=args.batch, sampler=sampler, generator=torch.Generator())
     checkpoints = Path(args.out) / "checkpoints"
     trainer = L.Trainer(
         strategy=ShardwiseStrategy(args.strategy),            # instead of "ddp" / "fsdp": units=, precision= too
-        accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")),
+        accelerator="cpu", devices=world,
         max_steps=args.max_steps, gradient_clip_val=1.0, accumulate_grad_batches=args.accumulate,
         callbacks=[ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=args.save_every, save_top_k=-1)],
         logger=False, enable_progress_bar=False, enable_model_summary=False)

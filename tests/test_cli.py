@@ -1,7 +1,10 @@
 """The `shardwise` command and the demo's argument handling (no training here)."""
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from shardwise import cli, demo
 
@@ -22,6 +25,34 @@ def test_demo_rejects_an_unknown_strategy(capsys):
     """Catches a typo in --strategy launching ranks that then fail deep inside shard()."""
     assert demo.main(["--strategy", "zero9"]) == 2
     assert "zero9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", [["--strategy", "zero3"], ["--strategy=zero3"], ["--strat", "zero3"]])
+def test_demo_starts_ranks_with_options_they_parse(monkeypatch, tmp_path, capsys, given):
+    """Catches `python -m shardwise.demo --strategy zero3` (what `make demo STRATEGY=zero3` runs)
+    starting ranks with a stray `zero3` they refuse (torchrun then prints their tracebacks), and
+    `--nproc` handed on where torchrun takes it for an abbreviation of its --nproc-per-node: torchrun
+    and every rank must parse what they are handed, each run its strategy, the other options kept."""
+    import torch.distributed.run
+
+    started = []
+
+    def fake_torchrun(argv):  # a rank's parse, then the result file a run leaves
+        torchrun_parser = torch.distributed.run.get_args_parser()
+        torchrun_parser.parse_args(argv)  # SystemExit(2) if torchrun takes a rank's option for its own
+        rank = demo.parse_args(argv[argv.index("shardwise.demo") + 1:])  # SystemExit(2) on a stray argument
+        started.append((rank.strategy, rank.nproc, rank.steps, rank.out))
+        result = {"strategy": rank.strategy, "params": 10, "losses": [2.0, 1.0], "median_step_s": 0.1,
+                  "model_state_mib": [1.0], "peak_rss_mib": [2.0]}
+        (tmp_path / f"{rank.strategy.replace(' ', '_')}.json").write_text(json.dumps(result))
+
+    monkeypatch.setattr(torch.distributed.run, "main", fake_torchrun)
+    monkeypatch.setattr(demo, "plot_losses", lambda results, path: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # launch() sets both when unset: keep them out of later tests
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert demo.main([*given, "--nproc", "3", "--steps", "4", "--out", str(tmp_path)]) == 0
+    assert started == [("zero3", 3, 4, str(tmp_path)), (demo.REFERENCE, 3, 4, str(tmp_path))]
+    assert "zero3" in capsys.readouterr().out
 
 
 def test_demo_text_is_the_same_everywhere():
