@@ -234,7 +234,7 @@ MUTATIONS = [
      'UnitGrads.drop',
      '            shard.grad = None',
      '            pass',
-     'tests/test_engine_patterns.py -k raised'),
+     'tests/test_engine_patterns.py -k midway'),
 ]
 
 

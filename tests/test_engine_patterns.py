@@ -326,3 +326,42 @@ def test_zero1_patterns_with_gradients_summed_in_place(ranks, name):
     for got in ranks.run(_after_one_step_summed_in_place, 2, name, "zero1"):
         for key, value in reference.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+class Midway(nn.Module):
+    """Two blocks with a backward that can raise between them: the last block's gradients are
+    reduced (and handed out) before the error."""
+
+    def __init__(self):
+        super().__init__()
+        self.h = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x, boom=False):
+        x = self.h[0](x)
+        return self.h[1](Boom.apply(x) if boom else x).pow(2).sum()
+
+
+def _after_a_backward_that_raised_midway(strategy: str | None):
+    torch.manual_seed(0)
+    model = Midway()
+    if strategy:
+        sw.shard(model, strategy=strategy, units=Block)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x, boom=True).backward()
+    if strategy is None:
+        model.zero_grad(set_to_none=True)  # what the engine does for the user (Note [aborted backward])
+    model(x).backward()  # no zero_grad: the aborted step's partial gradients must not be added
+    optim.step()
+    return sw.full_parameters(model) if strategy else {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_backward_that_raised_midway_leaves_no_partial_gradient(ranks, strategy):
+    """Catches the engine keeping the gradients a backward reduced (and handed out) before it
+    raised: the next backward would add to them (Note [aborted backward])."""
+    reference = _after_a_backward_that_raised_midway(None)
+    for got in ranks.run(_after_a_backward_that_raised_midway, 2, strategy):
+        for key, value in reference.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{strategy} {key}")
