@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 
 from helpers import doc_blocks
+from helpers.quiet import assert_no_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "scripts" / "doc_sessions.py"
 SESSIONS = doc_blocks.sessions()
 RUNNER_END = "\x00doctest-block-end"  # printed after each block: splits a session's output by block
+SESSION_START = "\x00doctest-session "  # the runner's line before each session: splits a launch's output
 TIMEOUT = 600  # seconds for all sessions of one world size together
 
 
@@ -39,7 +41,8 @@ def write_script(session: doc_blocks.Session, folder: Path) -> Path:
 
 
 def child_env() -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+    # Unbuffered: what a library prints lands between the runner's session lines, in the session that printed it.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -93,6 +96,14 @@ def launches(tmp_path_factory):
     return launch
 
 
+def session_output(output: str, name: str) -> str:
+    """What the launch printed while session `name` ran (the launch's start counts as its first session's)."""
+    parts = output.split(SESSION_START)
+    first = parts[1].split("\n", 1)[0] if len(parts) > 1 else None
+    mine = [part.split("\n", 1)[-1] for part in parts[1:] if part.split("\n", 1)[0] == name]
+    return "".join(([parts[0]] if name == first else []) + mine)
+
+
 def check_printed(session: doc_blocks.Session, printed: list[str]) -> None:
     for block, out in zip(session.blocks, printed):
         if block.expected is not None:
@@ -128,6 +139,18 @@ def test_output_comparison_is_strict_where_it_matters():
     assert not doc_blocks.output_matches(shown, "step 0 loss 2.786\nstep 19 loss 1.456")
     assert not doc_blocks.output_matches("loaded 48 tensors", "loaded 47 tensors from x")
     assert doc_blocks.output_matches("loaded 48 tensors from ...", "loaded 48 tensors from ckpt/a")
+
+
+@pytest.mark.parametrize("session", SESSIONS, ids=[s.name for s in SESSIONS])
+def test_doc_block_prints_no_third_party_line(session, launches):
+    """Catches a block that, run as its page says, shows the reader a library's warning, notice or
+    banner (DeepSpeed's accelerator line under the Trainer, Accelerate's "Removed shared tensor" on
+    a tied model, Lightning's GPU/TPU lines and tips): the page's code must quiet it, as the
+    examples do (tests/test_examples.py holds them to the same rule)."""
+    results, output, _ = launches(session.launch)
+    assert session.name in results, f"the launch never reached {session.name}:\n{output[-4000:]}"
+    printed = "".join(results[session.name]["printed"])
+    assert_no_warning(session_output(output, session.name) + printed, f"{session.name}'s output")
 
 
 # Third-party warnings a page's own code can avoid, by a line each output must not hold.

@@ -22,13 +22,12 @@ import pytest
 import safetensors.torch
 import torch
 
+from helpers.quiet import assert_quiet
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 300  # seconds per launch; 20-45 s each on 2 busy cores
 STEP = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
-# What third-party libraries print unasked: warnings, deprecations, tips, start-up banners, progress bars.
-NOISE = re.compile(r"warn|deprecat|tip:|^\[transformers\]|^\[rank \d\]|gpu available|tpu available|initializing "
-                   r"distributed|distributed_backend|it/s\]|omp_num_threads|site-packages|^\{'", re.I | re.M)
 
 
 def run_example(script: str, *args: str, cwd: Path, nproc: int = 2) -> str:
@@ -54,12 +53,6 @@ def run_example(script: str, *args: str, cwd: Path, nproc: int = 2) -> str:
 def losses(output: str) -> dict[int, float]:
     """`step N loss X` lines -> {N: X}."""
     return {int(step): float(loss) for step, loss in STEP.findall(output)}
-
-
-def assert_quiet(output: str) -> None:
-    """No line of a third-party warning, notice or banner (rank 0's own lines only)."""
-    noisy = [line for line in output.splitlines() if NOISE.search(line)]
-    assert noisy == [], "third-party lines in the output:\n" + "\n".join(noisy)
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
