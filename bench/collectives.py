@@ -26,7 +26,8 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
-         "reduce_scatter": "reduce-scatter (torch's, AVG)", "all_reduce": "all-reduce + own rows"}
+         "reduce_scatter": "reduce-scatter (torch's, AVG)", "all_reduce": "all-reduce + own rows",
+         "all_to_all": "all-to-all + sum", "sends": "a send to each rank + sum"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,10 +55,27 @@ def forms(full: torch.Tensor, shard: torch.Tensor, rank: int, world_size: int):
         dist.all_reduce(full)
         shard.copy_(full.view(world_size, -1)[rank]).div_(world_size)
 
+    received = torch.empty_like(full)
+
+    def all_to_all():
+        dist.all_to_all_single(received, full)
+        torch.sum(received.view(world_size, -1), dim=0, out=shard).div_(world_size)
+
+    def sends():
+        rows, into = full.view(world_size, -1), received.view(world_size, -1)
+        works = [op(rows[r] if op is dist.isend else into[r], r) for r in range(world_size) if r != rank
+                 for op in (dist.isend, dist.irecv)]
+        into[rank].copy_(rows[rank])
+        for work in works:
+            work.wait()
+        torch.sum(into, dim=0, out=shard).div_(world_size)
+
     return {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
             "broadcasts": broadcasts,
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
-            "all_reduce": all_reduce}
+            "all_reduce": all_reduce,
+            "all_to_all": all_to_all,
+            "sends": sends}
 
 
 def worker(args) -> None:

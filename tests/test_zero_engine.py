@@ -234,14 +234,14 @@ def test_rank_divergent_branch_neither_hangs_nor_mixes_units(ranks, strategy):
     assert ranks.run(_divergent_grads, 2, strategy, timeout=60) == [[], []]
 
 
-def _divergent_grads_all_reduce_form(strategy):
+def _divergent_grads_gloo_forms(strategy):
     with coll_threshold(0):  # the form real models' units take (Note [gloo collectives])
         return _divergent_grads(strategy)
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_rank_divergent_branch_in_the_all_reduce_form(ranks, strategy):
+def test_rank_divergent_branch_in_the_gloo_forms(ranks, strategy):
     """Catches zero1's in-place sum sending a unit's sums of an earlier step again when this rank
     did not use the unit (Note [kept gradients summed in place]): measured, rank 0's branch
     gradient was wrong from the second step."""
-    assert ranks.run(_divergent_grads_all_reduce_form, 2, strategy, timeout=60) == [[], []]
+    assert ranks.run(_divergent_grads_gloo_forms, 2, strategy, timeout=60) == [[], []]

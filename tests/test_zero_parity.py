@@ -28,16 +28,17 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
     check_parity(ranks, strategy, name, 2, CONFIGS, shard_kwargs={"checkpoint_activations": True})
 
 
-def _run_with_all_reduce_form(*args):
-    with coll_threshold(0):  # every reduce as gloo's all-reduce (Note [gloo collectives])
+def _run_with_gloo_forms(*args):
+    with coll_threshold(0):  # every reduce in gloo's forms: all-to-all, zero1's all-reduce (Note [gloo collectives])
         return run_on_rank(*args)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", ["gpt", "unused_branch", "odd_shapes", "frozen"])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_parity_with_reduces_as_all_reduce(ranks, strategy, name, world_size):
-    """The zoo's units are below ALL_REDUCE_FROM_BYTES, so the grid above runs torch's
-    reduce-scatter; this runs the all-reduce form real models take. Catches wrong rows kept,
-    a missing average, or the unused-parameter flags lost in that form."""
-    check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_all_reduce_form)
+def test_parity_with_reduces_in_gloo_forms(ranks, strategy, name, world_size):
+    """The zoo's units are below GLOO_FORMS_FROM_BYTES, so the grid above runs torch's
+    reduce-scatter; this runs the forms real models take on gloo (an all-to-all summed here;
+    zero1's all-reduce in place). Catches wrong rows kept, a missing average, rows summed
+    from the wrong chunks, or the unused-parameter flags lost in those forms."""
+    check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_gloo_forms)

@@ -10,9 +10,10 @@ import shardwise.engine.collectives as coll
 
 @contextlib.contextmanager
 def coll_threshold(bytes_per_rank: int):
-    """Reduces whose rows per rank reach `bytes_per_rank` take gloo's all-reduce form (0: all)."""
-    previous, coll.ALL_REDUCE_FROM_BYTES = coll.ALL_REDUCE_FROM_BYTES, bytes_per_rank
+    """Reduces whose rows per rank reach `bytes_per_rank` take gloo's forms (all-to-all; zero1's all-reduce in
+    place), 0: all of them (Note [gloo collectives])."""
+    previous, coll.GLOO_FORMS_FROM_BYTES = coll.GLOO_FORMS_FROM_BYTES, bytes_per_rank
     try:
         yield
     finally:
-        coll.ALL_REDUCE_FROM_BYTES = previous
+        coll.GLOO_FORMS_FROM_BYTES = previous

@@ -106,22 +106,25 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
     return [bool(v) for v in values.tolist()]
 
 
-# Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast
-# and all-reduce (one thread per rank, loopback, interleaved rounds, ms;
-# `python bench/collectives.py`, bench/results/collectives.md, median of 7 on a quiet machine):
+# Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast,
+# all-reduce and all-to-all (one thread per rank, loopback, interleaved rounds, ms;
+# `python bench/collectives.py`, bench/results/collectives.md, median of 5 on a quiet machine):
 #
-#   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows
-#     2     1      1.5         0.8        |       1.9              1.6
-#     2    64     79.9        23.3        |     111.4             62.1
-#     4     1      2.5         2.4        |       4.0              5.7
-#     4    64    132.2        45.1        |     201.1            109.3
+#   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows  all-to-all + sum
+#     2     4      4.3         1.7        |       7.1              2.8                  2.0
+#     2    64     57.2        22.7        |      93.9             50.1                 32.2
+#     4     4      8.1         4.1        |      14.0              9.7                  4.9
+#     4    64    147.1        40.5        |     245.2            101.0                 52.4
 #
 # So on gloo a gather is one asynchronous broadcast per rank, each from the rank whose rows it
-# carries, and a reduce-scatter whose rows per rank reach ALL_REDUCE_FROM_BYTES an all-reduce of
-# which each rank keeps its own rows (the same sums on every rank, so the ranks' rows agree as
-# before). NCCL's own all-gather and reduce-scatter are the fast ones there. Both forms keep Note
-# [collective order]: one group, the same sequence of calls on every rank.
-ALL_REDUCE_FROM_BYTES = 512 * 1024  # per rank's rows; below it (4 ranks, 1 MiB) torch's reduce-scatter won
+# carries, and a reduce-scatter whose rows per rank reach GLOO_FORMS_FROM_BYTES an all-to-all:
+# each rank receives every rank's copy of its own rows (the same bytes a ring reduce-scatter
+# moves, half an all-reduce's) and sums them itself, in rank order, so the ranks' rows agree as
+# before. It needs a receive buffer the size of the packed one while the reduce is in flight,
+# which the all-reduce form (summed in place) did not; the estimator counts it. NCCL's own
+# all-gather and reduce-scatter are the fast ones there. Both forms keep Note [collective order]:
+# one group, the same sequence of calls on every rank.
+GLOO_FORMS_FROM_BYTES = 512 * 1024  # per rank's rows; below it (4 ranks, 1 MiB) torch's reduce-scatter won
 
 
 def _is_gloo(group) -> bool:
@@ -156,12 +159,12 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
                        what: str = "a reduce-scatter") -> Pending:
     """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
     with named_failure(what):
-        if _is_gloo(group) and packed.numel() * packed.element_size() // world_size >= ALL_REDUCE_FROM_BYTES:
-            # Note [gloo collectives]: `packed` is the caller's scratch buffer, summed in place
-            rank = dist.get_rank(group)
-            work = dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            pending = Pending([work], packed, what,
-                              finish=lambda summed: summed.view(world_size, -1)[rank] / world_size)
+        if world_size > 1 and _is_gloo(group) and packed.nbytes // world_size >= GLOO_FORMS_FROM_BYTES:
+            # Note [gloo collectives]: every rank's copy of this rank's rows, summed here
+            received = torch.empty_like(packed)
+            work = dist.all_to_all_single(received, packed, group=group, async_op=True)
+            pending = Pending([work], received, what, sent=packed,
+                              finish=lambda copies: _average_copies(copies, world_size))
         else:
             shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
             work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
@@ -171,12 +174,23 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
     return pending
 
 
+def _average_copies(copies: Tensor, world_size: int) -> Tensor:
+    """The mean of the `world_size` copies of this rank's rows that an all-to-all received, added in rank
+    order into one new tensor: half the time of `sum(dim=0)` on CPU, which writes a temporary first."""
+    by_rank = copies.view(world_size, -1)
+    mean = by_rank[0] + by_rank[1]
+    for rows in by_rank[2:]:
+        mean.add_(rows)
+    return mean.div_(world_size)
+
+
 def sums_in_place(full: Tensor, world_size: int, group) -> bool:
-    """Whether `reduce_in_place` is the faster reduce of kept full gradients (`full`, param-major):
-    gloo's all-reduce over its own reduce-scatter from ALL_REDUCE_FROM_BYTES per rank (Note [gloo
-    collectives]); it also skips packing rank-major. Depends only on sizes and the backend, so every
-    rank decides alike."""
-    return _is_gloo(group) and full.numel() * full.element_size() // world_size >= ALL_REDUCE_FROM_BYTES
+    """Whether `reduce_in_place` reduces kept full gradients (`full`, param-major): on gloo from
+    GLOO_FORMS_FROM_BYTES per rank (Note [gloo collectives]). The all-reduce moves twice the bytes of
+    the all-to-all, but needs no rank-major pack and no receive buffer: zero1 holds every full
+    gradient until the step, and two more copies of a unit would raise its peak. Depends only on
+    sizes and the backend, so every rank decides alike."""
+    return _is_gloo(group) and full.numel() * full.element_size() // world_size >= GLOO_FORMS_FROM_BYTES
 
 
 def reduce_in_place(full: Tensor, group, async_op: bool, what: str = "an all-reduce") -> Pending:

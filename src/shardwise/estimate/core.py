@@ -26,7 +26,9 @@ besides activations. zero3: the root unit (gathered for the whole forward), at m
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
 (the tied head's gradient waits there for the embedding's) and one packed reduce
-input (r·F: one reduce in flight, engine/zero.py's _MAX_PENDING_REDUCES). zero1/zero2 keep
+input (r·F: one reduce in flight, engine/reducer.py's MAX_PENDING_REDUCES) with its receive
+buffer (r·F more: gloo's all-to-all form, Note [gloo collectives]; NCCL's reduce-scatter
+needs 1/N of it, so there this counts up to one unit's gradients too many). zero1/zero2 keep
 their full parameters, so only the two in-flight re-gathers and the same backward
 buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket. When the probe measured the
@@ -343,8 +345,10 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool =
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    # unit grads, root grads, the packed reduce
-    backward = c * biggest + c * root.full + r * biggest if with_backward else 0
+    # unit grads, root grads, the packed reduce and (zero2/3) its receive buffer: gloo's all-to-all form
+    # (Note [gloo collectives]); zero1 sums its kept gradients in place
+    reduce = (1 if config.keeps_full_grads else 2) * r * biggest
+    backward = c * biggest + c * root.full + reduce if with_backward else 0
     if not config.keeps_full_params:  # zero3
         return c * root.full + 3 * c * biggest + backward
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight

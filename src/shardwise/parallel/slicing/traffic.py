@@ -91,12 +91,14 @@ def count_collectives(tensor_group=None):
     """Count payload bytes of every collective this rank issues inside the block (Note [traffic
     model]); yields a `Traffic` filled as they run. A collective on `tensor_group` is the slices';
     a floating-point one on any other group is the engine's data-axis traffic, whatever form the
-    engine gives it (an all-gather, or one broadcast per rank; a reduce-scatter, or an all-reduce
-    of which each rank keeps its rows): gathers add up to the gathered size, reductions to the
-    reduced buffer's. Integer collectives (the engine's agreements) go to `other`."""
+    engine gives it (an all-gather, or one broadcast per rank; a reduce-scatter, an all-to-all whose
+    copies each rank sums, or an all-reduce of which each rank keeps its rows): gathers add up to
+    the gathered size, reductions to the reduced buffer's. Integer collectives (the engine's
+    agreements) go to `other`."""
     traffic = Traffic()
     tensor_ranks = dist.get_process_group_ranks(tensor_group) if tensor_group is not None else None
-    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather", "broadcast")
+    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_gather",
+             "broadcast")
     real = {name: getattr(dist, name) for name in names}
 
     def record(kind: str, nbytes: int, group, floating: bool) -> None:
@@ -133,6 +135,10 @@ def count_collectives(tensor_group=None):
         record("reduce_scatter", nbytes(input), group, input.is_floating_point())
         return real["reduce_scatter_single"](output, input, *args, group=group, **kwargs)
 
+    def all_to_all_single(output, input, *args, group=None, **kwargs):
+        record("all_to_all", nbytes(input), group, input.is_floating_point())
+        return real["all_to_all_single"](output, input, *args, group=group, **kwargs)
+
     def all_gather(outputs, tensor, *args, group=None, **kwargs):
         record("gather", sum(nbytes(t) for t in outputs), group, tensor.is_floating_point())
         return real["all_gather"](outputs, tensor, *args, group=group, **kwargs)
@@ -142,7 +148,8 @@ def count_collectives(tensor_group=None):
         return real["broadcast"](tensor, *args, group=group, **kwargs)
 
     patched = {"all_reduce": all_reduce, "all_gather_single": all_gather_single,
-               "reduce_scatter_single": reduce_scatter_single, "all_gather": all_gather, "broadcast": broadcast}
+               "reduce_scatter_single": reduce_scatter_single, "all_to_all_single": all_to_all_single,
+               "all_gather": all_gather, "broadcast": broadcast}
     for name, fn in patched.items():
         setattr(dist, name, fn)
     try:
