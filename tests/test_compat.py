@@ -141,3 +141,25 @@ def test_chunk_cat_lays_gradients_out_rank_major_with_padding():
         flat = coll.pack([g.reshape(-1) for g in grads], rows, world, segments, sum(per_rank), like)  # zero1's
         slow = coll.pack(grads + [None], rows + [1], world, segments + [(sum(per_rank), 0)], sum(per_rank), like)
         assert torch.equal(fast, slow) and torch.equal(flat, slow), world
+
+
+def test_shard_parameters_take_the_optimizers_foreach_kernels(monkeypatch):
+    """Catches a torch release that moves or renames the lists of types its optimizers run foreach
+    kernels for (compat.allow_foreach): a sharded model would then step in the per-tensor loop on
+    CUDA while DDP's plain parameters take the foreach kernels. torch picks foreach only for CUDA-like
+    devices, so the device list is widened to the CPU here to ask the very function AdamW asks."""
+    import torch.optim.optimizer as optimizer_module
+
+    from shardwise.engine.shard_param import ShardParameter
+
+    shard = torch.nn.Parameter(torch.zeros(3))
+    shard.__class__ = ShardParameter
+    monkeypatch.setattr(optimizer_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    assert optimizer_module._default_to_fused_or_foreach([shard], differentiable=False) == (False, True)
+    # and the step itself is the foreach one: it names its tensor lists, which the per-tensor loop never does
+    calls = []
+    real = torch._foreach_lerp_
+    monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shard.grad = torch.ones(3)
+    torch.optim.AdamW([shard], lr=0.1).step()
+    assert calls and torch.all(shard.detach() < 0)

@@ -45,6 +45,19 @@ DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 # parameters): run torch's own behaviour, plain tensors out.
 plain_tensors = torch._C.DisableTorchFunctionSubclass
 
+def allow_foreach(tensor_type: type) -> None:
+    """Let torch's optimizers (and its foreach utilities) take their multi-tensor kernels for parameters
+    of `tensor_type`, as torch/distributed/tensor registers DTensor: both check a parameter's exact
+    type against these lists, and any other subclass falls back to a Python loop over tensors (on
+    CUDA, one kernel launch per tensor per op; on CPU torch picks the loop for every type)."""
+    import torch.optim.optimizer as optim_module  # `as`: torch.optim deletes the attribute
+    import torch.utils._foreach_utils as foreach_utils
+
+    for supported in (optim_module._foreach_supported_types, foreach_utils._foreach_supported_types):
+        if tensor_type not in supported:
+            supported.append(tensor_type)
+
+
 def chunk_cat(tensors: list[torch.Tensor], num_chunks: int) -> torch.Tensor:
     """Each tensor cut into `num_chunks` padded chunks along dim 0, concatenated chunk by chunk:
     a (num_chunks, sum of chunk sizes) tensor in one kernel (collectives.pack)."""

@@ -58,7 +58,7 @@ import torch
 import torch.utils.hooks
 from torch import nn
 
-from shardwise.engine.compat import get_grad, plain_tensors, refuse_clip_after_step, set_data, set_grad
+from shardwise.engine.compat import allow_foreach, get_grad, plain_tensors, refuse_clip_after_step, set_data, set_grad
 from shardwise.errors import ShardwiseError
 
 _set_data, _get_grad, _set_grad = set_data, get_grad, set_grad  # compat.py
@@ -139,6 +139,11 @@ class ShardParameter(nn.Parameter):
     def grad(self) -> None:
         _set_grad(self, None)
 
+
+# Its elementwise ops are torch's own (with the check above), so the optimizer's foreach kernels apply:
+# without this a ShardParameter would step in torch's per-tensor loop where DDP's plain parameters
+# take the foreach kernels (CUDA).
+allow_foreach(ShardParameter)
 
 _REBINDS = {_set_data, _set_grad}  # the engine's own swaps of rows and whole tensors (whole_step.py)
 
