@@ -338,7 +338,7 @@ def _gather_note(strategy: str, probed: bool, no_batch: bool) -> str:
     probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"
              if no_batch else "")
     return (f"gather/reduce buffers: held only while a step runs: {held}, plus in backward one unit's and the "
-            f"root's full gradients and one reduce in flight{probe}")
+            f"root's full gradients and one reduce in flight (its input and its receive buffer){probe}")
 
 
 def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
