@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import doc_blocks
+from helpers.launch import run
 from helpers.quiet import assert_no_warning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,16 +49,13 @@ def child_env() -> dict:
 
 
 def communicate(command: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
-    """Run `command` in a session of its own; past `timeout` kill all of it (torchrun's ranks too)."""
-    process = subprocess.Popen(command, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return -1, output + f"\n(killed after {timeout} s)"
-    return process.returncode, output
+    """Run `command`; past `timeout` kill all of it, torchrun's ranks too (they run in sessions of their own,
+    so killing the agent's group would leave them holding a pipe), and print each rank's stacks."""
+    launch = run(command, cwd / "launch.log", timeout, env=child_env(), cwd=cwd)
+    output = launch.log.read_text(errors="replace")
+    if launch.timed_out:
+        return -1, output + f"\n(killed after {timeout} s; still there: {', '.join(launch.hung)})"
+    return launch.returncodes[0], output
 
 
 @pytest.fixture(scope="module")

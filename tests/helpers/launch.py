@@ -51,7 +51,7 @@ def torchrun_argv(*launcher_args: str, job_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(JOB), *job_args]
 
 
-def start_agent(launch: Launch, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+def start_agent(launch: Launch, argv: list[str], env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
     """Start one torchrun agent in the launch (its own session; output appended to the log)."""
     full_env = dict(os.environ if env is None else env)
     full_env[TAG] = launch.tag
@@ -59,7 +59,8 @@ def start_agent(launch: Launch, argv: list[str], env: dict | None = None) -> sub
     src = str(Path(__file__).resolve().parents[2] / "src")
     full_env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [full_env.get("PYTHONPATH")])])
     with open(launch.log, "ab") as log:
-        agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                 start_new_session=True)
     launch.agents.append(agent)
     return agent
 
@@ -82,10 +83,10 @@ def wait(launch: Launch, timeout: float) -> Launch:
     return launch
 
 
-def run(argv: list[str], log: Path, timeout: float) -> Launch:
+def run(argv: list[str], log: Path, timeout: float, env: dict | None = None, cwd: Path | None = None) -> Launch:
     """One torchrun, waited for."""
     launch = new_launch(log)
-    start_agent(launch, argv)
+    start_agent(launch, argv, env, cwd)
     return wait(launch, timeout)
 
 

@@ -11,17 +11,21 @@ library's logger must not quiet the next session's). What a library does once a 
 session only: tests/scripts/fresh_clone_trial.py runs each session as a process of its own.
 Before a session, its name goes to stderr, where the libraries print, so the launch's output can
 be split by session. One launch for many sessions saves a Python + torch start (seconds on 2
-busy cores) per session.
+busy cores) per session. Under torchrun, a session that fails on one rank ends the launch: the
+others could otherwise wait for that rank, in the session's collectives or the next one's
+sw.init, until sw.init's timeout (10 minutes), and the launch would hang instead of failing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import io
 import json
 import logging
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -74,7 +78,8 @@ def release(captured: io.StringIO) -> None:
 
 
 def main(sessions_file: str, results_file: str) -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a timed-out launch asks each rank for its stacks
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank:
         results_file = f"{results_file}.{rank}"
     results = {}
@@ -85,6 +90,11 @@ def main(sessions_file: str, results_file: str) -> None:
         printed, error = run(Path(script))
         results[name] = {"printed": printed, "error": error, "seconds": round(time.perf_counter() - start, 1)}
         Path(results_file).write_text(json.dumps(results))  # what ran so far, should a session hang
+        if error and world_size > 1:
+            # The other ranks may wait in this session's collectives, or join the next session's group without
+            # this rank, each until sw.init's timeout: end the launch now (torchrun stops every rank).
+            print(f"rank {rank} stops the launch: session {name} failed", file=sys.stderr, flush=True)
+            sys.exit(1)
     print(f"ran {len(results)} sessions", file=sys.stderr)
 
 
