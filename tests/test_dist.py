@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.dist import _agree_token, _read_launch_env
+from shardwise.dist import _agree_token, _host_join, _read_launch_env
 
 
 @pytest.mark.parametrize("present", [("RANK",), ("RANK", "WORLD_SIZE"), ("MASTER_ADDR", "MASTER_PORT", "RANK")])
@@ -182,6 +182,42 @@ def test_a_rank_claimed_twice_forms_no_group_with_both():
     assert all("two processes joined as rank 1" in str(e) for e in errors), errors
     if isinstance(results[2], str):
         assert tokens == [results[2]], results
+
+
+class _CountInDuringTheCheck:
+    """A store on which rank 2 counts in right after rank 0 has listed the missing ranks and before it reads
+    how many counted in: the window in which the race of 2026-12-02 struck."""
+
+    def __init__(self, store):
+        self.store, self.raced = store, False
+
+    def add(self, key, value):
+        if key.endswith("/joins") and value == 0 and not self.raced:
+            self.raced = True
+            prefix = key.rsplit("/", 1)[0]
+            self.store.add(f"{prefix}/joins", 1)
+            self.store.add(f"{prefix}/joined/2", 1)
+        return self.store.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_rank_that_has_not_counted_in_is_never_taken_for_one_that_has():
+    """Catches rank 0's check for a rank claimed twice creating the count-in key of a rank that had not
+    counted in yet (`store.add(key, 0)` creates the key), so that rank 0 said go without it: measured in 1
+    of 24 4-rank launches under load, the three others then waited in gloo for the fourth's address
+    (test_deferred's "StoreError: wait timeout ... /0//cpu//0/2") while it still waited for its welcome.
+    Rank 1 never says hello here: rank 0 must name it, and never write its count-in key."""
+    inner = dist.HashStore()
+    inner.add("shardwise/hello/2/count", 1)
+    inner.set("shardwise/hello/2/1", "\nnonce-of-rank-2")
+    store = _CountInDuringTheCheck(inner)
+    with pytest.raises(sw.ShardwiseError, match="rank 1 of 3 did not join"):
+        _host_join(store, 3, time.monotonic() + 1.0, "")
+    assert store.raced
+    token = inner.get("shardwise/welcome/nonce-of-rank-2").decode().partition("\n")[2]
+    assert not inner.check([f"shardwise/{token}/joined/1"])
 
 
 def _listening_addresses(port: int) -> list[str]:

@@ -232,7 +232,9 @@ def _host_join(store: dist.Store, world_size: int, deadline: float, run_id: str)
         missing = [r for r in missing if not store.check([f"shardwise/{token}/joined/{r}"])]
         twice = []
         if store.add(f"shardwise/{token}/joins", 0) > world_size - 1 - len(missing):
-            twice = [r for r in answered if store.add(f"shardwise/{token}/joined/{r}", 0) > 1]
+            # Only the ranks that counted in, read with `get`: `add(key, 0)` would create the key of a rank
+            # that has not, and the next poll would take it for joined (go without it: a hang in gloo).
+            twice = [r for r in answered if r not in missing and int(store.get(f"shardwise/{token}/joined/{r}")) > 1]
         if twice or (missing and time.monotonic() > deadline):
             kind, ranks = ("twice", twice) if twice else ("absent", missing)
             store.set(f"shardwise/{token}/abort", f"{kind}:{','.join(map(str, ranks))}")
