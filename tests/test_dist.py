@@ -206,7 +206,7 @@ class _CountInDuringTheCheck:
 def test_a_rank_that_has_not_counted_in_is_never_taken_for_one_that_has():
     """Catches rank 0's check for a rank claimed twice creating the count-in key of a rank that had not
     counted in yet (`store.add(key, 0)` creates the key), so that rank 0 said go without it: measured in 1
-    of 24 4-rank launches under load, the three others then waited in gloo for the fourth's address
+    of 30 4-rank launches under load, the three others then waited in gloo for the fourth's address
     (test_deferred's "StoreError: wait timeout ... /0//cpu//0/2") while it still waited for its welcome.
     Rank 1 never says hello here: rank 0 must name it, and never write its count-in key."""
     inner = dist.HashStore()
