@@ -129,9 +129,11 @@ def report(table: dict, args) -> str:
         for mib, ms in sizes.items():
             lines.append(f"| {world_size} | {mib} | " + " | ".join(f"{ms[name]:.1f}" for name in FORMS)
                          + f" | {ms['all_gather'] / ms['broadcasts']:.2f}× | "
-                         f"{ms['reduce_scatter'] / ms['all_reduce']:.2f}× |")
+                         f"{ms['reduce_scatter'] / ms['all_to_all']:.2f}× |")
     lines += ["", "gather ÷ = torch's all-gather time over the broadcasts'; reduce ÷ = torch's reduce-scatter "
-              "over the all-reduce's (above 1: the engine's form is faster)."]
+              "over the all-to-all's (above 1: the engine's form is faster). The engine gathers with the broadcasts "
+              "and reduces zero2/zero3 with the all-to-all; zero1 sums its kept gradients with the all-reduce, "
+              "in place (Note [gloo collectives])."]
     return "\n".join(lines) + "\n"
 
 

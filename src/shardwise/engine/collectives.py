@@ -111,10 +111,10 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # `python bench/collectives.py`, bench/results/collectives.md, median of 5 on a quiet machine):
 #
 #   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows  all-to-all + sum
-#     2     4      4.3         1.7        |       7.1              2.8                  2.0
-#     2    64     57.2        22.7        |      93.9             50.1                 32.2
-#     4     4      8.1         4.1        |      14.0              9.7                  4.9
-#     4    64    147.1        40.5        |     245.2            101.0                 52.4
+#     2     1      1.2         0.7        |       2.3              2.0                  0.8
+#     2    64     85.0        26.1        |     113.7             64.2                 43.0
+#     4     1      5.7         2.0        |       7.5              6.5                  2.1
+#     4    64    218.0        47.1        |     255.1            118.7                 66.4
 #
 # So on gloo a gather is one asynchronous broadcast per rank, each from the rank whose rows it
 # carries, and a reduce-scatter whose rows per rank reach GLOO_FORMS_FROM_BYTES an all-to-all:
@@ -123,8 +123,13 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # before. It needs a receive buffer the size of the packed one while the reduce is in flight,
 # which the all-reduce form (summed in place) did not; the estimator counts it. NCCL's own
 # all-gather and reduce-scatter are the fast ones there. Both forms keep Note [collective order]:
-# one group, the same sequence of calls on every rank.
-GLOO_FORMS_FROM_BYTES = 512 * 1024  # per rank's rows; below it (4 ranks, 1 MiB) torch's reduce-scatter won
+# one group, the same sequence of calls on every rank. zero1 keeps the all-reduce, in place
+# (sums_in_place): its kept gradients need no pack and no receive buffer that way.
+
+# Per rank's rows. Set when the all-reduce was the form (torch's reduce-scatter won below it, 4 ranks, 1 MiB);
+# the all-to-all beats torch's at 1 MiB too (2.9x at 2 ranks, 3.6x at 4) and could start lower: not measured.
+# The zoo's small units stay below it, so the tests run torch's own form as well (tests/helpers/forms.py).
+GLOO_FORMS_FROM_BYTES = 512 * 1024
 
 
 def _is_gloo(group) -> bool:
