@@ -72,11 +72,15 @@ def new_launch(log: Path) -> Launch:
 def wait(launch: Launch, timeout: float) -> Launch:
     """Wait for every agent; past `timeout` (seconds from the launch's start), kill the whole run."""
     deadline = launch.started + timeout
-    for agent in launch.agents:
-        try:
-            agent.wait(timeout=max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            break
+    try:
+        for agent in launch.agents:
+            try:
+                agent.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                break
+    except BaseException:  # Ctrl-C or pytest's own timeout while waiting: leave no worker running
+        kill_all(launch)
+        raise
     if any(agent.poll() is None for agent in launch.agents) or processes(launch.tag):
         launch.hung = kill_all(launch)  # also workers an agent left behind
     launch.returncodes = [agent.poll() for agent in launch.agents]
