@@ -136,6 +136,12 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+def _gloo_form(buffer: Tensor, world_size: int, group) -> bool:
+    """Whether a reduce of `buffer` takes gloo's form (Note [gloo collectives]): from GLOO_FORMS_FROM_BYTES
+    per rank. Sizes and the backend alone decide, so every rank decides alike."""
+    return _is_gloo(group) and buffer.nbytes // world_size >= GLOO_FORMS_FROM_BYTES
+
+
 def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_op: bool,
                what: str = "an all-gather") -> Pending:
     """Gather every rank's flat shard into one rank-major buffer of `world_size * S`. The shard may
@@ -164,7 +170,7 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
                        what: str = "a reduce-scatter") -> Pending:
     """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
     with named_failure(what):
-        if world_size > 1 and _is_gloo(group) and packed.nbytes // world_size >= GLOO_FORMS_FROM_BYTES:
+        if world_size > 1 and _gloo_form(packed, world_size, group):
             # Note [gloo collectives]: every rank's copy of this rank's rows, summed here
             received = torch.empty_like(packed)
             work = dist.all_to_all_single(received, packed, group=group, async_op=True)
@@ -193,9 +199,8 @@ def sums_in_place(full: Tensor, world_size: int, group) -> bool:
     """Whether `reduce_in_place` reduces kept full gradients (`full`, param-major): on gloo from
     GLOO_FORMS_FROM_BYTES per rank (Note [gloo collectives]). The all-reduce moves twice the bytes of
     the all-to-all, but needs no rank-major pack and no receive buffer: zero1 holds every full
-    gradient until the step, and two more copies of a unit would raise its peak. Depends only on
-    sizes and the backend, so every rank decides alike."""
-    return _is_gloo(group) and full.numel() * full.element_size() // world_size >= GLOO_FORMS_FROM_BYTES
+    gradient until the step, and two more copies of a unit would raise its peak."""
+    return _gloo_form(full, world_size, group)
 
 
 def reduce_in_place(full: Tensor, group, async_op: bool, what: str = "an all-reduce") -> Pending:
