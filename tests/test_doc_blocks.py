@@ -41,8 +41,8 @@ def write_script(session: doc_blocks.Session, folder: Path) -> Path:
 
 def child_env() -> dict:
     # Unbuffered: what a library prints lands between the runner's session lines, in the session that printed it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    # helpers/launch.py puts src/ on PYTHONPATH for every launch.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     return env
