@@ -141,6 +141,11 @@ def test_chunk_cat_lays_gradients_out_rank_major_with_padding():
         flat = coll.pack([g.reshape(-1) for g in grads], rows, world, segments, sum(per_rank), like)  # zero1's
         slow = coll.pack(grads + [None], rows + [1], world, segments + [(sum(per_rank), 0)], sum(per_rank), like)
         assert torch.equal(fast, slow) and torch.equal(flat, slow), world
+        for with_none in (False, True):  # into zero1's kept buffer, through either path, stale values overwritten
+            out = torch.full((world * sum(per_rank),), float("nan"))
+            into = coll.pack(grads + [None] * with_none, rows + [1] * with_none, world,
+                             segments + [(sum(per_rank), 0)] * with_none, sum(per_rank), like, out=out)
+            assert into.data_ptr() == out.data_ptr() and torch.equal(out, slow), (world, with_none)
 
 
 def test_shard_parameters_take_the_optimizers_foreach_kernels(monkeypatch):

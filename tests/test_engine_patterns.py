@@ -312,18 +312,18 @@ def test_zero3_prefetches_in_the_forward_order_it_saw(ranks):
         assert counts[1] <= 2 * num_units - 1 < counts[0], (counts, num_units)
 
 
-def _after_one_step_summed_in_place(name: str, strategy: str | None):
-    with coll_threshold(0):  # zero1 sums its kept gradients in place (Note [kept gradients summed in place])
+def _after_one_step_in_gloo_forms(name: str, strategy: str | None):
+    with coll_threshold(0):  # zero1 averages into its kept gradients (Note [kept gradients rank-major])
         return _after_one_step(name, strategy)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_zero1_patterns_with_gradients_summed_in_place(ranks, name):
-    """Catches zero1's in-place sum losing a gradient carried from an earlier backward, averaging
-    twice, or keeping a partial sum after a backward that raised (the zoo's units are below the
-    size where that form is taken, so this forces it)."""
+def test_zero1_patterns_with_kept_gradients_in_gloo_forms(ranks, name):
+    """Catches zero1's kept gradients losing a gradient carried from an earlier backward, averaging
+    twice, or keeping a partial sum after a backward that raised, where the all-to-all averages
+    into them (the zoo's units are below the size where that form is taken, so this forces it)."""
     reference = _after_one_step(name, None)
-    for got in ranks.run(_after_one_step_summed_in_place, 2, name, "zero1"):
+    for got in ranks.run(_after_one_step_in_gloo_forms, 2, name, "zero1"):
         for key, value in reference.items():
             torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
 

@@ -241,7 +241,7 @@ def _divergent_grads_gloo_forms(strategy):
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_rank_divergent_branch_in_the_gloo_forms(ranks, strategy):
-    """Catches zero1's in-place sum sending a unit's sums of an earlier step again when this rank
-    did not use the unit (Note [kept gradients summed in place]): measured, rank 0's branch
-    gradient was wrong from the second step."""
+    """Catches zero1 sending a unit's kept sums of an earlier step again when this rank did not
+    use the unit (Note [kept gradients rank-major]): measured on the in-place all-reduce that came
+    before, rank 0's branch gradient was wrong from the second step."""
     assert ranks.run(_divergent_grads_gloo_forms, 2, strategy, timeout=60) == [[], []]

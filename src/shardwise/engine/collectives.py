@@ -123,8 +123,8 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # before. It needs a receive buffer the size of the packed one while the reduce is in flight,
 # which the all-reduce form (summed in place) did not; the estimator counts it. NCCL's own
 # all-gather and reduce-scatter are the fast ones there. Both forms keep Note [collective order]:
-# one group, the same sequence of calls on every rank. zero1 keeps the all-reduce, in place
-# (sums_in_place): its kept gradients need no pack and no receive buffer that way.
+# one group, the same sequence of calls on every rank. zero1 reduces the same way, its kept
+# gradients being the packed input (Note [kept gradients rank-major], unit_grads.py).
 
 # Per rank's rows. Set when the all-reduce was the form (torch's reduce-scatter won below it, 4 ranks, 1 MiB);
 # the all-to-all beats torch's at 1 MiB too (2.9x at 2 ranks, 3.6x at 4) and could start lower: not measured.
@@ -167,15 +167,18 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
 
 
 def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
-                       what: str = "a reduce-scatter") -> Pending:
-    """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows."""
+                       what: str = "a reduce-scatter", out: Tensor | None = None) -> Pending:
+    """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows, in
+    `out` where the form allows it (gloo's all-to-all; zero1 passes its own rows of `packed`)."""
+    if world_size == 1:  # the mean of one copy: no collective, no copy (zero1's rows are in place already)
+        return Pending([], packed, what)
     with named_failure(what):
-        if world_size > 1 and _gloo_form(packed, world_size, group):
+        if _gloo_form(packed, world_size, group):
             # Note [gloo collectives]: every rank's copy of this rank's rows, summed here
             received = torch.empty_like(packed)
             work = dist.all_to_all_single(received, packed, group=group, async_op=True)
             pending = Pending([work], received, what, sent=packed,
-                              finish=lambda copies: _average_copies(copies, world_size))
+                              finish=lambda copies: _average_copies(copies, world_size, out))
         else:
             shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
             work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
@@ -185,32 +188,14 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
     return pending
 
 
-def _average_copies(copies: Tensor, world_size: int) -> Tensor:
+def _average_copies(copies: Tensor, world_size: int, out: Tensor | None = None) -> Tensor:
     """The mean of the `world_size` copies of this rank's rows that an all-to-all received, added in rank
-    order into one new tensor: half the time of `sum(dim=0)` on CPU, which writes a temporary first."""
+    order into one tensor (new, or `out`): half the time of `sum(dim=0)` on CPU, which writes a temporary first."""
     by_rank = copies.view(world_size, -1)
-    mean = by_rank[0] + by_rank[1]
+    mean = torch.add(by_rank[0], by_rank[1], out=out)
     for rows in by_rank[2:]:
         mean.add_(rows)
     return mean.div_(world_size)
-
-
-def sums_in_place(full: Tensor, world_size: int, group) -> bool:
-    """Whether `reduce_in_place` reduces kept full gradients (`full`, param-major): on gloo from
-    GLOO_FORMS_FROM_BYTES per rank (Note [gloo collectives]). The all-reduce moves twice the bytes of
-    the all-to-all, but needs no rank-major pack and no receive buffer: zero1 holds every full
-    gradient until the step, and two more copies of a unit would raise its peak."""
-    return _gloo_form(full, world_size, group)
-
-
-def reduce_in_place(full: Tensor, group, async_op: bool, what: str = "an all-reduce") -> Pending:
-    """Sum `full` over the ranks in place (the caller divides the rows it keeps)."""
-    with named_failure(what):
-        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    pending = Pending([work], full, what)
-    if not async_op:
-        pending.wait()
-    return pending
 
 
 def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor]) -> None:
@@ -229,18 +214,24 @@ def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]],
 
 
 def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments: list[tuple[int, int]],
-         total: int, like: Tensor) -> Tensor:
-    """Full gradients (None = unused this step: zeros) -> one rank-major buffer for reduce-scatter.
+         total: int, like: Tensor, out: Tensor | None = None) -> Tensor:
+    """Full gradients (None = unused this step: zeros) -> one rank-major buffer for reduce-scatter
+    (written into `out`, of `world_size * total` elements, when given: zero1's kept gradients).
 
     Rank r's segment of parameter i is its rows r*c:(r+1)*c (c = ceil(rows / world_size)), the last
     ranks' padded with zeros: exactly what chunking every gradient along dim 0 into `world_size`
     padded chunks and concatenating chunk-wise gives, so it is one `chunk_cat` kernel (FSDP2's
     reduce-scatter input is built the same way) where every gradient is present, non-empty and in
     `like`'s dtype; a copy per parameter otherwise."""
+    by_rank = None if out is None else out.view(world_size, total)
     if grads and all(g is not None and g.numel() and g.dtype == like.dtype for g in grads):
-        # By rows: zero1's kept gradients come flat, and a 0-D scalar is one row.
-        return chunk_cat([g.reshape(num_rows, -1) for g, num_rows in zip(grads, rows)], world_size).view(-1)
-    packed = torch.zeros(world_size, total, dtype=like.dtype, device=like.device)
+        # By rows: a 0-D scalar is one row.
+        return chunk_cat([g.reshape(num_rows, -1) for g, num_rows in zip(grads, rows)], world_size,
+                         out=by_rank).view(-1)
+    if by_rank is None:
+        packed = torch.zeros(world_size, total, dtype=like.dtype, device=like.device)
+    else:
+        packed = by_rank.zero_()
     for grad, num_rows, (offset, numel) in zip(grads, rows, segments):
         if grad is None or numel == 0:
             continue

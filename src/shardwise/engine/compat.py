@@ -58,10 +58,12 @@ def allow_foreach(tensor_type: type) -> None:
             supported.append(tensor_type)
 
 
-def chunk_cat(tensors: list[torch.Tensor], num_chunks: int) -> torch.Tensor:
+def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each tensor cut into `num_chunks` padded chunks along dim 0, concatenated chunk by chunk:
-    a (num_chunks, sum of chunk sizes) tensor in one kernel (collectives.pack)."""
-    return torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks)
+    a (num_chunks, sum of chunk sizes) tensor in one kernel (collectives.pack), written into `out` if given."""
+    if out is None:
+        return torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks)
+    return torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
 
 
 # Refilling a freed unit's storage without bumping the version counters autograd saved

@@ -58,8 +58,7 @@ class Reducer:
         """Reduce every unit not reduced yet, in order, wait for all reduces to land, and hand
         every unit its rows after one agreement on which parameters were used."""
         for unit in self.order[self.next :]:
-            grads = self.ready.pop(id(unit), None)
-            self._launch(unit, unit.grads.full_list() if grads is None else grads)
+            self._launch(unit, self.ready.pop(id(unit), None))  # None: the kept gradients, or zeros
         self.next = len(self.order)
         while self.pending:
             self._land_oldest()

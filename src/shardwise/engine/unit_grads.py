@@ -12,6 +12,20 @@ gradient is None or not), so the ranks agree on it with one small all-reduce of 
 step over the host group (collectives.any_rank), after every reduce has landed: the hot path
 reads no device value to decide it (a read per parameter, then per unit, stalled a GPU's stream
 at every unit boundary).
+
+Note [kept gradients rank-major]: zero1 keeps every full gradient until the step (and any
+stage does under no_sync) in `full`, laid out exactly as the reduce sends it: rank-major, rank
+r's rows of every parameter back to back (collectives.pack). The first backward of a window
+packs its gradients straight over the buffer (one `chunk_cat`, zeros for a parameter with none:
+no zeroing, no add), a later one adds a packed copy; the reduce then sends `full` itself, and
+on gloo's all-to-all form averages the copies it receives into this rank's own rows of `full`,
+of which each shard's gradient is a view. So zero1 reduces as zero2 does: half the bytes of the
+in-place all-reduce it used before (bench/results/collectives.md), no pack, no copy of its rows.
+The receive buffer (one unit, while the reduce is in flight) is what it costs on gloo; the
+estimator counts it. Where it reduces with torch's reduce-scatter (NCCL, small units) it now
+packs nothing and holds no packed copy. Measured (29.5M GPT, 2 ranks on 2 cores, 3 interleaved
+rounds): step x DDP 1.03 before and after, within the machine's noise; alone (1 rank), backward
+750-810 ms against 780-815 ms.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ class UnitGrads:
 
     def __init__(self, unit) -> None:
         self.unit = unit
-        self.full: Tensor | None = None  # accumulated full gradients, param-major (zero1; no_sync)
+        self.full: Tensor | None = None  # accumulated full gradients, rank-major (zero1; no_sync)
         self.phase = GradPhase.IDLE
         self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
         self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
@@ -44,83 +58,85 @@ class UnitGrads:
         self.indices: list[int] = []  # the trainable parameters it reduces, in packing order
         self.used_here: list[bool] = []  # per reduced parameter: did this rank have a gradient
         self.waiting: dict[int, Tensor] = {}  # landed rows of parameters this rank did not use, by column
-        self.summed_in_place = False  # the last reduce summed `full` itself (zero1 on gloo)
+        self.into_full: Tensor | None = None  # where the last reduce averaged into `full`'s own rows, if so
 
     # ---- accumulation (zero1, no_sync) --------------------------------------------------
 
-    def _begin_accumulation(self) -> None:
+    def _pack(self, grads: list[Tensor | None], indices: list[int], out: Tensor | None = None) -> Tensor:
+        """The gradients of `indices` (None: zeros), packed rank-major (collectives.pack)."""
+        layouts = [self.unit.layouts[i] for i in indices]
+        segments, offset = [], 0
+        for layout in layouts:
+            segments.append((offset, layout.shard_numel))
+            offset += layout.shard_numel
+        return coll.pack([grads[i] for i in indices], [layout.rows for layout in layouts], self.unit.world_size,
+                         segments, offset, torch.empty(0, dtype=self.unit.reduce_dtype, device=self.unit.device),
+                         out=out)
+
+    def _every_index(self) -> list[int]:
+        return list(range(len(self.unit.layouts)))
+
+    def _begin_accumulation(self, grads: list[Tensor | None]) -> None:
+        """Note [kept gradients rank-major]: the first backward of a window writes its gradients
+        (zeros where None) over `full`, packed as the reduce sends them: no zeroing, no add."""
         unit = self.unit
         if self.full is None:
-            self.full = torch.zeros(unit.full_flat.shape, dtype=unit.reduce_dtype, device=unit.device)
-            return
-        # zero1 keeps `full` allocated across steps, and its shards' grads are views of their
-        # own rows in it: set aside any the user kept (accumulating across steps), then start
-        # the new window from zero.
-        for i, shard in enumerate(unit.shard_params):
-            if shard.grad is not None:
-                self.carried[i] = shard.grad.clone()
-                shard.grad = None
-        self.full.zero_()
+            self.full = torch.empty(unit.full_flat.shape, dtype=unit.reduce_dtype, device=unit.device)
+        else:
+            # zero1 keeps `full` allocated across steps, and its shards' grads are views of their
+            # own rows in it: set aside any the user kept (accumulating across steps) first.
+            for i, shard in enumerate(unit.shard_params):
+                if shard.grad is not None:
+                    self.carried[i] = shard.grad.clone()
+                    shard.grad = None
+        self._pack(grads, self._every_index(), out=self.full)
 
     def accumulate(self, grads: list[Tensor | None]) -> None:
         """Add this backward's full gradients into `full` (zero1, or under no_sync)."""
-        if self.phase is GradPhase.IDLE:
-            self._begin_accumulation()
-            self.phase = GradPhase.ACCUMULATING
+        self.used.update(i for i, grad in enumerate(grads) if grad is not None)
         with torch.no_grad():
-            for index, (layout, grad) in enumerate(zip(self.unit.layouts, grads)):
-                if grad is not None:
-                    self.used.add(index)
-                    start = self.unit.world_size * layout.offset
-                    self.full[start : start + layout.rows * layout.row_numel].add_(grad.reshape(-1))
+            if self.phase is GradPhase.IDLE:
+                self._begin_accumulation(grads)
+                self.phase = GradPhase.ACCUMULATING
+            elif any(grad is not None for grad in grads):  # a later micro-batch: rare, one packed temporary
+                self.full.add_(self._pack(grads, self._every_index()))
 
     def holds_full(self) -> bool:
         """Whether accumulated full gradients exist (zero1 always; zero2/zero3 after no_sync)."""
         return self.full is not None
 
-    def full_list(self) -> list[Tensor | None]:
-        """The accumulated full gradients per parameter (None: unused in the window)."""
-        if self.full is None:
-            return [None] * len(self.unit.layouts)
-        out = []
-        for index, layout in enumerate(self.unit.layouts):
-            start = self.unit.world_size * layout.offset
-            out.append(self.full[start : start + layout.rows * layout.row_numel] if index in self.used else None)
-        return out
+    def _own_rows(self, layout) -> Tensor:
+        """This rank's rows of one parameter in `full` (rank-major: contiguous)."""
+        start = self.unit.rank * (self.full.numel() // self.unit.world_size) + layout.offset
+        return self.full[start : start + layout.shard_numel]
 
     # ---- the reduce ------------------------------------------------------------------------
 
-    def start_reduce(self, grads: list[Tensor | None], async_op: bool) -> None:
-        """Reduce-scatter (average) the full gradients of the trainable parameters; a None is
-        zeros here and "unused" in `used_here` (Note [unused params])."""
+    def start_reduce(self, grads: list[Tensor | None] | None, async_op: bool) -> None:
+        """Reduce-scatter (average) the full gradients of the trainable parameters: `grads`, or
+        with None the kept ones (`full`; zeros where this rank kept none). A None gradient is zeros
+        here and "unused" in `used_here` (Note [unused params])."""
         unit = self.unit
         self.indices = unit.trainable()
-        self.used_here = [grads[i] is not None for i in self.indices]
         what = f"the gradient reduce of unit {unit.label} ({unit.where})"
-        self.summed_in_place = self._sums_in_place()
-        if self.summed_in_place:  # Note [kept gradients summed in place]
+        self.into_full = None
+        if grads is None and self.full is not None:  # Note [kept gradients rank-major]
             if self.phase is GradPhase.IDLE:  # this rank added nothing in this window: it sends zeros
-                self._begin_accumulation()  # (a buffer left from an earlier step would add its sums again)
-            self.pending = coll.reduce_in_place(self.full, unit.reduce_group, async_op, what)
-            return
-        segments, offset = [], 0
-        for i in self.indices:
-            segments.append((offset, unit.layouts[i].shard_numel))
-            offset += unit.layouts[i].shard_numel
-        rows = [unit.layouts[i].rows for i in self.indices]
-        packed = coll.pack([grads[i] for i in self.indices], rows, unit.world_size, segments, offset,
-                           torch.empty(0, dtype=unit.reduce_dtype, device=unit.device))
-        self.pending = coll.reduce_scatter_avg(packed, unit.world_size, unit.reduce_group, async_op, what)
-
-    def _sums_in_place(self) -> bool:
-        """Note [kept gradients summed in place]: zero1 keeps every full gradient until the step,
-        param-major, in the shards' own dtype; where an all-reduce is the faster collective (gloo,
-        collectives.sums_in_place) it sums that buffer in place, and each shard's gradient is a view
-        of its own rows, divided by the world size: no rank-major copy, no separate reduced buffer.
-        Decided from the stage, dtypes and sizes alone, so every rank issues the same collective."""
-        unit = self.unit
-        return (unit.stage.keeps_full_grads and unit.reduce_dtype == unit.dtype
-                and coll.sums_in_place(unit.full_flat, unit.world_size, unit.reduce_group))
+                self._begin_accumulation([None] * len(unit.layouts))  # (not an earlier step's sums)
+            self.used_here = [i in self.used for i in self.indices]
+            if self.indices == self._every_index():
+                packed = self.full  # already the reduce's input
+                self.into_full = self.full.view(unit.world_size, -1)[unit.rank]
+            else:  # frozen parameters in the unit: their rows stay home
+                by_rank = self.full.view(unit.world_size, -1)
+                packed = torch.cat([by_rank[:, unit.layouts[i].offset : unit.layouts[i].offset
+                                            + unit.layouts[i].shard_numel] for i in self.indices], dim=1).view(-1)
+        else:
+            grads = [None] * len(unit.layouts) if grads is None else grads
+            self.used_here = [grads[i] is not None for i in self.indices]
+            packed = self._pack(grads, self.indices)
+        self.pending = coll.reduce_scatter_avg(packed, unit.world_size, unit.reduce_group, async_op, what,
+                                               out=self.into_full)
 
     def land(self) -> None:
         """Wait for the reduce, then hand out at once the rows of every parameter this rank used
@@ -128,18 +144,16 @@ class UnitGrads:
         agreement on which parameters any rank used decides (Note [unused params])."""
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()
+        in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         offset = 0
         for column, i in enumerate(self.indices):
             layout = unit.layouts[i]
-            if self.summed_in_place:  # Note [kept gradients summed in place]: the own rows of the sum
-                rows = unit.own_rows(self.full, layout).view(layout.shard_shape).div_(unit.world_size)
-            else:
-                rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(unit.dtype)
-                offset += layout.shard_numel
+            rows = reduced[offset : offset + layout.shard_numel].view(layout.shard_shape).to(unit.dtype)
+            offset += layout.shard_numel
             if self.used_here[column]:
                 self._give(i, rows)
             else:  # a copy: the reduced buffer is released now, as when every row is handed out
-                self.waiting[column] = rows if self.summed_in_place else rows.clone()
+                self.waiting[column] = rows if in_full else rows.clone()
         self.phase = GradPhase.IDLE
         self.used.clear()
         if not unit.stage.keeps_full_grads:
@@ -166,12 +180,12 @@ class UnitGrads:
         carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
         if shard.grad is not None:
             shard.grad.add_(rows)
-        elif self.summed_in_place:  # `rows` is already the shard's own rows of the kept sums
-            shard.grad = rows if carried is None else rows.add_(carried)
         elif unit.stage.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
-            # zero1: the shard's grad is a view of its own rows of the kept full grads,
-            # so the gradients are stored once, not twice.
-            own = unit.own_rows(self.full, unit.layouts[i]).view(unit.layouts[i].shard_shape).copy_(rows)
+            # zero1: the shard's grad is a view of its own rows of the kept full grads, so the
+            # gradients are stored once, not twice (the all-to-all averaged them there already).
+            own = self._own_rows(unit.layouts[i]).view(unit.layouts[i].shard_shape)
+            if own.data_ptr() != rows.data_ptr():
+                own.copy_(rows)
             shard.grad = own if carried is None else own.add_(carried)
         else:
             shard.grad = rows if carried is None else rows + carried

@@ -309,7 +309,7 @@ class ZeroEngine(Engine):
         # Either way the reduce starts now, overlapping the rest of backward.
         if self.stage.keeps_full_grads or unit.grads.holds_full():
             unit.grads.accumulate(grads)
-            grads = unit.grads.full_list()
+            grads = None  # the kept ones
         self.reducer.add(unit, grads)
 
     def _finalize_backward(self) -> None:

@@ -28,8 +28,10 @@ bytes; in backward also one unit's full gradients from autograd (c·F), the root
 (the tied head's gradient waits there for the embedding's) and one packed reduce
 input (r·F: one reduce in flight, engine/reducer.py's MAX_PENDING_REDUCES) with its receive
 buffer (r·F more: gloo's all-to-all form, Note [gloo collectives]; NCCL's reduce-scatter
-needs 1/N of it, so there this counts up to one unit's gradients too many; zero1 reducing in
-its master dtype sums its kept gradients in place, with neither). zero1/zero2 keep
+needs 1/N of it, so there this counts up to one unit's gradients too many; zero1's kept
+gradients are that input already, Note [kept gradients rank-major], so only the receive
+buffer counts; a unit with frozen parameters packs its trainable ones apart, one input
+more than counted). zero1/zero2 keep
 their full parameters, so only the two in-flight re-gathers and the same backward
 buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket. When the probe measured the
@@ -227,9 +229,9 @@ def estimate(
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
-        gather = _zero_transient(plan_units, shard_config, c, r, master, with_backward=not probed)
+        gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
     if gather:
-        notes.append(_gather_note(strategy, probed, batch is None, _sums_in_place(shard_config, r, master)))
+        notes.append(_gather_note(strategy, probed, batch is None, shard_config.keeps_full_grads))
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -329,7 +331,7 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
     return parameters, gradients, optimizer_state, offloaded
 
 
-def _gather_note(strategy: str, probed: bool, no_batch: bool, in_place: bool = False) -> str:
+def _gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = False) -> str:
     """What the gather/reduce buffers row holds, in a line (Note [transient buffers])."""
     held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
             "zero3": "the root unit and up to 3 others gathered at once"}.get(
@@ -338,23 +340,19 @@ def _gather_note(strategy: str, probed: bool, no_batch: bool, in_place: bool = F
         return f"gather/reduce buffers: held only while a step runs: {held}"
     probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"
              if no_batch else "")
-    reduce = "summed in place" if in_place else "its input and its receive buffer"
+    reduce = ("its receive buffer: the kept gradients are its input" if kept_input
+              else "its input and its receive buffer")
     return (f"gather/reduce buffers: held only while a step runs: {held}, plus in backward one unit's and the "
             f"root's full gradients and one reduce in flight ({reduce}){probe}")
 
 
-def _sums_in_place(config: ShardConfig, r: int, master: int) -> bool:
-    """zero1 reducing its kept gradients in their own dtype sums them in place (unit_grads._sums_in_place)."""
-    return config.keeps_full_grads and r == master
-
-
-def _zero_transient(plan_units, config: ShardConfig, c, r, master, with_backward: bool = True) -> int:
+def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    # unit grads, root grads, the reduce in flight: summed in place (zero1 in the master dtype), or the
-    # packed input and its receive buffer (gloo's all-to-all form, Note [gloo collectives])
-    reduce = (1 if _sums_in_place(config, r, master) else 2) * r * biggest
+    # unit grads, root grads, the reduce in flight: the packed input and its receive buffer (gloo's
+    # all-to-all form, Note [gloo collectives]); zero1's input is its kept gradients (counted in its state)
+    reduce = (1 if config.keeps_full_grads else 2) * r * biggest
     backward = c * biggest + c * root.full + reduce if with_backward else 0
     if not config.keeps_full_params:  # zero3
         return c * root.full + 3 * c * biggest + backward
