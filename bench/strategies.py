@@ -19,6 +19,13 @@ strategy's savings hardly show in RSS. Each config therefore runs twice: the tim
 run with the default allocator, and a short run with MALLOC_MMAP_THRESHOLD_=65536
 (large blocks are mmap'd and returned on free) that reports only peak RSS, since
 that allocator makes steps slower.
+
+Note [CPU-bound]: on the CPU machine every rank runs one compute thread and the ranks share
+the cores, and gloo's transfers over loopback are CPU work too (copies through the kernel).
+Each run therefore also records each rank's process CPU time per step (all its threads); summed
+over the ranks, it comes near cores x step time when the cores were saturated. There overlap
+buys nothing and an arm is faster only by doing less work: less communication, fewer copies,
+less Python, a smaller optimizer step.
 """
 
 from __future__ import annotations
@@ -200,12 +207,12 @@ def run_worker(args) -> None:
     module, optimizer = apply_config(model, args.config, args, world_size)
     rows = slice(None) if not distributed else slice(rank * args.batch, (rank + 1) * args.batch)
 
-    losses, times, state_bytes = [], [], 0
+    losses, times, cpu_times, state_bytes = [], [], [], 0
     total = args.warmup + args.steps
     for step in range(total):
         idx, targets = global_batch(args, step, world_size)
         idx, targets = idx[rows], targets[rows]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if args.config in ds.CONFIGS:  # the engine's backward and step; grads are dropped inside
             loss = ds.train_step(module, idx, targets)
             if step == total - 1:
@@ -218,9 +225,10 @@ def run_worker(args) -> None:
                 state_bytes = model_state_bytes(model, optimizer, args.config)
             optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)  # every thread of the rank: gloo's too
         losses.append(loss.item())
 
-    record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times,
+    record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times, "cpu_times": cpu_times,
               "model_state_bytes": state_bytes,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -308,6 +316,8 @@ def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None
         formula_mib=(replicated * psi + sharded * psi / world_size) / MIB,
         peak_rss_mib=max(r["peak_rss_bytes"] for r in ranks) / MIB,
         num_params=psi,
+        # The CPU work of a step: each rank's median, summed over the ranks (Note [CPU-bound]).
+        cpu_s_per_step=sum(statistics.median(r["cpu_times"][args.warmup:]) for r in ranks),
     )
     if mmap and "ranks" in mmap:
         row["peak_rss_mmap_mib"] = max(r["peak_rss_bytes"] for r in mmap["ranks"]) / MIB
@@ -326,7 +336,9 @@ def combine_repeats(repeats: list[dict]) -> dict:
         return repeats[0]
     row = dict(ok[0])
     medians = [r["median_step_s"] for r in ok]
+    cpu = [r["cpu_s_per_step"] for r in ok]
     row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
+               cpu_s_per_step=statistics.median(cpu), run_cpu_s=cpu,
                max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
     return row
 
@@ -343,11 +355,11 @@ def add_loss_diff_vs_ddp(group: list[dict]) -> None:
                       f"max |loss - DDP's| = {row['max_loss_diff_vs_ddp']:.2e}")
 
 
-def paired_text(row: dict, anchor: dict | None) -> str:
+def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> str:
     """The paired ratio with its per-round range: "1.03 (0.93-1.12)"."""
-    if not anchor or "run_medians_s" not in row or "run_medians_s" not in anchor:
+    if not anchor or key not in row or key not in anchor:
         return "—"
-    ratios = [a / b for a, b in zip(row["run_medians_s"], anchor["run_medians_s"])]
+    ratios = [a / b for a, b in zip(row[key], anchor[key])]
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
@@ -364,24 +376,29 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
              f"'mmap' is a {args.mmap_steps}-step run with MALLOC_MMAP_THRESHOLD_=65536"
              + ("" if mmap_run else " (skipped)") + ". Model state counted in storages after optimizer.step() "
              "(DeepSpeed: the storages reachable from its parameters and its optimizer's attributes, "
-             "after engine.step(), which has already dropped the gradients)."]
+             "after engine.step(), which has already dropped the gradients). Note [CPU-bound]: 'CPU s/step' "
+             "sums each rank's process CPU time per step (all its threads, the backend's included); where it "
+             "comes near (cores) × step time, the cores were saturated and step time is CPU work, so an arm "
+             "is faster only by doing less of it."]
     for ws in world_sizes:
         group = [r for r in rows if r["world_size"] == ws]
         by = {r["config"]: r for r in group}
         fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
         lines += ["", f"### world size {ws}", "",
-                  "| config | median step s | × no-comm | × DDP | × FSDP2 | model state MiB/rank | formula MiB | "
+                  "| config | median step s | × no-comm | × DDP | × FSDP2 | CPU s/step, all ranks | CPU × DDP | "
+                  "model state MiB/rank | formula MiB | "
                   "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference | "
                   "vs DDP |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in group:
             if "error" in r["timed"]:
-                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 10)
+                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 12)
                 continue
             t, m = r["median_step_s"], r["model_state_mib"]
             lines.append(
                 f"| {r['label']} | {t:.3f} | {paired_text(r, by.get('local'))} | "
                 f"{paired_text(r, by.get('ddp'))} | {paired_text(r, by.get('fsdp2'))} | "
+                f"{fmt(r.get('cpu_s_per_step'), '.3f')} | {paired_text(r, by.get('ddp'), 'run_cpu_s')} | "
                 f"{m:.1f} | {r['formula_mib']:.1f} | "
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
                 f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} | "
