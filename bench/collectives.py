@@ -132,8 +132,7 @@ def report(table: dict, args) -> str:
                          f"{ms['reduce_scatter'] / ms['all_to_all']:.2f}× |")
     lines += ["", "gather ÷ = torch's all-gather time over the broadcasts'; reduce ÷ = torch's reduce-scatter "
               "over the all-to-all's (above 1: the engine's form is faster). The engine gathers with the broadcasts "
-              "and reduces zero2/zero3 with the all-to-all; zero1 sums its kept gradients with the all-reduce, "
-              "in place (Note [gloo collectives])."]
+              "and reduces with the all-to-all, zero1's kept gradients included (Note [gloo collectives])."]
     return "\n".join(lines) + "\n"
 
 

@@ -125,27 +125,36 @@ def test_preserve_version_counter_keeps_the_counter():
     assert tensor._version == before and torch.equal(tensor, torch.ones(4))
 
 
-def test_chunk_cat_lays_gradients_out_rank_major_with_padding():
+def test_chunk_cat_lays_gradients_out_rank_major_with_padding(monkeypatch):
     """Catches a torch release that changes `_chunk_cat`'s layout (the reduce-scatter would hand
     each rank another rank's rows): the engine's own per-parameter packing is the reference."""
     import shardwise.engine.collectives as coll
+    from shardwise.engine.compat import chunk_cat as compat_chunk_cat
 
     grads = [torch.randn(5, 3), torch.randn(4), torch.randn(()), torch.randn(1, 2), torch.randn(0, 3),
              torch.randn(3, 2, 2)]
     rows = [5, 4, 1, 1, 0, 3]
+    calls = []
+    monkeypatch.setattr(coll, "chunk_cat", lambda *a, **k: calls.append(1) or compat_chunk_cat(*a, **k))
     for world in (1, 2, 3, 4):
         per_rank = [-(-r // world) * (g[0].numel() if g.dim() and r else 1) for g, r in zip(grads, rows)]
         segments = [(sum(per_rank[:i]), n) for i, n in enumerate(per_rank)]
-        like = torch.empty(0)
-        fast = coll.pack(grads, rows, world, segments, sum(per_rank), like)
-        flat = coll.pack([g.reshape(-1) for g in grads], rows, world, segments, sum(per_rank), like)  # zero1's
-        slow = coll.pack(grads + [None], rows + [1], world, segments + [(sum(per_rank), 0)], sum(per_rank), like)
+        like, total = torch.empty(0), sum(per_rank)
+        # chunk_cat's path takes non-empty gradients only: the empty one goes through the copies' path
+        full = [i for i, g in enumerate(grads) if g.numel()]
+        fast = coll.pack([grads[i] for i in full], [rows[i] for i in full], world, [segments[i] for i in full],
+                         total, like)
+        flat = coll.pack([grads[i].reshape(-1) for i in full], [rows[i] for i in full], world,
+                         [segments[i] for i in full], total, like)  # a 0-D scalar flattened is still one row
+        slow = coll.pack(grads + [None], rows + [1], world, segments + [(total, 0)], total, like)
         assert torch.equal(fast, slow) and torch.equal(flat, slow), world
         for with_none in (False, True):  # into zero1's kept buffer, through either path, stale values overwritten
-            out = torch.full((world * sum(per_rank),), float("nan"))
-            into = coll.pack(grads + [None] * with_none, rows + [1] * with_none, world,
-                             segments + [(sum(per_rank), 0)] * with_none, sum(per_rank), like, out=out)
+            out = torch.full((world * total,), float("nan"))
+            picked = [grads[i] for i in full] + [None] * with_none
+            into = coll.pack(picked, [rows[i] for i in full] + [1] * with_none, world,
+                             [segments[i] for i in full] + [(total, 0)] * with_none, total, like, out=out)
             assert into.data_ptr() == out.data_ptr() and torch.equal(out, slow), (world, with_none)
+    assert len(calls) == 4 * 3, calls  # fast, flat and the out= without None, at each world size
 
 
 def test_shard_parameters_take_the_optimizers_foreach_kernels(monkeypatch):

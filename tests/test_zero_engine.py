@@ -245,3 +245,29 @@ def test_rank_divergent_branch_in_the_gloo_forms(ranks, strategy):
     use the unit (Note [kept gradients rank-major]): measured on the in-place all-reduce that came
     before, rank 0's branch gradient was wrong from the second step."""
     assert ranks.run(_divergent_grads_gloo_forms, 2, strategy, timeout=60) == [[], []]
+
+
+def _no_sync_buffer_after_the_synced_backward(strategy):
+    with coll_threshold(0):  # the all-to-all form as well as torch's: the leak showed in both
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        sw.shard(model, strategy=strategy, units=nn.Linear)
+        x = torch.randn(4, 8)
+        with sw.no_sync(model):
+            model(x).pow(2).mean().backward()
+        model(x).pow(2).mean().backward()
+        engine = engine_of(model)
+        kept = [unit.grads.full is not None for unit in engine.units]
+        # A shard's gradient may be a view of its unit's reduced rows (S per rank), never of the full buffer.
+        most = max(unit.shard_total for unit in engine.units) * 4
+        shared = [name for name, p in model.named_parameters() if p.grad.untyped_storage().nbytes() > most]
+        return kept, shared
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_no_sync_full_gradients_go_after_the_synced_backward(ranks, strategy):
+    """Catches zero2/zero3 keeping a unit's full no_sync gradients (4 bytes per parameter) past the synced
+    backward: measured (on review) when the all-to-all averaged into a view of that buffer, each shard's
+    gradient kept all of it alive until zero_grad, and the next window allocated another."""
+    for kept, shared in ranks.run(_no_sync_buffer_after_the_synced_backward, 2, strategy, timeout=60):
+        assert not any(kept) and shared == [], (kept, shared)

@@ -29,7 +29,7 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
 
 
 def _run_with_gloo_forms(*args):
-    with coll_threshold(0):  # every reduce in gloo's forms: all-to-all, zero1's all-reduce (Note [gloo collectives])
+    with coll_threshold(0):  # every reduce in gloo's form: the all-to-all (Note [gloo collectives])
         return run_on_rank(*args)
 
 
@@ -38,7 +38,7 @@ def _run_with_gloo_forms(*args):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_parity_with_reduces_in_gloo_forms(ranks, strategy, name, world_size):
     """The zoo's units are below GLOO_FORMS_FROM_BYTES, so the grid above runs torch's
-    reduce-scatter; this runs the forms real models take on gloo (an all-to-all summed here;
-    zero1's all-reduce in place). Catches wrong rows kept, a missing average, rows summed
+    reduce-scatter; this runs the form real models take on gloo (an all-to-all summed here,
+    zero1's into its kept gradients). Catches wrong rows kept, a missing average, rows summed
     from the wrong chunks, or the unused-parameter flags lost in those forms."""
     check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_gloo_forms)

@@ -10,8 +10,8 @@ import shardwise.engine.collectives as coll
 
 @contextlib.contextmanager
 def coll_threshold(bytes_per_rank: int):
-    """Reduces whose rows per rank reach `bytes_per_rank` take gloo's forms (all-to-all; zero1's all-reduce in
-    place), 0: all of them (Note [gloo collectives])."""
+    """Reduces whose rows per rank reach `bytes_per_rank` take gloo's form (an all-to-all each rank sums;
+    zero1's into its kept gradients), 0: all of them (Note [gloo collectives])."""
     previous, coll.GLOO_FORMS_FROM_BYTES = coll.GLOO_FORMS_FROM_BYTES, bytes_per_rank
     try:
         yield

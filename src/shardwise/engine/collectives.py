@@ -121,7 +121,7 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # each rank receives every rank's copy of its own rows (the same bytes a ring reduce-scatter
 # moves, half an all-reduce's) and sums them itself, in rank order, so the ranks' rows agree as
 # before. It needs a receive buffer the size of the packed one while the reduce is in flight,
-# which the all-reduce form (summed in place) did not; the estimator counts it. NCCL's own
+# which an all-reduce summed in place would not; the estimator counts it. NCCL's own
 # all-gather and reduce-scatter are the fast ones there. Both forms keep Note [collective order]:
 # one group, the same sequence of calls on every rank. zero1 reduces the same way, its kept
 # gradients being the packed input (Note [kept gradients rank-major], unit_grads.py).

@@ -16,14 +16,16 @@ at every unit boundary).
 Note [kept gradients rank-major]: zero1 keeps every full gradient until the step (and any
 stage does under no_sync) in `full`, laid out exactly as the reduce sends it: rank-major, rank
 r's rows of every parameter back to back (collectives.pack). The first backward of a window
-packs its gradients straight over the buffer (one `chunk_cat`, zeros for a parameter with none:
-no zeroing, no add), a later one adds a packed copy; the reduce then sends `full` itself, and
+packs its gradients straight over the buffer (one `chunk_cat` where every parameter has a
+non-empty gradient in the reduce dtype: no zeroing, no add; otherwise a zero fill and a copy
+per parameter), a later one adds a packed copy; the reduce then sends `full` itself, and
 on gloo's all-to-all form averages the copies it receives into this rank's own rows of `full`,
 of which each shard's gradient is a view. So zero1 reduces as zero2 does: half the bytes of the
 in-place all-reduce it used before (bench/results/collectives.md), no pack, no copy of its rows.
 The receive buffer (one unit, while the reduce is in flight) is what it costs on gloo; the
 estimator counts it. Where it reduces with torch's reduce-scatter (NCCL, small units) it now
-packs nothing and holds no packed copy. Measured (29.5M GPT, 2 ranks on 2 cores, 3 interleaved
+packs nothing and holds no packed copy (a unit with frozen parameters still packs its trainable
+ones apart). Measured (29.5M GPT, 2 ranks on 2 cores, 3 interleaved
 rounds): step x DDP 1.03 before and after, within the machine's noise; alone (1 rank), backward
 750-810 ms against 780-815 ms.
 """
@@ -78,7 +80,7 @@ class UnitGrads:
 
     def _begin_accumulation(self, grads: list[Tensor | None]) -> None:
         """Note [kept gradients rank-major]: the first backward of a window writes its gradients
-        (zeros where None) over `full`, packed as the reduce sends them: no zeroing, no add."""
+        (zeros where None) over `full`, packed as the reduce sends them: no add."""
         unit = self.unit
         if self.full is None:
             self.full = torch.empty(unit.full_flat.shape, dtype=unit.reduce_dtype, device=unit.device)
@@ -126,7 +128,9 @@ class UnitGrads:
             self.used_here = [i in self.used for i in self.indices]
             if self.indices == self._every_index():
                 packed = self.full  # already the reduce's input
-                self.into_full = self.full.view(unit.world_size, -1)[unit.rank]
+                if unit.stage.keeps_full_grads:  # zero1: the average lands in its kept rows; zero2/zero3
+                    # get fresh rows, so that `full` goes once the reduce lands (no_sync's 4 bytes/param)
+                    self.into_full = self.full.view(unit.world_size, -1)[unit.rank]
             else:  # frozen parameters in the unit: their rows stay home
                 by_rank = self.full.view(unit.world_size, -1)
                 packed = torch.cat([by_rank[:, unit.layouts[i].offset : unit.layouts[i].offset
@@ -145,6 +149,7 @@ class UnitGrads:
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()
         in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
+        self.into_full = None
         offset = 0
         for column, i in enumerate(self.indices):
             layout = unit.layouts[i]
