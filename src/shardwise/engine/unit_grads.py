@@ -107,10 +107,13 @@ class UnitGrads:
         """Whether accumulated full gradients exist (zero1 always; zero2/zero3 after no_sync)."""
         return self.full is not None
 
+    def _by_rank(self) -> Tensor:
+        """`full` as (world_size, S): row r holds rank r's rows of every parameter, in shard order."""
+        return self.full.view(self.unit.world_size, -1)
+
     def _own_rows(self, layout) -> Tensor:
         """This rank's rows of one parameter in `full` (rank-major: contiguous)."""
-        start = self.unit.rank * (self.full.numel() // self.unit.world_size) + layout.offset
-        return self.full[start : start + layout.shard_numel]
+        return self._by_rank()[self.unit.rank, layout.offset : layout.offset + layout.shard_numel]
 
     # ---- the reduce ------------------------------------------------------------------------
 
@@ -130,9 +133,9 @@ class UnitGrads:
                 packed = self.full  # already the reduce's input
                 if unit.stage.keeps_full_grads:  # zero1: the average lands in its kept rows; zero2/zero3
                     # get fresh rows, so that `full` goes once the reduce lands (no_sync's 4 bytes/param)
-                    self.into_full = self.full.view(unit.world_size, -1)[unit.rank]
+                    self.into_full = self._by_rank()[unit.rank]
             else:  # frozen parameters in the unit: their rows stay home
-                by_rank = self.full.view(unit.world_size, -1)
+                by_rank = self._by_rank()
                 packed = torch.cat([by_rank[:, unit.layouts[i].offset : unit.layouts[i].offset
                                             + unit.layouts[i].shard_numel] for i in self.indices], dim=1).view(-1)
         else:
