@@ -67,15 +67,16 @@ def test_sliced_matches_one_process(ranks, name, data, tensor, strategy):
             raise AssertionError(f"{name} on {data} x {tensor} ({strategy}): rank {rank} differs\n{error}") from None
 
 
-@pytest.mark.parametrize("data,tensor,strategy", [(1, 2, None), (2, 2, "zero3")])
-def test_clipping_a_sliced_model_uses_the_whole_norm(ranks, data, tensor, strategy):
+@pytest.mark.parametrize("data,tensor,strategy,norm_type,clip", [
+    (1, 2, None, 2.0, 0.5), (2, 2, "zero3", 2.0, 0.5), (1, 2, None, float("inf"), 0.02)])
+def test_clipping_a_sliced_model_uses_the_whole_norm(ranks, data, tensor, strategy, norm_type, clip):
     """Catches sw.clip_grad_norm_ taking the norm of one rank's slices (or counting an unsliced
-    parameter once per tensor rank): the grad norms and the clipped steps would differ."""
-    clip = 0.5
-    ref = reference("gpt", clip=clip)
+    parameter once per tensor rank, or an ∞-norm that is not the largest over ranks): the grad
+    norms and the clipped steps would differ."""
+    ref = reference("gpt", clip=clip, norm_type=norm_type)
     assert max(ref.grad_norms) > clip, ref.grad_norms  # clipping acts, so a wrong norm shows
     for rank, result in enumerate(ranks.run(run_mesh, data * tensor, "gpt", data, tensor, strategy, 5, 8, clip,
-                                            timeout=300)):
+                                            norm_type, timeout=300)):
         try:
             assert_close_runs(ref, result)
         except AssertionError as error:

@@ -134,9 +134,11 @@ def build(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def reference(name: str, steps: int = 5, global_batch_size: int = 8, clip: float | None = None) -> RunResult:
-    """One process, the whole global batch (gradients clipped to `clip` if given)."""
-    return train(build(name), MODELS[name], steps, global_batch_size, clip=clip)
+def reference(name: str, steps: int = 5, global_batch_size: int = 8, clip: float | None = None,
+              norm_type: float = 2.0) -> RunResult:
+    """One process, the whole global batch (gradients clipped to `clip` in `norm_type` if given)."""
+    return train(build(name), MODELS[name], steps, global_batch_size, clip=clip,
+                 clip_fn=lambda m, c: torch.nn.utils.clip_grad_norm_(m.parameters(), c, norm_type))
 
 
 def _average(value: float) -> float:
@@ -146,7 +148,7 @@ def _average(value: float) -> float:
 
 
 def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int = 5,
-             global_batch_size: int = 8, clip: float | None = None) -> RunResult:
+             global_batch_size: int = 8, clip: float | None = None, norm_type: float = 2.0) -> RunResult:
     """On this rank of a data x tensor mesh: slice over "tensor", shard with `strategy` over "data"
     (None: no sharding), train; full (unsliced, unsharded) parameters at the end."""
     mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
@@ -164,7 +166,7 @@ def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int
     optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
     return train(model, spec, steps, global_batch_size, rank=mesh["data"].get_local_rank(), world_size=data,
                  optimizer=optimizer, all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model),
-                 clip=clip, clip_fn=lambda m, c: sw.clip_grad_norm_(m, c))
+                 clip=clip, clip_fn=lambda m, c: sw.clip_grad_norm_(m, c, norm_type))
 
 
 # ---- misuse: each returns this rank's ShardwiseError message (None if nothing was raised) ----------

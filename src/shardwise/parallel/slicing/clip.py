@@ -3,9 +3,11 @@
 Note [sliced norm]: a sliced parameter's gradient is spread over the tensor group (each rank
 its slice) and, under zero3, over the data group (each rank its rows of the slice); a
 parameter no plan slices (a norm, a row-sliced layer's bias) has the same gradient on every
-tensor rank. So the squared norm is this rank's sum over sliced gradients' rows plus, on
+tensor rank. So the norm raised to p is this rank's sum over sliced gradients' rows plus, on
 tensor rank 0 only, its unsliced gradients' rows, summed over every rank of the mesh (over
 the tensor group alone when no engine shards the data axis: replicas hold equal gradients).
+Each rank's part is torch's arithmetic (one norm per tensor, `_foreach_norm`, in the gradients'
+dtype; Note [clip arithmetic]); the ∞-norm is the largest over every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine import engine_of
+from shardwise.engine.compat import plain_tensors
 
 
 def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -27,13 +30,16 @@ def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type
     grads = [(p.grad, getattr(p, "_sw_slice", None) is not None) for p in params if p.grad is not None]
     counted = [g for g, sliced in grads if sliced or slicing.rank == 0]
     norm_type = float(norm_type)
-    if norm_type == float("inf"):
-        total = max((g.abs().max() for g, _ in grads), default=torch.tensor(0.0)).clone().float()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    else:
-        local = sum((g.double().abs().pow(norm_type).sum() for g in counted), torch.tensor(0.0, dtype=torch.float64))
-        dist.all_reduce(local, group=group)
-        total = local.pow(1.0 / norm_type).float()
+    with plain_tensors():  # a zero3 shard's gradient (RowsGrad) refuses norms to everyone else
+        if norm_type == float("inf"):
+            total = torch.nn.utils.get_total_norm([g for g, _ in grads], norm_type).float()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            # torch's arithmetic (Note [clip arithmetic]): one norm per tensor in its dtype (_foreach_norm), and
+            # the norm of those, raised to p so that the ranks' parts add up; no float64 copy of any gradient.
+            powered = torch.nn.utils.get_total_norm(counted, norm_type).float().pow(norm_type)
+            dist.all_reduce(powered, group=group)
+            total = powered.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
     for grad, _ in grads:
         grad.mul_(coefficient.to(grad.dtype))
