@@ -265,6 +265,21 @@ MUTATIONS = [
      '            shard.grad = None',
      '            pass',
      'tests/test_engine_patterns.py -k midway'),
+    ("issue 21: a gather leaves a low-precision zero1/zero2 unit's own rows of its compute copy stale",
+     'FlatUnit._copy_out',
+     'in_place = self.aliased and target is self.full_flat',
+     'in_place = target is self.full_flat',
+     "tests/test_precision.py -k 'bf16 and zero2'"),
+    ("issue 21: the gather skips another rank's rows, not this rank's own",
+     'FlatUnit._copy_out',
+     'skip_rank=self.rank if in_place else None',
+     'skip_rank=(self.rank + 1) % self.world_size if in_place else None',
+     "tests/test_zero_parity.py -k 'gpt and zero2 and 2'"),
+    ("issue 21: the sliced inf-norm is this rank's alone",
+     'clip_sliced_grad_norm_',
+     '            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)',
+     '            pass',
+     'tests/test_slicing.py -k clip'),
 ]
 
 

@@ -198,19 +198,26 @@ def _average_copies(copies: Tensor, world_size: int, out: Tensor | None = None) 
     return mean.div_(world_size)
 
 
-def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor]) -> None:
+def copy_out(gathered: Tensor, world_size: int, segments: list[tuple[int, int]], full_regions: list[Tensor],
+             skip_rank: int | None = None) -> None:
     """Rank-major gathered rows -> each parameter's param-major padded region.
 
     `segments[i]` is (offset, numel) of parameter i inside one rank's shard, back to back from 0
     (param_layout.lay_out); `full_regions[i]` is its padded full region (`world_size * numel`
-    elements). One `split_with_sizes_copy` for the unit, as FSDP2 copies out, not a copy per parameter.
+    elements). One `split_with_sizes_copy` for the unit, as FSDP2 copies out, not a copy per parameter;
+    two when `skip_rank`'s rows are left alone (they are in place already: a zero1/zero2 shard is its
+    rows of the regions), which saves 1/world_size of the copy.
     """
     if not segments:
         return
     by_rank = gathered.view(world_size, -1)
     sizes = [numel for _, numel in segments]
-    torch.split_with_sizes_copy(by_rank, sizes, dim=1,
-                                out=[region.view(world_size, numel) for region, numel in zip(full_regions, sizes)])
+    regions = [region.view(world_size, numel) for region, numel in zip(full_regions, sizes)]
+    spans = [(0, world_size)] if skip_rank is None else [(0, skip_rank), (skip_rank + 1, world_size)]
+    for start, stop in spans:
+        if start < stop:
+            torch.split_with_sizes_copy(by_rank[start:stop], sizes, dim=1,
+                                        out=[region[start:stop] for region in regions])
 
 
 def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments: list[tuple[int, int]],

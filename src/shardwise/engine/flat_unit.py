@@ -275,7 +275,9 @@ class FlatUnit:
         segments = [(layout.offset, layout.shard_numel) for layout in self.layouts]
         regions = [target[self.world_size * layout.offset : self.world_size * (layout.offset + layout.shard_numel)]
                    for layout in self.layouts]
-        coll.copy_out(gathered, self.world_size, segments, regions)
+        # An aliased unit's own rows of full_flat are its shards, which the gather sent: already in place.
+        in_place = self.aliased and target is self.full_flat
+        coll.copy_out(gathered, self.world_size, segments, regions, skip_rank=self.rank if in_place else None)
 
     def _refill(self, gathered: Tensor, target: Tensor) -> None:
         storage = target.untyped_storage()
