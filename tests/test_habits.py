@@ -71,6 +71,7 @@ def _errors(strategy):
     attempt("averaged_model", lambda: torch.optim.swa_utils.AveragedModel(model))
     attempt("lerp", lambda: [before[n].lerp_(p, 0.1) for n, p in model.named_parameters()])
     attempt("foreach_lerp", lambda: torch._foreach_lerp_(list(before.values()), list(model.parameters()), 0.1))
+    attempt("add", lambda: [before[n].add_(p) for n, p in model.named_parameters()])  # two arguments only
     other = build(MODEL)
     optim = torch.optim.AdamW(other.parameters())
     model(x, y).backward()
@@ -89,7 +90,7 @@ def test_whole_tensor_habits_are_errors_that_name_the_fix(ranks, strategy):
         assert "p.register_hook(fn)" in out["post_accumulate"]
         assert "torch.autograd.grad over a sharded model" in out["autograd_grad"]
         assert "sw.EMA(model)" in out["deepcopy"] and "sw.EMA(model)" in out["averaged_model"]
-        assert "full shape" in out["lerp"] and "full shape" in out["foreach_lerp"]
+        assert "full shape" in out["lerp"] and "full shape" in out["foreach_lerp"] and "full shape" in out["add"]
         assert "none of them a parameter of the model" in out["other_model_optimizer"]
 
 

@@ -89,7 +89,9 @@ class ShardParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with plain_tensors():  # nn.Parameter's own behaviour: plain results
-            if func not in _REBINDS:
+            # One argument alone (an attribute read, `p.sqrt()`, a list's own elements) meets no whole
+            # tensor: most calls, which skip the check.
+            if (len(args) > 1 or kwargs) and func not in _REBINDS:
                 _refuse_rows_with_whole(func, args, kwargs)
             return func(*args, **kwargs)
 
