@@ -26,6 +26,15 @@ Each run therefore also records each rank's process CPU time per step (all its t
 over the ranks, it comes near cores x step time when the cores were saturated. There overlap
 buys nothing and an arm is faster only by doing less work: less communication, fewer copies,
 less Python, a smaller optimizer step.
+
+Note [engine-free bound]: zero1 and zero2 move the bytes DDP moves (a reduce-scatter and an
+all-gather in place of an all-reduce) and each rank steps 1/N of the optimizer. An engine that
+cost nothing more, over collectives that cost what DDP's all-reduce does, would therefore step in
+DDP's step time less (N-1)/N of DDP's optimizer step. Each run records its optimizer step, and
+the table gives that bound for each world size as a ratio to DDP, paired per round: it is as fast
+as zero1/zero2 can be here, measured. On gloo the reduce-scatter and all-gather cost a little
+more than the all-reduce of the same bytes at 2 ranks and a little less at 4 (Note [gloo
+collectives] in shardwise/engine/collectives.py), which moves the true floor by about as much.
 """
 
 from __future__ import annotations
@@ -207,7 +216,7 @@ def run_worker(args) -> None:
     module, optimizer = apply_config(model, args.config, args, world_size)
     rows = slice(None) if not distributed else slice(rank * args.batch, (rank + 1) * args.batch)
 
-    losses, times, cpu_times, state_bytes = [], [], [], 0
+    losses, times, cpu_times, optimizer_times, state_bytes = [], [], [], [], 0
     total = args.warmup + args.steps
     for step in range(total):
         idx, targets = global_batch(args, step, world_size)
@@ -220,7 +229,9 @@ def run_worker(args) -> None:
         else:
             loss = module(idx, targets)
             loss.backward()
+            stepping = time.perf_counter()
             optimizer.step()
+            optimizer_times.append(time.perf_counter() - stepping)  # Note [engine-free bound]
             if step == total - 1:  # after a step, before grads are dropped: the most a step holds
                 state_bytes = model_state_bytes(model, optimizer, args.config)
             optimizer.zero_grad(set_to_none=True)
@@ -229,6 +240,7 @@ def run_worker(args) -> None:
         losses.append(loss.item())
 
     record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times, "cpu_times": cpu_times,
+              "optimizer_times": optimizer_times,
               "model_state_bytes": state_bytes,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -319,6 +331,9 @@ def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None
         # The CPU work of a step: each rank's median, summed over the ranks (Note [CPU-bound]).
         cpu_s_per_step=sum(statistics.median(r["cpu_times"][args.warmup:]) for r in ranks),
     )
+    if ranks[0]["optimizer_times"]:  # not the DeepSpeed arms, whose engine steps inside train_step
+        row["optimizer_s"] = statistics.median(
+            max(r["optimizer_times"][i] for r in ranks) for i in range(args.warmup, len(step_max)))
     if mmap and "ranks" in mmap:
         row["peak_rss_mmap_mib"] = max(r["peak_rss_bytes"] for r in mmap["ranks"]) / MIB
     if reference and "ranks" in reference:
@@ -339,6 +354,7 @@ def combine_repeats(repeats: list[dict]) -> dict:
     cpu = [r["cpu_s_per_step"] for r in ok]
     row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
                cpu_s_per_step=statistics.median(cpu), run_cpu_s=cpu,
+               run_optimizer_s=[r.get("optimizer_s") for r in ok],
                max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
     return row
 
@@ -363,6 +379,15 @@ def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> s
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
+def engine_free_bound(ddp: dict | None, world_size: int) -> str | None:
+    """Note [engine-free bound]: DDP's step less (N-1)/N of its optimizer step, per round, as a ratio to DDP's."""
+    if not ddp or not ddp.get("run_optimizer_s") or None in ddp["run_optimizer_s"]:
+        return None
+    share = (world_size - 1) / world_size
+    ratios = [1 - share * optimizer / step for optimizer, step in zip(ddp["run_optimizer_s"], ddp["run_medians_s"])]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
+
+
 def fmt(value, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -385,24 +410,29 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
         by = {r["config"]: r for r in group}
         fsdp_m = by.get("fsdp2", {}).get("model_state_mib")
         lines += ["", f"### world size {ws}", "",
-                  "| config | median step s | × no-comm | × DDP | × FSDP2 | CPU s/step, all ranks | CPU × DDP | "
-                  "model state MiB/rank | formula MiB | "
+                  "| config | median step s | optimizer s | × no-comm | × DDP | × FSDP2 | CPU s/step, all ranks | "
+                  "CPU × DDP | model state MiB/rank | formula MiB | "
                   "state × FSDP2 | peak RSS MiB | peak RSS mmap MiB | max abs loss diff vs reference | "
                   "vs DDP |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in group:
             if "error" in r["timed"]:
-                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 12)
+                lines.append(f"| {r['label']} | failed: {r['timed']['error']} |" + " |" * 13)
                 continue
             t, m = r["median_step_s"], r["model_state_mib"]
             lines.append(
-                f"| {r['label']} | {t:.3f} | {paired_text(r, by.get('local'))} | "
+                f"| {r['label']} | {t:.3f} | {fmt(r.get('optimizer_s'), '.3f')} | {paired_text(r, by.get('local'))} | "
                 f"{paired_text(r, by.get('ddp'))} | {paired_text(r, by.get('fsdp2'))} | "
                 f"{fmt(r.get('cpu_s_per_step'), '.3f')} | {paired_text(r, by.get('ddp'), 'run_cpu_s')} | "
                 f"{m:.1f} | {r['formula_mib']:.1f} | "
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
                 f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} | "
                 f"{fmt(r.get('max_loss_diff_vs_ddp'), '.1e')} |")
+        bound = engine_free_bound(by.get("ddp"), ws)
+        if bound:
+            lines += ["", f"Engine-free bound for zero1/zero2 at world size {ws} (Note [engine-free bound]): "
+                          f"{bound} × DDP. 'optimizer s' is the median over steps of the slowest rank's "
+                          "optimizer.step()."]
     return "\n".join(lines) + "\n"
 
 
