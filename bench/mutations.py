@@ -285,6 +285,11 @@ MUTATIONS = [
      'if (len(args) > 1 or kwargs) and func not in _REBINDS:',
      'if (len(args) > 2 or kwargs) and func not in _REBINDS:',
      'tests/test_habits.py -k whole_tensor_habits'),
+    ("issue 21: a zero3 unit's free is not counted (the peak of units held at once only grows)",
+     'FlatUnit._move',
+     'self.residents.add((to is Residency.GATHERED) - (self.residency is Residency.GATHERED))',
+     'self.residents.add(max(0, (to is Residency.GATHERED) - (self.residency is Residency.GATHERED)))',
+     "tests/test_zero_engine.py -k 'memory_at_the_zero_bound and zero3'"),
 ]
 
 

@@ -65,11 +65,25 @@ _TRANSITIONS = {
 }
 
 
+class Residents:
+    """How many of one engine's zero3 units, the root aside, hold their full values now, and the most
+    at once (the memory check): counted where residency changes (`FlatUnit._move`), so no unit's
+    entry scans the others."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def add(self, change: int) -> None:
+        self.now += change
+        self.peak = max(self.peak, self.now)
+
+
 class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
     def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, stage: Stage,
-                 precision: MixedPrecision, store=None, reduce_group=None, clock: Clock | None = None):
+                 precision: MixedPrecision, store=None, reduce_group=None, clock: Clock | None = None,
+                 residents: Residents | None = None):
         self.module, self.path = plan.module, plan.path
         self.rank, self.world_size, self.group = rank, world_size, group
         self.stage = stage
@@ -101,6 +115,10 @@ class FlatUnit:
         self.gathered_stamp = -1  # _master_stamp() right after the last gather (full params kept)
         self.stale = False  # an optimizer stepped these shards since the last gather (optim_hooks.py)
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
+        # Counted in `residents` (the engine's): a zero3 unit other than the root.
+        self.residents = residents if residents is not None and self.path and not stage.keeps_full_params \
+            else Residents()
+        self.residents.add(1)
         self.pending_gather: coll.Pending | None = None  # the all-gather in flight (GATHERING)
         self.pinned = False  # read by an input-gradient graph (create_graph): kept until the window closes
         self.stepped_in_backward = False  # sw.optimizer_in_backward steps it (step_in_backward.py)
@@ -130,6 +148,7 @@ class FlatUnit:
         if to not in _TRANSITIONS[self.residency]:
             raise RuntimeError(f"shardwise engine bug: unit {self.label} cannot go from "
                                f"{self.residency.value} to {to.value}")
+        self.residents.add((to is Residency.GATHERED) - (self.residency is Residency.GATHERED))
         self.residency = to
 
     @property

@@ -18,7 +18,6 @@ class GatherScheduler:
 
     def __init__(self, units: list[FlatUnit], in_flight: int) -> None:
         self.units, self.in_flight = units, in_flight
-        self.peak_resident_units = 0  # most non-root units gathered at once (zero3 memory check)
         self.reset()
 
     def reset(self) -> None:
@@ -56,9 +55,6 @@ class GatherScheduler:
             # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
             unit.start_gather(async_op=False)
             unit.finish_gather()
-        if not unit.stage.keeps_full_params:
-            resident = sum(1 for u in self.units[1:] if u.resident)
-            self.peak_resident_units = max(self.peak_resident_units, resident)
 
     def drain(self, queue: list[FlatUnit]) -> None:
         """Issue and land every queued gather (units this rank did not run take theirs too)."""

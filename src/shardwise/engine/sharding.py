@@ -13,7 +13,7 @@ from torch import nn
 from shardwise.config import ShardConfig
 from shardwise.engine.consistency import broadcast_from_rank0
 from shardwise.engine.deferred import is_deferred, meta_buffers, record, replay, set_buffer
-from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.offload import DiskStore, register_offloaded
 from shardwise.engine.phase import Clock
 from shardwise.engine.stage import Stage
@@ -22,7 +22,7 @@ from shardwise.engine.units import UnitPlan
 
 def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, rank: int,
                 world_size: int, store: DiskStore | None, init_fn=None, *, reduce_group=None,
-                clock: Clock | None = None) -> list[FlatUnit]:
+                clock: Clock | None = None, residents: Residents | None = None) -> list[FlatUnit]:
     """Every unit of `plans` holding only this rank's rows, in registration order (root first)."""
     # Deferred: meta aliases of the parameters, by name, for the init replay below.
     # Host-shared frozen parameters (already mapped, Note [host copy]) are not replayed.
@@ -32,7 +32,8 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
     units = []
     for plan in plans:
         unit = FlatUnit(plan, rank=rank, world_size=world_size, group=group, stage=Stage.of(config),
-                        precision=config.precision, store=store, reduce_group=reduce_group, clock=clock)
+                        precision=config.precision, store=store, reduce_group=reduce_group, clock=clock,
+                        residents=residents)
         if deferred is None:
             broadcast_from_rank0(unit, group)
         unit.take_shards()

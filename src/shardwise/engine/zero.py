@@ -62,7 +62,7 @@ from shardwise.config import ShardConfig
 from shardwise.engine.collectives import host_group_of, new_reduce_group
 from shardwise.engine.compat import graph_task_id, queue_backward_callback
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
-from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.gather_schedule import GatherScheduler
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.offload import open_store
@@ -96,8 +96,9 @@ class ZeroEngine(Engine):
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(group)  # Note [collective order]
+        self.residents = Residents()  # zero3's units holding full values: counted by the units themselves
         self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn,
-                                 reduce_group=reduce_group, clock=self.clock)
+                                 reduce_group=reduce_group, clock=self.clock, residents=self.residents)
         self.root = self.units[0]
         watch_units(self.units)
         install_state_dict_hooks(model, self)  # Note [state dict]
@@ -351,7 +352,7 @@ class ZeroEngine(Engine):
     @property
     def peak_resident_units(self) -> int:
         """Most non-root units gathered at once (zero3's memory check)."""
-        return self.gathers.peak_resident_units
+        return self.residents.peak
 
     def shard_info(self) -> dict[str, ShardInfo]:
         return units_shard_info(self.units, self.rank, self.module_paths)
