@@ -68,7 +68,8 @@ def test_sliced_matches_one_process(ranks, name, data, tensor, strategy):
 
 
 @pytest.mark.parametrize("data,tensor,strategy,norm_type,clip", [
-    (1, 2, None, 2.0, 0.5), (2, 2, "zero3", 2.0, 0.5), (1, 2, None, float("inf"), 0.02)])
+    (1, 2, None, 2.0, 0.5), (2, 2, "zero3", 2.0, 0.5), (1, 2, None, float("inf"), 0.02),
+    (2, 2, "zero3", float("inf"), 0.02)])
 def test_clipping_a_sliced_model_uses_the_whole_norm(ranks, data, tensor, strategy, norm_type, clip):
     """Catches sw.clip_grad_norm_ taking the norm of one rank's slices (or counting an unsliced
     parameter once per tensor rank, or an ∞-norm that is not the largest over ranks): the grad

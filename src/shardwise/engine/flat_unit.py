@@ -68,7 +68,8 @@ _TRANSITIONS = {
 class Residents:
     """How many of one engine's zero3 units, the root aside, hold their full values now, and the most
     at once (the memory check): counted where residency changes (`FlatUnit._move`), so no unit's
-    entry scans the others."""
+    entry scans the others. Every transition counts, set-up's too (each unit is built GATHERED and
+    zero3's `take_shards` frees it: the peak is 1 right after `shard()`)."""
 
     def __init__(self) -> None:
         self.now = self.peak = 0

@@ -7,7 +7,7 @@ tensor rank. So the norm raised to p is this rank's sum over sliced gradients' r
 tensor rank 0 only, its unsliced gradients' rows, summed over every rank of the mesh (over
 the tensor group alone when no engine shards the data axis: replicas hold equal gradients).
 Each rank's part is torch's arithmetic (one norm per tensor, `_foreach_norm`, in the gradients'
-dtype; Note [clip arithmetic]); the ∞-norm is the largest over every rank.
+dtype, no float64 copy; Note [clip arithmetic]); the ∞-norm is the largest over every rank.
 """
 
 from __future__ import annotations
@@ -30,17 +30,26 @@ def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type
     grads = [(p.grad, getattr(p, "_sw_slice", None) is not None) for p in params if p.grad is not None]
     counted = [g for g, sliced in grads if sliced or slicing.rank == 0]
     norm_type = float(norm_type)
-    with plain_tensors():  # a zero3 shard's gradient (RowsGrad) refuses norms to everyone else
-        if norm_type == float("inf"):
-            total = torch.nn.utils.get_total_norm([g for g, _ in grads], norm_type).float()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        else:
-            # torch's arithmetic (Note [clip arithmetic]): one norm per tensor in its dtype (_foreach_norm), and
-            # the norm of those, raised to p so that the ranks' parts add up; no float64 copy of any gradient.
-            powered = torch.nn.utils.get_total_norm(counted, norm_type).float().pow(norm_type)
-            dist.all_reduce(powered, group=group)
-            total = powered.pow(1.0 / norm_type)
+    device = params[0].device if params else torch.device("cpu")
+    if norm_type == float("inf"):
+        total = torch.cat([_norms([g for g, _ in grads], norm_type, device), torch.zeros(1, device=device)]).max()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        # The norm of the per-tensor norms, raised to p so that the ranks' parts add up.
+        powered = _norms(counted, norm_type, device).pow(norm_type).sum()  # 0 where this rank counts nothing
+        dist.all_reduce(powered, group=group)
+        total = powered.pow(1.0 / norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
     for grad, _ in grads:
         grad.mul_(coefficient.to(grad.dtype))
     return total
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """One norm per gradient in its own dtype, in float32 (torch's arithmetic, Note [clip arithmetic]).
+    `_foreach_norm` directly: get_total_norm loops over tensors of a type not registered for foreach, as
+    a zero3 shard's gradient (RowsGrad, which refuses norms to everyone else, read plain here) is not."""
+    if not grads:
+        return torch.zeros(0, device=device)  # on the group's device: an NCCL all-reduce follows
+    with plain_tensors():
+        return torch.stack(torch._foreach_norm(grads, norm_type)).float()
