@@ -352,9 +352,10 @@ def combine_repeats(repeats: list[dict]) -> dict:
     row = dict(ok[0])
     medians = [r["median_step_s"] for r in ok]
     cpu = [r["cpu_s_per_step"] for r in ok]
+    optimizer = [r.get("optimizer_s") for r in ok]
     row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
                cpu_s_per_step=statistics.median(cpu), run_cpu_s=cpu,
-               run_optimizer_s=[r.get("optimizer_s") for r in ok],
+               run_optimizer_s=optimizer, optimizer_s=None if None in optimizer else statistics.median(optimizer),
                max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
     return row
 
@@ -431,8 +432,8 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
         bound = engine_free_bound(by.get("ddp"), ws)
         if bound:
             lines += ["", f"Engine-free bound for zero1/zero2 at world size {ws} (Note [engine-free bound]): "
-                          f"{bound} × DDP. 'optimizer s' is the median over steps of the slowest rank's "
-                          "optimizer.step()."]
+                          f"{bound} × DDP. 'optimizer s' is the median over runs of each run's "
+                          "median over steps of the slowest rank's optimizer.step()."]
     return "\n".join(lines) + "\n"
 
 
