@@ -68,14 +68,21 @@ def _clip_sharded(grads: list[torch.Tensor], max_norm: float, norm_type: float, 
     return total
 
 
+def tensor_norms(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """One norm per tensor in its own dtype, as float32: torch's arithmetic (Note [clip arithmetic]), in one
+    `_foreach_norm` called directly (get_total_norm loops over a type not registered for foreach, as a
+    zero3 shard's gradient is not), with RowsGrad, which refuses norms to everyone else, read plain."""
+    with plain_tensors():
+        return torch.stack(torch._foreach_norm(grads, norm_type)).float()
+
+
 def _global_norm(grads: list[torch.Tensor], norm_type: float, group) -> torch.Tensor:
     """Note [clip arithmetic]: torch takes one norm per tensor in the gradients' dtype, then the
     norm of those norms. A tensor's norm over ranks is the p-norm of its rows' norms (padding
     rows are zero), so each rank sends its rows' norms, raised to p, in one all-reduce; the
     float64 sum of every element that shardwise used before ended 1.15e-4 from one process on
     an OPT model after 5 clipped steps, where torch DDP ends 1.3e-6."""
-    with plain_tensors():  # RowsGrad refuses norms to everyone else
-        local = torch.stack(torch._foreach_norm(grads, norm_type)).float()  # one kernel, as get_total_norm
+    local = tensor_norms(grads, norm_type)
     if norm_type == float("inf"):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         per_tensor = local

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine import engine_of
-from shardwise.engine.compat import plain_tensors
+from shardwise.engine.grads import tensor_norms
 
 
 def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -46,10 +46,5 @@ def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type
 
 
 def _norms(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """One norm per gradient in its own dtype, in float32 (torch's arithmetic, Note [clip arithmetic]).
-    `_foreach_norm` directly: get_total_norm loops over tensors of a type not registered for foreach, as
-    a zero3 shard's gradient (RowsGrad, which refuses norms to everyone else, read plain here) is not."""
-    if not grads:
-        return torch.zeros(0, device=device)  # on the group's device: an NCCL all-reduce follows
-    with plain_tensors():
-        return torch.stack(torch._foreach_norm(grads, norm_type)).float()
+    """grads.tensor_norms, or none on `device` (the group's: an NCCL all-reduce follows) where this rank has none."""
+    return tensor_norms(grads, norm_type) if grads else torch.zeros(0, device=device)
