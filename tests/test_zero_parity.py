@@ -29,7 +29,13 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
 
 
 def _run_with_gloo_forms(*args):
-    with coll_threshold(0):  # every reduce in gloo's form: the all-to-all (Note [gloo collectives])
+    with coll_threshold(0):  # every reduce in gloo's form, every gather in place (Note [gloo collectives])
+        return run_on_rank(*args)
+
+
+def _run_with_matrices_gathered_in_place(*args):
+    # The zoo GPT's matrices hold 1.5-6 KiB per rank at 2 and 4 ranks, its vectors under 100 bytes.
+    with coll_threshold(0, in_place_from=1024):
         return run_on_rank(*args)
 
 
@@ -38,7 +44,17 @@ def _run_with_gloo_forms(*args):
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_parity_with_reduces_in_gloo_forms(ranks, strategy, name, world_size):
     """The zoo's units are below GLOO_FORMS_FROM_BYTES, so the grid above runs torch's
-    reduce-scatter; this runs the form real models take on gloo (an all-to-all summed here,
-    zero1's into its kept gradients). Catches wrong rows kept, a missing average, rows summed
-    from the wrong chunks, or the unused-parameter flags lost in those forms."""
+    reduce-scatter and packed gathers; this runs the forms real models take on gloo (an all-to-all
+    summed here, zero1's into its kept gradients; every parameter gathered in place). Catches wrong
+    rows kept, a missing average, rows summed from the wrong chunks, or the unused-parameter flags
+    lost in those forms."""
     check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_gloo_forms)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_parity_with_some_parameters_gathered_in_place(ranks, strategy, world_size):
+    """Real models' gathers on gloo: large parameters broadcast straight into their full region,
+    small ones packed and copied out (Note [gathered in place]). Catches a parameter gathered
+    into another's place, a packed segment offset wrong, or this rank's own rows left stale."""
+    check_parity(ranks, strategy, "gpt", world_size, CONFIGS, rank_fn=_run_with_matrices_gathered_in_place)

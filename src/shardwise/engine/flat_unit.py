@@ -12,8 +12,8 @@ memory layouts, one per stage (Note [stages], stage.py):
   so the optimizer updates the full buffer in place and no separate copy exists.
   The next forward re-gathers a unit whose rows changed.
 - not kept (zero3): the shards live in one rank-major `shard_flat`, which
-  is directly the all-gather's input; `full_flat` is allocated only while the unit
-  is gathered and its storage is released (resized to 0) afterwards.
+  is directly the all-gather's input; `full_flat` is allocated from the gather's start
+  (the rows land in it) while the unit is in use, and released (resized to 0) afterwards.
 
 Note [unit lifecycle]: a unit's full values are in one of three states, changed only by
 `_move`, which refuses any other transition (a use-after-free becomes an error, not a
@@ -27,7 +27,7 @@ SHARDED. Gradients have their own phase (unit_grads.GradPhase).
 
 Note [version counters]: autograd saves the full views for backward. Refilling their
 storage after a free would bump the version counter and make autograd refuse the
-saved tensors, although the values written back are identical; `_refill` therefore
+saved tensors, although the values written back are identical; a gather therefore
 writes under `compat.preserve_version_counter`, as FSDP2 does.
 """
 
@@ -268,44 +268,40 @@ class FlatUnit:
             return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
 
-    def _send_buffer(self, dtype: torch.dtype) -> list[Tensor]:
-        """This rank's rows of every parameter in `dtype`, in shard order: the all-gather's input."""
-        if self.aliased:  # the shards are scattered views into full_flat: sent in parts
-            return [self.own_rows(self.full_flat, layout).detach() for layout in self.layouts] or [self.full_flat[:0]]
-        return [self.shard_flat.to(dtype).detach()]  # a no-op at full precision, a cast to param_dtype otherwise
+    def _own_parts(self, dtype: torch.dtype) -> list[Tensor]:
+        """This rank's rows of each parameter in `dtype`, one tensor per parameter: the gather's input."""
+        if self.aliased:  # the shards are views into full_flat: its own rows, in place
+            return [self.own_rows(self.full_flat, layout).detach() for layout in self.layouts]
+        flat = self.shard_flat.to(dtype).detach()  # a no-op at full precision, a cast to param_dtype otherwise
+        return list(flat.split([layout.shard_numel for layout in self.layouts]))
+
+    def _regions(self, target: Tensor) -> list[Tensor]:
+        """Each parameter's padded full region of a param-major buffer shaped like full_flat."""
+        return [target[self.world_size * layout.offset : self.world_size * (layout.offset + layout.shard_numel)]
+                for layout in self.layouts]
 
     def start_gather(self, async_op: bool) -> None:
-        """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING)."""
+        """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING). The rows
+        land straight in full_flat (Note [gathered in place], collectives.py): zero3 allocates it here."""
         self._move(Residency.GATHERING)
-        send = self._send_buffer(self.compute_dtype)
-        self.pending_gather = coll.all_gather(send, self.world_size, self.group, async_op,
-                                              what=f"the all-gather of unit {self.label} ({self.where})")
+        storage = self.full_flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
+        # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
+        with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
+            self.pending_gather = coll.gather_into(
+                self._own_parts(self.compute_dtype), self._regions(self.full_flat), self.world_size, self.group,
+                async_op, what=f"the all-gather of unit {self.label} ({self.where})", own_in_place=self.aliased)
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather and lay the rows out as full values (GATHERING -> GATHERED)."""
-        gathered = self.pending_gather.wait()
-        self.pending_gather = None
-        self._refill(gathered, self.full_flat)
+        """Wait for the all-gather's rows to land in full_flat (GATHERING -> GATHERED)."""
+        pending, self.pending_gather = self.pending_gather, None
+        with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
+            pending.wait()
         self._move(Residency.GATHERED)
         if self.store is not None:
             self.store.release(self.shard_flat)  # read for the gather; back to disk
         self.gathered_stamp, self.stale = self._master_stamp(), False
-
-    def _copy_out(self, gathered: Tensor, target: Tensor) -> None:
-        segments = [(layout.offset, layout.shard_numel) for layout in self.layouts]
-        regions = [target[self.world_size * layout.offset : self.world_size * (layout.offset + layout.shard_numel)]
-                   for layout in self.layouts]
-        # An aliased unit's own rows of full_flat are its shards, which the gather sent: already in place.
-        in_place = self.aliased and target is self.full_flat
-        coll.copy_out(gathered, self.world_size, segments, regions, skip_rank=self.rank if in_place else None)
-
-    def _refill(self, gathered: Tensor, target: Tensor) -> None:
-        storage = target.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(target.numel() * target.element_size())
-        # Note [version counters]
-        with torch.no_grad(), preserve_version_counter(target):
-            self._copy_out(gathered, target)
 
     def free(self, *, unpin: bool = False) -> None:
         """Release the full values (zero3; zero1/zero2 keep them), unless pinned (Note [gradients of
@@ -318,11 +314,10 @@ class FlatUnit:
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
-        send = self._send_buffer(self.dtype)  # the fp32 masters, not the compute copy
-        gathered = coll.all_gather(send, self.world_size, self.group, async_op=False).wait()
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            self._copy_out(gathered, target)
+        with torch.no_grad():  # the fp32 masters, not the compute copy
+            coll.gather_into(self._own_parts(self.dtype), self._regions(target), self.world_size, self.group,
+                             async_op=False)
         out = {}
         for layout in self.layouts:
             start = self.world_size * layout.offset

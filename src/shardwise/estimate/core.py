@@ -32,8 +32,9 @@ needs 1/N of it, so there this counts up to one unit's gradients too many; zero1
 gradients are that input already, Note [kept gradients rank-major], so only the receive
 buffer counts; a unit with frozen parameters packs its trainable ones apart, one input
 more than counted). zero1/zero2 keep
-their full parameters, so only the two in-flight re-gathers and the same backward
-buffers count. ddp: autograd's copy of the
+their full parameters, so only the two in-flight re-gathers (their receive buffers: NCCL's
+form; gloo's lands large parameters in place, Note [gathered in place], so there this is an
+upper bound) and the same backward buffers count. ddp: autograd's copy of the
 largest parameter's gradient before it lands in its bucket. When the probe measured the
 activations (Note [activations]), the backward's gradient buffers are left out (and ddp's
 copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
