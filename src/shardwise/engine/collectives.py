@@ -174,11 +174,13 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
 # send buffer to concatenate this rank's rows into, no rank-major buffer to allocate and then copy
 # out. Smaller parameters travel together through `all_gather` and a copy-out (one broadcast per
 # rank for all of them: a broadcast of a few KiB costs its latency, not its bytes). Measured on a
-# GPT block's 12 parameters (4 matrices, 8 vectors), 9 units, 6 MiB per rank per unit, median of 6
-# interleaved rounds (/tmp script, the note of this change): at 2 ranks 64.6 ms packed against 37.5
-# with the matrices in place (26.7 against 22.9 ms of CPU); every parameter in place, 61.8 (the
-# vectors' latency); at 4 ranks 128 against 138 ms, within the rounds' spread. zero3 gains most: its
-# full values are refilled twice a step, and its copy-out wrote every rank's rows.
+# GPT block's 12 parameters (4 matrices, 8 vectors), 9 units, in interleaved rounds
+# (`python bench/gather_in_place.py`, bench/results/gather_in_place.md): in isolation, where the
+# packed buffer comes back from the allocator's cache, the gather takes 0.86x the packed time at 2
+# ranks (0.78-1.22 over 7 rounds) and 1.14x at 4 (more broadcasts to issue); every parameter in
+# place is 1.8-2x (the vectors' latency). In a training step (3 interleaved rounds, 2 ranks) zero2
+# is unchanged and zero3, whose copy-out wrote every rank's rows twice a step into freshly
+# allocated storage, about 1% faster; and no unit holds a receive buffer beside its full values.
 # NCCL's all-gather is one call into a rank-major buffer: there everything travels packed.
 GLOO_IN_PLACE_FROM_BYTES = 64 * 1024
 
