@@ -163,9 +163,11 @@ class FlatUnit:
     def numel_full(self) -> int:
         return self.full_flat.numel()
 
-    def _padded_region(self, layout: ParamLayout) -> Tensor:
+    def _padded_region(self, layout: ParamLayout, flat_by_param: Tensor | None = None) -> Tensor:
+        """A parameter's padded region of full_flat (or of a param-major buffer shaped like it)."""
+        flat_by_param = self.full_flat if flat_by_param is None else flat_by_param
         start = self.world_size * layout.offset
-        return self.full_flat[start : start + self.world_size * layout.shard_numel]
+        return flat_by_param[start : start + self.world_size * layout.shard_numel]
 
     def _full_view(self, layout: ParamLayout) -> Tensor:
         real = self._padded_region(layout)[: layout.rows * layout.row_numel]
@@ -276,9 +278,7 @@ class FlatUnit:
         return list(flat.split([layout.shard_numel for layout in self.layouts]))
 
     def _regions(self, target: Tensor) -> list[Tensor]:
-        """Each parameter's padded full region of a param-major buffer shaped like full_flat."""
-        return [target[self.world_size * layout.offset : self.world_size * (layout.offset + layout.shard_numel)]
-                for layout in self.layouts]
+        return [self._padded_region(layout, target) for layout in self.layouts]
 
     def start_gather(self, async_op: bool) -> None:
         """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING). The rows
