@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from _launch import per_world_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
@@ -105,19 +103,8 @@ def worker(args) -> None:
 
 
 def launch(args) -> dict:
-    from tqdm import tqdm
-
-    table = {}
-    for world_size in tqdm(args.world_sizes, desc="world sizes"):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out.json"
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-                       __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats),
-                       "--backend", args.backend, "--sizes-mib", *map(str, args.sizes_mib)]
-            subprocess.run(command, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL)
-            table[world_size] = json.loads(out.read_text())
-    return table
+    worker_args = ["--repeats", str(args.repeats), "--backend", args.backend, "--sizes-mib", *map(str, args.sizes_mib)]
+    return per_world_size(__file__, args.world_sizes, worker_args)
 
 
 def report(table: dict, args) -> str:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from _launch import per_world_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 UNITS = 9  # the bench GPT: 8 blocks and the root, each refilled once per step (zero1/zero2)
@@ -81,19 +79,7 @@ def worker(args) -> None:
 
 
 def launch(args) -> dict:
-    from tqdm import tqdm
-
-    table = {}
-    for world_size in tqdm(args.world_sizes, desc="world sizes"):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out.json"
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                       str(world_size), __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats),
-                       "--d-model", str(args.d_model)]
-            subprocess.run(command, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL)
-            table[world_size] = json.loads(out.read_text())
-    return table
+    return per_world_size(__file__, args.world_sizes, ["--repeats", str(args.repeats), "--d-model", str(args.d_model)])
 
 
 def spread(values: list[float], spec: str = ".1f") -> str:

@@ -1,0 +1,27 @@
+"""One torchrun per world size for the collective micro-benchmarks (collectives.py,
+gather_in_place.py): each worker writes its rank 0's JSON to `--out`, the launcher collects them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def per_world_size(script: str, world_sizes: list[int], worker_args: list[str]) -> dict:
+    """{world size: the JSON `script --worker --out PATH *worker_args` wrote}, with one thread per rank."""
+    from tqdm import tqdm
+
+    table = {}
+    for world_size in tqdm(world_sizes, desc="world sizes"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                       str(world_size), script, "--worker", "--out", str(out), *worker_args]
+            subprocess.run(command, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL)
+            table[world_size] = json.loads(out.read_text())
+    return table
