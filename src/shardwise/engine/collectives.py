@@ -284,7 +284,9 @@ def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments:
     ranks' padded with zeros: exactly what chunking every gradient along dim 0 into `world_size`
     padded chunks and concatenating chunk-wise gives, so it is one `chunk_cat` kernel (FSDP2's
     reduce-scatter input is built the same way) where every gradient is present, non-empty and in
-    `like`'s dtype; a copy per parameter otherwise."""
+    `like`'s dtype; a copy per parameter otherwise. (`_chunk_cat` also converts, bf16 gradients into an
+    fp32 buffer, but on CPU no faster than the copies: 0.51-0.80 against 0.53-0.71 ms per GPT block of
+    d_model 512, so mixed dtypes keep the copies until a GPU measures it.)"""
     by_rank = None if out is None else out.view(world_size, total)
     if grads and all(g is not None and g.numel() and g.dtype == like.dtype for g in grads):
         # By rows: a 0-D scalar is one row.
