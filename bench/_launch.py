@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 
-def per_world_size(script: str, world_sizes: list[int], worker_args: list[str]) -> dict:
+def run_per_world_size(script: str, world_sizes: list[int], worker_args: list[str]) -> dict:
     """{world size: the JSON `script --worker --out PATH *worker_args` wrote}, with one thread per rank."""
     from tqdm import tqdm
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from _launch import per_world_size
+from _launch import run_per_world_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 UNITS = 9  # the bench GPT: 8 blocks and the root, each refilled once per step (zero1/zero2)
@@ -79,7 +79,8 @@ def worker(args) -> None:
 
 
 def launch(args) -> dict:
-    return per_world_size(__file__, args.world_sizes, ["--repeats", str(args.repeats), "--d-model", str(args.d_model)])
+    worker_args = ["--repeats", str(args.repeats), "--d-model", str(args.d_model)]
+    return run_per_world_size(__file__, args.world_sizes, worker_args)
 
 
 def spread(values: list[float], spec: str = ".1f") -> str:

@@ -6,6 +6,7 @@ environment variables (`--env`), so a change is measured beside what it replaces
     python bench/phases.py --configs ddp,zero2 --rounds 3
     python bench/phases.py --configs zero2 --against /tmp/old/src           # old engine vs this one
     python bench/phases.py --configs ddp,zero2 --env MALLOC_TRIM_THRESHOLD_=68719476736
+    python bench/phases.py --configs zero2 --model-args='--d-model 128 --layers 4'   # a smaller GPT
 
 Prints a table (median over rounds of each run's median step, ms per rank) and each arm's step over
 the first arm's, paired per round. Times are not asserted anywhere: a benchmark, not a test.
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -25,18 +27,35 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ("forward", "backward", "optimizer", "step", "user", "sys", "minflt")
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3")  # DeepSpeed steps otherwise
+WARMUP_STEPS = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="ddp,zero2", help="bench/strategies.py's config names, comma-separated")
+    p.add_argument("--configs", default="ddp,zero2", help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per run, after 2 warm-up steps")
+    p.add_argument("--steps", type=int, default=6, help=f"timed steps per run, after {WARMUP_STEPS} warm-up")
     p.add_argument("--against", help="a second source tree (its src/ directory) to run as arm 'against'")
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE pairs for arm 'env'")
+    p.add_argument("--model-args", default="",
+                   help="bench/strategies.py's model flags, e.g. --model-args='--d-model 128 --layers 2'")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--config", help=argparse.SUPPRESS)  # the worker's one config
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}: pick from {', '.join(CONFIGS)}")
+    if min(args.rounds, args.steps, args.world_size) < 1:
+        p.error("--rounds, --steps and --world-size must be at least 1")
+    if args.against and not (Path(args.against) / "shardwise" / "__init__.py").is_file():
+        p.error(f"--against {args.against}: no shardwise/__init__.py there; give a tree's src/ directory")
+    if any("=" not in pair for pair in args.env):
+        p.error(f"--env takes NAME=VALUE pairs, got {args.env}")
+    return args
 
 
 def worker(args) -> None:
@@ -44,18 +63,17 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(HERE))
     import shardwise as sw
-    import strategies
+    import strategies  # this script's folder is the first on sys.path
 
-    config = args.configs
+    config = args.config
     sw.init()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    bench_args = strategies.parse_args([])
+    bench_args = strategies.parse_args(shlex.split(args.model_args))
     module, optimizer = strategies.apply_config(strategies.build_model(bench_args), config, bench_args, world_size)
     rows = slice(rank * bench_args.batch, (rank + 1) * bench_args.batch)
     records = []
-    for step in range(args.steps + 2):
+    for step in range(args.steps + WARMUP_STEPS):
         tokens, targets = (t[rows] for t in strategies.global_batch(bench_args, step, world_size))
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         loss = module(tokens, targets)
@@ -66,27 +84,32 @@ def worker(args) -> None:
         t3 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         t4, after = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        if step >= 2:
+        if step >= WARMUP_STEPS:
             records.append([t1 - t0, t2 - t1, t3 - t2, t4 - t0, after.ru_utime - before.ru_utime,
                             after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt])
     mine = torch.tensor([statistics.median(column) for column in zip(*records)], dtype=torch.float64)
     dist.all_reduce(mine)  # the mean over ranks of each rank's median
     if rank == 0:
-        print("PHASES " + json.dumps(dict(zip(FIELDS, (mine / world_size).tolist()))), flush=True)
+        phases = dict(zip(FIELDS, (mine / world_size).tolist()), source=sw.__file__)
+        print("PHASES " + json.dumps(phases), flush=True)
     dist.destroy_process_group()
 
 
-def run_arm(args, config: str, src: str | None, extra_env: dict) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-    if src:
-        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+def run_arm(args, config: str, src: str, env: dict) -> dict:
+    """One torchrun of `config` importing shardwise from `src`, in `env` (the arm's variables only)."""
+    env = {**env, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(args.world_size), __file__, "--worker", "--configs", config, "--steps", str(args.steps)]
+               str(args.world_size), __file__, "--worker", "--config", config, "--steps", str(args.steps),
+               f"--model-args={args.model_args}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PHASES ")]
     if done.returncode or not lines:
         raise SystemExit(f"{config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("PHASES "):])
+    phases = json.loads(lines[-1][len("PHASES "):])
+    if not Path(phases["source"]).resolve().is_relative_to(Path(src).resolve()):
+        raise SystemExit(f"{config} imported shardwise from {phases['source']}, not from {src}")
+    return phases
 
 
 def main(argv=None) -> None:
@@ -95,11 +118,14 @@ def main(argv=None) -> None:
         return worker(args)
     from tqdm import tqdm
 
-    arms = {"this tree": (None, {})}
+    this_src = str(HERE.parent / "src")
+    arm_env = dict(pair.split("=", 1) for pair in args.env)
+    plain = {name: value for name, value in os.environ.items() if name not in arm_env}  # the others' baseline
+    arms = {"this tree": (this_src, plain)}
     if args.against:
-        arms["against"] = (args.against, {})
+        arms["against"] = (args.against, plain)
     if args.env:
-        arms["env"] = (None, dict(pair.split("=", 1) for pair in args.env))
+        arms["env"] = (this_src, {**plain, **arm_env})
     configs = args.configs.split(",")
     runs = {(config, arm): [] for config in configs for arm in arms}
     with tqdm(total=args.rounds * len(runs), desc="runs") as bar:
@@ -114,9 +140,10 @@ def main(argv=None) -> None:
     print("| config | arm | " + " | ".join(FIELDS) + f" | step ÷ {first} (range) |")
     print("|---|---|" + "---:|" * (len(FIELDS) + 1))
     for (config, arm), results in runs.items():
-        cells = [statistics.median(r[f] for r in results) * (1 if f == "minflt" else 1e3) for f in FIELDS]
+        cells = [f"{statistics.median(r[f] for r in results):.0f}" if f == "minflt"
+                 else f"{statistics.median(r[f] for r in results) * 1e3:.1f}" for f in FIELDS]
         ratios = [r["step"] / base["step"] for r, base in zip(results, runs[config, first])]
-        print(f"| {config} | {arm} | " + " | ".join(f"{c:.0f}" if i == 6 else f"{c:.1f}" for i, c in enumerate(cells))
+        print(f"| {config} | {arm} | " + " | ".join(cells)
               + f" | {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |")
 
 

@@ -33,18 +33,21 @@ class Stage:
 
     @property
     def gathers_in_flight(self) -> int:
-        """All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit.
-
-        zero1/zero2 could issue every re-gather at once (their full buffers exist anyway). Tried and
-        not taken (bench GPT, ws 2, gloo, 3 interleaved rounds, step time new/old): every re-gather
-        issued when the forward starts, zero2 0.98/1.03/0.99 and zero1 1.04/0.98/0.99; every
-        re-gather issued from the optimizer's post-step hook, before zero_grad and the agreement,
-        zero2 0.99/1.01/1.06 and zero1 1.07/0.97/1.03. On two busy cores the gathers' CPU moves, it
-        does not shrink; the post-step form would also need the next forward's agreement to check
-        that every rank issued the same gathers. Worth measuring again on NCCL."""
+        """All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2
+        one as well, though their full buffers exist anyway (Note [eager re-gathers])."""
         return 1 if self.keeps_full_params else 2
 
     def aliases_shards(self, compute_dtype: torch.dtype, master_dtype: torch.dtype) -> bool:
         """Whether a shard *is* its rows of the kept full buffer (zero1/zero2 at full precision);
         with a lower compute dtype the fp32 master rows need storage of their own."""
         return self.keeps_full_params and compute_dtype == master_dtype
+
+
+# Note [eager re-gathers]: zero1/zero2 could issue every re-gather at once, or from the optimizer's
+# post-step hook before zero_grad and the next forward's agreement. Tried and not taken (bench GPT,
+# 2 ranks, gloo, 3 interleaved rounds, step time of each form over the window of one: at once
+# zero2 0.98/1.03/0.99 and zero1 1.04/0.98/0.99; post-step zero2 0.99/1.01/1.06 and zero1
+# 1.07/0.97/1.03; `python bench/phases.py --configs zero1,zero2 --against OTHER/src` with the form
+# patched into one tree). On two busy cores the gathers' CPU moves, it does not shrink, and the
+# post-step form would need the next forward's agreement to check that every rank issued the same
+# gathers. Worth measuring again on NCCL, where the gathers leave the CPU.
