@@ -2,6 +2,7 @@
 
     python bench/collectives.py                       # gloo, 2 and 4 ranks, 1-64 MiB
     python bench/collectives.py --world-sizes 2 --sizes-mib 1 4 --repeats 3
+    python bench/collectives.py --sizes-mib 0.125 0.25 0.5 1     # small units
 
 Each size runs every form in interleaved rounds inside the same ranks (the machine's load
 swings), one thread per rank, a barrier before each call; the table is the median over
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from _launch import per_world_size
+from _launch import run_per_world_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
@@ -31,7 +32,7 @@ FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 16, 64], help="whole buffer, all ranks' rows")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -84,7 +85,7 @@ def worker(args) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     results = {}
     for mib in args.sizes_mib:
-        full = torch.randn(mib * 2**20 // 4)
+        full = torch.randn(int(mib * 2**20) // 4 // world_size * world_size)  # whole rows per rank
         shard = torch.empty(full.numel() // world_size)
         calls = forms(full, shard, rank, world_size)
         times = {name: [] for name in calls}
@@ -96,7 +97,7 @@ def worker(args) -> None:
                 elapsed = torch.tensor([time.perf_counter() - start])
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[name].append(elapsed.item())
-        results[mib] = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+        results[f"{mib:g}"] = {name: statistics.median(values) * 1e3 for name, values in times.items()}
     if rank == 0:
         args.out.write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -104,7 +105,7 @@ def worker(args) -> None:
 
 def launch(args) -> dict:
     worker_args = ["--repeats", str(args.repeats), "--backend", args.backend, "--sizes-mib", *map(str, args.sizes_mib)]
-    return per_world_size(__file__, args.world_sizes, worker_args)
+    return run_per_world_size(__file__, args.world_sizes, worker_args)
 
 
 def report(table: dict, args) -> str:

@@ -321,7 +321,7 @@ def _after_one_step_in_gloo_forms(name: str, strategy: str | None):
 def test_zero1_patterns_with_kept_gradients_in_gloo_forms(ranks, name):
     """Catches zero1's kept gradients losing a gradient carried from an earlier backward, averaging
     twice, or keeping a partial sum after a backward that raised, where the all-to-all averages
-    into them (the zoo's units are below the size where that form is taken, so this forces it)."""
+    into them (units under GLOO_FORMS_FROM_BYTES per rank keep torch's form, so this forces it)."""
     reference = _after_one_step(name, None)
     for got in ranks.run(_after_one_step_in_gloo_forms, 2, name, "zero1"):
         for key, value in reference.items():

@@ -28,8 +28,9 @@ def test_activation_checkpointing_leaves_results_unchanged(ranks, strategy, name
     check_parity(ranks, strategy, name, 2, CONFIGS, shard_kwargs={"checkpoint_activations": True})
 
 
-def _run_with_gloo_forms(*args):
-    with coll_threshold(0):  # every reduce in gloo's form, every gather in place (Note [gloo collectives])
+def _run_with_torchs_reduce_and_gathers_in_place(*args):
+    # every reduce through torch's reduce-scatter (NCCL's form), every gather in place (Note [gloo collectives])
+    with coll_threshold(2**62, in_place_from=0):
         return run_on_rank(*args)
 
 
@@ -42,13 +43,13 @@ def _run_with_matrices_gathered_in_place(*args):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", ["gpt", "unused_branch", "odd_shapes", "frozen"])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_parity_with_reduces_in_gloo_forms(ranks, strategy, name, world_size):
-    """The zoo's units are below GLOO_FORMS_FROM_BYTES, so the grid above runs torch's
-    reduce-scatter and packed gathers; this runs the forms real models take on gloo (an all-to-all
-    summed here, zero1's into its kept gradients; every parameter gathered in place). Catches wrong
-    rows kept, a missing average, rows summed from the wrong chunks, or the unused-parameter flags
-    lost in those forms."""
-    check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_gloo_forms)
+def test_parity_with_torchs_reduce_scatter_and_gathers_in_place(ranks, strategy, name, world_size):
+    """The grid above reduces the zoo's units on gloo by an all-to-all each rank sums (zero1's into its
+    kept gradients) and gathers their small parameters packed; this runs the other forms: torch's
+    reduce-scatter (the one NCCL takes) and every parameter gathered in place. Catches wrong rows
+    kept, a missing average, rows landed in another parameter's place, or the unused-parameter
+    flags lost in those forms."""
+    check_parity(ranks, strategy, name, world_size, CONFIGS, rank_fn=_run_with_torchs_reduce_and_gathers_in_place)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -110,13 +110,16 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 
 # Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast,
 # all-reduce and all-to-all (one thread per rank, loopback, interleaved rounds, ms;
-# `python bench/collectives.py`, bench/results/collectives.md, median of 5 on a quiet machine):
+# `python bench/collectives.py --sizes-mib 0.002 0.008 0.03 0.125 0.5 1 4 16 64`,
+# bench/results/collectives.md, median of 7 on a quiet machine):
 #
-#   ranks  MiB  all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows  all-to-all + sum
-#     2     1      1.2         0.7        |       2.3              2.0                  0.8
-#     2    64     85.0        26.1        |     113.7             64.2                 43.0
-#     4     1      5.7         2.0        |       7.5              6.5                  2.1
-#     4    64    218.0        47.1        |     255.1            118.7                 66.4
+#   ranks  MiB    all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows  all-to-all + sum
+#     2    0.002     0.3         0.3        |       0.4              0.3                  0.3
+#     2    1         0.8         0.5        |       1.3              0.8                  0.8
+#     2   64        67.0        22.2        |      82.5             46.6                 31.3
+#     4    0.002     1.4         1.2        |       4.9              6.4                  1.3
+#     4    1         5.7         1.5        |       4.6              5.0                  3.0
+#     4   64       128.1        41.2        |     217.8            102.1                 57.0
 #
 # So on gloo a gather is one asynchronous broadcast per rank, each from the rank whose rows it
 # carries (per large parameter: Note [gathered in place]), and a reduce-scatter whose rows per
@@ -129,10 +132,16 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # one group, the same sequence of calls on every rank. zero1 reduces the same way, its kept
 # gradients being the packed input (Note [kept gradients rank-major], unit_grads.py).
 
-# Per rank's rows. Set when the all-reduce was the form (torch's reduce-scatter won below it, 4 ranks, 1 MiB);
-# the all-to-all beats torch's at 1 MiB too (2.9x at 2 ranks, 3.6x at 4) and could start lower: not measured.
-# The zoo's small units stay below it, so the tests run torch's own form as well (tests/helpers/forms.py).
-GLOO_FORMS_FROM_BYTES = 512 * 1024
+# Per rank's rows. The all-to-all beats torch's reduce-scatter at every size measured, from 1 KiB per
+# rank: 1.4-2.6x at 2 ranks, 1.6-6.6x at 4 (the table's "reduce ÷"; a second run of the small sizes,
+# 9-15 rounds, gave 1.5-5x and 3.6-7x). It was 512 KiB, set when an all-reduce was the form; on a
+# GPT of d_model 128 (4 layers, units of 0.4 MiB per rank at 2 ranks) the old threshold stepped at
+# 1.10 / 1.04 / 1.15 x this one's for zero1 / zero2 / zero3 at 2 ranks and 1.05 / 1.05 / 1.08 at 4
+# (5 interleaved rounds: `python bench/phases.py --configs zero1,zero2,zero3 --against OLD/src
+# --model-args='--d-model 128 --layers 4 --vocab 1024 --heads 4'`). Units under 1 KiB per rank (a
+# few norms; not measured) keep torch's form, NCCL's, which test_zero_parity.py also runs for every
+# unit (tests/helpers/forms.py).
+GLOO_FORMS_FROM_BYTES = 1024
 
 
 def _is_gloo(group) -> bool:
@@ -284,9 +293,10 @@ def pack(grads: list[Tensor | None], rows: list[int], world_size: int, segments:
     ranks' padded with zeros: exactly what chunking every gradient along dim 0 into `world_size`
     padded chunks and concatenating chunk-wise gives, so it is one `chunk_cat` kernel (FSDP2's
     reduce-scatter input is built the same way) where every gradient is present, non-empty and in
-    `like`'s dtype; a copy per parameter otherwise. (`_chunk_cat` also converts, bf16 gradients into an
-    fp32 buffer, but on CPU no faster than the copies: 0.51-0.80 against 0.53-0.71 ms per GPT block of
-    d_model 512, so mixed dtypes keep the copies until a GPU measures it.)"""
+    `like`'s dtype; a copy per parameter otherwise. (`chunk_cat`, torch's `_chunk_cat`, also converts
+    bf16 gradients into an fp32 buffer, bitwise as the copies do, but on CPU it is no faster: 0.51-0.88
+    against 0.45-0.71 ms per GPT block of d_model 512 at 2 ranks, median of 20-30 calls in 2-3 runs;
+    so mixed dtypes keep the copies until a GPU measures it.)"""
     by_rank = None if out is None else out.view(world_size, total)
     if grads and all(g is not None and g.numel() and g.dtype == like.dtype for g in grads):
         # By rows: a 0-D scalar is one row.
