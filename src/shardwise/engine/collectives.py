@@ -202,7 +202,8 @@ def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, grou
     `rows[i]` already is its region's own chunk (a zero1/zero2 shard), so it is not copied there."""
     rank = dist.get_rank(group)
     chunks = [region.view(world_size, -1) for region in regions]
-    in_place = [_is_gloo(group) and part.nbytes >= GLOO_IN_PLACE_FROM_BYTES for part in rows]
+    gloo = _is_gloo(group)  # asked once per gather, not once per parameter
+    in_place = [gloo and part.nbytes >= GLOO_IN_PLACE_FROM_BYTES for part in rows]
     works = []
     with named_failure(what):
         for part, by_rank, direct in zip(rows, chunks, in_place):
