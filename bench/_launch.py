@@ -1,5 +1,6 @@
 """One torchrun per world size for the collective micro-benchmarks (collectives.py,
-gather_in_place.py): each worker writes its rank 0's JSON to `--out`, the launcher collects them."""
+gather_in_place.py): each worker writes its rank 0's JSON to `--out`, the launcher collects them
+and publishes the report."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def run_per_world_size(script: str, world_sizes: list[int], worker_args: list[st
                            stdout=subprocess.DEVNULL)
             table[world_size] = json.loads(out.read_text())
     return table
+
+
+def publish(stem: str, text: str, table: dict | None = None) -> None:
+    """Write bench/results/STEM.md (and STEM.json when `table` is given) and print the report."""
+    results = Path(__file__).resolve().parent / "results"
+    results.mkdir(exist_ok=True)
+    if table is not None:
+        (results / f"{stem}.json").write_text(json.dumps(table, indent=1))
+    (results / f"{stem}.md").write_text(text)
+    print(text)

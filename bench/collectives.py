@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from _launch import run_per_world_size
+from _launch import publish, run_per_world_size
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
          "reduce_scatter": "reduce-scatter (torch's, AVG)", "all_reduce": "all-reduce + own rows",
          "all_to_all": "all-to-all + sum", "sends": "a send to each rank + sum"}
@@ -129,11 +128,7 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     table = launch(args)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "collectives.json").write_text(json.dumps(table, indent=1))
-    text = report(table, args)
-    (RESULTS / "collectives.md").write_text(text)
-    print(text)
+    publish("collectives", report(table, args), table)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from _launch import run_per_world_size
+from _launch import publish, run_per_world_size
 
-RESULTS = Path(__file__).resolve().parent / "results"
 UNITS = 9  # the bench GPT: 8 blocks and the root, each refilled once per step (zero1/zero2)
 
 
@@ -108,11 +107,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    table = launch(args)
-    RESULTS.mkdir(exist_ok=True)
-    text = report(table, args)
-    (RESULTS / "gather_in_place.md").write_text(text)
-    print(text)
+    publish("gather_in_place", report(launch(args), args))
 
 
 if __name__ == "__main__":
