@@ -305,6 +305,16 @@ MUTATIONS = [
      'self.residents.add((to is Residency.GATHERED) - (self.residency is Residency.GATHERED))',
      'self.residents.add(max(0, (to is Residency.GATHERED) - (self.residency is Residency.GATHERED)))',
      "tests/test_zero_engine.py -k 'memory_at_the_zero_bound and zero3'"),
+    ("let dynamo trace the engine's unit hooks (torch.compile's RecursionError)",
+     'ZeroEngine.__init__',
+     'unit.module.register_forward_pre_hook(outside_graph(self._make_pre_forward(unit)))',
+     'unit.module.register_forward_pre_hook(self._make_pre_forward(unit))',
+     "tests/test_compile.py -k 'gpt and zero3 and whole'"),
+    ('run the eager recompute hook inside a compiled checkpoint (the unit silently falls back to eager)',
+     'checkpoint_forward.recompute_or_run',
+     'if not torch.compiler.is_compiling() and graph_task_id() != -1:',
+     'if graph_task_id() != -1:',
+     'tests/test_compile.py -k checkpointed'),
 ]
 
 

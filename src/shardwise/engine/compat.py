@@ -41,6 +41,22 @@ def in_reentrant_backward() -> bool:
 DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
+# Note [compiled]: `torch.compile` of a sharded model (whole, or each unit with `module.compile()`
+# before or after `shard()`) traces the model's math and none of the engine. The engine's module
+# hooks gather, agree across ranks, install full views and open autograd windows: host-side work
+# with Python state and collectives that dynamo cannot trace (traced, the version-counter read of a
+# ShardParameter recursed until a RecursionError). Each hook is therefore wrapped in
+# `outside_graph`: dynamo breaks the graph there, runs the hook eagerly (about 2.5 us of wrapper
+# per call) and traces on; the full views the hook installs reach the graph as ordinary inputs
+# (guarded by shape, dtype and stride, the same each step, so nothing recompiles after the first
+# step), and their gradients leave it into GatherUnit's backward as in eager mode. Breaks per
+# forward: one before and one after each unit, and one before and after each module of the root
+# unit (an embedding, the final norm, the head: Note [outer calls] in zero.py); the zoo GPT (two
+# blocks) runs 5 graphs per forward (torch DDP: 1). Compiling per
+# unit breaks only at the units' own hooks. A checkpointed unit (Note [recompute]) is recomputed by
+# the compiled graph from the views it saved; zero3 refills their storage before that backward.
+outside_graph = torch.compiler.disable
+
 # Inside a tensor subclass's __torch_function__ (ShardParameter, RowsGrad, the host copy's
 # parameters): run torch's own behaviour, plain tensors out.
 plain_tensors = torch._C.DisableTorchFunctionSubclass

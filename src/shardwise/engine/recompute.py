@@ -31,7 +31,9 @@ def checkpoint_forward(module: nn.Module, before_recompute: Callable[[], None]) 
     original = module.forward
 
     def recompute_or_run(*args, **kwargs):
-        if graph_task_id() != -1:  # inside backward: this is the recompute
+        # Inside backward: this is the recompute. Compiled, the recompute is the graph's own and
+        # reads the parameters it saved (Note [compiled] in compat.py).
+        if not torch.compiler.is_compiling() and graph_task_id() != -1:
             before_recompute()
         return original(*args, **kwargs)
 

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
 from shardwise.engine.collectives import host_group_of, new_reduce_group
-from shardwise.engine.compat import graph_task_id, queue_backward_callback
+from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
 from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.gather_schedule import GatherScheduler
@@ -119,11 +119,11 @@ class ZeroEngine(Engine):
             for unit in self.units[1:]:
                 checkpoint_forward(unit.module, lambda unit=unit: self._prepare_recompute(unit))
         for unit in self.units:
-            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            unit.module.register_forward_hook(self._make_post_forward(unit))
+            unit.module.register_forward_pre_hook(outside_graph(self._make_pre_forward(unit)))
+            unit.module.register_forward_hook(outside_graph(self._make_post_forward(unit)))
         for module in root_scope_modules(model, [unit.module for unit in self.units[1:]]):
-            module.register_forward_pre_hook(self.root_scope_pre_forward)
-            module.register_forward_hook(self.root_scope_post_forward)
+            module.register_forward_pre_hook(outside_graph(self.root_scope_pre_forward))
+            module.register_forward_hook(outside_graph(self.root_scope_post_forward))
 
     # ---- forward -----------------------------------------------------------------
 
