@@ -5,6 +5,9 @@ in one run.
     python bench/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
     python bench/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
     python bench/strategies.py --configs ddp,zero3,ds_zero3      # a subset of the arms
+    python bench/strategies.py --world-sizes 2 \
+        --configs ddp,fsdp2,zero2,zero3,ddp+compile,fsdp2+compile,zero1+compile,zero2+compile,zero3+compile
+                                                                 # compiled arms (--compile-backend, default inductor)
 
 The DeepSpeed arms (bench/deepspeed_arms.py) are skipped, with the reason printed, where
 deepspeed is not installed.
@@ -55,14 +58,22 @@ import torch
 
 import deepspeed_arms as ds
 
-CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS)
+# Note [compiled arms]: "X+compile" is arm X under torch.compile (--compile-backend), each the way its
+# users compile it: torch DDP and shardwise compile the whole model (`torch.compile(model)`); FSDP2
+# applies fully_shard per block and then compiles each block (torchtitan's order and grain). The
+# warm-up steps take the compilation, so the timed steps exclude it.
+COMPILED = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS,
+           *(f"{c}+compile" for c in COMPILED))
 LABELS = {"local": "no communication (each rank alone)",
           "ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
           "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3", **ds.LABELS}
+LABELS.update({f"{c}+compile": f"{LABELS[c]}, compiled" for c in COMPILED})
 # ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
 # as (replicated bytes, sharded bytes / N).
 FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
            "zero3": (0, 16), "fsdp2": (0, 16), **ds.FORMULA}
+FORMULA.update({f"{c}+compile": FORMULA[c] for c in COMPILED})
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -84,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "load on this shared machine hits them all alike; the median of the per-run "
                         "medians is reported (default: 3)")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the X+compile arms")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -119,6 +131,14 @@ def global_batch(args, step: int, world_size: int):
 
 def apply_config(model, config: str, args, world_size: int):
     """Wrap or shard `model` as `config` says; return (module to call, optimizer)."""
+    if config.endswith("+compile"):  # Note [compiled arms]
+        base = config.removesuffix("+compile")
+        module, optimizer = apply_config(model, base, args, world_size)
+        if base == "fsdp2":
+            for block in model.blocks:
+                block.compile(backend=args.compile_backend)
+            return module, optimizer
+        return torch.compile(module, backend=args.compile_backend), optimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import shardwise as sw
@@ -255,7 +275,8 @@ def run_worker(args) -> None:
 def worker_argv(args, config: str, world_size: int, warmup: int, steps: int, out_dir: str) -> list[str]:
     argv = [__file__, "--worker", "--config", config, "--world-size", str(world_size),
             "--out-dir", out_dir, "--warmup", str(warmup), "--steps", str(steps)]
-    for flag in ("vocab", "d_model", "layers", "heads", "seq", "batch", "seed", "lr", "weight_decay"):
+    for flag in ("vocab", "d_model", "layers", "heads", "seq", "batch", "seed", "lr", "weight_decay",
+                 "compile_backend"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if config == "reference":
         return [sys.executable] + argv
@@ -434,6 +455,16 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
             lines += ["", f"Engine-free bound for zero1/zero2 at world size {ws} (Note [engine-free bound]): "
                           f"{bound} × DDP. 'optimizer s' is the median over runs of each run's "
                           "median over steps of the slowest rank's optimizer.step()."]
+        compiled = [r for r in group if r["config"].endswith("+compile") and "run_medians_s" in r]
+        if compiled:  # Note [compiled arms]
+            lines += ["", f"Compiled arms at world size {ws} (backend {args.compile_backend}; compilation in the "
+                          "warm-up steps), each ratio paired per round:", "",
+                      "| config | median step s | × compiled DDP | × compiled FSDP2 | × the same arm eager |",
+                      "|---|---:|---:|---:|---:|"]
+            for r in compiled:
+                eager = by.get(r["config"].removesuffix("+compile"))
+                lines.append(f"| {r['label']} | {r['median_step_s']:.3f} | {paired_text(r, by.get('ddp+compile'))} | "
+                             f"{paired_text(r, by.get('fsdp2+compile'))} | {paired_text(r, eager)} |")
     return "\n".join(lines) + "\n"
 
 
