@@ -315,6 +315,21 @@ MUTATIONS = [
      'if not torch.compiler.is_compiling() and graph_task_id() != -1:',
      'if graph_task_id() != -1:',
      'tests/test_compile.py -k checkpointed'),
+    ("issue 34: the replica average missing (each replica of a mesh steps on its own share of the batch)",
+     'MeshInfo.average_replicas',
+     'if self.hybrid:',
+     'if False:',
+     "tests/test_hsdp.py -k 'parity and gpt and zero2-2x2'"),
+    ("issue 34: the clip norm counted once per replica (summed over every rank of the mesh)",
+     'clip_grad_norm_',
+     'engine.mesh.norm_group',
+     'engine.group',
+     "tests/test_hsdp.py -k 'parity and gpt and zero3-2x2'"),
+    ("issue 34: the layout off by one row (each rank's last row left out of its range)",
+     'MeshInfo.row_range',
+     'return start, min(start + per_rank, rows)',
+     'return start, min(start + per_rank - 1, rows)',
+     "tests/test_hsdp.py -k rows_are_chunked"),
 ]
 
 

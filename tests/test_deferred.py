@@ -9,13 +9,14 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
 from helpers.launch import run
 from shardwise.models.zoo import ZOO
 
 
-def _deferred_rows_equal_eager(strategy, name):
+def _deferred_rows_equal_eager(strategy, name, mesh_shape=None):
     spec = ZOO[name]
     torch.manual_seed(7)
     eager = dict(spec.build().named_parameters())
@@ -25,6 +26,8 @@ def _deferred_rows_equal_eager(strategy, name):
         model = spec.build()
     allocated_at_build = {p.device.type for p in model.parameters()}
     kwargs = {"find_unused_parameters": spec.skips_params} if strategy == "ddp" else {"units": spec.unit_class}
+    if mesh_shape is not None:  # hybrid sharding: rows over the "shard" dimension (Note [mesh info])
+        kwargs["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     sw.shard(model, strategy=strategy, **kwargs)
     after_deferred = torch.rand(3)
     mismatched = []
@@ -45,6 +48,16 @@ def test_zero3_deferred_values_equal_eager(ranks, name, world_size):
     would then depend on how the model was built or on the world size), a constant such as
     torch.tensor(1.0) lost on the meta device, or the RNG stream left elsewhere afterwards."""
     for allocated, mismatched, rng_continues in ranks.run(_deferred_rows_equal_eager, world_size, "zero3", name):
+        assert allocated == {"meta"}
+        assert mismatched == [] and rng_continues
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_deferred_values_equal_eager_on_a_mesh(ranks, strategy, mesh_shape):
+    """Catches deferred init under a replicate x shard mesh keeping rows cut over every rank of the mesh, or
+    replicas that replay to different values: each rank's rows equal the eager model's same rows."""
+    for allocated, mismatched, rng_continues in ranks.run(_deferred_rows_equal_eager, 4, strategy, "gpt", mesh_shape):
         assert allocated == {"meta"}
         assert mismatched == [] and rng_continues
 

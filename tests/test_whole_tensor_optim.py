@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
 from shardwise.models.zoo import ZOO, build
@@ -94,17 +95,21 @@ def _average(value: float) -> float:
     return t.item()
 
 
-def run(strategy: str | None, name: str, order: str = "after"):
-    """Train MODEL 3 steps; `strategy=None` is the single-process reference on the whole batch."""
+def run(strategy: str | None, name: str, order: str = "after", mesh_shape=None):
+    """Train MODEL 3 steps; `strategy=None` is the single-process reference on the whole batch. `mesh_shape`:
+    hybrid sharding on a ("replicate", "shard") mesh of that shape (Note [mesh info])."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if strategy else (0, 1)
     model = build(MODEL)
     spec = ZOO[MODEL]
+    kwargs = {"units": spec.unit_class}
+    if mesh_shape is not None:
+        kwargs["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     if strategy and order == "before":  # the order Accelerate and HF examples use
         optim = make(model.parameters(), name)
-        sw.shard(model, strategy=strategy, units=spec.unit_class)
+        sw.shard(model, strategy=strategy, **kwargs)
     else:
         if strategy:
-            sw.shard(model, strategy=strategy, units=spec.unit_class)
+            sw.shard(model, strategy=strategy, **kwargs)
         optim = make(model.parameters(), name)
     return train(model, spec, 3, 8, rank=rank, world_size=world_size, optimizer=optim,
                  all_reduce_loss=_average if strategy else None,
@@ -175,3 +180,14 @@ def test_saving_whole_tensor_optimizer_state_is_refused_on_every_rank(ranks, tmp
     """Catches sw.save writing (or one rank failing on) whole-shaped state held by owner ranks."""
     for message in ranks.run(_save_muon_state, 2, str(tmp_path)):
         assert "Adafactor's state on a sharded model is not supported yet" in message
+
+
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_whole_tensor_owners_inside_the_shard_group(ranks, strategy, name):
+    """Catches owners chosen over every rank of a 2 x 2 mesh instead of inside each shard group (an owner
+    outside the group gathers nothing and broadcasts into the wrong group: a hang or a wrong update), or
+    replicas that step differently: equal to one process."""
+    reference = run(None, name)
+    for result in ranks.run(run, 4, strategy, name, "after", (2, 2)):
+        assert_close_runs(reference, result)

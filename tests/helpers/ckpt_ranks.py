@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
 from shardwise.models.zoo import ZOO, build
@@ -18,14 +19,20 @@ GLOBAL_BATCH = 8
 
 
 def build_model(name: str, strategy: str, seed: int = 0):
-    """Zoo model `name` under `strategy`, and the two-group AdamW of the parity tests."""
+    """Zoo model `name` under `strategy`, and the two-group AdamW of the parity tests. "zero3@2x2" is zero3 on a
+    2-D ("replicate", "shard") mesh of 2 x 2 ranks (hybrid sharding, Note [mesh info])."""
     spec = ZOO[name]
+    mesh = {}
+    if "@" in strategy:
+        strategy, shape = strategy.split("@")
+        mesh["mesh"] = init_device_mesh("cpu", tuple(int(n) for n in shape.split("x")),
+                                        mesh_dim_names=("replicate", "shard"))
     model = build(name, seed)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
     if strategy == "ddp":
         sw.shard(model, strategy="ddp", find_unused_parameters=spec.skips_params)
     elif strategy != "none":
-        sw.shard(model, strategy=strategy, units=spec.unit_class)
+        sw.shard(model, strategy=strategy, units=spec.unit_class, **mesh)
     return model, make_optimizer(model, ndim_by_name=ndim_by_name)
 
 

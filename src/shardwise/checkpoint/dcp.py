@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
-from shardwise.checkpoint.ranks import group_of, is_sharded
+from shardwise.checkpoint.ranks import is_sharded
 from shardwise.engine.info import ShardInfo, as_dtensor, shard_info
 
 
@@ -29,13 +28,12 @@ def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
     is included for parameters that have some (as with DCP's own helpers, take a step
     before loading into a fresh optimizer). Every rank calls it.
     """
-    group, _, _ = group_of(model)
     sharded = is_sharded(model)
-    mesh = DeviceMesh.from_group(group, device_type=_device_type(model)) if sharded else None
+    device_type = _device_type(model)
     infos = shard_info(model)
 
     def wrap(tensor: torch.Tensor, info: ShardInfo) -> torch.Tensor:
-        return as_dtensor(tensor, info, mesh) if sharded else tensor.detach()
+        return as_dtensor(tensor, info, device_type) if sharded else tensor.detach()
 
     out: dict = {"model": {clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
     if optim is not None:

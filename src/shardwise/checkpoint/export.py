@@ -38,7 +38,7 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     specs, producers, metadata = [], [], {"format": "pt"}
     for raw, info in shard_info(model).items():
         name = clean_name(raw)
-        produce = (lambda info=info: _gather_full(info, group, rank, world)) if sharded else \
+        produce = (lambda info=info: _gather_full(info, rank)) if sharded else \
             (lambda info=info: info.param)
         names = [name] + [clean_name(a) for a in info.aliases]
         for alias in names[1:] if not duplicate_tied else ():
@@ -92,17 +92,20 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
 _SENT: list[torch.Tensor] = []
 
 
-def _gather_full(info: ShardInfo, group, rank: int, world: int) -> torch.Tensor | None:
-    """The full value of one sharded parameter on rank 0 (None elsewhere): a collective."""
+def _gather_full(info: ShardInfo, rank: int) -> torch.Tensor | None:
+    """The full value of one sharded parameter on rank 0 of the model's group (None elsewhere): a collective."""
     rows = info.full_shape[0] if len(info.full_shape) else 1
+    # Rows are chunked over the shard group (the whole group of a flat layout): each replica gathers its
+    # own, and only the model group's rank 0, shard rank 0 of replica 0, keeps the result (Note [mesh info]).
+    group, world, shard_rank = info.mesh.shard_group, info.mesh.shard_world, info.mesh.shard_rank
     if rows == 0:
         return torch.empty(info.full_shape, dtype=info.param.dtype)
     shard = info.param.detach().contiguous()
     _SENT.append(shard)  # Note [sent tensors stay referenced]
     per_rank = shard.shape[0]
     full = torch.empty((world * per_rank, *shard.shape[1:]), dtype=shard.dtype, device=shard.device) \
-        if rank == 0 else None
-    parts = [full[i * per_rank : (i + 1) * per_rank] for i in range(world)] if rank == 0 else None
+        if shard_rank == 0 else None
+    parts = [full[i * per_rank : (i + 1) * per_rank] for i in range(world)] if shard_rank == 0 else None
     torch.distributed.gather(shard, parts, dst=torch.distributed.get_global_rank(group, 0), group=group)
     if rank != 0:
         return None
@@ -131,9 +134,9 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
         if not sharded:
             value = info.param.detach()
         elif rank0_only:
-            value = _gather_full(info, group, rank, world)
+            value = _gather_full(info, rank)
         else:
-            value = _all_gather_full(info, group, world)
+            value = _all_gather_full(info)
         if value is not None:
             for name in (raw, *info.aliases):
                 out[clean_name(name)] = value
@@ -143,7 +146,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True,
     return out
 
 
-def _all_gather_full(info: ShardInfo, group, world: int) -> torch.Tensor:
+def _all_gather_full(info: ShardInfo) -> torch.Tensor:
+    group, world = info.mesh.shard_group, info.mesh.shard_world  # the rows' own group (Note [mesh info])
     shard = info.param.detach().contiguous()
     gathered = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     torch.distributed.all_gather_single(gathered, shard, group=group)

@@ -14,7 +14,7 @@ def group_of(model: nn.Module):
         return None, 0, 1
     engine = engine_of(model)
     part = unit_of_any_param(model) if engine is None else None  # a submodule of a sharded model
-    group = engine.group if engine is not None else part.group if part is not None else dist.group.WORLD
+    group = engine.group if engine is not None else part.mesh.group if part is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -53,9 +53,10 @@ def all_gather_object(obj, group, world: int) -> list:
 
 
 def rows_to_write(info: ShardInfo, rank: int, world: int, sharded: bool) -> tuple[int, int]:
-    """Rows of the full tensor this rank writes: its own shard, or an equal split of a replica."""
+    """Rows of the full tensor this rank writes: its own shard (once per mesh: the mesh's answer, Note
+    [mesh info]), or an equal split of a replica."""
     if sharded:
-        return info.row_start, info.row_end
+        return info.mesh.rows_to_write(info.row_start, info.row_end)
     rows = info.full_shape[0] if len(info.full_shape) else 1
     per_rank = -(-rows // world)
     start = min(rank * per_rank, rows)

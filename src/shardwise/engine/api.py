@@ -1,5 +1,5 @@
 """`shard(model, strategy=...)`: the one entry point that applies a strategy in place.
-Uses: compat, ddp, deferred, guards, host_copy, protocol, units, zero.
+Uses: compat, ddp, deferred, guards, host_copy, mesh_info, protocol, units, zero.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.host_copy import place_frozen_on_host
+from shardwise.engine.mesh_info import check_mesh
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
 from shardwise.engine.units import UnitSpec
 from shardwise.engine.zero import apply_zero
@@ -33,6 +34,7 @@ def shard(
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
     frozen: str | HostFrozen | None = None,
+    mesh=None,
 ) -> nn.Module:
     """Apply `strategy` to `model` in place and return the same model object.
 
@@ -63,6 +65,10 @@ def shard(
     maps, instead of one copy per rank; the strategy then applies to the trainable ones only.
     Writing a host-shared weight raises; unfreeze it (`requires_grad_(True)` copies it out)
     before `shard()`. Note [host copy] in host_copy.py.
+    `mesh` (zero strategies) is a 2-D `DeviceMesh` named ("replicate", "shard") for hybrid sharding
+    (FSDP2's HSDP): each parameter is sharded over the shard dimension only, whose ranks run the
+    gathers and reduce-scatters, and the gradients are then averaged across the replicas; the
+    result is still one process's. Note [mesh info] in mesh_info.py.
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,
@@ -77,9 +83,14 @@ def shard(
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
+    if mesh is not None:
+        check_mesh(mesh, config.strategy, group)
     _refuse_sparse_gradients(model, config.strategy)
     slicing = slicing_of(model)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
     if slicing is not None:
+        if mesh is not None:
+            raise ShardwiseError("sw.slice followed by shard(..., mesh=...) is not supported yet: shard a sliced model "
+                                 "over a flat data group (process_group=), or drop mesh=")
         slicing.check_data_group(group)
     if config.frozen is not None:
         place_frozen_on_host(model, config.frozen, group)  # before any strategy sees the parameters
@@ -88,7 +99,7 @@ def shard(
             materialize(model, init_fn)  # ddp holds the full model anyway
         engine = apply_ddp(model, group, config)
     else:
-        engine = apply_zero(model, config, units, group, init_fn)
+        engine = apply_zero(model, config, units, group, init_fn, mesh)
     attach_engine(model, engine)  # Note [engine protocol]
     setattr(model, DDP_IGNORE_ATTRIBUTE, RefuseDataParallel(config.strategy))  # Note [no second wrapper]
     return model

@@ -253,6 +253,13 @@ def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
     return pending
 
 
+def all_reduce_avg(tensor: Tensor, group, what: str = "an all-reduce") -> Tensor:
+    """Average `tensor` in place over `group`'s ranks (the replicas of a hybrid mesh: Note [mesh info])."""
+    with named_failure(what):
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+    return tensor
+
+
 def _average_copies(copies: Tensor, world_size: int, out: Tensor | None = None) -> Tensor:
     """The mean of the `world_size` copies of this rank's rows that an all-to-all received, added in rank
     order into one tensor (new, or `out`): half the time of `sum(dim=0)` on CPU, which writes a temporary first."""

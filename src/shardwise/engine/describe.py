@@ -51,7 +51,7 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
     engine = engine_of(model)
     if engine is not None and engine.shards_rows:
         plans = [(unit.module, unit.path, [layout.owned for layout in unit.layouts]) for unit in engine.units]
-        world_size = world_size or engine.world_size
+        world_size = world_size or engine.mesh.shard_world  # rows are chunked over the shard group
         sizes = {layout.owned.name: (layout.shape, unit.dtype.itemsize) for unit in engine.units
                  for layout in unit.layouts}
     else:

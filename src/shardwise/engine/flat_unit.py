@@ -1,10 +1,11 @@
 """The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
-param_layout, phase, shard_param, stage, unit_grads, units.
+mesh_info, param_layout, phase, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
-chunks of `c = ceil(rows / world_size)` rows (a 0-D scalar counts as one row; the
-last ranks hold zero padding), and after `shard()` the registered parameter is this
-rank's chunk, under its original name. Its gradients are `unit.grads` (unit_grads.py). Two
+chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
+as one row; the last ranks hold zero padding; which rows are this rank's is its `mesh`'s answer,
+Note [mesh info]), and after `shard()` the registered parameter is this rank's chunk, under its
+original name. Its gradients are `unit.grads` (unit_grads.py). Two
 memory layouts, one per stage (Note [stages], stage.py):
 
 - full parameters kept (zero1, zero2): the full padded values stay allocated
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 import shardwise.engine.collectives as coll
 from shardwise.config import MixedPrecision
 from shardwise.engine.compat import preserve_version_counter
+from shardwise.engine.mesh_info import MeshInfo
 from shardwise.engine.param_layout import ParamLayout, lay_out
 from shardwise.engine.phase import Clock
 from shardwise.engine.shard_param import make_shard
@@ -82,16 +84,15 @@ class Residents:
 class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
-    def __init__(self, plan: UnitPlan, *, rank: int, world_size: int, group, stage: Stage,
-                 precision: MixedPrecision, store=None, reduce_group=None, clock: Clock | None = None,
-                 residents: Residents | None = None):
+    def __init__(self, plan: UnitPlan, *, mesh: MeshInfo, stage: Stage, precision: MixedPrecision,
+                 store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None):
         self.module, self.path = plan.module, plan.path
-        self.rank, self.world_size, self.group = rank, world_size, group
+        self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])
         self.stage = stage
         self.store = store  # offload: the master shards live in a memory-mapped file
-        self.reduce_group = reduce_group or group  # reduce-scatters may have a group of their own
+        self.reduce_group = reduce_group or mesh.shard_group  # reduce-scatters may have a group of their own
         self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
-        self.layouts, self.shard_total = lay_out(plan.params, world_size)
+        self.layouts, self.shard_total = lay_out(plan.params, mesh)
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
             raise ShardwiseError(
@@ -108,7 +109,7 @@ class FlatUnit:
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
         # With a low param_dtype the fp32 master rows need their own storage.
         self.aliased = stage.aliases_shards(self.compute_dtype, self.dtype)
-        self.full_flat = torch.empty(world_size * self.shard_total, dtype=self.compute_dtype, device=self.device)
+        self.full_flat = torch.empty(mesh.shard_world * self.shard_total, dtype=self.compute_dtype, device=self.device)
         self.full_views = [self._full_view(layout) for layout in self.layouts]
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
@@ -166,15 +167,15 @@ class FlatUnit:
     def _padded_region(self, layout: ParamLayout, flat_by_param: Tensor | None = None) -> Tensor:
         """A parameter's padded region of full_flat (or of a param-major buffer shaped like it)."""
         flat_by_param = self.full_flat if flat_by_param is None else flat_by_param
-        start = self.world_size * layout.offset
-        return flat_by_param[start : start + self.world_size * layout.shard_numel]
+        start = self.mesh.shard_world * layout.offset
+        return flat_by_param[start : start + self.mesh.shard_world * layout.shard_numel]
 
     def _full_view(self, layout: ParamLayout) -> Tensor:
         real = self._padded_region(layout)[: layout.rows * layout.row_numel]
         return real.view(layout.shape)
 
     def own_rows(self, flat_by_param: Tensor, layout: ParamLayout) -> Tensor:
-        region_start = self.world_size * layout.offset + self.rank * layout.shard_numel
+        region_start = self.mesh.shard_world * layout.offset + self.mesh.own_start(layout.shard_numel)
         return flat_by_param[region_start : region_start + layout.shard_numel]
 
     def take_shards(self, values: dict[int, Tensor] | None = None) -> None:
@@ -198,7 +199,7 @@ class FlatUnit:
                     else torch.zeros(self.shard_total, dtype=self.dtype, device=self.device)
                 for layout, original in zip(self.layouts, originals):
                     if original is not None:
-                        self._shard_segment(layout).copy_(self._own_rows_of(original, layout))
+                        self._shard_segment(layout).copy_(self.mesh.own_chunk(original, layout.shard_numel))
                 shard_tensors = [self._shard_segment(layout).view(layout.shard_shape) for layout in self.layouts]
                 if self.stage.keeps_full_params:  # low-precision zero1/zero2: the kept full values, cast once
                     self.full_flat.zero_()
@@ -225,23 +226,12 @@ class FlatUnit:
             if self.stage.keeps_full_params:
                 self.full_views[index].copy_(value)
             if not self.aliased:
-                self._shard_segment(layout).copy_(self._own_rows_of(value, layout))
+                self._shard_segment(layout).copy_(self.mesh.own_chunk(value, layout.shard_numel))
             if self.stage.keeps_full_params:
                 self.gathered_stamp = self._master_stamp()  # the full copy is current
 
     def _shard_segment(self, layout: ParamLayout) -> Tensor:
         return self.shard_flat[layout.offset : layout.offset + layout.shard_numel]
-
-    def _own_rows_of(self, full: Tensor, layout: ParamLayout) -> Tensor:
-        """This rank's rows of a full (unpadded) tensor, zero-padded to `shard_numel`."""
-        flat = full.detach().reshape(-1)
-        start = min(self.rank * layout.shard_numel, flat.numel())
-        rows = flat[start : start + layout.shard_numel]
-        if rows.numel() == layout.shard_numel:
-            return rows
-        padded = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-        padded[: rows.numel()] = rows
-        return padded
 
     def _master_stamp(self) -> int:
         """Moves whenever this rank's master rows are written in place (Note [writes the engine
@@ -290,7 +280,8 @@ class FlatUnit:
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
             self.pending_gather = coll.gather_into(
-                self._own_parts(self.compute_dtype), self._regions(self.full_flat), self.world_size, self.group,
+                self._own_parts(self.compute_dtype), self._regions(self.full_flat), self.mesh.shard_world,
+                self.mesh.shard_group,
                 async_op, what=f"the all-gather of unit {self.label} ({self.where})", own_in_place=self.aliased)
 
     def finish_gather(self) -> None:
@@ -316,11 +307,11 @@ class FlatUnit:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():  # the fp32 masters, not the compute copy
-            coll.gather_into(self._own_parts(self.dtype), self._regions(target), self.world_size, self.group,
-                             async_op=False)
+            coll.gather_into(self._own_parts(self.dtype), self._regions(target), self.mesh.shard_world,
+                             self.mesh.shard_group, async_op=False)
         out = {}
         for layout in self.layouts:
-            start = self.world_size * layout.offset
+            start = self.mesh.shard_world * layout.offset
             out[layout.owned.name] = target[start : start + layout.rows * layout.row_numel].view(layout.shape).clone()
         return out
 

@@ -49,7 +49,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         # model.parameters() order, as torch's clip_grad_norm_(model.parameters()) stacks its norms.
         grads = [p.grad for p in model.parameters() if getattr(p, "_sw_unit", None) is not None
                  and p.grad is not None]
-        return _clip_sharded(grads, max_norm, float(norm_type), engine.group)
+        return _clip_sharded(grads, max_norm, float(norm_type), engine.mesh.norm_group)  # Note [mesh info]
     # Unsharded and ddp: every rank holds the full, already-averaged gradients.
     grads = [p for p in model.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)

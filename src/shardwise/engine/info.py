@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from shardwise.engine.host_param import is_host_shared
 from shardwise.engine.protocol import ShardInfo, engine_of, slicing_of
@@ -66,7 +66,7 @@ def module_paths(model: nn.Module) -> dict[int, list[str]]:
     return paths
 
 
-def units_shard_info(units, rank: int, module_paths: dict[int, list[str]]) -> dict[str, ShardInfo]:
+def units_shard_info(units, module_paths: dict[int, list[str]]) -> dict[str, ShardInfo]:
     """`shard_info` of a zero engine's units (flat_unit.FlatUnit), by each parameter's first name;
     its aliases are every other path it is registered under (a module shared under 3 names too)."""
     info = {}
@@ -74,8 +74,9 @@ def units_shard_info(units, rank: int, module_paths: dict[int, list[str]]) -> di
         for layout, shard in zip(unit.layouts, unit.shard_params):
             names = [f"{prefix}.{attribute}" if prefix else attribute
                      for module, attribute in layout.owned.holders for prefix in module_paths[id(module)]]
-            info[layout.owned.name] = ShardInfo(shard, layout.shape, *_rows_of(layout, rank),
-                                                tuple(dict.fromkeys(n for n in names if n != layout.owned.name)))
+            info[layout.owned.name] = ShardInfo(shard, layout.shape, *unit.mesh.row_range(layout.rows),
+                                                tuple(dict.fromkeys(n for n in names if n != layout.owned.name)),
+                                                unit.mesh)
     return info
 
 
@@ -93,8 +94,8 @@ def _part_shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     for name, param in model.named_parameters():
         unit = param._sw_unit
         layout = next(lay for lay, shard in zip(unit.layouts, unit.shard_params) if shard is param)
-        info[name] = ShardInfo(param, layout.shape, *_rows_of(layout, unit.rank),
-                               tuple(names_by_param[id(param)][1:]))
+        info[name] = ShardInfo(param, layout.shape, *unit.mesh.row_range(layout.rows),
+                               tuple(names_by_param[id(param)][1:]), unit.mesh)
     return info
 
 
@@ -106,15 +107,10 @@ def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _rows_of(layout, rank: int) -> tuple[int, int]:
-    """The full tensor's rows rank `rank` holds of a unit parameter (param_layout.ParamLayout)."""
-    start = min(rank * layout.rows_per_rank, layout.rows)
-    return start, min(start + layout.rows_per_rank, layout.rows)
-
-
-def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:
+def as_dtensor(tensor: torch.Tensor, info: ShardInfo, device_type: str) -> DTensor:
     """This rank's real rows of `tensor` (the shard, or optimizer state shaped like it) as a
-    `Shard(0)` DTensor of the full shape, without a copy.
+    `Shard(0)` DTensor of the full shape over its shard group (`(Replicate(), Shard(0))` on a 2-D
+    mesh: Note [mesh info]), without a copy.
 
     Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
     rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout. A 0-D
@@ -122,7 +118,8 @@ def as_dtensor(tensor: torch.Tensor, info: ShardInfo, mesh) -> DTensor:
     rows = row_view(tensor, info, info.row_start, info.row_end)
     shape = tuple(info.full_shape) or (1,)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(rows, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    mesh, placements = info.mesh.dtensor_placements(device_type)
+    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def row_view(tensor: torch.Tensor, info: ShardInfo, lo: int, hi: int) -> torch.Tensor:

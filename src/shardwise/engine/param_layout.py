@@ -1,18 +1,19 @@
 """Where one owned parameter lives in its unit's flat buffers: dim-0 chunks, padded per rank.
-Uses: units.
+Uses: mesh_info, units.
 
 A parameter of `rows` rows (a 0-D scalar counts as one) is cut into chunks of
-`rows_per_rank = ceil(rows / world_size)` rows; rank r's chunk sits at `offset` in that
-rank's shard segment, and the full padded value at `world_size * offset` in the full buffer.
+`rows_per_rank = ceil(rows / shard_world)` rows (the mesh's answer: Note [mesh info]); shard rank r's
+chunk sits at `offset` in that rank's shard segment, and the full padded value at
+`shard_world * offset` in the full buffer.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from shardwise.engine.mesh_info import MeshInfo
 from shardwise.engine.units import OwnedParam
 
 
@@ -36,13 +37,13 @@ class ParamLayout:
         return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
 
 
-def lay_out(owned: list[OwnedParam], world_size: int) -> tuple[list[ParamLayout], int]:
+def lay_out(owned: list[OwnedParam], mesh: MeshInfo) -> tuple[list[ParamLayout], int]:
     layouts, offset = [], 0
     for entry in owned:
         shape = entry.param.shape
         rows = shape[0] if len(shape) else 1
-        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-        rows_per_rank = math.ceil(rows / world_size)
+        row_numel = shape[1:].numel()
+        rows_per_rank = mesh.rows_per_rank(rows)
         layouts.append(ParamLayout(entry, shape, rows, row_numel, rows_per_rank, offset))
         offset += rows_per_rank * row_numel
     return layouts, offset

@@ -192,7 +192,7 @@ def _refuse_rows_with_whole(func, args, kwargs) -> None:
 
 def _sharded(param: ShardParameter) -> bool:
     unit = getattr(param, "_sw_unit", None)
-    return unit is None or unit.world_size > 1
+    return unit is None or unit.mesh.shard_world > 1
 
 
 def make_shard(original: nn.Parameter, rows: torch.Tensor) -> ShardParameter:

@@ -6,7 +6,7 @@ torch's own `state_dict()` would hand out `wte.weight` as [250, 64] where the mo
 [500, 64], and `save_pretrained()` would write that. Two module hooks keep the
 ecosystem's convention instead:
 - `state_dict()` holds each parameter (under every name it is registered under) as a DTensor
-  with a `Shard(0)` placement over the model's process group, whose local part is a view of
+  with a `Shard(0)` placement over the units' shard group (Note [mesh info]), whose local part is a view of
   this rank's real rows (Note [dcp rows]): `torch.distributed.checkpoint` saves and reshards
   it directly, `.full_tensor()` gives the whole value (a collective), and shapes are the full
   shapes. `sw.full_state_dict(model)` gives plain full tensors on rank 0 for an export.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardwise.engine.info import ShardInfo, as_dtensor
@@ -27,19 +26,15 @@ from shardwise.engine.info import ShardInfo, as_dtensor
 
 def install_state_dict_hooks(model: nn.Module, engine) -> None:
     """Register the two hooks of Note [state dict] on `model` for `engine` (a ZeroEngine)."""
-    mesh: list[DeviceMesh] = []  # made on first use: a DeviceMesh costs a little to build
-
     def names_and_infos(prefix: str):
         for name, info in engine.shard_info().items():
             for alias in (name, *info.aliases):
                 yield prefix + alias, info
 
     def to_dtensors(module, state_dict, prefix, local_metadata):
-        if not mesh:
-            mesh.append(DeviceMesh.from_group(engine.group, device_type=engine.root.device.type))
         for key, info in names_and_infos(prefix):
             if key in state_dict:
-                state_dict[key] = as_dtensor(info.param, info, mesh[0])
+                state_dict[key] = as_dtensor(info.param, info, engine.root.device.type)
 
     def from_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs):

@@ -3,7 +3,8 @@ each shard its averaged rows. Uses: collectives.
 
 A unit's gradients have their own phase (`GradPhase`): IDLE until a backward hands the unit
 gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE once the
-reduce has landed and its rows were handed out (`land`, `settle`).
+reduce has landed (averaged over the shard group, then over the replicas: Note [mesh info]) and its
+rows were handed out (`land`, `settle`).
 
 Note [unused params]: a parameter no rank used this step must keep `grad=None`, as in a single
 process (AdamW then leaves it alone: no decay, no moment update), while one used by some ranks
@@ -71,7 +72,7 @@ class UnitGrads:
         for layout in layouts:
             segments.append((offset, layout.shard_numel))
             offset += layout.shard_numel
-        return coll.pack([grads[i] for i in indices], [layout.rows for layout in layouts], self.unit.world_size,
+        return coll.pack([grads[i] for i in indices], [layout.rows for layout in layouts], self.unit.mesh.shard_world,
                          segments, offset, torch.empty(0, dtype=self.unit.reduce_dtype, device=self.unit.device),
                          out=out)
 
@@ -109,11 +110,11 @@ class UnitGrads:
 
     def _by_rank(self) -> Tensor:
         """`full` as (world_size, S): row r holds rank r's rows of every parameter, in shard order."""
-        return self.full.view(self.unit.world_size, -1)
+        return self.full.view(self.unit.mesh.shard_world, -1)
 
     def _own_rows(self, layout) -> Tensor:
         """This rank's rows of one parameter in `full` (rank-major: contiguous)."""
-        return self._by_rank()[self.unit.rank, layout.offset : layout.offset + layout.shard_numel]
+        return self._by_rank()[self.unit.mesh.shard_rank, layout.offset : layout.offset + layout.shard_numel]
 
     # ---- the reduce ------------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class UnitGrads:
                 packed = self.full  # already the reduce's input
                 if unit.stage.keeps_full_grads:  # zero1: the average lands in its kept rows; zero2/zero3
                     # get fresh rows, so that `full` goes once the reduce lands (no_sync's 4 bytes/param)
-                    self.into_full = self._by_rank()[unit.rank]
+                    self.into_full = self._by_rank()[unit.mesh.shard_rank]
             else:  # frozen parameters in the unit: their rows stay home
                 by_rank = self._by_rank()
                 packed = torch.cat([by_rank[:, unit.layouts[i].offset : unit.layouts[i].offset
@@ -142,7 +143,7 @@ class UnitGrads:
             grads = [None] * len(unit.layouts) if grads is None else grads
             self.used_here = [grads[i] is not None for i in self.indices]
             packed = self._pack(grads, self.indices)
-        self.pending = coll.reduce_scatter_avg(packed, unit.world_size, unit.reduce_group, async_op, what,
+        self.pending = coll.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, async_op, what,
                                                out=self.into_full)
 
     def land(self) -> None:
@@ -150,7 +151,8 @@ class UnitGrads:
         (some rank used it, so it gets its average); keep the others' rows for `settle`, which the
         agreement on which parameters any rank used decides (Note [unused params])."""
         unit, pending, self.pending = self.unit, self.pending, None
-        reduced = pending.wait()
+        reduced = pending.wait()  # the average over the shard group; then over the replicas (Note [mesh info])
+        unit.mesh.average_replicas(reduced, f"the gradient average across replicas of unit {unit.label} ({unit.where})")
         in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         self.into_full = None
         offset = 0

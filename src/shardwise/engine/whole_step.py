@@ -85,7 +85,7 @@ def step_shape(optimizer) -> StepShape:
 def sharded_params(optimizer) -> list:
     """The optimizer's parameters that hold rows of a tensor sharded over more than one rank."""
     return [param for group in optimizer.param_groups for param in group["params"]
-            if getattr(param, "_sw_unit", None) is not None and param._sw_unit.world_size > 1]
+            if getattr(param, "_sw_unit", None) is not None and param._sw_unit.mesh.shard_world > 1]
 
 
 def refuse_coupled(optimizer) -> None:
@@ -99,7 +99,8 @@ def refuse_coupled(optimizer) -> None:
 
 
 def _owners(params: list, world_size: int) -> list[int]:
-    """Each parameter's owner rank: the least loaded so far, by elements (identical on every rank)."""
+    """Each parameter's owner shard rank: the least loaded so far, by elements (identical on every rank; each
+    replica of a hybrid mesh has its owners in its own shard group, and they step the same values)."""
     load = [0] * world_size
     owners = []
     for param in params:
@@ -113,7 +114,7 @@ def _gather_whole(rows: Tensor, param) -> Tensor:
     """Every rank's rows of one parameter, as the unpadded whole tensor."""
     layout, unit = param._sw_layout, param._sw_unit
     send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
-    out = coll.all_gather(send, unit.world_size, unit.group, async_op=False,
+    out = coll.all_gather(send, unit.mesh.shard_world, unit.mesh.shard_group, async_op=False,
                           what=f"the whole-tensor step's gather of {layout.owned.name!r}").wait()
     return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
 
@@ -123,7 +124,7 @@ class WholeStep:
 
     def __init__(self, optimizer):
         self.params = sharded_params(optimizer)
-        world_size = self.params[0]._sw_unit.world_size if self.params else 1
+        world_size = self.params[0]._sw_unit.mesh.shard_world if self.params else 1
         self.owners = _owners(self.params, world_size)
         self.saved: list[tuple[Tensor, Tensor | None]] = []  # each param's own rows and gradient rows
 
@@ -134,7 +135,7 @@ class WholeStep:
             whole = _gather_whole(rows, param)
             whole_grad = _gather_whole(grad, param) if grad is not None else None
             self.saved.append((rows, grad))
-            if unit.rank == owner:
+            if unit.mesh.shard_rank == owner:
                 _set_data(param, whole)
                 _set_grad(param, whole_grad)  # plain: the whole gradient is no RowsGrad
             else:
@@ -144,14 +145,14 @@ class WholeStep:
         with torch.no_grad():
             for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
                 unit, layout = param._sw_unit, param._sw_layout
-                whole = param.detach() if unit.rank == owner else torch.empty(
+                mesh = unit.mesh
+                whole = param.detach() if mesh.shard_rank == owner else torch.empty(
                     layout.shape, dtype=rows.dtype, device=rows.device)
-                dist.broadcast(whole, src=dist.get_global_rank(unit.group, owner), group=unit.group)
+                dist.broadcast(whole, src=dist.get_global_rank(mesh.shard_group, owner), group=mesh.shard_group)
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                flat = whole.reshape(-1)
-                start = min(unit.rank * layout.shard_numel, flat.numel())
-                own = flat[start : start + layout.shard_numel]
+                lo, hi = mesh.row_range(layout.rows)
+                own = whole.reshape(-1)[lo * layout.row_numel : hi * layout.row_numel]
                 param.view(-1)[: own.numel()].copy_(own)
         self.saved = []

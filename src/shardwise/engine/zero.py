@@ -1,5 +1,5 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: collectives, compat, consistency, flat_unit, gather_schedule, info, offload,
+(flat_unit.py). Uses: collectives, compat, consistency, flat_unit, gather_schedule, info, mesh_info, offload,
 optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict, unit_choice,
 units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
 optimizers (whole_step.py).
@@ -65,6 +65,7 @@ from shardwise.engine.consistency import agree_before_forward, check_same_model_
 from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.gather_schedule import GatherScheduler
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
+from shardwise.engine.mesh_info import MeshInfo
 from shardwise.engine.offload import open_store
 from shardwise.engine.optim_hooks import watch_units
 from shardwise.engine.phase import Clock, Phase
@@ -85,27 +86,31 @@ class ZeroEngine(Engine):
 
     shards_rows = True
 
-    def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None):
-        self.config, self.strategy, self.group = config, config.strategy, group
+    def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None, mesh=None):
+        self.config, self.strategy, self.group = config, config.strategy, group  # group: every rank of the mesh
         self.stage, self.precision, self.clock = Stage.of(config), config.precision, Clock()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
+        self.mesh = MeshInfo.of_mesh(mesh, group) if mesh is not None else MeshInfo.flat(group)
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
         check_same_model_on_every_rank(model, group)
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
-        reduce_group = new_reduce_group(group)  # Note [collective order]
+        reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]
         self.residents = Residents()  # zero3's units holding full values: counted by the units themselves
-        self.units = shard_units(model, plans, config, group, self.rank, self.world_size, self.store, init_fn,
+        self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn,
                                  reduce_group=reduce_group, clock=self.clock, residents=self.residents)
         self.root = self.units[0]
         watch_units(self.units)
         install_state_dict_hooks(model, self)  # Note [state dict]
         self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight)
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
-        # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order.
-        flags_group = reduce_group if self.host_group is group else self.host_group
+        # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
+        # hybrid mesh the flags span every replica (a parameter used on one replica has a gradient on all)
+        # and the gathers run on the shard group, so they take the host group of the whole mesh.
+        flags_group = reduce_group if self.host_group is group and not self.mesh.hybrid else self.host_group
         self.reducer = Reducer(list(reversed(self.units)), flags_group)  # Note [collective order]
         self.sync_grads = True
         self.num_forwards = 0  # root forwards, agreed across ranks before each
@@ -355,7 +360,7 @@ class ZeroEngine(Engine):
         return self.residents.peak
 
     def shard_info(self) -> dict[str, ShardInfo]:
-        return units_shard_info(self.units, self.rank, self.module_paths)
+        return units_shard_info(self.units, self.module_paths)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: value for unit in self.units for name, value in unit.gather_copy().items()}
@@ -365,6 +370,7 @@ class ZeroEngine(Engine):
 
 
 def apply_zero(model: nn.Module, config: ShardConfig, units: UnitSpec, group: dist.ProcessGroup,
-               init_fn=None) -> ZeroEngine:
-    """Shard `model` in place under `config.strategy` and return its engine."""
-    return ZeroEngine(model, config, units, group, init_fn)
+               init_fn=None, mesh=None) -> ZeroEngine:
+    """Shard `model` in place under `config.strategy` (over `mesh`'s shard dimension when given: Note
+    [mesh info]) and return its engine."""
+    return ZeroEngine(model, config, units, group, init_fn, mesh)

@@ -18,14 +18,13 @@ loads what it writes, and it loads what any layout wrote.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardwise.engine import engine_of
 from shardwise.engine.info import ShardInfo
+from shardwise.engine.mesh_info import MeshInfo
 from shardwise.engine.protocol import Engine, attach_engine, slicing_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.full import unslice
@@ -58,6 +57,7 @@ class UnslicedView:
         self.real, self.real_optim = model, optim
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = MeshInfo.flat(self.group)  # the view's rows: a flat layout over the whole world (Note [mesh info])
         engine = engine_of(model)
         data = dist.get_world_size(engine.group) if engine is not None else 1
         tensor_ranks = slicing_of(model).world_size
@@ -101,8 +101,8 @@ class UnslicedView:
 
     def _rows(self, full: Tensor, full_shape) -> Tensor:
         rows = full_shape[0] if len(full_shape) else 1
-        per_rank = math.ceil(rows / self.world)
-        start = min(self.rank * per_rank, rows)
+        per_rank = self.mesh.rows_per_rank(rows)
+        start, _ = self.mesh.row_range(rows)
         flat = full.reshape(rows, *full_shape[1:])
         out = flat.new_zeros((per_rank, *full_shape[1:]))
         out[: max(0, min(start + per_rank, rows) - start)] = flat[start : start + per_rank]
@@ -110,11 +110,9 @@ class UnslicedView:
 
     def _info(self, value, full_shape, dtype, aliases) -> tuple[ShardInfo, Tensor]:
         rows = full_shape[0] if len(full_shape) else 1
-        per_rank = math.ceil(rows / self.world)
-        start = min(self.rank * per_rank, rows)
         if value is None:
-            value = torch.zeros((per_rank, *full_shape[1:]), dtype=dtype)
-        return ShardInfo(value, full_shape, start, min(start + per_rank, rows), tuple(aliases)), value
+            value = torch.zeros((self.mesh.rows_per_rank(rows), *full_shape[1:]), dtype=dtype)
+        return ShardInfo(value, full_shape, *self.mesh.row_range(rows), tuple(aliases), self.mesh), value
 
     def _view_optimizer(self, rows_of: dict[int, Tensor], fill: bool) -> _ViewOptimizer:
         real = self.real_optim

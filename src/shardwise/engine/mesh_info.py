@@ -1,0 +1,151 @@
+"""Which rows this rank holds and with whom it talks: one object every engine module asks.
+Uses: collectives.
+
+Note [mesh info]: a zero engine's ranks form a `replicate x shard` mesh (FSDP2's names; its
+`FSDPMeshInfo` / `HSDPMeshInfo`). Parameters are cut into dim-0 chunks over the *shard* group
+only: `rows_per_rank = ceil(rows / shard_world)`, shard rank r holding rows
+`r * rows_per_rank : (r + 1) * rows_per_rank` (the last ranks zero padding), so the units'
+gathers and reduce-scatters stay inside the shard group. Every replica holds the same rows;
+after a unit's reduce-scatter (an average over the shard group) its rows are averaged over
+the *replicate* group (an all-reduce), which makes the mean over every rank of the mesh.
+The flat layout of `strategy="zero*"` without a mesh is the 1 x N mesh: one replica, every rank
+in the shard group; nothing is all-reduced and the arithmetic is the one it always was.
+
+What follows from it, asked here and nowhere else:
+- this rank's rows of a parameter (`row_range`) and of a flat chunked buffer (`own_start`,
+  `own_chunk`); the engine's units, their gradients, the whole-tensor owners, `shard_info` and
+  the checkpoints' row ranges all come from these.
+- the gradient norm (`norm_group`): every replica holds the same averaged rows, so the norm
+  is summed over the shard group alone; over every rank it would count each row once per replica.
+- which rows a checkpoint writes (`rows_to_write`): replica 0's ranks write their rows, the
+  other replicas write none (they hold the same values), so a file holds each row once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+import shardwise.engine.collectives as coll
+from shardwise.errors import ShardwiseError
+
+
+@dataclass(frozen=True, eq=False)
+class MeshInfo:
+    """This rank's place in the `replicate x shard` mesh (Note [mesh info])."""
+
+    group: dist.ProcessGroup | None  # every rank of the mesh: the data-parallel group (checkpoints, agreements)
+    shard_group: dist.ProcessGroup | None
+    shard_rank: int
+    shard_world: int
+    replicate_group: dist.ProcessGroup | None = None  # None: one replica (the flat layout)
+    replicate_rank: int = 0
+    replicate_world: int = 1
+    device_mesh: object = None  # the user's 2-D DeviceMesh; None for the flat layout
+    _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
+
+    @classmethod
+    def flat(cls, group) -> MeshInfo:
+        """The 1 x N mesh: every rank of `group` holds a chunk."""
+        return cls(group, group, dist.get_rank(group), dist.get_world_size(group))
+
+    @classmethod
+    def of_mesh(cls, mesh, group) -> MeshInfo:
+        """A 2-D `DeviceMesh` named ("replicate", "shard") (`check_mesh` says so first)."""
+        shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
+        return cls(group, shard, dist.get_rank(shard), dist.get_world_size(shard), replicate, dist.get_rank(replicate),
+                   dist.get_world_size(replicate), mesh)
+
+    @property
+    def hybrid(self) -> bool:
+        """More than one replica: gradients are also all-reduced across replicas."""
+        return self.replicate_world > 1
+
+    # ---- rows ---------------------------------------------------------------------------
+
+    def rows_per_rank(self, rows: int) -> int:
+        """Rows each shard rank holds of a parameter of `rows` rows, padding included."""
+        return math.ceil(rows / self.shard_world)
+
+    def row_range(self, rows: int, shard_rank: int | None = None) -> tuple[int, int]:
+        """The real rows `lo:hi` of the full tensor that `shard_rank` (this rank's by default) holds."""
+        shard_rank = self.shard_rank if shard_rank is None else shard_rank
+        per_rank = self.rows_per_rank(rows)
+        start = min(shard_rank * per_rank, rows)
+        return start, min(start + per_rank, rows)
+
+    def own_start(self, chunk_numel: int) -> int:
+        """Where this rank's chunk starts in a buffer of `shard_world` chunks of `chunk_numel` each."""
+        return self.shard_rank * chunk_numel
+
+    def own_chunk(self, full: Tensor, chunk_numel: int) -> Tensor:
+        """This rank's chunk of a full (unpadded) tensor, flat and zero-padded to `chunk_numel`."""
+        flat = full.detach().reshape(-1)
+        start = min(self.own_start(chunk_numel), flat.numel())
+        rows = flat[start : start + chunk_numel]
+        if rows.numel() == chunk_numel:
+            return rows
+        padded = torch.zeros(chunk_numel, dtype=flat.dtype, device=flat.device)
+        padded[: rows.numel()] = rows
+        return padded
+
+    def rows_to_write(self, lo: int, hi: int) -> tuple[int, int]:
+        """Of this rank's rows `lo:hi`, the ones a checkpoint writes: all of them on replica 0, none on
+        the other replicas, which hold the same values (Note [mesh info])."""
+        return (lo, hi) if self.replicate_rank == 0 else (lo, lo)
+
+    # ---- groups -------------------------------------------------------------------------
+
+    @property
+    def norm_group(self):
+        """Where a gradient norm's per-rank parts are summed: the shard group (Note [mesh info])."""
+        return self.shard_group
+
+    def average_replicas(self, rows: Tensor, what: str) -> Tensor:
+        """`rows` (this rank's reduced gradient rows) averaged in place over the replicas."""
+        if self.hybrid:
+            coll.all_reduce_avg(rows, self.replicate_group, what)
+        return rows
+
+    def dtensor_placements(self, device_type: str):
+        """The `DeviceMesh` and placements a shard is exposed with in `state_dict()` (Note [state dict]):
+        `Shard(0)` over the shard group, and `(Replicate(), Shard(0))` on a 2-D mesh."""
+        if self.device_mesh is not None:
+            return self.device_mesh, [Replicate(), Shard(0)]
+        if not self._flat_mesh:  # a DeviceMesh costs a little to build
+            self._flat_mesh.append(DeviceMesh.from_group(self.shard_group, device_type=device_type))
+        return self._flat_mesh[0], [Shard(0)]
+
+
+MESH_NAMES = ("replicate", "shard")
+_BUILD = ('build it with torch.distributed.device_mesh.init_device_mesh("cuda" or "cpu", (num_replicas, '
+          'ranks_per_replica), mesh_dim_names=("replicate", "shard"))')
+
+
+def check_mesh(mesh, strategy: str, group) -> None:
+    """Refuse, on every rank alike (the arguments are the same everywhere), a `mesh=` that `shard()` cannot
+    honour, naming the fix: the strategy, the type, the dimensions and their names, the ranks it spans."""
+    if strategy not in ("zero1", "zero2", "zero3"):
+        raise ShardwiseError(f"strategy={strategy!r} does not take mesh=: hybrid sharding (replicate x shard) is for "
+                             "'zero1', 'zero2' and 'zero3'. Drop mesh= (ddp replicates over the whole group: pass "
+                             "process_group= to choose it), or pick a zero strategy.")
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardwiseError(f"mesh= takes a torch DeviceMesh, not {type(mesh).__name__}: {_BUILD}.")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2:
+        fix = (f'slice the two data dimensions out of it, mesh["replicate", "shard"] (its dimensions are '
+               f"{names or 'unnamed'}; a tensor dimension goes to sw.slice)") if mesh.ndim > 2 else _BUILD
+        raise ShardwiseError(f"mesh= must be 2-D (replicate x shard), got a {mesh.ndim}-D mesh: {fix}.")
+    if names != MESH_NAMES:
+        raise ShardwiseError(f"mesh= must name its dimensions {MESH_NAMES} (FSDP2's names), got "
+                             f"{names or 'no names'}: {_BUILD}.")
+    if mesh.size() != dist.get_world_size(group):
+        raise ShardwiseError(f"mesh= spans {mesh.size()} ranks but the process group has "
+                             f"{dist.get_world_size(group)}: build the mesh over every rank of the group "
+                             "(or pass the group of the mesh's ranks as process_group=).")
