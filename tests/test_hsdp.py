@@ -130,3 +130,48 @@ def test_a_mesh_that_cannot_be_honoured_is_refused_on_every_rank(ranks, case, wo
     ask for, or fails with torch's own error on some ranks: each is a ShardwiseError on every rank naming the fix."""
     messages = ranks.run(_refused_on_rank, 4, case, timeout=60)
     assert all(message is not None and words in message for message in messages), messages
+
+
+def _collectives_by_group(shape):
+    """One zero3 step of the zoo GPT on a mesh of `shape`: the world size of every unit gather, reduce-scatter
+    and replica all-reduce the engine issued, and the number of units with trainable parameters."""
+    import shardwise.engine.collectives as coll
+
+    seen = {"gather": [], "reduce": [], "replicas": []}
+    real = coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg
+
+    def gather(rows, regions, world_size, group, *args, **kwargs):
+        seen["gather"].append((world_size, dist.get_world_size(group)))
+        return real[0](rows, regions, world_size, group, *args, **kwargs)
+
+    def reduce(packed, world_size, group, *args, **kwargs):
+        seen["reduce"].append((world_size, dist.get_world_size(group)))
+        return real[1](packed, world_size, group, *args, **kwargs)
+
+    def replicas(tensor, group, *args, **kwargs):
+        seen["replicas"].append(dist.get_world_size(group))
+        return real[2](tensor, group, *args, **kwargs)
+
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy="zero3", units=spec.unit_class, mesh=_mesh(shape))
+    trainable_units = sum(1 for unit in engine_of(model).units if unit.trainable())
+    coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg = gather, reduce, replicas
+    try:
+        x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
+        model(x, y).backward()
+    finally:
+        coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg = real
+    return seen, trainable_units
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_unit_collectives_stay_inside_the_shard_group(ranks, shape):
+    """Catches a gather or reduce-scatter issued over every rank of the mesh (its bytes would cross the slow links
+    between nodes), or a replica all-reduce missing, repeated, or issued where there is one replica: every unit
+    gather and reduce-scatter spans the shard group, and each unit's rows are all-reduced once over the replicas."""
+    replicas, shard_ranks = shape
+    for seen, trainable_units in ranks.run(_collectives_by_group, 4, shape, timeout=120):
+        assert seen["gather"] and set(seen["gather"]) == {(shard_ranks, shard_ranks)}
+        assert len(seen["reduce"]) == trainable_units and set(seen["reduce"]) == {(shard_ranks, shard_ranks)}
+        assert seen["replicas"] == ([replicas] * trainable_units if replicas > 1 else [])
