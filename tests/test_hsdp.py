@@ -175,3 +175,16 @@ def test_unit_collectives_stay_inside_the_shard_group(ranks, shape):
         assert seen["gather"] and set(seen["gather"]) == {(shard_ranks, shard_ranks)}
         assert len(seen["reduce"]) == trainable_units and set(seen["reduce"]) == {(shard_ranks, shard_ranks)}
         assert seen["replicas"] == ([replicas] * trainable_units if replicas > 1 else [])
+
+
+def _step_in_backward(model, optimizer):
+    sw.optimizer_in_backward(model, optimizer)
+
+
+@pytest.mark.parametrize("name", ["gpt", "unused_branch"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_hybrid_optimizer_in_backward_parity(ranks, strategy, name):
+    """Catches a unit stepped in backward before its rows were averaged across replicas (each replica then steps
+    its own half of the batch), or the used flags agreed within one replica: equal to one process on 2 x 2."""
+    check_parity(ranks, strategy, name, 4, [(1, None), (2, None)], shard_kwargs={"mesh_shape": (2, 2)},
+                 rank_fn=_run_on_mesh, prepare=_step_in_backward)
