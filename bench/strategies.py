@@ -63,16 +63,22 @@ import deepspeed_arms as ds
 # applies fully_shard per block and then compiles each block (torchtitan's order and grain). The
 # warm-up steps take the compilation, so the timed steps exclude it.
 COMPILED = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
-CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *ds.CONFIGS,
+# Note [hybrid arms]: "zero3_hsdp" is shardwise zero3 and "fsdp2_hsdp" FSDP2's fully_shard on a 2-D
+# ("replicate", "shard") mesh of 2 replicas x N/2 ranks (HSDP). On one host the links between the "nodes"
+# are loopback like the rest, so the split between in-node and across-node traffic is simulated only.
+HYBRID = ("zero3_hsdp", "fsdp2_hsdp")
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *HYBRID, *ds.CONFIGS,
            *(f"{c}+compile" for c in COMPILED))
 LABELS = {"local": "no communication (each rank alone)",
           "ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
-          "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3", **ds.LABELS}
+          "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3",
+          "zero3_hsdp": "shardwise zero3, 2 x N/2 mesh", "fsdp2_hsdp": "FSDP2 HSDP, 2 x N/2 mesh", **ds.LABELS}
 LABELS.update({f"{c}+compile": f"{LABELS[c]}, compiled" for c in COMPILED})
 # ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
 # as (replicated bytes, sharded bytes / N).
 FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
-           "zero3": (0, 16), "fsdp2": (0, 16), **ds.FORMULA}
+           "zero3": (0, 16), "fsdp2": (0, 16), "zero3_hsdp": (0, 32), "fsdp2_hsdp": (0, 32),  # 16 / (N/2)
+           **ds.FORMULA}
 FORMULA.update({f"{c}+compile": FORMULA[c] for c in COMPILED})
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -163,6 +169,21 @@ def apply_config(model, config: str, args, world_size: int):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)  # root last: it owns embeddings, tied head, ln_f
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if config in HYBRID:  # Note [hybrid arms]
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world_size % 2:
+            raise ValueError(f"{config} needs an even world size (2 replicas), not {world_size}")
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        if config == "zero3_hsdp":
+            sw.shard(model, strategy="zero3", units=Block, mesh=mesh)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
     if config in ("zero1", "zero2", "zero3"):
         sw.shard(model, strategy=config, units=Block)
