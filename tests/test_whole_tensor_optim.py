@@ -151,27 +151,3 @@ def test_lbfgs_is_refused_on_every_rank(ranks, strategy):
     """Catches LBFGS taking dot products over this rank's rows as if they were the model."""
     for message in ranks.run(_lbfgs, 2, strategy):
         assert "LBFGS cannot step a sharded model" in message and "strategy='ddp'" in message
-
-
-def _save_muon_state(tmp):
-    model = build(MODEL)
-    spec = ZOO[MODEL]
-    sw.shard(model, strategy="zero2", units=spec.unit_class)
-    optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
-    x, y = global_batch(spec, 0, 4)
-    model(x, y).backward()
-    optim.step()
-    try:
-        sw.save(f"{tmp}/ckpt", model, optim)
-    except sw.ShardwiseError as error:
-        message = str(error)
-    else:
-        message = "no error"
-    sw.save(f"{tmp}/model-only", model)  # the fix the message names works
-    return message
-
-
-def test_saving_whole_tensor_optimizer_state_is_refused_on_every_rank(ranks, tmp_path):
-    """Catches sw.save writing (or one rank failing on) whole-shaped state held by owner ranks."""
-    for message in ranks.run(_save_muon_state, 2, str(tmp_path)):
-        assert "Adafactor's state on a sharded model is not supported yet" in message

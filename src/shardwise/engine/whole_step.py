@@ -62,19 +62,19 @@ _COUPLED = {torch.optim.LBFGS: "its line search takes dot products over every pa
                                "the forward through a closure"}
 
 
-def _unwrapped(optimizer):
+def unwrapped(optimizer):
     """The torch optimizer inside Accelerate's (`.optimizer`) or Lightning's (`._optimizer`) wrapper,
     whose own step just calls it (the step hooks see the inner one)."""
     for attribute in ("optimizer", "_optimizer"):
         inner = getattr(optimizer, attribute, None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return _unwrapped(inner)
+            return unwrapped(inner)
     return optimizer
 
 
 def step_shape(optimizer) -> StepShape:
     """ROWS for the elementwise classes shardwise knows, REFUSE for coupled ones, WHOLE otherwise."""
-    kind = type(_unwrapped(optimizer))
+    kind = type(unwrapped(optimizer))
     if kind in _ELEMENTWISE:
         return StepShape.ROWS
     if kind in _COUPLED or any(base in _COUPLED for base in kind.__mro__):
@@ -89,7 +89,7 @@ def sharded_params(optimizer) -> list:
 
 
 def refuse_coupled(optimizer) -> None:
-    kind = type(_unwrapped(optimizer))
+    kind = type(unwrapped(optimizer))
     reason = next(why for base, why in _COUPLED.items() if base in kind.__mro__)
     raise ShardwiseError(
         f"{kind.__name__} cannot step a sharded model: {reason}, and each rank holds only some rows. "
@@ -107,6 +107,17 @@ def _owners(params: list, world_size: int) -> list[int]:
         load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
         owners.append(owner)
     return owners
+
+
+def owner_map(optimizer) -> dict[int, int]:
+    """id(param) -> its owner rank (in its unit's group) for every parameter a WHOLE optimizer steps
+    on an owner (Note [whole-tensor step]); empty for any other optimizer. What `WholeStep` uses, so a
+    checkpoint load puts each whole state where the next step looks for it."""
+    if step_shape(optimizer) is not StepShape.WHOLE:
+        return {}
+    params = sharded_params(optimizer)
+    world_size = params[0]._sw_unit.world_size if params else 1
+    return {id(param): owner for param, owner in zip(params, _owners(params, world_size))}
 
 
 def _gather_whole(rows: Tensor, param) -> Tensor:
