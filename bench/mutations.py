@@ -335,6 +335,21 @@ MUTATIONS = [
      'if record.class_name not in (class_name(optim), type(optim).__name__):',
      'if False:',
      'tests/test_optim_checkpoint.py -k another_optimizer_class'),
+    ("issue 33: no agreement before the owners' broadcasts (a step raising on one rank hangs its peers)",
+     'WholeStep.end',
+     'failed = self._agree(False)',
+     'failed = []',
+     "tests/test_whole_step_errors.py -k 'raising and zero2'"),
+    ('issue 33: owners recomputed from the order of the param groups at every step (state orphaned)',
+     'owner_map',
+     'known = getattr(inner, "_sw_owners", {})',
+     'known = {}',
+     'tests/test_whole_step_errors.py -k reordered'),
+    ('issue 33: no check that every rank holds the same gradients before the whole-tensor step',
+     'WholeStep.begin',
+     '        self._agree_on_grads()\n',
+     '',
+     'tests/test_whole_step_errors.py -k gradient_none'),
 ]
 
 

@@ -17,8 +17,9 @@ preconditioners). Run on rows they train a different model without a word. The p
   parameters); before the step every rank all-gathers the parameter's rows and gradient rows and
   the owner swaps the whole values into the Parameter object the optimizer holds, the others
   hide its gradient so the optimizer skips it. After the step the owner broadcasts the updated
-  tensor and every rank writes back its rows. Optimizer state is thus split by parameter, full
-  shaped on its owner (what such optimizers need), and the result is one process's.
+  tensor and every rank writes back its rows. A parameter keeps its owner (Note [kept owners]).
+  Optimizer state is thus split by parameter, full shaped on its owner (what such optimizers
+  need), and the result is one process's.
 
 The alternative shape, `Shard(0)` DTensor parameters between steps (FSDP2), was measured on the
 bench GPT (bench/results/whole_tensor.md, 3 interleaved rounds, a loaded machine): it makes
@@ -30,6 +31,14 @@ for Muon and Adafactor at ws 2 and 4 and took 16.6-19.2x (ws 2), 25.4-33.7x (ws 
 step, 1.5-2.3x the whole training step: most of it is Newton-Schulz itself (about 4 s of 5), the
 rest one all-gather per parameter and gradient and one broadcast per parameter (batching those
 per unit, and reducing the gradient to its owner only, are the next steps).
+
+Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
+user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
+before broadcasting every rank reaches one agreement (an all-reduce of a flag per rank): the
+raising rank reaches it from the step's error hook (compat.on_step_error), the others from the
+post-step hook. If any rank failed, every rank puts its parameters back to their rows from
+before the step, drops the whole tensors, and raises a ShardwiseError naming the failed rank and
+the parameters it owns. A gradient present on some ranks only is refused before anything moves.
 """
 
 from __future__ import annotations
@@ -98,13 +107,19 @@ def refuse_coupled(optimizer) -> None:
     )
 
 
-def _owners(params: list, world_size: int) -> list[int]:
-    """Each parameter's owner rank: the least loaded so far, by elements (identical on every rank)."""
+def _owners(params: list, world_size: int, known: dict[int, int]) -> list[int]:
+    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far,
+    by elements (identical on every rank)."""
     load = [0] * world_size
+    for param in params:
+        if id(param) in known:
+            load[known[id(param)]] += param._sw_layout.rows * param._sw_layout.row_numel
     owners = []
     for param in params:
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
+        owner = known.get(id(param))
+        if owner is None:
+            owner = min(range(world_size), key=lambda r: (load[r], r))
+            load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
         owners.append(owner)
     return owners
 
@@ -112,12 +127,21 @@ def _owners(params: list, world_size: int) -> list[int]:
 def owner_map(optimizer) -> dict[int, int]:
     """id(param) -> its owner rank (in its unit's group) for every parameter a WHOLE optimizer steps
     on an owner (Note [whole-tensor step]); empty for any other optimizer. What `WholeStep` uses, so a
-    checkpoint load puts each whole state where the next step looks for it."""
-    if step_shape(optimizer) is not StepShape.WHOLE:
+    checkpoint load puts each whole state where the next step looks for it.
+
+    Note [kept owners]: a parameter keeps its owner for the optimizer's life, kept on the optimizer
+    (`_sw_owners`), since its state lives there: param groups reordered or added after the first step
+    (a group for a new head) would otherwise move an owner and orphan the state. New parameters go
+    to the least loaded rank; the same on every rank, as every rank sees the same groups."""
+    inner = unwrapped(optimizer)
+    if step_shape(inner) is not StepShape.WHOLE:
         return {}
-    params = sharded_params(optimizer)
+    params = sharded_params(inner)
     world_size = params[0]._sw_unit.world_size if params else 1
-    return {id(param): owner for param, owner in zip(params, _owners(params, world_size))}
+    known = getattr(inner, "_sw_owners", {})
+    owners = dict(zip(map(id, params), _owners(params, world_size, known)))
+    inner._sw_owners = owners
+    return owners
 
 
 def _gather_whole(rows: Tensor, param) -> Tensor:
@@ -129,16 +153,26 @@ def _gather_whole(rows: Tensor, param) -> Tensor:
     return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
 
 
+def _name(param) -> str:
+    return param._sw_layout.owned.name
+
+
 class WholeStep:
-    """One step of a WHOLE optimizer: `begin` before the optimizer's own step, `end` after."""
+    """One step of a WHOLE optimizer: `begin` before the optimizer's own step, `end` after, or
+    `abort` on the rank whose step raised (Note [raising step])."""
 
     def __init__(self, optimizer):
+        self.kind = type(unwrapped(optimizer)).__name__
         self.params = sharded_params(optimizer)
-        world_size = self.params[0]._sw_unit.world_size if self.params else 1
-        self.owners = _owners(self.params, world_size)
+        owners = owner_map(optimizer)
+        self.owners = [owners[id(param)] for param in self.params]
+        self.group = self.params[0]._sw_unit.group if self.params else None
+        self.world_size = self.params[0]._sw_unit.world_size if self.params else 1
+        self.rank = self.params[0]._sw_unit.rank if self.params else 0
         self.saved: list[tuple[Tensor, Tensor | None]] = []  # each param's own rows and gradient rows
 
     def begin(self) -> None:
+        self._agree_on_grads()
         for param, owner in zip(self.params, self.owners):
             rows, grad = param.detach(), param.grad
             unit = param._sw_unit
@@ -151,7 +185,32 @@ class WholeStep:
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
+    def _agree_on_grads(self) -> None:
+        """Refuse, on every rank and before anything moves, a gradient some ranks have and others not
+        (set to None on one rank only): the gathers of it would pair with other collectives."""
+        has = torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
+        both = torch.cat([has, -has])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        anywhere, everywhere = both[: len(self.params)], -both[len(self.params):]
+        differ = [_name(p) for p, a, e in zip(self.params, anywhere.tolist(), everywhere.tolist()) if a != e]
+        if differ:
+            raise ShardwiseError(
+                f"{self.kind}.step(): the gradient of {differ[:4]}{'...' if len(differ) > 4 else ''} is None on some "
+                "ranks and not on others (set to None on one rank only?). Every rank must hold the same gradients "
+                "at a step: zero or skip them on every rank. Nothing was stepped.")
+
+    def _agree(self, failed: bool) -> list[int]:
+        """The ranks whose step raised (Note [raising step]): one all-reduce, every rank reaches it."""
+        flags = torch.zeros(self.world_size, dtype=torch.float32)
+        flags[self.rank] = float(failed)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
     def end(self) -> None:
+        failed = self._agree(False)
+        if failed:
+            self._restore()
+            raise self._error(failed, None)
         with torch.no_grad():
             for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
                 unit, layout = param._sw_unit, param._sw_layout
@@ -166,3 +225,27 @@ class WholeStep:
                 own = flat[start : start + layout.shard_numel]
                 param.view(-1)[: own.numel()].copy_(own)
         self.saved = []
+
+    def abort(self, error: BaseException) -> ShardwiseError:
+        """This rank's step raised `error`: tell every rank, put back the rows; the error to raise."""
+        failed = self._agree(True)
+        self._restore()
+        return self._error(failed, error)
+
+    def _restore(self) -> None:
+        """Every parameter back to its rows and gradient rows from before the step (Note [raising step])."""
+        for param, (rows, grad) in zip(self.params, self.saved):
+            param.grad = None
+            _set_data(param, rows)
+            param.grad = grad
+        self.saved = []
+
+    def _error(self, failed: list[int], error: BaseException | None) -> ShardwiseError:
+        owned = {rank: [_name(p) for p, o in zip(self.params, self.owners) if o == rank] for rank in failed}
+        where = "; ".join(f"rank {rank}, owner of {names[:4]}{'...' if len(names) > 4 else ''}"
+                          for rank, names in owned.items())
+        why = f" ({type(error).__name__}: {error})" if error is not None else ""
+        return ShardwiseError(
+            f"{self.kind}.step() raised on {where}{why}. Every rank stopped this step: the parameters hold "
+            "their rows from before it, but the optimizer state of parameters stepped before the error may "
+            "have moved on. Fix the cause and step again, or sw.load the last checkpoint to resume exactly.")
