@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: collectives, compat.
+Uses: compat.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -29,8 +29,14 @@ raises (`aten.pow_`: in-place op needing a placement change), and its Muon step 
 AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The owner step is bitwise
 for Muon and Adafactor at ws 2 and 4 and took 16.6-19.2x (ws 2), 25.4-33.7x (ws 4) an AdamW row
 step, 1.5-2.3x the whole training step: most of it is Newton-Schulz itself (about 4 s of 5), the
-rest one all-gather per parameter and gradient and one broadcast per parameter (batching those
-per unit, and reducing the gradient to its owner only, are the next steps).
+rest one all-gather per parameter and gradient and one broadcast per parameter.
+
+Note [owner traffic]: only the owner needs a parameter whole, so its rows and gradient rows are
+gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),
+each rank receiving its own rows only. A rank then receives, per step, 2·|owned|·(N−1)/N elements
+of the parameters it owns plus |P|/N of its rows, where the all-gathers and broadcast made every
+rank receive 3·|P|·(N−1)/N: the whole model three times. Batching per unit and overlapping owner
+k+1's gathers with owner k's compute are the next steps.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
@@ -49,7 +55,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import shardwise.engine.collectives as coll
 from shardwise.engine.compat import set_data, set_grad
 from shardwise.errors import ShardwiseError
 
@@ -144,13 +149,32 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
-def _gather_whole(rows: Tensor, param) -> Tensor:
-    """Every rank's rows of one parameter, as the unpadded whole tensor."""
+def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
+    """Every rank's rows of one parameter on its owner alone, as the unpadded whole tensor (None
+    elsewhere): a gather, not an all-gather, so only the owner receives (Note [owner traffic])."""
     layout, unit = param._sw_layout, param._sw_unit
     send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
-    out = coll.all_gather(send, unit.world_size, unit.group, async_op=False,
-                          what=f"the whole-tensor step's gather of {layout.owned.name!r}").wait()
-    return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
+    mine = unit.rank == owner
+    parts = [torch.empty_like(send) for _ in range(unit.world_size)] if mine else None
+    dist.gather(send, parts, dst=dist.get_global_rank(unit.group, owner), group=unit.group)
+    if not mine:
+        return None
+    return torch.cat(parts)[: layout.rows * layout.row_numel].view(layout.shape)
+
+
+def _scatter_from(whole: Tensor | None, param, owner: int, rows: Tensor) -> None:
+    """The owner's updated whole tensor back into every rank's rows (a scatter: each rank receives its
+    own rows only); the padding past the real rows is left as it is."""
+    layout, unit = param._sw_layout, param._sw_unit
+    out = torch.empty(layout.shard_numel, dtype=rows.dtype, device=rows.device)
+    parts = None
+    if unit.rank == owner:
+        padded = torch.zeros(unit.world_size * layout.shard_numel, dtype=rows.dtype, device=rows.device)
+        padded[: whole.numel()] = whole.reshape(-1)
+        parts = list(padded.chunk(unit.world_size))
+    dist.scatter(out, parts, src=dist.get_global_rank(unit.group, owner), group=unit.group)
+    real = max(0, min(layout.shard_numel, layout.rows * layout.row_numel - unit.rank * layout.shard_numel))
+    rows.reshape(-1)[:real].copy_(out[:real])
 
 
 def _name(param) -> str:
@@ -176,8 +200,8 @@ class WholeStep:
         for param, owner in zip(self.params, self.owners):
             rows, grad = param.detach(), param.grad
             unit = param._sw_unit
-            whole = _gather_whole(rows, param)
-            whole_grad = _gather_whole(grad, param) if grad is not None else None
+            whole = _gather_to(rows, param, owner)
+            whole_grad = _gather_to(grad, param, owner) if grad is not None else None
             self.saved.append((rows, grad))
             if unit.rank == owner:
                 _set_data(param, whole)
@@ -213,17 +237,11 @@ class WholeStep:
             raise self._error(failed, None)
         with torch.no_grad():
             for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
-                unit, layout = param._sw_unit, param._sw_layout
-                whole = param.detach() if unit.rank == owner else torch.empty(
-                    layout.shape, dtype=rows.dtype, device=rows.device)
-                dist.broadcast(whole, src=dist.get_global_rank(unit.group, owner), group=unit.group)
+                whole = param.detach() if param._sw_unit.rank == owner else None
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                flat = whole.reshape(-1)
-                start = min(unit.rank * layout.shard_numel, flat.numel())
-                own = flat[start : start + layout.shard_numel]
-                param.view(-1)[: own.numel()].copy_(own)
+                _scatter_from(whole, param, owner, rows)
         self.saved = []
 
     def abort(self, error: BaseException) -> ShardwiseError:
