@@ -355,6 +355,11 @@ MUTATIONS = [
      'rows.reshape(-1)[:real].copy_(out[:real])',
      'rows.reshape(-1)[:real].copy_(out[:real]) if unit.rank != owner else None',
      "tests/test_whole_tensor_optim.py -k 'match_one_process and zero2 and muon'"),
+    ("issue 33: Muon's owners balanced by elements, not by Newton-Schulz's cost",
+     'step_cost',
+     'if len(shape) >= 2 and any(base.__name__ == "Muon" for base in kind.__mro__):',
+     'if False:',
+     'tests/test_whole_tensor_optim.py -k newton_schulz'),
 ]
 
 

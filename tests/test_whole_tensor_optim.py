@@ -207,3 +207,19 @@ def test_the_owner_alone_receives_whole_tensors(ranks, strategy):
     for received, bound, before in ranks.run(_bytes_received_in_step, 2, strategy):
         assert received <= bound + 512, (received, bound)  # 512: the agreements' flags
         assert received < 0.75 * before, (received, before)
+
+
+def test_muon_owners_are_balanced_by_newton_schulz_cost():
+    """Catches owners balanced by elements for Muon (Note [owner cost]): two 128x128 matrices and
+    four 512x8 ones have equal element counts, but Newton-Schulz costs the squares 64x more, and by
+    elements both squares land on one rank (4.2M against 0.13M of m·n·min(m, n))."""
+    from types import SimpleNamespace
+
+    from shardwise.engine.whole_step import _owners, step_cost
+
+    shapes = [(128, 128), (512, 8), (512, 8), (512, 8), (512, 8), (128, 128)]
+    params = [SimpleNamespace(_sw_layout=SimpleNamespace(shape=shape)) for shape in shapes]
+    owners = _owners(params, 2, {}, torch.optim.Muon)
+    load = [sum(step_cost(torch.optim.Muon, s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
+    assert max(load) < 1.1 * min(load), (owners, load)
+    assert _owners(params, 2, {}, torch.optim.Adafactor) == [0, 1, 1, 1, 1, 0]  # elements for the rest

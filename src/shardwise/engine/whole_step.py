@@ -13,11 +13,11 @@ preconditioners). Run on rows they train a different model without a word. The p
   closure re-running forward) are refused at their first step, on every rank, with the fix.
 - `WHOLE`: every other class, including one shardwise has never seen (a user's LAMB), is taken
   to be per-tensor and is stepped on whole tensors. Each sharded parameter gets one owner rank
-  (balanced by size, the same on every rank, as ZeroRedundancyOptimizer partitions whole
-  parameters); before the step every rank all-gathers the parameter's rows and gradient rows and
-  the owner swaps the whole values into the Parameter object the optimizer holds, the others
-  hide its gradient so the optimizer skips it. After the step the owner broadcasts the updated
-  tensor and every rank writes back its rows. A parameter keeps its owner (Note [kept owners]).
+  (balanced by the step's cost, Note [owner cost], the same on every rank, as
+  ZeroRedundancyOptimizer partitions whole parameters); before the step the parameter's rows and
+  gradient rows are gathered to the owner (Note [owner traffic]), which swaps the whole values into
+  the Parameter object the optimizer holds; the others hide its gradient so the optimizer skips
+  it. After the step the owner scatters the updated rows back. A parameter keeps its owner (Note [kept owners]).
   Optimizer state is thus split by parameter, full shaped on its owner (what such optimizers
   need), and the result is one process's.
 
@@ -50,6 +50,7 @@ the parameters it owns. A gradient present on some ranks only is refused before 
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
@@ -112,19 +113,31 @@ def refuse_coupled(optimizer) -> None:
     )
 
 
-def _owners(params: list, world_size: int, known: dict[int, int]) -> list[int]:
-    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far,
-    by elements (identical on every rank)."""
+def step_cost(kind: type, shape) -> int:
+    """Note [owner cost]: what stepping one whole tensor of `shape` costs an owner, in the optimizer's
+    own terms: Newton-Schulz for a Muon (any class named so: torch's, Keller Jordan's, Dion's)
+    multiplies m x n matrices, ∝ m·n·min(m, n); anything else, its elements. Owners are balanced
+    by it, as Keller Jordan's and Dion's distributed Muon balance by size."""
+    numel = math.prod(shape)
+    if len(shape) >= 2 and any(base.__name__ == "Muon" for base in kind.__mro__):
+        rows, cols = shape[0], numel // max(1, shape[0])
+        return rows * cols * min(rows, cols)
+    return numel
+
+
+def _owners(params: list, world_size: int, known: dict[int, int], kind: type = object) -> list[int]:
+    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far
+    by `step_cost` (identical on every rank)."""
     load = [0] * world_size
     for param in params:
         if id(param) in known:
-            load[known[id(param)]] += param._sw_layout.rows * param._sw_layout.row_numel
+            load[known[id(param)]] += step_cost(kind, param._sw_layout.shape)
     owners = []
     for param in params:
         owner = known.get(id(param))
         if owner is None:
             owner = min(range(world_size), key=lambda r: (load[r], r))
-            load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
+            load[owner] += step_cost(kind, param._sw_layout.shape)
         owners.append(owner)
     return owners
 
@@ -144,7 +157,7 @@ def owner_map(optimizer) -> dict[int, int]:
     params = sharded_params(inner)
     world_size = params[0]._sw_unit.world_size if params else 1
     known = getattr(inner, "_sw_owners", {})
-    owners = dict(zip(map(id, params), _owners(params, world_size, known)))
+    owners = dict(zip(map(id, params), _owners(params, world_size, known, type(inner))))
     inner._sw_owners = owners
     return owners
 
