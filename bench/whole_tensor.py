@@ -6,10 +6,12 @@ beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/w
 
 Arms: shardwise zero2/zero3 with AdamW (rows, the fast path) and with Muon on 2-D parameters + AdamW
 (the owner shape, inside optimizer.step()); the same optimizers on `Shard(0)` DTensor parameters (step
-only, on fixed random gradients). Timed: optimizer.step() after a real forward/backward, and the whole
-step. A round launches each world size once (torch.distributed.run, gloo, 1 thread/rank), its ranks
-running every arm in a rotated order; medians over rounds, per-round ranges, ratios to zero2 AdamW
-paired per round. A parity job compares 3 steps on fixed gradients with one process on whole tensors.
+only, on fixed random gradients); one process stepping the same optimizers on the whole global batch (rank
+0 alone) and ddp (Moonlight's redundant shape: every rank runs Newton-Schulz on every matrix). Timed:
+optimizer.step() after a real forward/backward, and the whole step. A round launches each world size once
+(torch.distributed.run, gloo, 1 thread/rank), its ranks running every arm in a rotated order; medians
+over rounds, per-round ranges, ratios to zero2 AdamW paired per round. A parity job compares 3 steps on
+fixed gradients with one process on whole tensors.
 Writes bench/results/whole_tensor.{json,md,png}; `--worker` (set by the launcher) makes it one rank.
 """
 
@@ -35,10 +37,14 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import shardwise as sw
 from shardwise.models.gpt import GPT, Block, GPTConfig
 
-ARMS = ("zero2_adamw", "zero2_muon", "zero3_adamw", "zero3_muon", "dtensor_adamw", "dtensor_muon")
+ARMS = ("zero2_adamw", "zero2_muon", "zero3_adamw", "zero3_muon", "dtensor_adamw", "dtensor_muon", "one_muon",
+        "ddp_muon")
 LABELS = {"zero2_adamw": "shardwise zero2, AdamW (rows)", "zero2_muon": "shardwise zero2, Muon+AdamW (owner)",
           "zero3_adamw": "shardwise zero3, AdamW (rows)", "zero3_muon": "shardwise zero3, Muon+AdamW (owner)",
-          "dtensor_adamw": "DTensor Shard(0), AdamW", "dtensor_muon": "DTensor Shard(0), Muon+AdamW"}
+          "dtensor_adamw": "DTensor Shard(0), AdamW", "dtensor_muon": "DTensor Shard(0), Muon+AdamW",
+          # issue 33's anchors: the whole global batch and step in one process (rank 0; the others wait at
+          # the barriers), and Moonlight's redundant shape (ddp: every rank runs Newton-Schulz on every matrix)
+          "one_muon": "one process, Muon+AdamW (global batch)", "ddp_muon": "ddp, Muon+AdamW (redundant)"}
 PARITY = ("adamw", "muon", "adafactor")  # each under the owner shape (shardwise zero2) and DTensor
 PHASES = ("gather", "muon_compute", "broadcast_writeback", "adamw")  # MuonAdamW's clock
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,24 +145,29 @@ def time_arm(arm: str, args, world_size: int, rank: int, mesh) -> dict:
     shape, kind = arm.split("_")
     model = build_model(args)
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    if shape != "dtensor":
+    if shape == "ddp":
+        sw.shard(model, strategy="ddp")
+    elif shape in ("zero2", "zero3"):
         sw.shard(model, strategy=shape, units=Block)  # the optimizer is built after: it sees shards
     params = to_dtensors(model, mesh) if shape == "dtensor" else dict(model.named_parameters())
     optimizer = make_optimizer(list(params.values()), kind, args)
+    alone = shape == "one"  # rank 0 alone, on the whole global batch
     step_s, full_s = [], []
     for step in range(args.warmup + args.steps):
         if shape == "dtensor":
             set_dtensor_grads(params, whole_grads(shapes, args, step), mesh)
         gen = torch.Generator().manual_seed(args.seed + step)
         tokens = torch.randint(args.vocab, (world_size * args.batch, args.seq + 1), generator=gen)
-        tokens = tokens[rank * args.batch:(rank + 1) * args.batch]
+        if not alone:
+            tokens = tokens[rank * args.batch:(rank + 1) * args.batch]
         dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's
         start = time.perf_counter()
-        if shape != "dtensor":
+        if shape != "dtensor" and (not alone or rank == 0):
             model(tokens[:, :-1], tokens[:, 1:]).backward()
         dist.barrier()
         stepping = time.perf_counter()
-        optimizer.step()
+        if not alone or rank == 0:
+            optimizer.step()
         end = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         step_s.append(end - stepping)
@@ -269,6 +280,7 @@ def phase_medians(ranks: list[dict], arm: str, warmup: int) -> dict | None:
     """Muon's gather / compute / broadcast / AdamW, each the median over steps of its max over ranks."""
     if ranks[0][arm]["phases"] is None:
         return None
+    ranks = [r for r in ranks if r[arm]["phases"]]  # one_muon: rank 0 alone steps
     steps = range(warmup, len(ranks[0][arm]["phases"]))
     return {name: statistics.median(max(r[arm]["phases"][i][j] for r in ranks) for i in steps)
             for j, name in enumerate(PHASES)}
@@ -326,8 +338,9 @@ def markdown(args, rows: list[dict], parity: dict, world_sizes: list[int]) -> st
                     else "— | —")
             shape, kind = r["arm"].split("_")
             entry = parity[ws].get(f"{'dtensor' if shape == 'dtensor' else 'owner'}_{kind}")
+            entry = "—" if shape in ("one", "ddp") else parity_text(entry if shape != "zero3" else None)
             lines.append(f"| {r['label']} | {r['median_step_s']:.3f} | {rng(r['round_step_s'])} | "
-                         f"{r['x_adamw_rows']:.2f} | {full} | {parity_text(entry if shape != 'zero3' else None)} |")
+                         f"{r['x_adamw_rows']:.2f} | {full} | {entry} |")
         lines += ["", f"Parity at ws {ws}, all entries: " + "; ".join(
             f"{key.replace('_', ' ')}: {parity_text(entry)}" for key, entry in parity[ws].items()) + ".",
                   "", "Where the Muon+AdamW step's time goes (s; median over rounds of each phase's median, "

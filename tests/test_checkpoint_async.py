@@ -60,7 +60,7 @@ def _host_copy_bytes(tmp: str, strategy: str) -> tuple[int, int]:
     job = save_module.prepare(f"{tmp}/unused", model, optim, None, None, False, {})
     copy = background._host_copy(job)
     held = sum(info.param.nbytes for info in copy.infos.values())
-    held += sum(t.nbytes for rows, _ in copy.plan["state"].values() for t in rows.values())
+    held += sum(t.nbytes for plan in copy.plans for entry in plan["state"].values() for t in entry["rows"].values())
     whole = sum(p.nbytes for p in model.parameters()) * 3  # the params and AdamW's two moments, every row
     return held, whole
 

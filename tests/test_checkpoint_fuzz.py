@@ -22,9 +22,11 @@ from helpers.damage import (
     header_of,
     load_small,
     match_file_size,
+    optimizers_of,
     same,
     snapshot,
     trained,
+    trained_several,
 )
 from shardwise.checkpoint import tools
 
@@ -33,7 +35,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 NAMES = [RANK_FILE, "../" + RANK_FILE, "/etc/passwd", "index.json", "rank-00001-of-00002.safetensors", "a/b",
-         "param/0.weight", "0.weight", "optim/0.weight/exp_avg", "rng/torch", "F16", "I32", "BOOL", "F32", "",
+         "param/0.weight", "0.weight", "optim/0.weight/exp_avg",
+         "optim1.whole/2.weight/row_var", "muon", "rng/torch", "F16", "I32", "BOOL", "F32", "",
          "sha256:" + "0" * 64, "__tensor__", "__tensor_bytes__", "float32", "uint8", "not base64!"]
 NUMBERS = [0, 1, -1, 2, 7, 624, 2**31, 2**32, 2**63, 2**64, 2**80, -(2**63), 0.5, -0.0, 1e300, -1e300,
            math.inf, -math.inf, math.nan, 1e-300]
@@ -48,7 +51,8 @@ FIELDS = ["chunk", "rows", "shape", "dtype", "file", "key", "crcs", "bytes", "di
           "options", "scalars", "tensors", "slices", "params", "buffers", "files", "rng", "pos", "has_gauss",
           "numpy", "python", "cuda", "objects", "objects_by_rank", "extra", "scheduler", "optimizer",
           "param_groups", "aliases", "requires_grad", "id", "version", "format", "class", "strategy",
-          "data_offsets", "__metadata__", "checkpoint_id", "step_size", "last_epoch", "_last_lr", "base_lrs"]
+          "data_offsets", "__metadata__", "checkpoint_id", "step_size", "last_epoch", "_last_lr", "base_lrs",
+          "whole", "optimizers", "name", "row_var", "col_var", "momentum_buffer"]
 KINDS = ["replace", "delete", "similar", "similar", "similar", "wrap", "deep"]
 mutation = st.tuples(st.sampled_from([*FIELDS, None]), st.integers(0, 2**31), st.sampled_from(KINDS), values,
                      st.integers(60, 70))
@@ -106,15 +110,21 @@ def _similar(old, choice: int):
 
 @pytest.fixture(scope="module")
 def original(small):
-    """The `small` checkpoint and what loading it writes."""
-    return small, snapshot(load_small(small))
+    """The `small` checkpoint and what loading it writes (and how to build the parts it loads into)."""
+    return small, snapshot(load_small(small)), trained
 
 
-def _check(checkpoint: Path, mutant: Path, reference: dict, whole: bool) -> None:
+@pytest.fixture(scope="module")
+def original_several(several):
+    """The `several` checkpoint (two optimizers, whole records: Note [optimizer records]) likewise."""
+    return several, snapshot(load_small(several, trained_several(seed=1))), trained_several
+
+
+def _check(checkpoint: Path, mutant: Path, reference: dict, whole: bool, make=trained) -> None:
     """The fuzz's requirement on one mutant (see the module docstring). `whole`: the index was
     given a matching digest, so a load that succeeds may legitimately differ (a changed lr): it
     must then train a step without a TypeError (a value that fails later is refused up front)."""
-    parts = trained(seed=1)
+    parts = make(seed=1)
     before = snapshot(parts)
     try:
         load_small(mutant, parts)
@@ -138,7 +148,8 @@ def _train_a_step(parts) -> None:
     model, optim, scheduler, sampler = parts
     try:
         model(torch.randn(5, 4)).sum().backward()
-        optim.step()
+        for one in optimizers_of(optim).values():
+            one.step()
         scheduler.step()
         list(sampler)
     except TypeError as error:
@@ -148,7 +159,7 @@ def _train_a_step(parts) -> None:
 
 
 def _fuzz_index(original, mutations: list, whole: bool) -> None:
-    checkpoint, reference = original
+    checkpoint, reference, make = original
     with tempfile.TemporaryDirectory() as tmp:
         mutant = copy(checkpoint, Path(tmp) / "ckpt")
         index = json.loads((mutant / "index.json").read_text())
@@ -164,11 +175,11 @@ def _fuzz_index(original, mutations: list, whole: bool) -> None:
         except (RecursionError, ValueError):
             return
         (mutant / "index.json").write_text(text)
-        _check(checkpoint, mutant, reference, whole)
+        _check(checkpoint, mutant, reference, whole, make)
 
 
 def _fuzz_header(original, mutations: list, fix_index: bool) -> None:
-    checkpoint, reference = original
+    checkpoint, reference, make = original
     with tempfile.TemporaryDirectory() as tmp:
         mutant = copy(checkpoint, Path(tmp) / "ckpt")
         header = header_of(mutant / RANK_FILE)
@@ -181,7 +192,7 @@ def _fuzz_header(original, mutations: list, fix_index: bool) -> None:
         edit_header(mutant / RANK_FILE, lambda _: encoded)
         if fix_index:  # the index agrees with the new file's size: the header's own checks must hold
             match_file_size(mutant)
-        _check(checkpoint, mutant, reference, whole=False)
+        _check(checkpoint, mutant, reference, False, make)
 
 
 FUZZ = settings(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -201,6 +212,21 @@ def test_fuzz_header(original, mutations, fix_index):
     """Catches any rank-file header mutation that raises something other than a ShardwiseError or
     loads other values (a dtype, a shape, an offset, metadata changed)."""
     _fuzz_header(original, mutations, fix_index)
+
+
+@settings(FUZZ, max_examples=120)
+@given(st.lists(mutation, min_size=1, max_size=3), whole)
+def test_fuzz_index_several_optimizers(original_several, mutations, whole):
+    """As test_fuzz_index on a checkpoint of two optimizers by name whose state has whole records
+    (Adafactor's row and column factors): their shapes, dtypes, slices, names, the list itself."""
+    _fuzz_index(original_several, mutations, whole)
+
+
+@settings(FUZZ, max_examples=60)
+@given(st.lists(mutation, min_size=1, max_size=2), st.booleans())
+def test_fuzz_header_several_optimizers(original_several, mutations, fix_index):
+    """As test_fuzz_header on the checkpoint of two optimizers with whole records."""
+    _fuzz_header(original_several, mutations, fix_index)
 
 
 @pytest.mark.slow

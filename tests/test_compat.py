@@ -177,3 +177,34 @@ def test_shard_parameters_take_the_optimizers_foreach_kernels(monkeypatch):
     shard.grad = torch.ones(3)
     torch.optim.AdamW([shard], lr=0.1).step()
     assert calls and torch.all(shard.detach() < 0)
+
+
+def test_step_error_hooks_see_a_raising_step_of_classes_made_before_and_after():
+    """Catches a torch release that stops wrapping each optimizer class's step through
+    `Optimizer.profile_hook_step` (compat.on_step_error, Note [raising step]): a whole-tensor step
+    that raises on one rank would then leave its peers waiting in the broadcast."""
+    from torch.optim.optimizer import Optimizer
+
+    from shardwise.engine import compat
+
+    class Before(Optimizer):
+        def step(self, closure=None):
+            raise ValueError("before")
+
+    Before([torch.nn.Parameter(torch.zeros(1))], {})  # torch wraps its step now, before the hook exists
+    seen = []
+    compat.on_step_error(lambda optimizer, error: seen.append((type(optimizer).__name__, str(error))))
+    try:
+        class After(Optimizer):
+            def step(self, closure=None):
+                raise ValueError("after")
+
+        for kind in (Before, After):
+            optimizer = kind([torch.nn.Parameter(torch.zeros(1))], {})
+            compat.guard_step(optimizer)
+            with pytest.raises(ValueError):
+                optimizer.step()
+            assert not hasattr(compat.undecorated_step(optimizer), "__wrapped__")  # the step under both wrappers
+    finally:
+        compat._STEP_ERROR_HOOKS.pop()
+    assert seen == [("Before", "before"), ("After", "after")]

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
 from shardwise.models.zoo import ZOO, build
-from shardwise.testing import assert_close_runs, global_batch, train
+from shardwise.testing import assert_close_runs, global_batch, rank_slice, train
 
 MODEL = "reused_block"  # a unit used 3 times per forward, a head in the root unit
 
@@ -158,28 +158,76 @@ def test_lbfgs_is_refused_on_every_rank(ranks, strategy):
         assert "LBFGS cannot step a sharded model" in message and "strategy='ddp'" in message
 
 
-def _save_muon_state(tmp):
-    model = build(MODEL)
+def _bytes_received_in_step(strategy: str):
+    """Bytes this rank receives in Muon's owner step (counted at torch.distributed's calls), the bound
+    of Note [owner traffic], and what the old all-gathers and broadcast moved."""
+    import inspect
+
+    from shardwise.engine.whole_step import owner_map, sharded_params
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     spec = ZOO[MODEL]
-    sw.shard(model, strategy="zero2", units=spec.unit_class)
-    optim = torch.optim.Adafactor(model.parameters(), lr=1e-2)
-    x, y = global_batch(spec, 0, 4)
+    model = build(MODEL)
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    optim = torch.optim.Muon([p for p in model.parameters() if p.dim() == 2], lr=0.02)
+    x, y = rank_slice(global_batch(spec, 0, 8), rank, world)
     model(x, y).backward()
-    optim.step()
+    received = []
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            bound = inspect.signature(real).bind(*args, **kwargs).arguments
+            tensor = bound["tensor"]
+            if name == "broadcast" and bound["src"] != rank or name == "scatter" and bound.get("scatter_list") is None:
+                received.append(tensor.nbytes)
+            elif name == "gather" and bound.get("gather_list") is not None:
+                received.append((len(bound["gather_list"]) - 1) * tensor.nbytes)
+            elif name in ("all_reduce", "all_gather_into_tensor"):
+                received.append(tensor.nbytes)
+            return real(*args, **kwargs)
+        return call
+
+    names = ("broadcast", "scatter", "gather", "all_reduce", "all_gather_into_tensor")
+    real = {name: getattr(dist, name) for name in names}
     try:
-        sw.save(f"{tmp}/ckpt", model, optim)
-    except sw.ShardwiseError as error:
-        message = str(error)
-    else:
-        message = "no error"
-    sw.save(f"{tmp}/model-only", model)  # the fix the message names works
-    return message
+        for name in names:
+            setattr(dist, name, counted(name, real[name]))
+        optim.step()
+    finally:
+        for name in names:
+            setattr(dist, name, real[name])
+    owners = owner_map(optim)
+    params = sharded_params(optim)
+    mine = sum(2 * (world - 1) * p._sw_layout.shard_numel for p in params if owners[id(p)] == rank)
+    others = sum(p._sw_layout.shard_numel for p in params if owners[id(p)] != rank)
+    before = sum(3 * (world - 1) * p._sw_layout.shard_numel for p in params)
+    return sum(received), 4 * (mine + others), 4 * before
 
 
-def test_saving_whole_tensor_optimizer_state_is_refused_on_every_rank(ranks, tmp_path):
-    """Catches sw.save writing (or one rank failing on) whole-shaped state held by owner ranks."""
-    for message in ranks.run(_save_muon_state, 2, str(tmp_path)):
-        assert "Adafactor's state on a sharded model is not supported yet" in message
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_the_owner_alone_receives_whole_tensors(ranks, strategy):
+    """Catches the whole-tensor step sending every parameter and gradient whole to every rank (two
+    all-gathers and a broadcast per parameter: 3·|P|·(N−1)/N bytes per rank) where only the owner
+    needs them (Note [owner traffic]: gathered to the owner, updated rows scattered back)."""
+    for received, bound, before in ranks.run(_bytes_received_in_step, 2, strategy):
+        assert received <= bound + 512, (received, bound)  # 512: the agreements' flags
+        assert received < 0.75 * before, (received, before)
+
+
+def test_muon_owners_are_balanced_by_newton_schulz_cost():
+    """Catches owners balanced by elements for Muon (Note [owner cost]): two 128x128 matrices and
+    four 512x8 ones have equal element counts, but Newton-Schulz costs the squares 64x more, and by
+    elements both squares land on one rank (4.2M against 0.13M of m·n·min(m, n))."""
+    from types import SimpleNamespace
+
+    from shardwise.engine.whole_step import _owners, step_cost
+
+    shapes = [(128, 128), (512, 8), (512, 8), (512, 8), (512, 8), (128, 128)]
+    params = [SimpleNamespace(_sw_layout=SimpleNamespace(shape=shape)) for shape in shapes]
+    owners = _owners(params, 2, {}, torch.optim.Muon)
+    load = [sum(step_cost(torch.optim.Muon, s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
+    assert max(load) < 1.1 * min(load), (owners, load)
+    assert _owners(params, 2, {}, torch.optim.Adafactor) == [0, 1, 1, 1, 1, 0]  # elements for the rest
 
 
 @pytest.mark.parametrize("name", ["muon", "adafactor"])

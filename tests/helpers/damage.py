@@ -39,8 +39,30 @@ def trained(seed: int = 0):
     return model, optim, scheduler, sampler
 
 
-def save_small(path: Path) -> Path:
-    model, optim, scheduler, sampler = trained()
+def trained_several(seed: int = 0):
+    """`trained`'s parts with two optimizers by name: Muon on the first matrix and torch's Adafactor,
+    whose row and column factors are whole records (Note [optimizer records]), on the rest."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.BatchNorm1d(3))
+    muon = torch.optim.Muon([model[0].weight], lr=0.01 * (seed + 1))
+    factored = torch.optim.Adafactor([p for p in model.parameters() if p is not model[0].weight],
+                                     lr=0.001 * (seed + 1))
+    scheduler = torch.optim.lr_scheduler.StepLR(factored, 2)
+    sampler = sw.ResumableSampler(10, seed=3 + seed, rank=0, world_size=1)
+    model(torch.randn(5, 4)).sum().backward()
+    muon.step()
+    factored.step()
+    scheduler.step()
+    return model, {"muon": muon, "factored": factored}, scheduler, sampler
+
+
+def optimizers_of(optim) -> dict:
+    """The parts' optimizers by name ("" for a single one)."""
+    return optim if isinstance(optim, dict) else {"": optim}
+
+
+def save_small(path: Path, make=trained) -> Path:
+    model, optim, scheduler, sampler = make()
     return sw.save(path, model, optim, scheduler, sampler=sampler, step=2)
 
 
@@ -48,6 +70,12 @@ def save_small(path: Path) -> Path:
 def small(tmp_path_factory) -> Path:
     """A checkpoint of `trained()`: a tiny model with AdamW state, a scheduler, a sampler and `step=2`."""
     return save_small(tmp_path_factory.mktemp("small") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def several(tmp_path_factory) -> Path:
+    """A checkpoint of `trained_several()`: two optimizers by name, whole records among their state."""
+    return save_small(tmp_path_factory.mktemp("several") / "ckpt", trained_several)
 
 
 def load_small(path: Path, parts=None):
@@ -62,10 +90,11 @@ def snapshot(parts) -> dict:
     """Every value a load writes, copied (to compare before and after)."""
     model, optim, scheduler, sampler = parts
     out = {f"param:{k}": v.detach().clone() for k, v in model.state_dict().items()}
-    for i, group in enumerate(optim.param_groups):
-        out.update({f"group{i}:{k}": v for k, v in group.items() if k != "params"})
-    for i, state in enumerate(optim.state.values()):
-        out.update({f"state{i}:{k}": v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
+    for label, one in optimizers_of(optim).items():
+        for i, group in enumerate(one.param_groups):
+            out.update({f"{label}group{i}:{k}": v for k, v in group.items() if k != "params"})
+        for i, state in enumerate(one.state.values()):
+            out.update({f"{label}state{i}:{k}": v.clone() if torch.is_tensor(v) else v for k, v in state.items()})
     out["scheduler"] = scheduler.state_dict()
     out["sampler"] = sampler.state_dict()
     return out

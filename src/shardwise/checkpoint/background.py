@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
-from shardwise.engine.info import ShardInfo, row_view
+from shardwise.engine.info import row_view
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import at_exit, close_group_at_exit, log
 
@@ -70,7 +69,7 @@ class PendingSave:
                       self.error)
 
 
-def save_async(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
+def save_async(path, model: nn.Module, optim=None, scheduler=None, *,
                keep_last: int | None = None, durable: bool = True, **extra) -> PendingSave:
     """`sw.save` that returns once this rank's state is copied to host memory; the files are
     written while training goes on (Note [background save]). Same arguments as `sw.save`;
@@ -88,23 +87,24 @@ def _host_copy(job: SaveJob) -> SaveJob:
     rows this rank writes are copied (`rows_to_write`): each copy stands for a ShardInfo of
     exactly those rows, which the writer then takes whole."""
     sharded = is_sharded(job.model)
-    infos, by_name = {}, {}
+    infos = {}
     for name, info in job.infos.items():
         lo, hi = rows_to_write(info, job.rank, job.world, sharded)
-        by_name[clean_name(name)] = (info, lo, hi)
         infos[name] = replace(info, param=_copy(row_view(info.param, info, lo, hi), info.param),
                               row_start=lo, row_end=hi)
-    plan = job.plan
-    if plan is not None:
-        state = {name: ({key: _copy_rows(t, by_name.get(name)) for key, t in rows.items()}, scalars)
-                 for name, (rows, scalars) in plan["state"].items()}
-        plan = {**plan, "state": state}
+    plans = [{**plan, "state": {name: _copy_state(entry) for name, entry in plan["state"].items()}}
+             for plan in job.plans]
     buffers = {name: _copy(b) for name, b in job.buffers.items()}
-    return replace(job, infos=infos, plan=plan, buffers=buffers)
+    return replace(job, infos=infos, plans=plans, buffers=buffers)
 
 
-def _copy_rows(tensor: torch.Tensor, where: tuple[ShardInfo, int, int] | None) -> torch.Tensor:
-    return _copy(tensor) if where is None else _copy(row_view(tensor, *where))
+def _copy_state(entry: dict) -> dict:
+    """One param's optimizer state as save._optimizer_plan gives it, with copies of the rows this rank
+    writes of its param-shaped tensors and of the whole tensors it writes."""
+    info, lo, hi = entry["info"], entry["lo"], entry["hi"]
+    rows = {key: _copy(row_view(t, info, lo, hi)) for key, t in entry["rows"].items()}
+    return {**entry, "rows": rows, "whole": {key: _copy(t) for key, t in entry["whole"].items()},
+            "info": replace(info, row_start=lo, row_end=hi)}
 
 
 def _copy(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:

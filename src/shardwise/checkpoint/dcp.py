@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.names import clean_name
-from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
+from shardwise.checkpoint.optim_state import class_name, optimizer_names, placements, scalar_state_keys, split_state
 from shardwise.checkpoint.ranks import is_sharded
 from shardwise.engine.info import ShardInfo, as_dtensor, shard_info
+from shardwise.errors import ShardwiseError
 
 
 def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict:
@@ -38,12 +39,17 @@ def dcp_state_dict(model: nn.Module, optim: torch.optim.Optimizer | None = None)
     out: dict = {"model": {clean_name(name): wrap(info.param, info) for name, info in infos.items()}}
     if optim is not None:
         names = optimizer_names(optim, infos)
+        if any(place.owner is not None for place in placements(optim, infos).values()):
+            raise ShardwiseError(
+                f"sw.dcp_state_dict of a {class_name(optim)}'s state on a sharded model is not supported: it steps "
+                "whole tensors on one owner rank each (Note [whole-tensor step]), which a Shard(0) DTensor cannot "
+                "describe. Use sw.save / sw.load, which save that state and give it to the owners at any world size.")
         by_name = {clean_name(name): info for name, info in infos.items()}
         scalar_keys = scalar_state_keys(optim)
         out["optim"] = {}
         for param, state in optim.state.items():
             name = names[id(param)]
-            rows, _ = split_state(name, param, state, scalar_keys)
+            rows, _, _ = split_state(name, param.shape, state, scalar_keys, whole_allowed=not sharded)
             entry = {key: wrap(value, by_name[name]) for key, value in rows.items()}
             entry.update({key: value for key, value in state.items()
                           if key not in rows and isinstance(value, torch.Tensor)})

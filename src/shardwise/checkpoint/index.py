@@ -22,7 +22,7 @@ log = logging.getLogger("shardwise.checkpoint")
 
 def build_index(job, records: list) -> dict:
     """index.json's content for a `SaveJob` (save.py) from every rank's record of its file."""
-    model, infos, plan, world = job.model, job.infos, job.plan, job.world
+    model, infos, world = job.model, job.infos, job.world
     engine = engine_of(model)
     params = {}
     for raw, info in infos.items():
@@ -32,28 +32,43 @@ def build_index(job, records: list) -> dict:
             "requires_grad": bool(info.param.requires_grad), "slices": []}
     buffers = {name: {"shape": list(b.shape), "dtype": dtype_code(b.dtype), "slices": []}
                for name, b in job.buffers.items()}
-    optimizer = None
-    if plan is not None:
+    optimizers = []
+    for number, plan in enumerate(job.plans):
         optimizer = {"class": plan["class"], "param_groups": plan["groups"], "state": {}}
+        if job.form == "dict":
+            optimizer["name"] = plan["name"]
+        state = optimizer["state"]
         for record, _ in records:  # scalars agree across ranks; the first rank that has them wins
-            for name, scalars in record["optim_scalars"].items():
-                optimizer["state"].setdefault(name, {"scalars": scalars, "tensors": {}})
-            for name, keys in record["optim_tensors"].items():
-                tensors = optimizer["state"].setdefault(name, {"scalars": {}, "tensors": {}})["tensors"]
+            mine = record["optims"][number]
+            for name, scalars in mine["scalars"].items():
+                state.setdefault(name, {"scalars": scalars, "tensors": {}})
+            for name, keys in mine["tensors"].items():
+                tensors = state.setdefault(name, {"scalars": {}, "tensors": {}})["tensors"]
                 for key, dtype in keys.items():
                     tensors.setdefault(key, {"shape": params[name]["shape"], "dtype": dtype, "slices": []})
+            for name, keys in mine["whole"].items():  # Note [optimizer records]: only when there are some
+                whole = state.setdefault(name, {"scalars": {}, "tensors": {}}).setdefault("whole", {})
+                for key, spec in keys.items():
+                    whole.setdefault(key, {**spec, "slices": []})
+        optimizers.append(optimizer)
     for record, _ in records:
         for entry in record["slices"]:
-            where = {"param": params, "buffer": buffers}.get(entry["kind"])
-            target = where[entry["name"]] if where is not None else \
-                optimizer["state"][entry["name"]]["tensors"][entry["state_key"]]
+            kind = entry["kind"]
+            if kind in ("param", "buffer"):
+                target = (params if kind == "param" else buffers)[entry["name"]]
+            else:
+                state = optimizers[entry["optim"]]["state"][entry["name"]]
+                target = state["tensors" if kind == "optim" else "whole"][entry["state_key"]]
             target["slices"].append({k: entry[k] for k in ("file", "key", "rows", "chunk", "crcs")})
     index = {
         "format": FORMAT, "version": VERSION, "id": job.checkpoint_id, "saved_at": time.time(),
         "shardwise_version": __version__, "torch_version": torch.__version__,
         "strategy": engine.strategy if engine is not None else "none", "world_size": world,
         "files": {r["file"]: {"bytes": r["bytes"], "digest": r["digest"]} for r, _ in records},
-        "params": params, "buffers": buffers, "optimizer": optimizer, "scheduler": job.scheduler_state,
+        "params": params, "buffers": buffers, "scheduler": job.scheduler_state,
+        # one optimizer as it always was; several (a list or a dict, sw.save's optim=) as a list
+        **({"optimizer": optimizers[0] if optimizers else None} if job.form in ("none", "one")
+           else {"optimizer": None, "optimizers": optimizers}),
         "rng": [r["rng"] for r, _ in records], "objects": job.objects, "extra": job.values,
         # Note [object states]: every rank's, only when some rank's differs from rank 0's.
         "objects_by_rank": None if all(r["objects"] == job.objects for r, _ in records)

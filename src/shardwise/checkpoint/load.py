@@ -20,6 +20,7 @@ from torch import nn
 
 from shardwise.checkpoint.load_plan import LoadJob, LoadPlan, plan_load
 from shardwise.checkpoint.names import Rename, make_renamer
+from shardwise.checkpoint.optim_state import named_optimizers
 from shardwise.checkpoint.ranks import all_gather_object, group_of
 from shardwise.checkpoint.report import LoadReport
 from shardwise.checkpoint.sources import open_source
@@ -29,7 +30,7 @@ from shardwise.engine.protocol import slicing_of
 from shardwise.errors import ShardwiseError
 
 
-def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
+def load(path, model: nn.Module, optim=None, scheduler=None, *,
          strict: bool = True, rename: Rename = None, restore_rng: bool | None = None,
          **objects) -> LoadReport:
     """Load a checkpoint into `model` (and `optim`, `scheduler`) in place; every rank calls it.
@@ -45,13 +46,19 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     unexpected or shaped differently, before changing anything; `strict=False` loads
     what matches (fine-tuning a new head) and returns the report (`print(report)`).
     A damaged checkpoint is refused before anything changes (Note [validate, then apply]).
+    `optim` is what `sw.save` was given: one optimizer, a list in the same order, or a dict under
+    the same names; another number of optimizers, or another class, is refused.
     RNG states are restored when resuming (`optim` given, same world size) unless
     `restore_rng` says otherwise. Objects passed as keywords (`sampler=...`) get the
     state saved under the same keyword.
     """
+    optimizers, form = named_optimizers(optim)
     slicing = slicing_of(model)  # sliced by sw.slice: load whole tensors (Note [unsliced view])
     if slicing is not None:
-        view = slicing.checkpoint_view(model, optim, fill=False)
+        if form in ("list", "dict"):
+            raise ShardwiseError("a sliced model (sw.slice) checkpoints one optimizer: build one optimizer over "
+                                 "every parameter")
+        view = slicing.checkpoint_view(model, optimizers[0][1] if optimizers else None, fill=False)
         report = load(path, view.model, view.optim, scheduler, strict=strict, rename=rename,
                       restore_rng=restore_rng, **objects)
         view.write_back()
@@ -61,7 +68,8 @@ def load(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, sch
     try:
         with _agreement(path, group, world):
             source = open_source(path, make_renamer(rename))
-            plan = plan_load(LoadJob(source, model, optim, scheduler, objects, strict, restore_rng, rank, world))
+            plan = plan_load(LoadJob(source, model, optimizers, form, scheduler, objects, strict, restore_rng,
+                                     rank, world))
         with _agreement(path, group, world):
             _apply_states(plan)
         with _agreement(path, group, world):
@@ -112,24 +120,25 @@ def _call_load_state_dict(obj, state, what: str) -> None:
 
 def _apply_tensors(plan: LoadPlan) -> None:
     """The model's rows, the optimizer state and the RNGs, every byte of them already checked."""
-    job, report = plan.job, plan.report
+    report = plan.report
     with torch.no_grad():
         for name, tensor, lo, hi, dest in plan.reads:
             _read_into(tensor, lo, hi, dest)
             report.loaded.append(name)
-        for group, settings in zip(job.optim.param_groups if job.optim else (), plan.optim_settings or ()):
-            group.update(settings)
-        for param, scalars, tensors, device in plan.optim_states:
-            if scalars is None:
-                job.optim.state.pop(param, None)  # no state in the checkpoint: as a fresh optimizer
-                continue
-            new = {key: from_json(value, device) for key, value in scalars.items()}
-            for key, tensor, info in tensors:
-                floating = tensor.dtype.is_floating_point and param.dtype.is_floating_point
-                buffer = torch.zeros(param.shape, dtype=param.dtype if floating else tensor.dtype, device=param.device)
-                _read_into(tensor, info.row_start, info.row_end, row_view(buffer, info, info.row_start, info.row_end))
-                new[key] = buffer
-            job.optim.state[param] = new
+        for load in plan.optimizers:
+            for group, settings in zip(load.optim.param_groups, load.settings or ()):
+                group.update(settings)
+            for param, scalars, reads, device in load.states:
+                if scalars is None:
+                    load.optim.state.pop(param, None)  # none in the checkpoint, or another rank's: as fresh
+                    continue
+                new = {key: from_json(value, device) for key, value in scalars.items()}
+                for read in reads:
+                    buffer = torch.zeros(read.shape, dtype=read.dtype, device=param.device)
+                    lo, hi = read.info.row_start, read.info.row_end
+                    _read_into(read.source, lo, hi, row_view(buffer, read.info, lo, hi))
+                    new[read.key] = buffer
+                load.optim.state[param] = new
     if plan.rng is not None:
         restore_rng(*plan.rng)
         report.rng_restored = True

@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import optimizer_names
+from shardwise.checkpoint.optim_state import class_name, full_info, optimizer_names, placements
 from shardwise.checkpoint.report import LoadReport, match
-from shardwise.checkpoint.sources import Source
+from shardwise.checkpoint.schema import OptimizerRecord
+from shardwise.checkpoint.sources import Source, SourceTensor
 from shardwise.checkpoint.values import check_like, check_rng, from_json, like_current
-from shardwise.engine.info import row_view, shard_info
+from shardwise.engine.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
 
@@ -23,7 +24,8 @@ class LoadJob:
 
     source: Source
     model: nn.Module
-    optim: torch.optim.Optimizer | None
+    optimizers: list  # [(name or None, optimizer)], as optim_state.named_optimizers gives them
+    form: str  # how they were given: "none", "one", "list", "dict"
     scheduler: object | None
     objects: dict  # keyword objects with load_state_dict (sampler=...)
     strict: bool
@@ -33,15 +35,36 @@ class LoadJob:
 
 
 @dataclass
+class StateRead:
+    """One optimizer state tensor to load: a buffer of `shape` and `dtype`, into whose rows
+    `info.row_start:info.row_end` (of the tensor `info.full_shape` describes) `source`'s rows go."""
+
+    key: str
+    source: SourceTensor
+    info: ShardInfo
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class OptimizerLoad:
+    """What one optimizer gets: each group's new settings (None: not loaded), and per param its
+    state: (param, scalars or None for no state, [StateRead], device)."""
+
+    optim: torch.optim.Optimizer
+    settings: list[dict] | None = None
+    states: list = field(default_factory=list)
+
+
+@dataclass
 class LoadPlan:
     """What the apply phase writes, all of it checked: (name, source tensor, lo, hi, destination) reads,
-    each optimizer group's new settings, each param's optimizer state, decoded states, RNG states."""
+    each optimizer's settings and state, decoded states, RNG states."""
 
     job: LoadJob
     report: LoadReport
     reads: list = field(default_factory=list)
-    optim_settings: list[dict] | None = None
-    optim_states: list = field(default_factory=list)  # (param, scalars or None, [(key, tensor, info)], device)
+    optimizers: list[OptimizerLoad] = field(default_factory=list)
     scheduler_state: dict | None = None
     object_states: dict = field(default_factory=dict)
     rng: tuple | None = None
@@ -49,7 +72,7 @@ class LoadPlan:
 
 def plan_load(job: LoadJob) -> LoadPlan:
     """Check everything `job` would load on this rank and verify every byte it would read; write nothing."""
-    source, model, optim = job.source, job.model, job.optim
+    source, model = job.source, job.model
     infos = {clean_name(raw): info for raw, info in shard_info(model).items()}
     buffers = persistent_buffers(model)
     plan = LoadPlan(job, LoadReport(source.description, extra=dict(source.extra)))
@@ -59,8 +82,9 @@ def plan_load(job: LoadJob) -> LoadPlan:
     for name, buffer in buffers.items():
         targets.setdefault(name, (tuple(buffer.shape), [name]))
     pairs = match(source, targets, report)
-    if optim is not None:
-        _check_optimizer(source, optim, infos, pairs, report)
+    paired = _pair_optimizers(source, job, report)
+    for number, saved, optim in paired:
+        _check_groups(saved, optim, infos, pairs, report, f"optimizer {number}: " if len(paired) > 1 else "")
     if job.scheduler is not None and source.scheduler is None:
         report.problems.append("the checkpoint holds no scheduler state (it was saved without scheduler=)")
     for key in job.objects:
@@ -85,49 +109,88 @@ def plan_load(job: LoadJob) -> LoadPlan:
             lo, hi = 0, buffer.shape[0] if buffer.dim() else 1
             dest = buffer.reshape(-1) if buffer.dim() == 0 else buffer
         plan.reads.append((name, tensor, lo, hi, dest))
-    if optim is not None and source.optimizer is not None:
-        _plan_optimizer(plan, infos, pairs)
+    for number, saved, optim in paired:
+        plan.optimizers.append(_plan_optimizer(plan, number, saved, optim, infos, pairs))
     if job.scheduler is not None and source.scheduler is not None:
         where = f"{source.values_file}: the saved scheduler state"
         plan.scheduler_state = from_json(source.scheduler, where=where)
         check_like(plan.scheduler_state, job.scheduler.state_dict(), where)
-    wanted = optim is not None if job.restore_rng is None else job.restore_rng
+    wanted = bool(job.optimizers) if job.restore_rng is None else job.restore_rng
     plan.rng = _plan_rng(source, report, wanted, job.rank, job.world)
     needs = [(tensor, lo, hi) for _, tensor, lo, hi, _ in plan.reads]
-    needs += [(tensor, info.row_start, info.row_end) for *_, tensors, _ in plan.optim_states
-              for _, tensor, info in tensors or ()]
+    needs += [(read.source, read.info.row_start, read.info.row_end) for load in plan.optimizers
+              for *_, reads, _ in load.states for read in reads or ()]
     source.verify(needs)
     return plan
 
 
-def _check_optimizer(source: Source, optim, infos, pairs, report: LoadReport) -> None:
-    saved = source.optimizer
-    if saved is None:
+def _show(records) -> str:
+    return ", ".join(f"{name + ': ' if name else ''}{kind}" for name, kind in records)
+
+
+def _pair_optimizers(source: Source, job: LoadJob, report: LoadReport) -> list[tuple[int, OptimizerRecord, object]]:
+    """Each given optimizer with the saved record it loads: by name when both sides have names, else
+    by position; a different number of optimizers, other names or another class is refused."""
+    saved, given = source.optimizers, job.optimizers
+    if not given:
+        return []
+    if not saved:
         report.problems.append("the checkpoint holds no optimizer state (it was saved without optim=)")
-        return
-    if saved.class_name != type(optim).__name__:
-        report.problems.append(f"the optimizer state was saved from {saved.class_name}, not {type(optim).__name__}")
+        return []
+    where = source.values_file or source.description
+    then = _show((r.name, r.class_name) for r in saved)
+    now = _show((name, class_name(o)) for name, o in given)
+    if len(saved) != len(given):
+        raise ShardwiseError(
+            f"{where} holds the state of {len(saved)} optimizer(s) [{then}] and sw.load was given {len(given)} "
+            f"[{now}]: pass the optimizers sw.save was given, as a list in the same order or a dict under the "
+            "same names (sw.load(path, model, [muon, adamw]))")
+    order = list(range(len(saved)))
+    if job.form == "dict" and all(r.name is not None for r in saved):
+        by_name = {r.name: i for i, r in enumerate(saved)}
+        if set(by_name) != {name for name, _ in given}:
+            raise ShardwiseError(f"{where} holds optimizers named [{then}], sw.load was given [{now}]: pass a dict "
+                                 "with the names sw.save was given")
+        order = [by_name[name] for name, _ in given]
+    paired = []
+    for number, (_, optim) in zip(order, given):
+        record = saved[number]
+        if record.class_name not in (class_name(optim), type(optim).__name__):
+            label = f" ({record.name!r})" if record.name else f" (number {number})" if len(saved) > 1 else ""
+            raise ShardwiseError(
+                f"{where}: the optimizer state{label} was saved from {record.class_name} and would load into "
+                f"{class_name(optim)}: one optimizer class's state means nothing to another. Build the "
+                f"{record.class_name} the checkpoint was saved with, or load the model alone (sw.load(path, model)) "
+                "and start the new optimizer fresh")
+        paired.append((number, record, optim))
+    return paired
+
+
+def _check_groups(saved: OptimizerRecord, optim, infos, pairs, report: LoadReport, label: str) -> None:
     names = optimizer_names(optim, infos)
     if len(saved.groups) != len(optim.param_groups):
-        report.problems.append(f"the checkpoint has {len(saved.groups)} optimizer param groups, the "
+        report.problems.append(f"{label}the checkpoint has {len(saved.groups)} optimizer param groups, the "
                                f"optimizer {len(optim.param_groups)}; their settings were not loaded")
         return
     for index, (then, now) in enumerate(zip(saved.groups, optim.param_groups)):
         current = {pairs[n].name if n in pairs else n for n in (names[id(p)] for p in now["params"])}
         if set(then.params) != current:
             differ = sorted(set(then.params) ^ current)
-            report.problems.append(f"optimizer param group {index} holds different parameters in the checkpoint "
-                                   f"and in the optimizer (differing: {differ[:4]}{'...' if len(differ) > 4 else ''})")
+            report.problems.append(f"{label}optimizer param group {index} holds different parameters in the "
+                                   f"checkpoint and in the optimizer (differing: {differ[:4]}"
+                                   f"{'...' if len(differ) > 4 else ''})")
 
 
-def _plan_optimizer(plan: LoadPlan, infos, pairs) -> None:
+def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, infos, pairs) -> OptimizerLoad:
     """Each group's settings (decoded, and each of the type the current one has), then each param's
-    state: scalars from JSON, rows from files."""
-    saved, optim, source = plan.job.source.optimizer, plan.job.optim, plan.job.source
+    state where the current layout keeps it (Note [optimizer records]): scalars from JSON, tensors from files."""
+    source = plan.job.source
+    load = OptimizerLoad(optim)
     names = optimizer_names(optim, infos)
+    where_state = placements(optim, infos)
     same_groups = len(saved.groups) == len(optim.param_groups)
     if same_groups:
-        plan.optim_settings = []
+        load.settings = []
         for index, group in enumerate(optim.param_groups):
             settings = {}
             for key, value in saved.groups[index].options.items():
@@ -138,21 +201,34 @@ def _plan_optimizer(plan: LoadPlan, infos, pairs) -> None:
                 decoded = from_json(value, where=where)
                 check_like(decoded, group.get(key), where)
                 settings[key] = like_current(decoded, group.get(key))
-            plan.optim_settings.append(settings)
+            load.settings.append(settings)
     for index, group in enumerate(optim.param_groups):
-        settings = {**group, **(plan.optim_settings[index] if same_groups else {})}
+        settings = {**group, **(load.settings[index] if same_groups else {})}
         on_device = bool(settings.get("fused") or settings.get("capturable"))
         for param in group["params"]:
             name = names[id(param)]
             state = saved.state.get(pairs[name].name) if name in pairs else None
-            if state is None:
-                plan.optim_states.append((param, None, None, None))
+            place = where_state[id(param)]
+            if state is None or not place.mine:
+                load.states.append((param, None, None, None))  # none saved, or another rank owns it
                 continue
             for key, value in state.scalars.items():
                 where = f"{source.values_file}: optimizer state {key!r} of {name!r}"
                 _check_scalar(from_json(value, where=where), where)
-            tensors = [(key, source.optimizer_tensor(pairs[name].name, key), infos[name]) for key in state.tensors]
-            plan.optim_states.append((param, state.scalars, tensors, param.device if on_device else "cpu"))
+            info = infos[name] if place.owner is None else full_info(infos[name])
+            shape = tuple(param.shape) if place.owner is None else tuple(info.full_shape)
+            reads = []
+            for key, record in state.tensors.items():
+                tensor = source.optimizer_tensor(number, pairs[name].name, key)
+                floating = tensor.dtype.is_floating_point and param.dtype.is_floating_point
+                reads.append(StateRead(key, tensor, info, shape, param.dtype if floating else tensor.dtype))
+            for key, record in state.whole.items():
+                tensor = source.optimizer_tensor(number, pairs[name].name, key, whole=True)
+                rows = record.shape[0] if record.shape else 1
+                reads.append(StateRead(key, tensor, ShardInfo(param, record.shape, 0, rows, ()), record.shape,
+                                       record.dtype))
+            load.states.append((param, state.scalars, reads, param.device if on_device else "cpu"))
+    return load
 
 
 def _check_scalar(value, where: str) -> None:

@@ -1,6 +1,23 @@
-"""An optimizer's state as a checkpoint holds it: row-shaped tensors by parameter name, JSON scalars."""
+"""An optimizer's state as a checkpoint holds it, whatever its shapes and wherever it lives.
+
+Note [optimizer records]: each parameter's state is split three ways (`split_state`):
+- parameter-shaped tensors (AdamW's moments, Muon's momentum) are stored as rows of the full
+  tensor, like the parameter itself, so any world size and strategy reads the rows it needs;
+- other tensors (Adafactor's row and column factors, per-block scales of a quantized state, a
+  preconditioner) are "whole" records: their own shape and dtype, stored once, checksummed like
+  every slice, read whole by whichever rank holds the state on load;
+- everything else is JSON (`step`, Adafactor's `RMS`).
+Where the state lives (`Placement`): an elementwise optimizer on a sharded model holds each
+parameter's state as this rank's rows; a whole-tensor optimizer (Note [whole-tensor step]) holds
+it whole on the parameter's owner rank only; a replica (ddp, one process, a plain model) holds it
+whole on every rank, so its rows are split between the ranks to write, and its whole records are
+written by rank 0. On load the same question is asked of the *current* layout: the owner under
+the new owner map gets the whole state, the other ranks none, a rows layout its own rows.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -8,21 +25,46 @@ from torch import Tensor
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
 from shardwise.engine.info import ShardInfo
-from shardwise.engine.whole_step import StepShape, sharded_params, step_shape
+from shardwise.engine.whole_step import owner_map, unwrapped
 from shardwise.errors import ShardwiseError
 
+SEVERAL = ("sw.save(path, model, [muon, adamw], scheduler) or sw.save(path, model, {'muon': muon, "
+           "'adamw': adamw}, scheduler), and the same on sw.load")
 
-def optimizer_names(optim: torch.optim.Optimizer, infos: dict[str, ShardInfo]) -> dict[int, str]:
+
+def class_name(optim) -> str:
+    """The optimizer's class, inside Accelerate's or Lightning's wrapper (what a checkpoint records)."""
+    return type(unwrapped(optim)).__name__
+
+
+def named_optimizers(optim) -> tuple[list[tuple[str | None, object]], str]:
+    """`optim` as [(name or None, optimizer)] and its form: "none", "one", "list" or "dict"."""
+    if optim is None:
+        return [], "none"
+    if isinstance(optim, dict):
+        if not optim or not all(isinstance(k, str) and k for k in optim):
+            raise ShardwiseError(f"optimizers by name need a non-empty dict with non-empty string keys, not keys "
+                                 f"{list(optim)[:4]}: {SEVERAL}")
+        found = list(optim.items())
+        form = "dict"
+    elif isinstance(optim, (list, tuple)):
+        if not optim:
+            raise ShardwiseError(f"an empty list of optimizers was given: pass None, one optimizer, or {SEVERAL}")
+        found = [(None, o) for o in optim]
+        form = "list" if len(optim) > 1 else "one"
+    else:
+        found, form = [(None, optim)], "one"
+    for name, one in found:
+        if not hasattr(one, "param_groups") or not hasattr(one, "state"):
+            where = f"optimizer {name!r}" if name else "an optimizer"
+            raise ShardwiseError(f"{where} is a {type(one).__name__}, not a torch optimizer: {SEVERAL}")
+    if len({id(o) for _, o in found}) != len(found):
+        raise ShardwiseError("the same optimizer was given twice: pass each optimizer once")
+    return found, form
+
+
+def optimizer_names(optim, infos: dict[str, ShardInfo]) -> dict[int, str]:
     """id(param) -> the model's (cleaned) name, for every param the optimizer holds."""
-    if sharded_params(optim) and step_shape(optim) is StepShape.WHOLE:
-        # Note [whole-tensor step]: its state is whole-shaped on one owner rank per parameter,
-        # which the row-sliced format cannot hold; refused on every rank, before any collective.
-        raise ShardwiseError(
-            f"sw.save/sw.load of a {type(optim).__name__}'s state on a sharded model is not supported yet: it "
-            "steps whole tensors on one owner rank each (Note [whole-tensor step]), and checkpoints hold "
-            "row-sliced state. Save the model alone (sw.save(path, model)) and rebuild the optimizer on "
-            "resume, or use an elementwise optimizer (AdamW, Adam, SGD, ...) whose state shards by rows."
-        )
     by_id = {id(info.param): clean_name(name) for name, info in infos.items()}
     names = {}
     for index, group in enumerate(optim.param_groups):
@@ -36,7 +78,40 @@ def optimizer_names(optim: torch.optim.Optimizer, infos: dict[str, ShardInfo]) -
     return names
 
 
-def scalar_state_keys(optim: torch.optim.Optimizer) -> set[str]:
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter's optimizer state lives on this rank (Note [optimizer records]).
+
+    `owner` is None for a rows layout (the state is param-shaped like this rank's tensor: its shard,
+    or a replica's whole tensor); else the rank (in the parameter's unit group) that holds it whole."""
+
+    owner: int | None
+    rank: int
+
+    @property
+    def mine(self) -> bool:
+        """Whether this rank holds (and saves, and loads) this parameter's state."""
+        return self.owner is None or self.owner == self.rank
+
+
+def placements(optim, infos: dict[str, ShardInfo]) -> dict[int, Placement]:
+    """id(param) -> its Placement, for every param the optimizer holds."""
+    owners = owner_map(optim)
+    out = {}
+    for group in optim.param_groups:
+        for param in group["params"]:
+            owner = owners.get(id(param))
+            out[id(param)] = Placement(owner, param._sw_unit.mesh.shard_rank if owner is not None else 0)
+    return out
+
+
+def full_info(info: ShardInfo) -> ShardInfo:
+    """`info` for a tensor holding every row of the parameter (an owner's whole state)."""
+    rows = info.full_shape[0] if len(info.full_shape) else 1
+    return ShardInfo(info.param, info.full_shape, 0, rows, info.aliases)
+
+
+def scalar_state_keys(optim) -> set[str]:
     """State keys that are per-parameter scalars (AdamW's `step`), not per-element tensors.
 
     A 0-D tensor next to a parameter with rows is a scalar. For a 0-D parameter both look
@@ -48,19 +123,27 @@ def scalar_state_keys(optim: torch.optim.Optimizer) -> set[str]:
     return keys
 
 
-def split_state(name: str, param: Tensor, state: dict, scalar_keys: set[str]) -> tuple[dict, dict]:
-    """One param's optimizer state as (row-shaped tensors, JSON scalars)."""
-    rows, scalars = {}, {}
+def split_state(name: str, shape: torch.Size, state: dict, scalar_keys: set[str], *,
+                whole_allowed: bool = True) -> tuple[dict, dict, dict]:
+    """One param's optimizer state as (param-shaped tensors, JSON scalars, whole tensors), where
+    `shape` is the shape of the tensor its param-shaped state has on this rank (Note [optimizer records])."""
+    rows, scalars, whole = {}, {}, {}
     for key, value in state.items():
-        if isinstance(value, Tensor) and value.shape == param.shape and not (
-                value.dim() == 0 and key in scalar_keys):
+        if not isinstance(key, str):
+            raise ShardwiseError(f"optimizer state of {name!r} has a non-string key {key!r}: checkpoints store JSON "
+                                 "keys only")
+        if isinstance(value, Tensor) and value.shape == shape and not (value.dim() == 0 and key in scalar_keys):
             rows[key] = value
         elif isinstance(value, Tensor) and value.dim() != 0:
-            raise ShardwiseError(
-                f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, neither the parameter's "
-                f"shape {list(param.shape)} nor a scalar: shardwise checkpoints store element-wise and scalar "
-                "optimizer state only (AdamW, Adam, SGD, RMSprop, Adagrad, ...)"
-            )
+            if not whole_allowed:
+                raise ShardwiseError(
+                    f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, neither the shape of this "
+                    f"rank's rows {list(shape)} nor a scalar, and the optimizer steps rows: each rank's would differ. "
+                    "Its class must step whole tensors (Note [whole-tensor step])")
+            if type(value) is not Tensor and not isinstance(value, torch.nn.Parameter):
+                raise ShardwiseError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}, a tensor "
+                                     "subclass a checkpoint cannot store without pickle; store plain tensors")
+            whole[key] = value
         else:
             scalars[key] = to_json(value, f"optimizer state {key!r} of {name!r}")
-    return rows, scalars
+    return rows, scalars, whole

@@ -49,7 +49,16 @@ from torch import nn
 from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
 from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
 from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import optimizer_names, scalar_state_keys, split_state
+from shardwise.checkpoint.optim_state import (
+    SEVERAL,
+    class_name,
+    full_info,
+    named_optimizers,
+    optimizer_names,
+    placements,
+    scalar_state_keys,
+    split_state,
+)
 from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
@@ -66,8 +75,8 @@ class SaveJob:
     partial: Path  # where every rank writes until then (Note [atomic save])
     model: nn.Module
     infos: dict[str, ShardInfo]  # this rank's rows of every parameter
-    plan: dict | None  # the optimizer's groups and state (_optimizer_plan), or None
-    optim: torch.optim.Optimizer | None
+    plans: list[dict]  # each optimizer's groups and state (_optimizer_plan), in the order given
+    form: str  # how the optimizers were given: "none", "one", "list", "dict" (optim_state.named_optimizers)
     scheduler_state: dict | None  # JSON
     objects: dict  # stateful keyword objects' state, JSON
     values: dict  # plain keyword values, JSON
@@ -81,9 +90,13 @@ class SaveJob:
     started: float = 0.0  # time.time() when the save began (Note [leftovers])
 
 
-def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
+def save(path, model: nn.Module, optim=None, scheduler=None, *,
          keep_last: int | None = None, durable: bool = True, **extra) -> Path:
     """Save `model` (and `optim`, `scheduler`) as a checkpoint directory at `path`; every rank calls it.
+
+    `optim` is one optimizer, or several as a list (`[muon, adamw]`) or a dict by name
+    (`{"muon": muon, "adamw": adamw}`); `sw.load` then takes the same. Any optimizer's state is
+    saved, whatever its shapes (Note [optimizer records] in optim_state.py).
 
     Each rank writes its own rows in parallel; the directory appears, whole, only once
     every rank has finished (Note [atomic save]). Also saved: each rank's RNG states
@@ -106,17 +119,25 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here)."""
     wait_for_background_save()
+    for key, value in extra.items():
+        if hasattr(value, "param_groups") and hasattr(value, "state"):
+            raise ShardwiseError(f"{key}= is an optimizer: keyword values are JSON or small objects. Save several "
+                                 f"optimizers as a list or a dict in the optimizer's place: {SEVERAL}")
+    optimizers, form = named_optimizers(optim)
     slicing = slicing_of(model)  # sliced by sw.slice: save its whole tensors (Note [unsliced view])
     if slicing is not None:
-        view = slicing.checkpoint_view(model, optim)
-        model, optim = view.model, view.optim
+        if form in ("list", "dict"):
+            raise ShardwiseError("a sliced model (sw.slice) checkpoints one optimizer: build one optimizer over "
+                                 "every parameter")
+        view = slicing.checkpoint_view(model, optimizers[0][1] if optimizers else None)
+        model, optimizers = view.model, [(None, view.optim)] if optimizers else []
     if keep_last is not None and keep_last < 1:
         raise ShardwiseError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
     group, rank, world = group_of(model)
     path = Path(path).absolute()
     partial = path.parent / f".{path.name}.partial"
     infos = shard_info(model)
-    plan = _optimizer_plan(optim, infos) if optim is not None else None
+    plans = [_optimizer_plan(one, name, infos, rank, world, is_sharded(model)) for name, one in optimizers]
     scheduler_state = to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None
     objects = {k: to_json(v.state_dict(), f"{k}.state_dict()") for k, v in extra.items() if _is_stateful(v)}
     values = {k: to_json(v, f"extra value {k}=") for k, v in extra.items() if not _is_stateful(v)}
@@ -125,7 +146,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     checkpoint_id = broadcast_object(_start_partial(path, partial) if rank == 0 else None, group, rank, world)
     if checkpoint_id.startswith("error:"):
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
-    return SaveJob(path, partial, model, infos, plan, optim, scheduler_state, objects, values,
+    return SaveJob(path, partial, model, infos, plans, form, scheduler_state, objects, values,
                    persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
                    started)
 
@@ -174,9 +195,14 @@ def _start_partial(path: Path, partial: Path) -> str:
     return uuid.uuid4().hex
 
 
-def _optimizer_plan(optim, infos: dict[str, ShardInfo]) -> dict:
-    """Per param (by cleaned name): its row-shaped state tensors and JSON scalars; the groups."""
+def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank: int, world: int,
+                    sharded: bool) -> dict:
+    """One optimizer's groups, and per param it holds state for on this rank (by cleaned name): its
+    param-shaped tensors with the rows this rank writes of them, its JSON scalars, and the whole
+    tensors this rank writes (Note [optimizer records])."""
     names = optimizer_names(optim, infos)
+    where = placements(optim, infos)
+    info_of = {id(info.param): info for info in infos.values()}
     scalar_keys = scalar_state_keys(optim)
     state, groups = {}, []
     for index, group in enumerate(optim.param_groups):
@@ -184,33 +210,61 @@ def _optimizer_plan(optim, infos: dict[str, ShardInfo]) -> dict:
         groups.append({"params": [names[id(p)] for p in group["params"]],
                        "options": to_json(options, f"optimizer param group {index}")})
         for param in group["params"]:
-            if optim.state.get(param):
-                state[names[id(param)]] = split_state(names[id(param)], param, optim.state[param], scalar_keys)
-    return {"class": type(optim).__name__, "groups": groups, "state": state}
+            place, name = where[id(param)], names[id(param)]
+            if not optim.state.get(param) or not place.mine:
+                continue  # no state yet, or an owner rank's (Note [whole-tensor step])
+            info = info_of[id(param)]
+            if place.owner is not None:
+                if param._sw_unit.mesh.replicate_rank != 0:
+                    continue  # each replica's owner holds the same state: replica 0's writes it (Note [mesh info])
+                info = full_info(info)
+                lo, hi = info.row_start, info.row_end
+                shape, writes_whole = info.full_shape, True
+            else:
+                lo, hi = rows_to_write(info, rank, world, sharded)
+                shape, writes_whole = param.shape, rank == 0
+            rows, scalars, whole = split_state(name, shape, optim.state[param], scalar_keys,
+                                               whole_allowed=not sharded or world == 1 or place.owner is not None)
+            state[name] = {"rows": rows, "scalars": scalars, "whole": whole if writes_whole else {},
+                           "info": info, "lo": lo, "hi": hi}
+    return {"class": class_name(optim), "name": label, "groups": groups, "state": state}
 
 
 def _write_rank_file(job: SaveJob) -> dict:
     """Write this rank's rows, optimizer rows and RNG states; return what the index needs."""
-    infos, plan, rank, world = job.infos, job.plan, job.rank, job.world
+    infos, rank, world = job.infos, job.rank, job.world
     sharded = is_sharded(job.model)
     specs, producers, slices = [], [], []
-    optim_tensors: dict[str, dict[str, str]] = {}
 
-    def add(kind, name, key, tensor, info, lo, hi, state_key=None):
+    def add(kind, name, key, tensor, info, lo, hi, state_key=None, optim=None):
         specs.append(TensorSpec(key, tensor.dtype, (hi - lo, *info.full_shape[1:])))
         producers.append(lambda: row_view(tensor, info, lo, hi))
-        slices.append({"kind": kind, "name": name, "state_key": state_key, "key": key, "rows": [lo, hi]})
+        slices.append({"kind": kind, "name": name, "state_key": state_key, "optim": optim, "key": key,
+                       "rows": [lo, hi]})
 
     for raw, info in infos.items():
         name = clean_name(raw)
         lo, hi = rows_to_write(info, rank, world, sharded)
         if hi > lo:
             add("param", name, f"param/{name}", info.param, info, lo, hi)
-        rows_state = plan["state"].get(name, ({}, {}))[0] if plan else {}
-        for state_key, tensor in rows_state.items():
-            optim_tensors.setdefault(name, {})[state_key] = dtype_code(tensor.dtype)
-            if hi > lo:
-                add("optim", name, f"optim/{name}/{state_key}", tensor, info, lo, hi, state_key)
+    optims = []
+    for number, plan in enumerate(job.plans):
+        prefix = "optim" if number == 0 else f"optim{number}"  # distinct keys when two hold one param
+        tensors, whole = {}, {}
+        for name, entry in plan["state"].items():
+            info, lo, hi = entry["info"], entry["lo"], entry["hi"]
+            for state_key, tensor in entry["rows"].items():
+                tensors.setdefault(name, {})[state_key] = dtype_code(tensor.dtype)
+                if hi > lo:
+                    add("optim", name, f"{prefix}/{name}/{state_key}", tensor, info, lo, hi, state_key, number)
+            for state_key, tensor in entry["whole"].items():
+                whole.setdefault(name, {})[state_key] = {"shape": list(tensor.shape), "dtype": dtype_code(tensor.dtype)}
+                rows = tensor.shape[0]
+                if rows:
+                    add("optim_whole", name, f"{prefix}.whole/{name}/{state_key}", tensor,
+                        ShardInfo(tensor, tensor.shape, 0, rows, ()), 0, rows, state_key, number)
+        optims.append({"scalars": {name: entry["scalars"] for name, entry in plan["state"].items()},
+                       "tensors": tensors, "whole": whole})
     if rank == 0:  # buffers are replicated and small: rank 0 writes them whole
         for name, buffer in job.buffers.items():
             info = ShardInfo(buffer, buffer.shape, 0, buffer.shape[0] if buffer.dim() else 1, ())
@@ -235,9 +289,8 @@ def _write_rank_file(job: SaveJob) -> dict:
     rng["file"] = file
     rng["tensors"] = {key: {"chunk": chunk_rows(tuple(t.shape), t.dtype), "crcs": written.crcs[key]}
                       for key, t in rng_tensors.items()}
-    scalars = {name: entry[1] for name, entry in plan["state"].items()} if plan else {}
     return {"file": file, "bytes": written.nbytes, "digest": written.digest, "slices": slices, "rng": rng,
-            "optim_scalars": scalars, "optim_tensors": optim_tensors, "objects": job.objects}
+            "optims": optims, "objects": job.objects}
 
 
 def _finish(job: SaveJob, records: list) -> str | None:

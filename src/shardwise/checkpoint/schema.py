@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -98,8 +98,12 @@ class GroupRecord:
 
 @dataclass(frozen=True)
 class StateRecord:
+    """One parameter's optimizer state (Note [optimizer records] in optim_state.py): JSON scalars,
+    param-shaped tensors stored as rows, and whole tensors of other shapes (row/column factors, scales)."""
+
     scalars: dict  # JSON
     tensors: dict[str, TensorRecord]
+    whole: dict[str, TensorRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class OptimizerRecord:
     class_name: str
     groups: tuple[GroupRecord, ...]
     state: dict[str, StateRecord]
+    name: str | None = None  # its key when several were saved as a dict
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ class Index:
     files: dict[str, FileRecord]
     params: dict[str, TensorRecord]
     buffers: dict[str, TensorRecord]
-    optimizer: OptimizerRecord | None
+    optimizers: tuple[OptimizerRecord, ...]  # none, one, or several (saved as a list or a dict)
+    several: bool  # saved as a list or a dict ("optimizers"), not as one ("optimizer")
     scheduler: dict | None
     rng: tuple[RngRecord, ...]
     objects: dict
@@ -166,7 +172,16 @@ def parse_index(path: Path, index) -> Index:
               for n, e in f.dict(index, "params").items()}
     buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files)
                for n, e in f.dict(index, "buffers").items()}
-    optimizer = None if index.get("optimizer") is None else _optimizer(f, index["optimizer"], params, files)
+    optimizers = () if index.get("optimizer") is None else (_optimizer(f, index["optimizer"], params, files),)
+    several = index.get("optimizers") is not None
+    if several:
+        if optimizers:
+            raise f.fail("optimizers", "is given beside \"optimizer\": a checkpoint holds one or the other")
+        many = f.list(index, "optimizers")
+        optimizers = tuple(_optimizer(f, many[i], params, files, f"optimizers[{i}]") for i in range(len(many)))
+        names = [o.name for o in optimizers]
+        if any(n is not None for n in names) and (None in names or len(set(names)) != len(names)):
+            raise f.fail("optimizers", "name some optimizers and not others, or one name twice")
     scheduler = index.get("scheduler")
     if scheduler is not None:
         f.dict(index, "scheduler")
@@ -181,7 +196,7 @@ def parse_index(path: Path, index) -> Index:
     return Index(path, f.match(index, "id", re.compile(r"[0-9a-zA-Z_-]{1,64}")),
                  f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
                  f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
-                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
+                 optimizers, several, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
 
 
 def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, shape=None) -> TensorRecord:
@@ -234,11 +249,11 @@ def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
     return tuple(f.int(crcs, i, 0, 2**32 - 1, f"{at}.crcs") for i in range(len(crcs)))
 
 
-def _optimizer(f: Fields, raw, params: dict, files: dict) -> OptimizerRecord:
-    raw = f.dict({"optimizer": raw}, "optimizer", "")
+def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimizer") -> OptimizerRecord:
+    raw = f.dict({where: raw}, where, "")
     groups = []
-    for i, group in enumerate(f.list(raw, "param_groups", "optimizer")):
-        at = f"optimizer.param_groups[{i}]"
+    for i, group in enumerate(f.list(raw, "param_groups", where)):
+        at = f"{where}.param_groups[{i}]"
         group = f.dict({at: group}, at, "")
         names = f.list(group, "params", at)
         for j in range(len(names)):
@@ -246,16 +261,23 @@ def _optimizer(f: Fields, raw, params: dict, files: dict) -> OptimizerRecord:
                 raise f.fail(f"{at}.params[{j}]", f"names {names[j]!r}, which the index's params do not list")
         groups.append(GroupRecord(tuple(names), f.dict(group, "options", at)))
     state = {}
-    for name, entry in f.dict(raw, "state", "optimizer").items():
-        at = f"optimizer.state[{name!r}]"
+    for name, entry in f.dict(raw, "state", where).items():
+        at = f"{where}.state[{name!r}]"
         if name not in params:
             raise f.fail(at, "names a parameter the index's params do not list")
         entry = f.dict({at: entry}, at, "")
         tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files,
                                                          shape=params[name].shape)
                    for key, value in f.dict(entry, "tensors", at).items()}
-        state[name] = StateRecord(f.dict(entry, "scalars", at), tensors)
-    return OptimizerRecord(f.str(raw, "class", 256, "optimizer"), tuple(groups), state)
+        # Note [optimizer records]: tensors of their own shapes, absent when a state has none
+        whole = {} if entry.get("whole") is None else {
+            f.name(key, f"{at}.whole"): _tensor(f, value, f"{at}.whole[{key!r}]", files)
+            for key, value in f.dict(entry, "whole", at).items()}
+        if tensors.keys() & whole.keys():
+            raise f.fail(at, f"stores {sorted(tensors.keys() & whole.keys())} both as rows and whole")
+        state[name] = StateRecord(f.dict(entry, "scalars", at), tensors, whole)
+    label = None if raw.get("name") is None else f.str(raw, "name", 256, where)
+    return OptimizerRecord(f.str(raw, "class", 256, where), tuple(groups), state, label)
 
 
 def _rng(f: Fields, raw, at: str, files: dict) -> RngRecord:

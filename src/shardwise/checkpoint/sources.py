@@ -45,12 +45,14 @@ class Source:
 
     def __init__(self) -> None:
         self.tensors: dict[str, SourceTensor] = {}
-        self.optimizer: OptimizerRecord | None = None
+        self.optimizers: tuple[OptimizerRecord, ...] = ()  # as saved: one, or several (`several`)
+        self.several = False
         self.scheduler: dict | None = None
         self.objects: dict = {}
         self.extra: dict = {}
 
-    def optimizer_tensor(self, name: str, key: str) -> SourceTensor:
+    def optimizer_tensor(self, number: int, name: str, key: str, *, whole: bool = False) -> SourceTensor:
+        """Optimizer `number`'s state tensor `key` of parameter `name` (a whole record with `whole`)."""
         raise NotImplementedError
 
     def rng_of(self, rank: int):
@@ -106,11 +108,10 @@ class CheckpointDir(Source):
                 tensor = self._source_tensor(self.rename(name), record)
                 tensor.aliases = tuple(self.rename(a) for a in record.aliases)
                 self.tensors[tensor.name] = tensor
-        if index.optimizer is not None:
-            self.optimizer = replace(
-                index.optimizer, groups=tuple(replace(g, params=tuple(map(self.rename, g.params)))
-                                              for g in index.optimizer.groups),
-                state={self.rename(n): s for n, s in index.optimizer.state.items()})
+        self.optimizers = tuple(replace(
+            saved, groups=tuple(replace(g, params=tuple(map(self.rename, g.params))) for g in saved.groups),
+            state={self.rename(n): s for n, s in saved.state.items()}) for saved in index.optimizers)
+        self.several = index.several
         self.scheduler = index.scheduler
         self.objects = index.objects
         self.objects_by_rank = index.objects_by_rank
@@ -120,8 +121,10 @@ class CheckpointDir(Source):
         return SourceTensor(name, record.shape, record.dtype, (),
                             lambda lo, hi, out: self._read(name, record, lo, hi, out), record.slices)
 
-    def optimizer_tensor(self, name: str, key: str) -> SourceTensor:
-        return self._source_tensor(f"{name}:{key}", self.optimizer.state[name].tensors[key])
+    def optimizer_tensor(self, number: int, name: str, key: str, *, whole: bool = False) -> SourceTensor:
+        state = self.optimizers[number].state[name]
+        return self._source_tensor(f"{number}:{name}:{key}{':whole' if whole else ''}",
+                                   (state.whole if whole else state.tensors)[key])
 
     def reader(self, file: str) -> FileReader:
         """The open reader of `file`, its header checked against the index (dtype, shape, digest)."""
@@ -195,8 +198,8 @@ def _expected_headers(index: Index) -> dict[str, dict]:
     tensor's dtype and shape are the header's own (the index records only its crcs)."""
     expected: dict[str, dict] = {name: {} for name in index.files}
     records = [*index.params.values(), *index.buffers.values()]
-    if index.optimizer is not None:
-        records += [t for state in index.optimizer.state.values() for t in state.tensors.values()]
+    for optimizer in index.optimizers:
+        records += [t for state in optimizer.state.values() for t in (*state.tensors.values(), *state.whole.values())]
     for record in records:
         for piece in record.slices:
             shape = (piece.hi - piece.lo, *record.shape[1:])

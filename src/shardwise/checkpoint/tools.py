@@ -40,12 +40,15 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
     if index.extra:
         shown = {key: _clip(repr(value)) for key, value in index.extra.items()}
         lines.append("  extra: {" + ", ".join(f"{key!r}: {value}" for key, value in shown.items()) + "}")
-    optim = index.optimizer
-    if optim:
+    for number, optim in enumerate(index.optimizers):
         groups = ", ".join("{" + ", ".join(f"{k}={_clip(repr(v))}" for k, v in g.options.items()
                                            if k in ("lr", "weight_decay", "name")) + "}" for g in optim.groups)
-        lines.append(f"  optimizer {_clip(optim.class_name)}: {len(optim.state)} params with state; groups {groups}")
-    else:
+        label = f" {optim.name!r}" if optim.name else f" {number}" if index.several else ""
+        whole = sum(len(state.whole) for state in optim.state.values())
+        extra = f" ({whole} whole state tensors: factors, scales)" if whole else ""
+        lines.append(f"  optimizer{label} {_clip(optim.class_name)}: {len(optim.state)} params with state{extra}; "
+                     f"groups {groups}")
+    if not index.optimizers:
         lines.append("  optimizer: none saved")
     lines.append(f"  scheduler: {'saved' if index.scheduler is not None else 'none saved'}; "
                  f"objects: {sorted(index.objects) or 'none'}")
@@ -157,8 +160,9 @@ def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
                 if largest != 0.0:
                     changed += 1
                     lines.append(f"~ {name}: values differ, max |a - b| = {largest:.3g}")
-        if (first.optimizer is None) != (second.optimizer is None):
-            has = ['yes' if c.optimizer else 'no' for c in (first, second)]
+        kinds = [[(o.name, o.class_name) for o in c.optimizers] for c in (first, second)]
+        if kinds[0] != kinds[1]:
+            has = [", ".join(f"{n + ': ' if n else ''}{k}" for n, k in kind) or "none" for kind in kinds]
             lines.append(f"  optimizer state: {has[0]} vs {has[1]}")
         same = not (only_a or only_b or changed)
         lines.append("same keys, shapes and dtypes" + (" and values" if values else "") if same else

@@ -6,6 +6,7 @@ Uses: nothing of the engine.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import sys
 
@@ -95,6 +96,54 @@ def graph_task_id() -> int:
 def queue_backward_callback(callback) -> None:
     """Run `callback` when the running backward's graph task ends (FSDP2 finalizes the same way)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+_STEP_ERROR_HOOKS: list = []
+
+
+def _guarded(step):
+    """`step` (a class's step, as torch's hooks wrap it) calling the step error hooks when it raises."""
+    if getattr(step, "_sw_guarded", False):
+        return step
+
+    @functools.wraps(step)
+    def guarded(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except BaseException as error:
+            for hook in _STEP_ERROR_HOOKS:
+                hook(args[0], error)  # may raise the error to report instead
+            raise
+
+    guarded._sw_guarded = True
+    if hasattr(step, "__wrapped__"):  # undecorated_step still finds the step under torch's hooks
+        guarded.__wrapped__ = step.__wrapped__
+    return guarded
+
+
+def on_step_error(hook) -> None:
+    """Call `hook(optimizer, error)` when an optimizer's step raises, before the error leaves `step()`
+    (Note [raising step] in whole_step.py): torch offers pre and post step hooks, none for an error.
+    torch wraps each optimizer class's `step` once, at its first instance (`profile_hook_step`, torch
+    2.13); wrapping that wrapper guards every class made from now on, `guard_step` one made before."""
+    from torch.optim.optimizer import Optimizer
+
+    _STEP_ERROR_HOOKS.append(hook)
+    if not getattr(Optimizer.profile_hook_step, "_sw_guarding", False):
+        original = Optimizer.profile_hook_step
+
+        def profile_hook_step(func):
+            return _guarded(original(func))
+
+        profile_hook_step._sw_guarding = True
+        Optimizer.profile_hook_step = staticmethod(profile_hook_step)
+
+
+def guard_step(optimizer) -> None:
+    """Guard the step of `optimizer`'s class if torch wrapped it before `on_step_error` (its next step on)."""
+    kind = type(optimizer)
+    if getattr(kind.step, "hooked", False) and not getattr(kind.step, "_sw_guarded", False):
+        kind.step = _guarded(kind.step)
 
 
 def undecorated_step(optimizer):

@@ -1,5 +1,5 @@
 """What the engine learns from the user's optimizer, through torch's global step hooks.
-Uses: whole_step.
+Uses: compat, whole_step.
 
 The user builds an ordinary torch optimizer (before or after `shard()`), so torch's global
 optimizer hooks are the one place that sees every step without an extra call to remember:
@@ -7,7 +7,8 @@ optimizer hooks are the one place that sees every step without an extra call to 
   (deferred init, Note [kept parameter objects]) is refused, since it would step tensors
   the model no longer uses and train nothing;
 - before and after a step: an optimizer that reads parameters as whole tensors is stepped on
-  whole tensors, and one that couples tensors is refused (Note [whole-tensor step]);
+  whole tensors, and one that couples tensors is refused (Note [whole-tensor step]); when such a
+  step raises on one rank, every rank stops it (Note [raising step]);
 - after a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]).
@@ -19,6 +20,7 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from shardwise.engine.compat import guard_step, on_step_error
 from shardwise.engine.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
 
@@ -40,6 +42,7 @@ def watch_units(units) -> None:
         register_optimizer_step_pre_hook(_begin_whole_step)
         register_optimizer_step_post_hook(_end_whole_step)
         register_optimizer_step_post_hook(_mark_stepped_units_stale)
+        on_step_error(_abort_whole_step)
         _INSTALLED.append(True)
 
 
@@ -88,6 +91,7 @@ def _begin_whole_step(optimizer, args, kwargs) -> None:
     if shape is StepShape.REFUSE:
         refuse_coupled(optimizer)
     if shape is StepShape.WHOLE:
+        guard_step(optimizer)  # a class torch wrapped before on_step_error (Note [raising step])
         step = WholeStep(optimizer)
         step.begin()
         _WHOLE_STEPS[id(optimizer)] = step
@@ -97,3 +101,11 @@ def _end_whole_step(optimizer, args, kwargs) -> None:
     step = _WHOLE_STEPS.pop(id(optimizer), None)
     if step is not None:
         step.end()
+
+
+def _abort_whole_step(optimizer, error) -> None:
+    """The step of `optimizer` raised on this rank (Note [raising step]): every rank is told, and the
+    rows come back; the ShardwiseError naming the failed rank replaces the error."""
+    step = _WHOLE_STEPS.pop(id(optimizer), None)
+    if step is not None:
+        raise step.abort(error) from error

@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: collectives, compat.
+Uses: compat.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -13,12 +13,13 @@ preconditioners). Run on rows they train a different model without a word. The p
   closure re-running forward) are refused at their first step, on every rank, with the fix.
 - `WHOLE`: every other class, including one shardwise has never seen (a user's LAMB), is taken
   to be per-tensor and is stepped on whole tensors. Each sharded parameter gets one owner rank
-  (balanced by size, the same on every rank, as ZeroRedundancyOptimizer partitions whole
-  parameters); before the step every rank all-gathers the parameter's rows and gradient rows and
-  the owner swaps the whole values into the Parameter object the optimizer holds, the others
-  hide its gradient so the optimizer skips it. After the step the owner broadcasts the updated
-  tensor and every rank writes back its rows. Optimizer state is thus split by parameter, full
-  shaped on its owner (what such optimizers need), and the result is one process's.
+  (balanced by the step's cost, Note [owner cost], the same on every rank, as
+  ZeroRedundancyOptimizer partitions whole parameters); before the step the parameter's rows and
+  gradient rows are gathered to the owner (Note [owner traffic]), which swaps the whole values into
+  the Parameter object the optimizer holds; the others hide its gradient so the optimizer skips
+  it. After the step the owner scatters the updated rows back. A parameter keeps its owner (Note [kept owners]).
+  Optimizer state is thus split by parameter, full shaped on its owner (what such optimizers
+  need), and the result is one process's.
 
 The alternative shape, `Shard(0)` DTensor parameters between steps (FSDP2), was measured on the
 bench GPT (bench/results/whole_tensor.md, 3 interleaved rounds, a loaded machine): it makes
@@ -28,19 +29,33 @@ raises (`aten.pow_`: in-place op needing a placement change), and its Muon step 
 AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The owner step is bitwise
 for Muon and Adafactor at ws 2 and 4 and took 16.6-19.2x (ws 2), 25.4-33.7x (ws 4) an AdamW row
 step, 1.5-2.3x the whole training step: most of it is Newton-Schulz itself (about 4 s of 5), the
-rest one all-gather per parameter and gradient and one broadcast per parameter (batching those
-per unit, and reducing the gradient to its owner only, are the next steps).
+rest one all-gather per parameter and gradient and one broadcast per parameter.
+
+Note [owner traffic]: only the owner needs a parameter whole, so its rows and gradient rows are
+gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),
+each rank receiving its own rows only. A rank then receives, per step, 2·|owned|·(N−1)/N elements
+of the parameters it owns plus |P|/N of its rows, where the all-gathers and broadcast made every
+rank receive 3·|P|·(N−1)/N: the whole model three times. Batching per unit and overlapping owner
+k+1's gathers with owner k's compute are the next steps.
+
+Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
+user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
+before broadcasting every rank reaches one agreement (an all-reduce of a flag per rank): the
+raising rank reaches it from the step's error hook (compat.on_step_error), the others from the
+post-step hook. If any rank failed, every rank puts its parameters back to their rows from
+before the step, drops the whole tensors, and raises a ShardwiseError naming the failed rank and
+the parameters it owns. A gradient present on some ranks only is refused before anything moves.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-import shardwise.engine.collectives as coll
 from shardwise.engine.compat import set_data, set_grad
 from shardwise.errors import ShardwiseError
 
@@ -62,19 +77,19 @@ _COUPLED = {torch.optim.LBFGS: "its line search takes dot products over every pa
                                "the forward through a closure"}
 
 
-def _unwrapped(optimizer):
+def unwrapped(optimizer):
     """The torch optimizer inside Accelerate's (`.optimizer`) or Lightning's (`._optimizer`) wrapper,
     whose own step just calls it (the step hooks see the inner one)."""
     for attribute in ("optimizer", "_optimizer"):
         inner = getattr(optimizer, attribute, None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return _unwrapped(inner)
+            return unwrapped(inner)
     return optimizer
 
 
 def step_shape(optimizer) -> StepShape:
     """ROWS for the elementwise classes shardwise knows, REFUSE for coupled ones, WHOLE otherwise."""
-    kind = type(_unwrapped(optimizer))
+    kind = type(unwrapped(optimizer))
     if kind in _ELEMENTWISE:
         return StepShape.ROWS
     if kind in _COUPLED or any(base in _COUPLED for base in kind.__mro__):
@@ -89,7 +104,7 @@ def sharded_params(optimizer) -> list:
 
 
 def refuse_coupled(optimizer) -> None:
-    kind = type(_unwrapped(optimizer))
+    kind = type(unwrapped(optimizer))
     reason = next(why for base, why in _COUPLED.items() if base in kind.__mro__)
     raise ShardwiseError(
         f"{kind.__name__} cannot step a sharded model: {reason}, and each rank holds only some rows. "
@@ -98,42 +113,108 @@ def refuse_coupled(optimizer) -> None:
     )
 
 
-def _owners(params: list, world_size: int) -> list[int]:
-    """Each parameter's owner shard rank: the least loaded so far, by elements (identical on every rank; each
-    replica of a hybrid mesh has its owners in its own shard group, and they step the same values)."""
+def step_cost(kind: type, shape) -> int:
+    """Note [owner cost]: what stepping one whole tensor of `shape` costs an owner, in the optimizer's
+    own terms: Newton-Schulz for a Muon (any class named so: torch's, Keller Jordan's, Dion's)
+    multiplies m x n matrices, ∝ m·n·min(m, n); anything else, its elements. Owners are balanced
+    by it, as Keller Jordan's and Dion's distributed Muon balance by size."""
+    numel = math.prod(shape)
+    if len(shape) >= 2 and any(base.__name__ == "Muon" for base in kind.__mro__):
+        rows, cols = shape[0], numel // max(1, shape[0])
+        return rows * cols * min(rows, cols)
+    return numel
+
+
+def _owners(params: list, world_size: int, known: dict[int, int], kind: type = object) -> list[int]:
+    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far
+    by `step_cost` (identical on every rank)."""
     load = [0] * world_size
+    for param in params:
+        if id(param) in known:
+            load[known[id(param)]] += step_cost(kind, param._sw_layout.shape)
     owners = []
     for param in params:
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += param._sw_layout.rows * param._sw_layout.row_numel
+        owner = known.get(id(param))
+        if owner is None:
+            owner = min(range(world_size), key=lambda r: (load[r], r))
+            load[owner] += step_cost(kind, param._sw_layout.shape)
         owners.append(owner)
     return owners
 
 
-def _gather_whole(rows: Tensor, param) -> Tensor:
-    """Every rank's rows of one parameter, as the unpadded whole tensor."""
+def owner_map(optimizer) -> dict[int, int]:
+    """id(param) -> its owner rank (in its unit's group) for every parameter a WHOLE optimizer steps
+    on an owner (Note [whole-tensor step]); empty for any other optimizer. What `WholeStep` uses, so a
+    checkpoint load puts each whole state where the next step looks for it.
+
+    Note [kept owners]: a parameter keeps its owner for the optimizer's life, kept on the optimizer
+    (`_sw_owners`), since its state lives there: param groups reordered or added after the first step
+    (a group for a new head) would otherwise move an owner and orphan the state. New parameters go
+    to the least loaded rank; the same on every rank, as every rank sees the same groups."""
+    inner = unwrapped(optimizer)
+    if step_shape(inner) is not StepShape.WHOLE:
+        return {}
+    params = sharded_params(inner)
+    world_size = params[0]._sw_unit.mesh.shard_world if params else 1
+    known = getattr(inner, "_sw_owners", {})
+    owners = dict(zip(map(id, params), _owners(params, world_size, known, type(inner))))
+    inner._sw_owners = owners
+    return owners
+
+
+def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
+    """Every rank's rows of one parameter on its owner alone, as the unpadded whole tensor (None
+    elsewhere): a gather, not an all-gather, so only the owner receives (Note [owner traffic])."""
     layout, unit = param._sw_layout, param._sw_unit
     send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
-    out = coll.all_gather(send, unit.mesh.shard_world, unit.mesh.shard_group, async_op=False,
-                          what=f"the whole-tensor step's gather of {layout.owned.name!r}").wait()
-    return out[: layout.rows * layout.row_numel].view(layout.shape).clone()
+    mine = unit.mesh.shard_rank == owner
+    parts = [torch.empty_like(send) for _ in range(unit.mesh.shard_world)] if mine else None
+    dist.gather(send, parts, dst=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
+    if not mine:
+        return None
+    return torch.cat(parts)[: layout.rows * layout.row_numel].view(layout.shape)
+
+
+def _scatter_from(whole: Tensor | None, param, owner: int, rows: Tensor) -> None:
+    """The owner's updated whole tensor back into every rank's rows (a scatter: each rank receives its
+    own rows only); the padding past the real rows is left as it is."""
+    layout, unit = param._sw_layout, param._sw_unit
+    out = torch.empty(layout.shard_numel, dtype=rows.dtype, device=rows.device)
+    parts = None
+    if unit.mesh.shard_rank == owner:
+        padded = torch.zeros(unit.mesh.shard_world * layout.shard_numel, dtype=rows.dtype, device=rows.device)
+        padded[: whole.numel()] = whole.reshape(-1)
+        parts = list(padded.chunk(unit.mesh.shard_world))
+    dist.scatter(out, parts, src=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
+    real = max(0, min(layout.shard_numel, layout.rows * layout.row_numel - unit.mesh.shard_rank * layout.shard_numel))
+    rows.reshape(-1)[:real].copy_(out[:real])
+
+
+def _name(param) -> str:
+    return param._sw_layout.owned.name
 
 
 class WholeStep:
-    """One step of a WHOLE optimizer: `begin` before the optimizer's own step, `end` after."""
+    """One step of a WHOLE optimizer: `begin` before the optimizer's own step, `end` after, or
+    `abort` on the rank whose step raised (Note [raising step])."""
 
     def __init__(self, optimizer):
+        self.kind = type(unwrapped(optimizer)).__name__
         self.params = sharded_params(optimizer)
-        world_size = self.params[0]._sw_unit.mesh.shard_world if self.params else 1
-        self.owners = _owners(self.params, world_size)
+        owners = owner_map(optimizer)
+        self.owners = [owners[id(param)] for param in self.params]
+        self.group = self.params[0]._sw_unit.mesh.shard_group if self.params else None
+        self.world_size = self.params[0]._sw_unit.mesh.shard_world if self.params else 1
+        self.rank = self.params[0]._sw_unit.mesh.shard_rank if self.params else 0
         self.saved: list[tuple[Tensor, Tensor | None]] = []  # each param's own rows and gradient rows
 
     def begin(self) -> None:
+        self._agree_on_grads()
         for param, owner in zip(self.params, self.owners):
             rows, grad = param.detach(), param.grad
             unit = param._sw_unit
-            whole = _gather_whole(rows, param)
-            whole_grad = _gather_whole(grad, param) if grad is not None else None
+            whole = _gather_to(rows, param, owner)
+            whole_grad = _gather_to(grad, param, owner) if grad is not None else None
             self.saved.append((rows, grad))
             if unit.mesh.shard_rank == owner:
                 _set_data(param, whole)
@@ -141,18 +222,61 @@ class WholeStep:
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
+    def _agree_on_grads(self) -> None:
+        """Refuse, on every rank and before anything moves, a gradient some ranks have and others not
+        (set to None on one rank only): the gathers of it would pair with other collectives."""
+        has = torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
+        both = torch.cat([has, -has])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        anywhere, everywhere = both[: len(self.params)], -both[len(self.params):]
+        differ = [_name(p) for p, a, e in zip(self.params, anywhere.tolist(), everywhere.tolist()) if a != e]
+        if differ:
+            raise ShardwiseError(
+                f"{self.kind}.step(): the gradient of {differ[:4]}{'...' if len(differ) > 4 else ''} is None on some "
+                "ranks and not on others (set to None on one rank only?). Every rank must hold the same gradients "
+                "at a step: zero or skip them on every rank. Nothing was stepped.")
+
+    def _agree(self, failed: bool) -> list[int]:
+        """The ranks whose step raised (Note [raising step]): one all-reduce, every rank reaches it."""
+        flags = torch.zeros(self.world_size, dtype=torch.float32)
+        flags[self.rank] = float(failed)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
     def end(self) -> None:
+        failed = self._agree(False)
+        if failed:
+            self._restore()
+            raise self._error(failed, None)
         with torch.no_grad():
             for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
-                unit, layout = param._sw_unit, param._sw_layout
-                mesh = unit.mesh
-                whole = param.detach() if mesh.shard_rank == owner else torch.empty(
-                    layout.shape, dtype=rows.dtype, device=rows.device)
-                dist.broadcast(whole, src=dist.get_global_rank(mesh.shard_group, owner), group=mesh.shard_group)
+                whole = param.detach() if param._sw_unit.mesh.shard_rank == owner else None
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                lo, hi = mesh.row_range(layout.rows)
-                own = whole.reshape(-1)[lo * layout.row_numel : hi * layout.row_numel]
-                param.view(-1)[: own.numel()].copy_(own)
+                _scatter_from(whole, param, owner, rows)
         self.saved = []
+
+    def abort(self, error: BaseException) -> ShardwiseError:
+        """This rank's step raised `error`: tell every rank, put back the rows; the error to raise."""
+        failed = self._agree(True)
+        self._restore()
+        return self._error(failed, error)
+
+    def _restore(self) -> None:
+        """Every parameter back to its rows and gradient rows from before the step (Note [raising step])."""
+        for param, (rows, grad) in zip(self.params, self.saved):
+            param.grad = None
+            _set_data(param, rows)
+            param.grad = grad
+        self.saved = []
+
+    def _error(self, failed: list[int], error: BaseException | None) -> ShardwiseError:
+        owned = {rank: [_name(p) for p, o in zip(self.params, self.owners) if o == rank] for rank in failed}
+        where = "; ".join(f"rank {rank}, owner of {names[:4]}{'...' if len(names) > 4 else ''}"
+                          for rank, names in owned.items())
+        why = f" ({type(error).__name__}: {error})" if error is not None else ""
+        return ShardwiseError(
+            f"{self.kind}.step() raised on {where}{why}. Every rank stopped this step: the parameters hold "
+            "their rows from before it, but the optimizer state of parameters stepped before the error may "
+            "have moved on. Fix the cause and step again, or sw.load the last checkpoint to resume exactly.")
