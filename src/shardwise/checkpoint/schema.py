@@ -5,7 +5,9 @@ opens index.json (a regular file, never through a symlink, at most MAX_INDEX_BYT
 bounded), parses it (nesting at most MAX_DEPTH), checks its digest (Note [index digest]),
 then every field: its type, its bounds, and its agreement with the other fields (a slice
 names a listed file, its rows lie inside its tensor and tile it, one crc per chunk; a file
-name is a plain name inside the directory, Note [contained names]). Any violation is a
+name is a plain name inside the directory, Note [contained names]; each kind of record names
+tensors in its own namespace, `param/`, `buffer/`, `optim/`, `rng/`, so that no record can
+stand in for another's header check). Any violation is a
 ShardwiseError naming the file and the field; the code after this never meets a raw dict
 of the index, so it has no second set of checks to keep in step.
 
@@ -136,6 +138,13 @@ class Index:
     objects: dict
     objects_by_rank: tuple[dict, ...] | None
     extra: dict
+    order: tuple[int, int] | None = None  # (step, save counter): Note [newest]
+
+    @property
+    def newness(self) -> tuple:
+        """What orders checkpoints, newest last (Note [newest]): the saver's sequence; `saved_at`
+        only between checkpoints saved before shardwise wrote one."""
+        return (*(self.order or (-1, -1)), self.saved_at)
 
 
 def read_index(path: Path) -> Index:
@@ -162,9 +171,9 @@ def parse_index(path: Path, index) -> Index:
                  f.int(entry, "bytes", 0, 2**62, f"files[{name!r}]"),
                  f.match(entry, "digest", _DIGEST, f"files[{name!r}]"))
              for name, entry in f.dict(index, "files").items()}
-    params = {f.name(n, "params"): _tensor(f, e, f"params[{n!r}]", files, param=True)
+    params = {f.name(n, "params"): _tensor(f, e, f"params[{n!r}]", files, "param/", param=True)
               for n, e in f.dict(index, "params").items()}
-    buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files)
+    buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files, "buffer/")
                for n, e in f.dict(index, "buffers").items()}
     optimizer = None if index.get("optimizer") is None else _optimizer(f, index["optimizer"], params, files)
     scheduler = index.get("scheduler")
@@ -178,13 +187,19 @@ def parse_index(path: Path, index) -> Index:
         by_rank = tuple(f.dict(by_rank, i, "objects_by_rank") for i in range(len(f.list(index, "objects_by_rank"))))
         if len(by_rank) != world:
             raise f.fail("objects_by_rank", f"has {len(by_rank)} entries for world size {world}")
+    order = None
+    if index.get("order") is not None:
+        pair = f.list(index, "order", limit=2)
+        order = tuple(f.int(pair, i, 0, 2**62, "order") for i in range(len(pair)))
+        if len(order) != 2:
+            raise f.fail("order", "is not [step, save counter]")
     return Index(path, f.match(index, "id", re.compile(r"[0-9a-zA-Z_-]{1,64}")),
                  f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
                  f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
-                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
+                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"), order)
 
 
-def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, shape=None) -> TensorRecord:
+def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool = False, shape=None) -> TensorRecord:
     entry = f.dict({where: entry}, where, "")
     dims = f.list(entry, "shape", where, limit=_MAX_DIMS)
     got = tuple(f.int(dims, i, 0, _MAX_DIM, f"{where}.shape") for i in range(len(dims)))
@@ -211,7 +226,7 @@ def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, s
             raise f.fail(f"{at}.rows", f"is {bounds!r}: not rows lo < hi inside the tensor's {rows}")
         chunk = f.int(raw, "chunk", 1, _MAX_DIM, at)
         crcs = _crcs(f, raw, at, -(-(hi - lo) // chunk) if row_bytes else 0)
-        slices.append(SliceRecord(file, f.str(raw, "key", 4096, at), lo, hi, chunk, crcs))
+        slices.append(SliceRecord(file, _key(f, raw, at, kind), lo, hi, chunk, crcs))
     covered = 0
     for piece in sorted(slices, key=lambda s: s.lo):
         if piece.lo != covered:
@@ -225,6 +240,15 @@ def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, s
         aliases = tuple(f.name(names[i], f"{where}.aliases") for i in range(len(names)))
         requires_grad = f.bool(entry, "requires_grad", where)
     return TensorRecord(got, dtype, tuple(slices), aliases, requires_grad)
+
+
+def _key(f: Fields, raw: dict, at: str, kind: str) -> str:
+    """A slice's tensor name in its file, in its kind's own namespace (Note [index records]): a record of
+    one kind cannot name, and so shadow the header check of, a tensor of another."""
+    key = f.str(raw, "key", 4096, at)
+    if not key.startswith(kind):
+        raise f.fail(f"{at}.key", f"is {key[:60]!r}, not a name of the {kind}... kind (one namespace per kind)")
+    return key
 
 
 def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
@@ -251,7 +275,7 @@ def _optimizer(f: Fields, raw, params: dict, files: dict) -> OptimizerRecord:
         if name not in params:
             raise f.fail(at, "names a parameter the index's params do not list")
         entry = f.dict({at: entry}, at, "")
-        tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files,
+        tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files, "optim/",
                                                          shape=params[name].shape)
                    for key, value in f.dict(entry, "tensors", at).items()}
         state[name] = StateRecord(f.dict(entry, "scalars", at), tensors)
@@ -268,6 +292,8 @@ def _rng(f: Fields, raw, at: str, files: dict) -> RngRecord:
         where = f"{at}.tensors[{key!r}]"
         check = f.dict({where: check}, where, "")
         crcs = f.list(check, "crcs", where)
+        if not key.startswith("rng/"):
+            raise f.fail(where, "is not an RNG state's name (rng/...): one namespace per kind (Note [index records])")
         tensors[f.name(key, f"{at}.tensors")] = (f.int(check, "chunk", 1, _MAX_DIM, where),
                                                  _crcs(f, check, where, len(crcs)))
     numpy = f.dict(raw, "numpy", at)
