@@ -131,4 +131,5 @@ def clean_leftovers(directory: Path) -> None:
         # A whole checkpoint hidden by a fallback publish cut between its renames is sw.latest's to put back.
         pending = not os.path.lexists(directory / name) and (
             kind == "old" or os.path.lexists(directory / f".{name}.old"))
-        remove_if_dead(child, keep_whole=pending)
+        # An empty .NAME.partial is a save killed between its mkdir and its mark: rmdir removes only that.
+        remove_if_dead(child, keep_whole=pending, empty_ok=kind == "partial")
