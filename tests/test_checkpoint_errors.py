@@ -171,15 +171,21 @@ def test_save_refuses_to_overwrite_what_is_not_a_checkpoint(tmp_path):
 
 
 def test_keep_last_and_latest(tmp_path):
-    """Catches keep_last deleting the newest checkpoints or other files, and sw.latest picking
-    a partial save or going by name instead of save time."""
+    """Catches keep_last deleting the newest checkpoints, the one just saved or other files, and
+    sw.latest picking a partial save or going by name instead of the saver's order (step, then save
+    counter: Note [newest])."""
     model = build("gpt")
     (tmp_path / "notes").mkdir()
     for step in (30, 100, 20):  # names that sort differently from save order
         sw.save(tmp_path / f"step-{step}", model, keep_last=2, step=step)
     (tmp_path / ".step-40.partial").mkdir()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-40.partial", "notes", "step-100", "step-20"]
-    assert sw.latest(tmp_path) == tmp_path / "step-20"
+    sw.save(tmp_path / "step-5", model, keep_last=2, step=5)  # an earlier step, saved last: kept, not newest
+    # the empty .step-40.partial (a save killed between its mkdir and its mark) went with the sweep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-100", "step-30", "step-5"]
+    assert sw.latest(tmp_path) == tmp_path / "step-100"
+    sw.save(tmp_path / "step-7", model, keep_last=2)  # no step: after every checkpoint beside it
+    assert sw.latest(tmp_path) == tmp_path / "step-7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step-100", "step-7"]
     sw.save(tmp_path / "step-100", model, step=101)  # overwriting makes it the newest
     assert sw.latest(tmp_path) == tmp_path / "step-100"
     assert sw.load(tmp_path / "step-100", build("gpt", seed=2)).extra == {"step": 101}

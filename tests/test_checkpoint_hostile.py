@@ -225,7 +225,8 @@ def test_deep_nesting_and_a_huge_index(small, tmp_path):
     deep = copy(small, tmp_path / "deep")
     text = (deep / "index.json").read_text()
     nested = "[" * 100_000 + "]" * 100_000
-    (deep / "index.json").write_text(text.replace('"extra":{', '"extra":{"x":' + nested + ",", 1))
+    padding = '"pad":"' + "x" * 1_300_000 + '",'  # not dense in lists: the nesting check must refuse it
+    (deep / "index.json").write_text(text.replace('"extra":{', '"extra":{' + padding + '"x":' + nested + ",", 1))
     _refused(deep, "nests")
     huge = copy(small, tmp_path / "huge")
     with open(huge / "index.json", "r+b") as f:
@@ -241,7 +242,8 @@ def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
     from shardwise.cli.main import main
 
     bad = copy(small, tmp_path / "deep")
-    edit_header(bad / RANK_FILE, lambda header: b"[" * 100_000 + b"]" * 100_000)
+    padding = b'"' + b"x" * 1_300_000 + b'",'  # not dense in lists: the nesting check must refuse it
+    edit_header(bad / RANK_FILE, lambda header: b"[" + padding + b"[" * 100_000 + b"]" * 100_001)
     match_file_size(bad)
     assert RANK_FILE in _refused(bad, "nests too deeply")
     assert main(["ckpt", "inspect", str(bad)]) == 1  # the file is BAD, the command runs to its end

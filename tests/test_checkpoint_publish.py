@@ -5,7 +5,6 @@ is removed by the next save (Note [atomic publish], Note [leftovers])."""
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -77,18 +76,23 @@ def test_interrupted_fallback_publish_is_recovered(tmp_path, monkeypatch):
 
 def test_next_save_removes_leftovers(tmp_path):
     """Catches hidden .partial / .old directories of killed saves staying forever (keep_last skips
-    them): the next save removes those older than itself, and nothing else."""
+    them): the next save removes those of dead saves (their mark there, their lock free), and nothing
+    else (Note [save ownership])."""
+    import fcntl
+
+    from shardwise.checkpoint.owner import MARKER
+
     for name in (".step-3.partial", ".last.old", ".x.partial"):
         (tmp_path / name).mkdir()
+        (tmp_path / name / MARKER).write_text('{"id": "killed"}')
         (tmp_path / name / "rank-00000-of-00001.safetensors").write_bytes(b"half")
     (tmp_path / "notes").mkdir()
     (tmp_path / ".cache").mkdir()
-    past = time.time() - 60
-    for name in (".step-3.partial", ".last.old"):
-        os.utime(tmp_path / name / "rank-00000-of-00001.safetensors", (past, past))
-        os.utime(tmp_path / name, (past, past))
-    later = time.time() + 3600  # modified after the save began: a save running now could own it
-    os.utime(tmp_path / ".x.partial" / "rank-00000-of-00001.safetensors", (later, later))
-    _save(tmp_path / "step-4", 4)
+    fd = os.open(tmp_path / ".x.partial", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a save running now owns it
+    try:
+        _save(tmp_path / "step-4", 4)
+    finally:
+        os.close(fd)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".x.partial", "notes", "step-4"]
     assert load_small(tmp_path / "step-4")

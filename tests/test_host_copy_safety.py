@@ -107,6 +107,55 @@ def test_a_mapped_source_file_that_shrinks_is_an_error_not_sigbus(ranks, tmp_pat
     assert message is not None and "shrank" in message, message
 
 
+def _rewrite_in_place_between_forwards(path):
+    model = _frozen_model(64)
+    sw.shard(model, strategy="ddp", frozen=sw.HostFrozen(source=path))
+    model(torch.ones(2, 64))
+    raw = bytearray(open(path, "rb").read())
+    raw[-4:] = struct.pack("<f", 123.0)
+    with open(path, "r+b") as f:  # what `cp new old` does: the same inode, new bytes, same size
+        f.write(raw)
+    try:
+        model(torch.ones(2, 64))
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_a_mapped_source_file_rewritten_in_place_is_an_error(ranks, tmp_path):
+    """Catches a `source=` file rewritten in place (same size) changing the frozen weights under the model
+    silently: only a shrink was detected."""
+    path = tmp_path / "base.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in _frozen_model(64).state_dict().items()}, path)
+    [message] = ranks.run(_rewrite_in_place_between_forwards, 1, str(path))
+    assert message is not None and "written to while" in message, message
+
+
+def _shard_from_own_file(directory):
+    """Each rank maps its own `source=` file, as each host would map its own copy."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = _frozen_model()
+    with torch.no_grad():
+        model[0].weight.add_(rank)  # rank 1's host holds other frozen values
+    path = os.path.join(directory, f"base-{rank}.safetensors")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    try:
+        sw.shard(_frozen_model(), strategy="ddp", frozen=sw.HostFrozen(source=path))
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_source_files_that_differ_between_hosts_are_refused(ranks, tmp_path):
+    """Catches `source=` files that differ per host never being compared: rank 0 and rank 1 trained
+    against different frozen values without an error."""
+    messages = ranks.run(_shard_from_own_file, 2, str(tmp_path))
+    for message in messages:
+        assert message is not None and "different bytes on different hosts" in message, message
+
+
 def _written_copy_modes(directory):
     seen = {}
     original = host_copy._map
@@ -200,3 +249,49 @@ def test_a_rank_dying_while_mapping_leaves_no_copy(tmp_path):
     (out0, _), (_, code1) = _hand_launch(tmp_path, 2, directory, "peer-dies")
     assert code1 == 3
     assert list(directory.iterdir()) == [], out0
+
+
+def test_the_sweep_spares_a_copy_whose_writer_holds_its_lock(tmp_path):
+    """Catches the sweep judging a writer dead by its pid: a same-user host copy of another container
+    sharing /dev/shm (another pid namespace: no /proc entry here) was deleted under its live job."""
+    import fcntl
+
+    from shardwise.engine import host_file
+
+    live, dead = (tmp_path / f"{host_file.PREFIX}{2**22 + i}-1-abcdef" for i in range(2))
+    live.mkdir()
+    dead.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the other container's writer, alive
+    try:
+        assert host_file.sweep_stale(tmp_path) == [dead]
+    finally:
+        os.close(fd)
+    assert live.is_dir() and not dead.exists()
+
+
+def _shard_beside_a_twin(directory):
+    """Rank 1 plants a twin of the leader's directory (same token, anyone can list /dev/shm) first."""
+    import fcntl
+
+    import torch.distributed as dist
+
+    from shardwise.engine import host_file
+
+    host_copy.new_token = lambda: "feedfacefeedface"
+    if dist.get_rank() == 1:  # named after a live process, and locked: no sweep removes it
+        pid = os.getpid()
+        twin = os.path.join(directory, f"{host_file.PREFIX}{pid}-{host_file._start_time(pid)}-feedfacefeedface")
+        os.mkdir(twin)
+        fcntl.flock(os.open(twin, os.O_RDONLY), fcntl.LOCK_EX)
+    dist.barrier()
+    model = _frozen_model()
+    sw.shard(model, strategy="ddp", frozen=sw.HostFrozen(directory=directory))
+    return float(model(torch.ones(1, 8)).sum())
+
+
+def test_a_twin_directory_does_not_stop_the_ranks_mapping(ranks, tmp_path):
+    """Catches the ranks finding the leader's copy by a search for its token: a twin directory with the
+    same token (planted by anyone who lists /dev/shm) made every rank fail to map."""
+    outputs = ranks.run(_shard_beside_a_twin, 2, str(tmp_path), timeout=120)
+    assert outputs[0] == outputs[1]

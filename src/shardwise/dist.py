@@ -21,10 +21,16 @@ through keys named after a nonce each of them just drew (`_agree_token`), which 
 earlier attempt can have written. The same exchange bounds the join: when a rank does
 not show up within `timeout`, every rank raises an error naming the ranks that did not.
 
-Note [what a job trusts]: a job trusts its store and its peers. torch's object collectives
-(`all_gather_object`, `broadcast_object_list`, which shardwise uses for small reports) unpickle
-what peers send, and the store is unauthenticated: whoever can reach it can join or feed the
-group. So the store a hand launch makes (rank 0 hosts it) listens on the `MASTER_ADDR` given
+Note [what a job trusts]: a job trusts its store and every process that can reach it. The store
+is unauthenticated (torch's TCPStore has no secret, and torchrun gives its workers none that
+an outsider could not read): any local process that can connect to MASTER_ADDR:MASTER_PORT
+can read the run id and the nonces below, answer as rank 0 before the real one, and join or
+feed the group. The run-id check below keeps two honest jobs apart; it is no authentication
+and does not stop a hostile local user. So shardwise never unpickles what comes over the store
+or a collective (Note [no pickle on the wire] in engine/messages.py: reports are JSON, store
+values are parsed as text), which takes away running code in a rank; a process that joins can
+still send wrong numbers. Run jobs where the users who can reach the port are trusted, as with
+torch.distributed itself. So the store a hand launch makes (rank 0 hosts it) listens on the `MASTER_ADDR` given
 (`127.0.0.1` keeps it on this machine) rather than every interface, and every rank says which
 job it belongs to when it joins: `SHARDWISE_RUN_ID` if set, else torchrun's `TORCHELASTIC_RUN_ID`
 (the same on every worker of one torchrun, new per job). Rank 0 refuses a rank of another
@@ -185,7 +191,7 @@ def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float,
     answer = _await_welcome(store, nonce, run_id, deadline)
     if answer is None:
         raise ShardwiseError(_absent_message([0], world_size))
-    verdict, _, value = answer.decode().partition("\n")
+    verdict, _, value = _text(answer).partition("\n")
     if verdict == "refused":
         raise ShardwiseError(_other_job_message(run_id, value))
     token = value
@@ -196,8 +202,8 @@ def _agree_token(store: dist.Store, rank: int, world_size: int, deadline: float,
     if outcome is None:
         raise ShardwiseError(_absent_message([0], world_size))
     if outcome != b"go":
-        kind, _, ranks = outcome.decode().partition(":")
-        ranks = [int(r) for r in ranks.split(",")]
+        kind, _, ranks = _text(outcome).partition(":")
+        ranks = [int(r) for r in ranks.split(",") if r.isdigit()]
         raise ShardwiseError(_claimed_twice_message(ranks) if kind == "twice" else _absent_message(ranks, world_size))
     return token
 
@@ -213,7 +219,7 @@ def _await_welcome(store: dist.Store, nonce: str, run_id: str, deadline: float) 
     while True:
         if store.check([welcome]):
             return store.get(welcome)
-        if store.check([_OWNER]) and (owner := store.get(_OWNER).decode()) != run_id:
+        if store.check([_OWNER]) and (owner := _text(store.get(_OWNER))) != run_id:
             return f"refused\n{owner}".encode()
         if time.monotonic() > deadline:
             return None
@@ -252,7 +258,7 @@ def _answer_hellos(store: dist.Store, rank: int, answered: int, token: str, run_
         key = f"shardwise/hello/{rank}/{answered + 1}"
         if not store.check([key]):  # counted but not yet written: its turn comes at the next poll
             break
-        their_run_id, _, nonce = store.get(key).decode().partition("\n")
+        their_run_id, _, nonce = _text(store.get(key)).partition("\n")
         if their_run_id == run_id:
             store.set(f"shardwise/welcome/{nonce}", f"token\n{token}")
         else:
@@ -261,6 +267,12 @@ def _answer_hellos(store: dist.Store, rank: int, answered: int, token: str, run_
                         "join as rank %d through this job's store", their_run_id, run_id, rank)
         answered += 1
     return answered
+
+
+def _text(value: bytes) -> str:
+    """A store value as text: whatever a process wrote there (Note [what a job trusts]), never a
+    UnicodeDecodeError in rank 0."""
+    return value.decode("utf-8", "replace")
 
 
 def _poll(store: dist.Store, keys: list[str], deadline: float) -> bytes | None:

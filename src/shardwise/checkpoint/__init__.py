@@ -3,7 +3,8 @@
 Read in this order: save.py (the format and Note [atomic save]) → index.py → schema.py (index.json
 as typed, checked records) → load.py and load_plan.py (Note [validate, then apply]) → sources.py
 (what a load reads from) → files.py (safetensors I/O, checksums). names.py, ranks.py, values.py,
-optim_state.py and bounded_json.py are the small pieces both sides share; tools.py backs
+optim_state.py, bounded_json.py and sparse_crc.py are the small pieces both sides share; owner.py
+and publish.py keep a save's directories its own (Note [save ownership]); tools.py backs
 `shardwise ckpt inspect|export|diff`.
 """
 

@@ -75,7 +75,13 @@ def save_async(path, model: nn.Module, optim=None, scheduler=None, *,
     written while training goes on (Note [background save]). Same arguments as `sw.save`;
     returns a `PendingSave` (`.wait()`, `.done()`, `.path`)."""
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
-    pending = PendingSave(_host_copy(job), _checkpoint_group(job.model))  # job.model: a sliced model's view
+    try:
+        copied, group = _host_copy(job), _checkpoint_group(job.model)  # job.model: a sliced model's view
+    except BaseException:
+        if job.lock is not None:
+            job.lock.release()  # its partial directory is a dead save's leftover now (Note [save ownership])
+        raise
+    pending = PendingSave(copied, group)
     _background.append(pending)
     ref = weakref.ref(pending)  # waited for and dropped: nothing to report, the closer goes with it
     at_exit(f"the background save of {pending.path}", lambda: ref() and ref()._report_at_exit(), owner=ref)

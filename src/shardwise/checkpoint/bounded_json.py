@@ -9,6 +9,7 @@ import re
 import stat
 from pathlib import Path
 
+from shardwise.engine.st_header import check_json_cost
 from shardwise.errors import ShardwiseError
 
 
@@ -120,7 +121,9 @@ def read_bounded(file: Path, limit: int, *, not_found) -> bytes:
 
 
 def parse_json(file: Path, raw: bytes, max_depth: int):
-    """`raw` parsed, refusing what does not parse and nesting deeper than max_depth."""
+    """`raw` parsed, refusing what would build too much (check_json_cost, before parsing), what does
+    not parse and what nests deeper than max_depth."""
+    check_json_cost(raw, str(file))
     try:
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as error:

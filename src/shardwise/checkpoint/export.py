@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -49,7 +50,7 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     for name, buffer in persistent_buffers(model).items():
         specs.append(TensorSpec(name, buffer.dtype, tuple(buffer.shape)))
         producers.append(lambda buffer=buffer: buffer)
-    partial = path.with_name(path.name + ".partial")
+    partial = partial_name(path)
     writer, error = None, None
     if rank == 0:
         try:
@@ -81,6 +82,13 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     if error is not None:
         raise ShardwiseError(f"exporting to {path} failed: {error}")
     return path
+
+
+def partial_name(path: Path) -> Path:
+    """Where an export to `path` is written until it is whole: a fresh hidden name beside it, created
+    with O_EXCL | O_NOFOLLOW (FileWriter), so nothing planted in a shared directory is written through;
+    the finished file then replaces `path` in one rename (a symlink at `path` is replaced, not followed)."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.partial")
 
 
 # Note [sent tensors stay referenced]: gloo's worker thread may drop the last reference to a

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shardwise.checkpoint.sparse_crc import crc_of_range
 from shardwise.engine.st_header import CODE_OF_DTYPE, Entry, read_header
 from shardwise.errors import ShardwiseError
 
@@ -104,7 +105,9 @@ class FileWriter:
 
     `write_next(tensor)` takes the next tensor (any device, contiguous or not); the
     file is complete after `close()`. `durable=True` fsyncs it, so that a machine
-    crash cannot leave an index pointing at bytes that never reached the disk.
+    crash cannot leave an index pointing at bytes that never reached the disk. The file
+    must not exist: it is created with O_EXCL | O_NOFOLLOW, so a symlink or a file planted
+    at its name (a shared directory) is refused, never written through.
     """
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True):
@@ -121,7 +124,12 @@ class FileWriter:
         self._digest = hashlib.sha256(encoded)
         self._next = 0
         self.crcs: dict[str, list[int]] = {}
-        self._file = open(self.path, "wb")
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            raise ShardwiseError(f"{self.path} already exists (a file, or a symlink someone planted): refusing to "
+                                 "write through it. Remove it, or write elsewhere.") from None
+        self._file = os.fdopen(fd, "wb")
         try:
             _write_chunk(self._file, memoryview(struct.pack("<Q", len(encoded)) + encoded))
         except BaseException:
@@ -236,13 +244,15 @@ class FileReader:
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
         step = chunk * entry.row_bytes
-        scratch = bytearray(min(step, entry.end - entry.begin))
         for position in range(lo // chunk, -(-hi // chunk) if step else 0):
             start = entry.begin + position * step
-            data = memoryview(scratch)[: min(step, entry.end - start)]
-            self._pread_into(data, start)
-            if position >= len(crcs) or zlib.crc32(data) != crcs[position]:
+            if position >= len(crcs) or self.crc_of(start, min(step, entry.end - start)) != crcs[position]:
                 self._mismatch(key, position, chunk, entry)
+
+    def crc_of(self, start: int, size: int) -> int:
+        """The crc32 of bytes start:start+size of the file, read 4 MiB at a time (a chunk of one huge
+        row is never held whole) and without reading its holes (Note [sparse files] in sparse_crc.py)."""
+        return crc_of_range(self._fd, start, size, self._pread_into)
 
     def entry(self, key: str) -> HeaderEntry:
         if key not in self.entries:
@@ -324,8 +334,5 @@ def file_digest(path: Path, *, follow_symlinks: bool = True) -> str:
             chunk = chunk_rows(entry.shape, entry.dtype)
             step = chunk * entry.row_bytes
             for start in range(entry.begin, entry.end, max(step, 1)):
-                size = min(step, entry.end - start)
-                data = bytearray(size)
-                reader._pread_into(memoryview(data), start)
-                digest.update(zlib.crc32(data).to_bytes(4, "little"))
+                digest.update(reader.crc_of(start, min(step, entry.end - start)).to_bytes(4, "little"))
     return "sha256:" + digest.hexdigest()

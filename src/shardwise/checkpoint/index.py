@@ -1,4 +1,13 @@
-"""index.json: what it records (see save.py's docstring) and finding the newest complete checkpoint."""
+"""index.json: what it records (see save.py's docstring) and finding the newest complete checkpoint.
+
+Note [newest]: which checkpoint is newest is what its saver wrote, never the clock: `order` is
+[step, save counter], the step the save was given (`step=` passed to sw.save; otherwise the
+largest step among the checkpoints beside it) and one more than the largest save counter among
+them. So a clock stepped back (NTP, a restored VM) changes nothing, and a checkpoint copied in
+from elsewhere is newer only if its own step says so. `saved_at` is shown, and orders only
+checkpoints saved before shardwise wrote `order` (which all sort before those that have it).
+`keep_last` and `sw.latest` both use this order.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ from shardwise.checkpoint.schema import FORMAT, INDEX, VERSION, index_digest, re
 from shardwise.engine.info import engine_of
 from shardwise.errors import ShardwiseError
 
-__all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints"]
+__all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints", "next_order"]
 log = logging.getLogger("shardwise.checkpoint")
 
 
@@ -62,6 +71,7 @@ def build_index(job, records: list) -> dict:
             target["slices"].append({k: entry[k] for k in ("file", "key", "rows", "chunk", "crcs")})
     index = {
         "format": FORMAT, "version": VERSION, "id": job.checkpoint_id, "saved_at": time.time(),
+        "order": list(job.order),  # Note [newest]
         "shardwise_version": __version__, "torch_version": torch.__version__,
         "strategy": engine.strategy if engine is not None else "none", "world_size": world,
         "files": {r["file"]: {"bytes": r["bytes"], "digest": r["digest"]} for r, _ in records},
@@ -78,11 +88,10 @@ def build_index(job, records: list) -> dict:
     return index
 
 
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete shardwise checkpoints directly inside `directory`, oldest first (by save time).
-
-    A directory whose index.json is damaged (it fails read_index) is skipped with a log line:
-    one bad sibling must not hide the others."""
+def scan_checkpoints(directory: Path) -> list:
+    """(Index, path) of the complete shardwise checkpoints directly inside `directory`, oldest first
+    (Note [newest]). A directory whose index.json is damaged (it fails read_index) is skipped with a
+    log line: one bad sibling must not hide the others."""
     found = []
     if not directory.is_dir():
         return []
@@ -94,12 +103,26 @@ def list_checkpoints(directory: Path) -> list[Path]:
         except ShardwiseError as error:
             log.warning("sw.latest: skipping %s: %s", child, error)
             continue
-        found.append((index.saved_at, child.name, child))
-    return [child for *_, child in sorted(found)]
+        found.append((index.newness, child.name, index, child))
+    return [(index, child) for *_, index, child in sorted(found, key=lambda item: item[:2])]
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete shardwise checkpoints directly inside `directory`, oldest first (Note [newest])."""
+    return [child for _, child in scan_checkpoints(directory)]
+
+
+def next_order(directory: Path, step) -> tuple[int, int]:
+    """The order a new save into `directory` records (Note [newest]): `step` when it is a count
+    (else the largest step beside it), and one more than the largest save counter beside it."""
+    orders = [index.order for index, _ in scan_checkpoints(directory) if index.order is not None]
+    if type(step) is not int or not 0 <= step < 2**62:
+        step = max((o[0] for o in orders), default=0)
+    return step, max((o[1] for o in orders), default=0) + 1
 
 
 def latest(directory) -> Path | None:
-    """The most recently saved complete checkpoint directly inside `directory`, or None.
+    """The newest complete checkpoint directly inside `directory` (Note [newest]), or None.
 
     Unfinished saves (`.NAME.partial`, Note [atomic save]) are never returned; a whole checkpoint a
     save over its own name left hidden is put back first (Note [atomic publish] in publish.py).

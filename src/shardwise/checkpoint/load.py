@@ -10,7 +10,10 @@ does any rank apply it: keyword objects and the scheduler first (their own `load
 may still refuse; another agreement follows), then the model's rows, the optimizer state and
 the RNGs, whose every byte was checked. So a refused load leaves the model and the optimizer as
 they were, on every rank. The rows are read twice (checked, then read into place) rather than
-held twice in memory; the second read usually comes from the page cache.
+held twice in memory; the second read usually comes from the page cache, and checks every
+chunk's crc again: a file rewritten in place between the phases (`cp` over it) is an error
+naming it, never its new bytes loaded silently (the model then holds part of the load, and the
+error says so).
 """
 
 from __future__ import annotations
@@ -120,6 +123,18 @@ def _call_load_state_dict(obj, state, what: str) -> None:
 
 def _apply_tensors(plan: LoadPlan) -> None:
     """The model's rows, the optimizer state and the RNGs, every byte of them already checked."""
+    try:
+        _write_tensors(plan)
+    except ShardwiseError as error:
+        raise ShardwiseError(f"{error}. It changed after the load verified it (rewritten in place while the load "
+                             "ran): the model holds part of the checkpoint now; load it again once nothing writes "
+                             "it (Note [validate, then apply])") from None
+    if plan.rng is not None:
+        restore_rng(*plan.rng)
+        plan.report.rng_restored = True
+
+
+def _write_tensors(plan: LoadPlan) -> None:
     report = plan.report
     with torch.no_grad():
         for name, tensor, lo, hi, dest in plan.reads:
@@ -139,9 +154,6 @@ def _apply_tensors(plan: LoadPlan) -> None:
                     _read_into(read.source, lo, hi, row_view(buffer, read.info, lo, hi))
                     new[read.key] = buffer
                 load.optim.state[param] = new
-    if plan.rng is not None:
-        restore_rng(*plan.rng)
-        report.rng_restored = True
 
 
 def _read_into(tensor, lo: int, hi: int, dest: torch.Tensor) -> None:

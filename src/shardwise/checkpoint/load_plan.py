@@ -114,7 +114,12 @@ def plan_load(job: LoadJob) -> LoadPlan:
     if job.scheduler is not None and source.scheduler is not None:
         where = f"{source.values_file}: the saved scheduler state"
         plan.scheduler_state = from_json(source.scheduler, where=where)
-        check_like(plan.scheduler_state, job.scheduler.state_dict(), where)
+        current = job.scheduler.state_dict()
+        unknown = sorted(set(plan.scheduler_state) - set(current))
+        if unknown:  # load_state_dict sets each as an attribute: `step` would replace the method
+            raise ShardwiseError(f"{where} holds keys the scheduler's own state does not ({unknown[:4]}): the "
+                                 "checkpoint was edited or saved from another scheduler. Load an earlier checkpoint.")
+        check_like(plan.scheduler_state, current, where)
     wanted = bool(job.optimizers) if job.restore_rng is None else job.restore_rng
     plan.rng = _plan_rng(source, report, wanted, job.rank, job.world)
     needs = [(tensor, lo, hi) for _, tensor, lo, hi, _ in plan.reads]

@@ -13,8 +13,9 @@ NAME.
 
 Note [leftovers]: a save killed mid-way leaves `.NAME.partial` (and on the fallback path
 `.NAME.old`), which nothing loads. After each successful save, rank 0 removes every such hidden
-directory beside it that was last modified before this save began: it is older than the newest
-checkpoint, and no save running now owns it (a job runs one save at a time).
+directory beside it that is shardwise's and whose save is provably dead (Note [save ownership]
+in owner.py): never a directory shardwise did not make (`~/.ssh.old`), never another job's save
+still running, and not a whole checkpoint `sw.latest` may still put back under its name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import re
 import shutil
 from pathlib import Path
 
+from shardwise.checkpoint.owner import remove_if_dead
 from shardwise.checkpoint.schema import read_index
 from shardwise.errors import ShardwiseError
 
@@ -59,7 +61,9 @@ def publish(partial: Path, path: Path, checkpoint_id: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # the previous checkpoint, swapped out
         return
     old = hidden(path, "old")
-    shutil.rmtree(old, ignore_errors=True)
+    if not remove_if_dead(old):
+        raise ShardwiseError(f"{old} is in the way of publishing {path} and is not a dead save's leftover "
+                             "(Note [save ownership]): refusing to remove it. Move it away or save elsewhere.")
     os.rename(path, old)
     try:
         os.rename(partial, path)
@@ -108,7 +112,7 @@ def recover_interrupted(directory: Path) -> None:
         if not match or match.group(2) != "old" or os.path.lexists(directory / match.group(1)):
             continue
         path = directory / match.group(1)
-        candidates = [(index.saved_at, hidden_dir) for hidden_dir in (hidden(path, "partial"), child)
+        candidates = [(index.newness, hidden_dir) for hidden_dir in (hidden(path, "partial"), child)
                       if (index := _whole(hidden_dir)) is not None]
         if candidates:
             try:
@@ -117,15 +121,15 @@ def recover_interrupted(directory: Path) -> None:
                 pass  # another rank's sw.latest got there first
 
 
-def clean_leftovers(directory: Path, before: float) -> None:
-    """Remove interrupted saves' hidden directories last modified before `before` (Note [leftovers])."""
+def clean_leftovers(directory: Path) -> None:
+    """Remove dead saves' hidden directories beside a checkpoint (Note [leftovers])."""
     for child in directory.iterdir():
-        if not _LEFTOVER.fullmatch(child.name) or child.is_symlink() or not child.is_dir():
+        match = _LEFTOVER.fullmatch(child.name)
+        if not match:
             continue
-        try:
-            newest = max([os.lstat(child).st_mtime, *(os.lstat(entry).st_mtime for entry in child.iterdir())])
-        except OSError:
-            continue
-        if newest < before:
-            shutil.rmtree(child, ignore_errors=True)
-
+        name, kind = match.groups()
+        # A whole checkpoint hidden by a fallback publish cut between its renames is sw.latest's to put back.
+        pending = not os.path.lexists(directory / name) and (
+            kind == "old" or os.path.lexists(directory / f".{name}.old"))
+        # An empty .NAME.partial is a save killed between its mkdir and its mark: rmdir removes only that.
+        remove_if_dead(child, keep_whole=pending, empty_ok=kind == "partial")

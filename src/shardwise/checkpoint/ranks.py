@@ -1,4 +1,5 @@
-"""Who writes and reads which rows, and the small object collectives a save or load needs."""
+"""Who writes and reads which rows, and the small JSON collectives a save or load needs (never pickle:
+Note [no pickle on the wire] in engine/messages.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine.info import ShardInfo, engine_of, unit_of_any_param
+from shardwise.engine.messages import all_gather_json, broadcast_json, gather_json
 
 
 def group_of(model: nn.Module):
@@ -27,29 +29,24 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def gather_object(obj, group, rank: int, world: int) -> list | None:
-    """Every rank's `obj` on rank 0 (None elsewhere); no collective when alone."""
+    """Every rank's `obj` (JSON: Note [no pickle on the wire]) on rank 0 (None elsewhere); no collective alone."""
     if group is None or world == 1:
         return [obj]
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
-    return out
+    return gather_json(obj, group)
 
 
 def broadcast_object(obj, group, rank: int, world: int):
-    """Rank 0's `obj` on every rank."""
+    """Rank 0's `obj` (JSON) on every rank."""
     if group is None or world == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    return broadcast_json(obj, group)
 
 
 def all_gather_object(obj, group, world: int) -> list:
+    """Every rank's `obj` (JSON) on every rank."""
     if group is None or world == 1:
         return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    return all_gather_json(obj, group)
 
 
 def rows_to_write(info: ShardInfo, rank: int, world: int, sharded: bool) -> tuple[int, int]:

@@ -14,8 +14,9 @@ class LoadReport:
 
     `missing`: model tensors the source has no value for (they kept their values).
     `unexpected`: source tensors nothing in the model took. `mismatched`: (name, source
-    shape, model shape) pairs, not loaded. `closest`: for each missing or unexpected name,
-    the most similar name on the other side. `problems`: anything else strict loading
+    shape, model shape) pairs, not loaded. `closest`: for each missing or unexpected name that
+    `print(report)` shows (the first 12 of each), the most similar name on the other side (compared
+    with a bound: the first 500 candidates, 128 characters of each name). `problems`: anything else strict loading
     refuses (no optimizer state, different param groups, ...). `notes`: information only.
     `extra`: the JSON values passed to `sw.save(..., **extra)`. `print(report)` shows it all.
     """
@@ -61,6 +62,9 @@ class LoadReport:
 
 
 _SHOWN = 12  # names listed per kind in str(report); the lists themselves hold all
+_CANDIDATES = 500  # names a suggestion is picked from
+_COMPARED_CHARS = 128  # of each name, for suggestions
+_PREFIX_PARTS = 16  # dotted parts of a name a prefix hint looks at
 
 
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
@@ -69,7 +73,7 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str | None:
     counts: dict[tuple[str, str], int] = {}
     for kind, longer, shorter in (("add", missing, set(unexpected)), ("drop", unexpected, set(missing))):
         for name in longer:
-            parts = name.split(".")
+            parts = name.split(".")[:_PREFIX_PARTS]
             for i in range(1, len(parts)):
                 if ".".join(parts[i:]) in shorter:
                     key = (kind, ".".join(parts[:i]) + ".")
@@ -111,16 +115,15 @@ def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]],
         pairs[target] = tensor
     report.unexpected.extend(t.name for t in source.tensors.values() if t.name not in used)
     # Suggestions pair what is left on both sides: a missing name is most likely one of
-    # the unexpected ones under another name (a rename, a new wrapper, a typo).
-    for name in report.missing:
-        near = difflib.get_close_matches(name, report.unexpected, n=1, cutoff=0.5)
-        if near:
-            report.closest[name] = near[0]
-    for name in report.unexpected:
-        near = difflib.get_close_matches(name, report.missing, n=1, cutoff=0.5)
-        if near:
-            report.closest[name] = near[0]
-    hint = _prefix_hint(report.missing, report.unexpected)
+    # the unexpected ones under another name (a rename, a new wrapper, a typo). Bounded: difflib
+    # costs the product of the lengths, and a hostile source may hold many long names.
+    for names, others in ((report.missing, report.unexpected), (report.unexpected, report.missing)):
+        candidates = {other[:_COMPARED_CHARS]: other for other in others[:_CANDIDATES]}
+        for name in names[:_SHOWN]:
+            near = difflib.get_close_matches(name[:_COMPARED_CHARS], list(candidates), n=1, cutoff=0.5)
+            if near:
+                report.closest[name] = candidates[near[0]]
+    hint = _prefix_hint(report.missing[:_CANDIDATES], report.unexpected[:_CANDIDATES])
     if hint:
         report.notes.append(hint)
     return pairs

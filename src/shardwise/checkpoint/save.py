@@ -16,14 +16,17 @@ between ranks, so nothing is written twice); loading reads only the rows a rank
 holds, from whichever files have them (sources.py), so any world size and any
 strategy loads any checkpoint, optimizer state included.
 
-Note [atomic save]: every rank writes into `.NAME.partial` next to the target; once
+Note [atomic save]: every rank writes into `.NAME.partial` next to the target (rank 0 creates it
+and owns it for the save's life, Note [save ownership] in owner.py: a second save to the same
+name refuses rather than deletes it); once
 every rank has reported its file (a gather on rank 0), rank 0 writes index.json and
 renames the directory to NAME. A directory without index.json is never a checkpoint,
 and `.NAME.partial` never looks like one, so a crash, a full disk or a killed rank
 at any point leaves the previous checkpoint as the latest and whole. Saving over an
 existing NAME swaps the two directories in one step (Note [atomic publish] in
-publish.py); the hidden directories interrupted saves leave are removed by the next
-save (Note [leftovers]).
+publish.py); the hidden directories killed saves leave are removed by the next save
+(Note [leftovers]). Which checkpoint is newest is the saver's sequence, not the clock
+(Note [newest] in index.py).
 
 Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
 are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
@@ -38,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +49,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
-from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
+from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints, next_order
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.optim_state import (
     SEVERAL,
@@ -59,6 +61,7 @@ from shardwise.checkpoint.optim_state import (
     scalar_state_keys,
     split_state,
 )
+from shardwise.checkpoint.owner import SaveLock, claim_partial
 from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
@@ -87,7 +90,8 @@ class SaveJob:
     world: int
     keep_last: int | None
     durable: bool
-    started: float = 0.0  # time.time() when the save began (Note [leftovers])
+    lock: SaveLock | None = None  # rank 0's hold on `partial` (Note [save ownership] in owner.py)
+    order: tuple[int, int] | None = None  # rank 0: (step, save counter), Note [newest] in index.py
 
 
 def save(path, model: nn.Module, optim=None, scheduler=None, *,
@@ -142,13 +146,21 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     objects = {k: to_json(v.state_dict(), f"{k}.state_dict()") for k, v in extra.items() if _is_stateful(v)}
     values = {k: to_json(v, f"extra value {k}=") for k, v in extra.items() if not _is_stateful(v)}
 
-    started = time.time()
-    checkpoint_id = broadcast_object(_start_partial(path, partial) if rank == 0 else None, group, rank, world)
+    lock, order, checkpoint_id = None, None, None
+    if rank == 0:
+        try:
+            lock, order = _start_partial(path, partial, values.get("step"))
+            checkpoint_id = lock.checkpoint_id
+        except ShardwiseError as error:
+            checkpoint_id = f"error:{error}"
+        except Exception as error:  # noqa: BLE001 - the other ranks wait for rank 0's word: never leave them
+            checkpoint_id = f"error:cannot start the save at {partial}: {type(error).__name__}: {error}"
+    checkpoint_id = broadcast_object(checkpoint_id, group, rank, world)
     if checkpoint_id.startswith("error:"):
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plans, form, scheduler_state, objects, values,
                    persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
-                   started)
+                   lock, order)
 
 
 def complete(job: SaveJob, group) -> None:
@@ -156,12 +168,16 @@ def complete(job: SaveJob, group) -> None:
     rank if any rank failed. `group` carries the gather: the model's, or a checkpoint group of
     the same ranks when the save runs in the background (background.py)."""
     try:
-        record, error = _write_rank_file(job), None
-    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
-        record, error = None, f"{type(exc).__name__}: {exc}"
-    records = gather_object((record, error), group, job.rank, job.world)
-    outcome = _finish(job, records) if job.rank == 0 else None
-    outcome = broadcast_object(outcome, group, job.rank, job.world)
+        try:
+            record, error = _write_rank_file(job), None
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
+            record, error = None, f"{type(exc).__name__}: {exc}"
+        records = gather_object((record, error), group, job.rank, job.world)
+        outcome = _finish(job, records) if job.rank == 0 else None
+        outcome = broadcast_object(outcome, group, job.rank, job.world)
+    finally:
+        if job.lock is not None:
+            job.lock.release()  # the save is over, however it ended (Note [save ownership])
     if outcome is not None:
         raise ShardwiseError(f"saving {job.path} failed: {outcome}. Nothing was written at {job.path}; earlier "
                              "checkpoints are untouched.")
@@ -180,19 +196,18 @@ def _is_stateful(value) -> bool:
     return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
 
 
-def _start_partial(path: Path, partial: Path) -> str:
-    """Rank 0: a fresh, empty partial directory; the new checkpoint's id (or "error:...")."""
+def _start_partial(path: Path, partial: Path, step) -> tuple[SaveLock, tuple[int, int]]:
+    """Rank 0: the partial directory, created and owned (Note [save ownership]), and the new
+    checkpoint's order (Note [newest])."""
+    if path.exists() and not (path / INDEX).is_file():
+        raise ShardwiseError(f"{path} exists and is not a shardwise checkpoint; refusing to overwrite it. "
+                             "Choose another path or remove it.")
     try:
-        if path.exists() and not (path / INDEX).is_file():
-            return (f"error:{path} exists and is not a shardwise checkpoint; refusing to overwrite it. "
-                    "Choose another path or remove it.")
         path.parent.mkdir(parents=True, exist_ok=True)
-        if partial.exists():
-            shutil.rmtree(partial)  # left by a save that crashed (Note [atomic save])
-        partial.mkdir()
+        order = next_order(path.parent, step)
+        return claim_partial(partial, uuid.uuid4().hex), order
     except OSError as error:
-        return f"error:cannot create {partial}: {error}"
-    return uuid.uuid4().hex
+        raise ShardwiseError(f"cannot create {partial}: {error}") from None
 
 
 def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank: int, world: int,
@@ -300,27 +315,44 @@ def _finish(job: SaveJob, records: list) -> str | None:
     try:
         if failed:
             return "; ".join(f"rank {r} could not write its file: {error}" for r, error in failed)
+        failed = True
+        job.lock.check()  # still the directory this save made: nobody removed or replaced it
+        for record, _ in records:
+            written = partial / record["file"]
+            if not written.is_file() or written.stat().st_size != record["bytes"]:
+                return f"{written} is missing or not the size its rank wrote: another process changed {partial}"
         index = build_index(job, records)
-        with open(partial / INDEX, "w") as f:
+        fd = os.open(partial / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
             json.dump(index, f, separators=(",", ":"))
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+        job.lock.unmark()  # index.json marks it from here on (Note [save ownership])
         _fsync_dir(partial, durable)
         publish(partial, path, job.checkpoint_id)  # Note [atomic publish]
         _fsync_dir(path.parent, durable)
+        failed = False
     except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
-        failed = True
         return f"{type(error).__name__}: {error}"
     finally:
         if failed:
-            shutil.rmtree(partial, ignore_errors=True)
+            _discard(job)
     if job.keep_last is not None:
         for old in list_checkpoints(path.parent)[:-job.keep_last]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
-    clean_leftovers(path.parent, job.started)  # Note [leftovers]
+    clean_leftovers(path.parent)  # Note [leftovers]
     return None
+
+
+def _discard(job: SaveJob) -> None:
+    """Remove a failed save's partial directory, if it is still the one this save made."""
+    try:
+        job.lock.check()
+    except ShardwiseError:
+        return  # another process's now, or already published: not this save's to remove
+    shutil.rmtree(job.partial, ignore_errors=True)
 
 
 def _fsync_dir(path: Path, durable: bool) -> None:

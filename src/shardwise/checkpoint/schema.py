@@ -5,7 +5,9 @@ opens index.json (a regular file, never through a symlink, at most MAX_INDEX_BYT
 bounded), parses it (nesting at most MAX_DEPTH), checks its digest (Note [index digest]),
 then every field: its type, its bounds, and its agreement with the other fields (a slice
 names a listed file, its rows lie inside its tensor and tile it, one crc per chunk; a file
-name is a plain name inside the directory, Note [contained names]). Any violation is a
+name is a plain name inside the directory, Note [contained names]; each kind of record names
+tensors in its own namespace, `param/`, `buffer/`, `optim/`, `rng/`, so that no record can
+stand in for another's header check). Any violation is a
 ShardwiseError naming the file and the field; the code after this never meets a raw dict
 of the index, so it has no second set of checks to keep in step.
 
@@ -142,6 +144,13 @@ class Index:
     objects: dict
     objects_by_rank: tuple[dict, ...] | None
     extra: dict
+    order: tuple[int, int] | None = None  # (step, save counter): Note [newest]
+
+    @property
+    def newness(self) -> tuple:
+        """What orders checkpoints, newest last (Note [newest]): the saver's sequence; `saved_at`
+        only between checkpoints saved before shardwise wrote one."""
+        return (*(self.order or (-1, -1)), self.saved_at)
 
 
 def read_index(path: Path) -> Index:
@@ -168,9 +177,9 @@ def parse_index(path: Path, index) -> Index:
                  f.int(entry, "bytes", 0, 2**62, f"files[{name!r}]"),
                  f.match(entry, "digest", _DIGEST, f"files[{name!r}]"))
              for name, entry in f.dict(index, "files").items()}
-    params = {f.name(n, "params"): _tensor(f, e, f"params[{n!r}]", files, param=True)
+    params = {f.name(n, "params"): _tensor(f, e, f"params[{n!r}]", files, "param/", param=True)
               for n, e in f.dict(index, "params").items()}
-    buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files)
+    buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files, "buffer/")
                for n, e in f.dict(index, "buffers").items()}
     optimizers = () if index.get("optimizer") is None else (_optimizer(f, index["optimizer"], params, files),)
     several = index.get("optimizers") is not None
@@ -178,7 +187,7 @@ def parse_index(path: Path, index) -> Index:
         if optimizers:
             raise f.fail("optimizers", "is given beside \"optimizer\": a checkpoint holds one or the other")
         many = f.list(index, "optimizers")
-        optimizers = tuple(_optimizer(f, many[i], params, files, f"optimizers[{i}]") for i in range(len(many)))
+        optimizers = tuple(_optimizer(f, many[i], params, files, f"optimizers[{i}]", i) for i in range(len(many)))
         names = [o.name for o in optimizers]
         if any(n is not None for n in names) and (None in names or len(set(names)) != len(names)):
             raise f.fail("optimizers", "name some optimizers and not others, or one name twice")
@@ -193,13 +202,20 @@ def parse_index(path: Path, index) -> Index:
         by_rank = tuple(f.dict(by_rank, i, "objects_by_rank") for i in range(len(f.list(index, "objects_by_rank"))))
         if len(by_rank) != world:
             raise f.fail("objects_by_rank", f"has {len(by_rank)} entries for world size {world}")
+    order = None
+    if index.get("order") is not None:
+        pair = f.list(index, "order", limit=2)
+        order = tuple(f.int(pair, i, 0, 2**62, "order") for i in range(len(pair)))
+        if len(order) != 2:
+            raise f.fail("order", "is not [step, save counter]")
     return Index(path, f.match(index, "id", re.compile(r"[0-9a-zA-Z_-]{1,64}")),
                  f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
                  f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
-                 optimizers, several, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
+                 optimizers, several, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"),
+                 order)
 
 
-def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, shape=None) -> TensorRecord:
+def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool = False, shape=None) -> TensorRecord:
     entry = f.dict({where: entry}, where, "")
     dims = f.list(entry, "shape", where, limit=_MAX_DIMS)
     got = tuple(f.int(dims, i, 0, _MAX_DIM, f"{where}.shape") for i in range(len(dims)))
@@ -226,7 +242,7 @@ def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, s
             raise f.fail(f"{at}.rows", f"is {bounds!r}: not rows lo < hi inside the tensor's {rows}")
         chunk = f.int(raw, "chunk", 1, _MAX_DIM, at)
         crcs = _crcs(f, raw, at, -(-(hi - lo) // chunk) if row_bytes else 0)
-        slices.append(SliceRecord(file, f.str(raw, "key", 4096, at), lo, hi, chunk, crcs))
+        slices.append(SliceRecord(file, _key(f, raw, at, kind), lo, hi, chunk, crcs))
     covered = 0
     for piece in sorted(slices, key=lambda s: s.lo):
         if piece.lo != covered:
@@ -242,6 +258,15 @@ def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, s
     return TensorRecord(got, dtype, tuple(slices), aliases, requires_grad)
 
 
+def _key(f: Fields, raw: dict, at: str, kind: str) -> str:
+    """A slice's tensor name in its file, in its kind's own namespace (Note [index records]): a record of
+    one kind cannot name, and so shadow the header check of, a tensor of another."""
+    key = f.str(raw, "key", 4096, at)
+    if not key.startswith(kind):
+        raise f.fail(f"{at}.key", f"is {key[:60]!r}, not a name of the {kind}... kind (one namespace per kind)")
+    return key
+
+
 def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
     crcs = f.list(raw, "crcs", at)
     if len(crcs) != expected:
@@ -249,7 +274,8 @@ def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
     return tuple(f.int(crcs, i, 0, 2**32 - 1, f"{at}.crcs") for i in range(len(crcs)))
 
 
-def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimizer") -> OptimizerRecord:
+def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimizer", number: int = 0) -> OptimizerRecord:
+    prefix = "optim" if number == 0 else f"optim{number}"  # each optimizer's own namespace (save.py's keys)
     raw = f.dict({where: raw}, where, "")
     groups = []
     for i, group in enumerate(f.list(raw, "param_groups", where)):
@@ -266,12 +292,12 @@ def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimize
         if name not in params:
             raise f.fail(at, "names a parameter the index's params do not list")
         entry = f.dict({at: entry}, at, "")
-        tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files,
+        tensors = {f.name(key, f"{at}.tensors"): _tensor(f, value, f"{at}.tensors[{key!r}]", files, f"{prefix}/",
                                                          shape=params[name].shape)
                    for key, value in f.dict(entry, "tensors", at).items()}
         # Note [optimizer records]: tensors of their own shapes, absent when a state has none
         whole = {} if entry.get("whole") is None else {
-            f.name(key, f"{at}.whole"): _tensor(f, value, f"{at}.whole[{key!r}]", files)
+            f.name(key, f"{at}.whole"): _tensor(f, value, f"{at}.whole[{key!r}]", files, f"{prefix}.whole/")
             for key, value in f.dict(entry, "whole", at).items()}
         if tensors.keys() & whole.keys():
             raise f.fail(at, f"stores {sorted(tensors.keys() & whole.keys())} both as rows and whole")
@@ -290,6 +316,8 @@ def _rng(f: Fields, raw, at: str, files: dict) -> RngRecord:
         where = f"{at}.tensors[{key!r}]"
         check = f.dict({where: check}, where, "")
         crcs = f.list(check, "crcs", where)
+        if not key.startswith("rng/"):
+            raise f.fail(where, "is not an RNG state's name (rng/...): one namespace per kind (Note [index records])")
         tensors[f.name(key, f"{at}.tensors")] = (f.int(check, "chunk", 1, _MAX_DIM, where),
                                                  _crcs(f, check, where, len(crcs)))
     numpy = f.dict(raw, "numpy", at)

@@ -10,6 +10,7 @@ renamed on the way in (Note [wrapper prefixes] in names.py).
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -70,6 +71,10 @@ class Source:
         by_rank = getattr(self, "objects_by_rank", None)
         if by_rank is None or all(states.get(key) == self.objects[key] for states in by_rank):
             return self.objects[key]
+        if rank >= len(by_rank) or key not in by_rank[rank]:
+            raise ShardwiseError(f"{self.values_file}: objects_by_rank holds no state of {key}= for rank {rank}: the "
+                                 "checkpoint is damaged or was edited. Load an earlier checkpoint, or leave "
+                                 f"{key}= out of sw.load.")
         return by_rank[rank][key]
 
     def verify(self, needs: list[tuple[SourceTensor, int, int]]) -> None:
@@ -91,7 +96,6 @@ class CheckpointDir(Source):
         self.description, self.values_file = str(path), str(path / INDEX)
         self.world_size, self.strategy = index.world_size, index.strategy
         self.readers: dict[str, FileReader] = {}
-        self._verified: set[tuple[str, int, int]] = set()  # reads whose chunks verify() checked
         self._expected = _expected_headers(index)
         for name, entry in index.files.items():
             file = path / name
@@ -103,10 +107,11 @@ class CheckpointDir(Source):
             if os.lstat(file).st_size != entry.nbytes or os.path.islink(file):
                 FileReader(file, expected_bytes=entry.nbytes, what="shard file", follow_symlinks=False).close()
         self.rename = lambda name: renamer(clean_name(name))
+        names = _Names(path / INDEX)
         for records in (index.params, index.buffers):
             for name, record in records.items():
-                tensor = self._source_tensor(self.rename(name), record)
-                tensor.aliases = tuple(self.rename(a) for a in record.aliases)
+                tensor = self._source_tensor(names.add(self.rename(name), name), record)
+                tensor.aliases = tuple(names.add(self.rename(a), a) for a in record.aliases)
                 self.tensors[tensor.name] = tensor
         self.optimizers = tuple(replace(
             saved, groups=tuple(replace(g, params=tuple(map(self.rename, g.params))) for g in saved.groups),
@@ -152,7 +157,6 @@ class CheckpointDir(Source):
             for piece, a, b in self._parts(tensor.name, tensor.slices, lo, hi):
                 self.reader(piece.file).verify_rows(piece.key, a - piece.lo, b - piece.lo, crcs=piece.crcs,
                                                     chunk=piece.chunk)
-            self._verified.add((tensor.name, lo, hi))
 
     def _parts(self, name, slices, lo, hi):
         parts = [(s, max(lo, s.lo), min(hi, s.hi)) for s in slices if s.lo < hi and s.hi > lo]
@@ -162,11 +166,10 @@ class CheckpointDir(Source):
 
     def _read(self, name, record: TensorRecord, lo, hi, out):
         parts = self._parts(name, record.slices, lo, hi)
-        checked = (name, lo, hi) in self._verified  # its chunks were checked: read just the rows
 
-        def rows(piece, a, b, into):
-            return self.reader(piece.file).read_rows(piece.key, a - piece.lo, b - piece.lo, out=into,
-                                                     crcs=None if checked else piece.crcs, chunk=piece.chunk)
+        def rows(piece, a, b, into):  # checked again: the file may have changed since verify() (Note [validate,
+            return self.reader(piece.file).read_rows(piece.key, a - piece.lo, b - piece.lo, out=into,  # then apply])
+                                                     crcs=piece.crcs, chunk=piece.chunk)
 
         if len(parts) == 1:
             return rows(*parts[0], out)
@@ -193,6 +196,22 @@ class CheckpointDir(Source):
         self.readers.clear()
 
 
+class _Names:
+    """The names a source's tensors take after wrapper prefixes are dropped and `rename` applied: two
+    source names that become one are refused, naming both (Note [wrapper prefixes] in names.py)."""
+
+    def __init__(self, where) -> None:
+        self.where, self.origin = where, {}
+
+    def add(self, name: str, original: str) -> str:
+        first = self.origin.setdefault(name, original)
+        if first != original:
+            raise ShardwiseError(f"{self.where}: {first!r} and {original!r} both become {name!r} once wrapper "
+                                 "prefixes (module., _orig_mod., ...) are dropped and rename= applied, so one would "
+                                 "silently replace the other. Pass a rename= that keeps them apart, or remove one.")
+        return name
+
+
 def _expected_headers(index: Index) -> dict[str, dict]:
     """Per file: {key: (dtype, shape, crcs)} of every tensor the index says it holds; an RNG
     tensor's dtype and shape are the header's own (the index records only its crcs)."""
@@ -209,6 +228,9 @@ def _expected_headers(index: Index) -> dict[str, dict]:
             expected[piece.file][piece.key] = (record.dtype, shape, piece.crcs)
     for entry in index.rng:
         for key, (_, crcs) in entry.tensors.items():
+            if key in expected[entry.file]:
+                raise ShardwiseError(f"{index.path / INDEX} names tensor {key!r} of {entry.file} twice: the "
+                                     "index is damaged")
             expected[entry.file][key] = (None, None, crcs)
     return expected
 
@@ -220,8 +242,9 @@ class SafetensorsFile(Source):
         super().__init__()
         self.description = str(path)
         self.file = FileReader(path, what="safetensors file")
+        names = _Names(path)
         for key, entry in self.file.entries.items():
-            name = renamer(clean_name(key))
+            name = names.add(renamer(clean_name(key)), key)
             self.tensors[name] = SourceTensor(
                 name, entry.shape, entry.dtype, (),
                 lambda lo, hi, out, key=key: self.file.read_rows(key, lo, hi, out=out))
@@ -230,7 +253,7 @@ class SafetensorsFile(Source):
         for dropped, kept in self.file.metadata.items():
             if kept in self.file.entries and dropped not in self.file.entries:
                 kept_tensor = self.tensors[renamer(clean_name(kept))]
-                kept_tensor.aliases += (renamer(clean_name(dropped)),)
+                kept_tensor.aliases += (names.add(renamer(clean_name(dropped)), dropped),)
 
     def close(self) -> None:
         self.file.close()
@@ -256,10 +279,11 @@ class TorchFile(Source):
             ) from None
         state = _find_state_dict(loaded, path)
         by_storage: dict[tuple, str] = {}
+        names = _Names(path)
         for key, value in state.items():
             identity = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                         value.stride(), value.dtype) if value.numel() else None
-            name = renamer(clean_name(key))
+            name = names.add(renamer(clean_name(key)), key)
             if identity is not None and identity in by_storage:  # tied: one tensor under two keys
                 first = self.tensors[by_storage[identity]]
                 first.aliases += (name,)
@@ -298,7 +322,11 @@ def open_source(path, renamer: Callable[[str], str]) -> Source:
         return CheckpointDir(path, renamer)
     if not path.exists():
         raise ShardwiseError(f"{path} does not exist")
-    with open(path, "rb") as f:
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block the read below
+        raise ShardwiseError(f"{path} is not a regular file (a FIFO, a socket or a device): pass a checkpoint "
+                             "directory, a .safetensors file or a torch.save'd file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
         head = f.read(9)
     if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{"):
         return SafetensorsFile(path, renamer)

@@ -6,6 +6,7 @@ import datetime
 import os
 from pathlib import Path
 
+from shardwise.checkpoint.export import partial_name
 from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
@@ -97,9 +98,14 @@ def _foreign_files(path: Path, files) -> list[str]:
 
 def export_checkpoint(path, out) -> Path:
     """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
-    file `out` (as `sw.export` writes from a model), one tensor in memory at a time."""
+    file `out` (as `sw.export` writes from a model), one tensor in memory at a time. An `out`
+    inside the checkpoint directory is refused (it would overwrite what it reads)."""
+    out = Path(out).absolute()
+    inside = Path(os.path.realpath(path))
+    if os.path.commonpath([inside, os.path.realpath(out.parent)]) == str(inside) or \
+            os.path.realpath(out) == str(inside):
+        raise ShardwiseError(f"{out} is inside the checkpoint {path} that the export reads: write it elsewhere")
     source = CheckpointDir(Path(path), lambda name: name)
-    out = Path(out)
     try:
         metadata, specs, tensors = {"format": "pt"}, [], []
         for tensor in source.tensors.values():
@@ -107,7 +113,7 @@ def export_checkpoint(path, out) -> Path:
             tensors.append(tensor)
             for alias in tensor.aliases:
                 metadata[alias] = tensor.name
-        partial = out.with_name(out.name + ".partial")
+        partial = partial_name(out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)  # as sw.export does
         except OSError as error:
@@ -126,6 +132,27 @@ def export_checkpoint(path, out) -> Path:
     finally:
         source.close()
     return out
+
+
+_BLOCK_BYTES = 16 * _MIB  # rows compared at a time by `diff --values`
+
+
+def _largest_difference(x: SourceTensor, y: SourceTensor) -> float:
+    """max |x - y| over two tensors of one shape, read _BLOCK_BYTES of rows at a time (never whole; a
+    single row larger than that is read whole) and compared 2^20 elements at a time in float64."""
+    rows = x.shape[0] if x.shape else 1
+    step = max(1, _BLOCK_BYTES // max(1, _nbytes(x) // max(rows, 1)))
+    largest = 0.0
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        a, b = x.read(lo, hi, None).reshape(-1), y.read(lo, hi, None).reshape(-1)
+        for start in range(0, a.numel(), 2**20):
+            piece = (a[start : start + 2**20].double() - b[start : start + 2**20].double()).abs().max()
+            block = float(piece)
+            if block != block:  # NaN on one side: they differ
+                return block
+            largest = max(largest, block)
+    return largest
 
 
 def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
@@ -154,9 +181,7 @@ def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
                 lines.append(f"~ {name}: {list(x.shape)} {dtype_code(x.dtype)} "
                              f"vs {list(y.shape)} {dtype_code(y.dtype)}")
             elif values:
-                rows = x.shape[0] if x.shape else 1
-                delta = (x.read(0, rows, None).double() - y.read(0, rows, None).double()).abs()
-                largest = float(delta.max()) if delta.numel() else 0.0
+                largest = _largest_difference(x, y)
                 if largest != 0.0:
                     changed += 1
                     lines.append(f"~ {name}: values differ, max |a - b| = {largest:.3g}")

@@ -90,13 +90,20 @@ def _tensor_from_bytes(value: dict, dtype: torch.dtype, where: str) -> Tensor:
 
 
 def check_like(saved, current, where: str) -> None:
-    """Refuse a saved value that cannot stand where the current one does (a string for a
-    learning rate, a list of 1 for Adam's 2 betas); None and unknown types accept anything."""
+    """Refuse a saved value that cannot stand where the current one does: of another type (a string
+    for a learning rate, `"yes please"` for `foreach`, a list of 1 for Adam's 2 betas) or out of its
+    range (NaN or an infinity for a finite number, a negative one for a non-negative one). Where the
+    current value is None (`foreach=None`) the saved one must be None, true/false or a finite number;
+    other types accept anything."""
     def fail(what):
         raise ShardwiseError(f"{where} is {_show(saved)} in the checkpoint, {what}: the checkpoint was edited or "
                              "damaged, or saved by other code. Load an earlier checkpoint.")
 
-    if current is None or not isinstance(current, (bool, int, float, str, Tensor, tuple, list, dict)):
+    if current is None:
+        if saved is not None and type(saved) is not bool and not _finite(saved):
+            fail("not null, true/false or a finite number")
+        return
+    if not isinstance(current, (bool, int, float, str, Tensor, tuple, list, dict)):
         return
     if isinstance(current, bool):
         if type(saved) is not bool:
@@ -104,12 +111,18 @@ def check_like(saved, current, where: str) -> None:
     elif isinstance(current, (int, float)):
         if type(saved) not in (int, float) and not (isinstance(saved, Tensor) and saved.numel() == 1):
             fail("not a number")
+        if math.isfinite(current) and not _finite(saved):
+            fail("not a finite number")
+        if current >= 0 and _number(saved) < 0:
+            fail("negative where the current value is not")
     elif isinstance(current, str):
         if not isinstance(saved, str):
             fail("not a string")
     elif isinstance(current, Tensor):
         if not (type(saved) in (bool, int, float) or isinstance(saved, Tensor) and saved.shape == current.shape):
             fail(f"not a number or a tensor of shape {list(current.shape)}")
+        if current.is_floating_point() and bool(torch.isfinite(current).all()) and not _finite(saved):
+            fail("not finite")
     elif isinstance(current, (tuple, list)):
         if not isinstance(saved, (tuple, list)) or isinstance(current, tuple) and len(saved) != len(current):
             fail(f"not a list of {len(current)}")
@@ -121,6 +134,19 @@ def check_like(saved, current, where: str) -> None:
             fail("not an object")
         for key in saved.keys() & current.keys():
             check_like(saved[key], current[key], f"{where}[{key!r}]")
+
+
+def _finite(value) -> bool:
+    """A number (or a numeric tensor) whose every value is finite; False for anything else."""
+    if type(value) in (int, float):
+        return math.isfinite(value)
+    if isinstance(value, Tensor) and not value.is_complex() and value.dtype != torch.bool:
+        return bool(torch.isfinite(value).all()) if value.is_floating_point() else True
+    return False
+
+
+def _number(value) -> float:
+    return float(value) if type(value) in (int, float) else float(value.min()) if value.numel() else 0.0
 
 
 def _show(value) -> str:

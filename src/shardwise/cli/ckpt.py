@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -42,34 +43,59 @@ def add_commands(commands) -> None:
     diff.add_argument("dir", metavar="DIR")
     diff.add_argument("other", metavar="OTHER")
     diff.add_argument("--values", action="store_true",
-                      help="also compare values (reads both whole, one tensor at a time)")
+                      help="also compare values (reads both, 16 MiB of rows at a time)")
     ckpt.set_defaults(ckpt_parser=ckpt)
+
+
+# Note [terminal-safe output]: names, ids and values in a checkpoint are anyone's text; printed raw,
+# an escape sequence in a name writes the clipboard (OSC 52), moves the cursor up and erases the
+# lines that said "CORRUPT", or changes the terminal's title. Every line this command prints has
+# its control characters (C0, DEL, C1, and Unicode's line and bidirectional controls) escaped.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped as \\xNN or \\uNNNN (Note [terminal-safe output])."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else f"\\u{ord(m.group()):04x}",
+                        text)
+
+
+def _say(lines, file=None) -> None:
+    print("\n".join(printable(line) for line in lines), file=file)
 
 
 def run(args) -> int:
     """Run the parsed `shardwise ckpt ...` command; its exit status."""
     try:
-        for path in filter(None, (getattr(args, "dir", None), getattr(args, "other", None))):
-            if not Path(path).exists():
-                raise ShardwiseError(f"{path} does not exist")
-        if args.action == "inspect":
-            lines, ok = tools.inspect(args.dir, verify=not args.no_verify)
-            print("\n".join(lines))
-            return 0 if ok else 1
-        if args.action == "export":
-            folder = Path(args.out).parent
-            created = not folder.is_dir()
-            if created and not args.mkdir:
-                raise ShardwiseError(f"directory {folder} does not exist: create it, or pass --mkdir")
-            written = tools.export_checkpoint(args.dir, args.out)
-            print(f"created {folder}/\n" * created + f"wrote {written}")
-            return 0
-        if args.action == "diff":
-            lines, same = tools.diff(args.dir, args.other, values=args.values)
-            print("\n".join(lines))
-            return 0 if same else 1
+        return _run(args)
     except ShardwiseError as error:
-        print(f"shardwise ckpt {args.action}: {error}", file=sys.stderr)
+        _say([f"shardwise ckpt {args.action}: {error}"], file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as error:  # a tensor too large to hold (torch's allocator raises either)
+        _say([f"shardwise ckpt {args.action}: cannot hold a tensor of it in memory ({str(error)[:200]})"],
+             file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    for path in filter(None, (getattr(args, "dir", None), getattr(args, "other", None))):
+        if not Path(path).exists():
+            raise ShardwiseError(f"{path} does not exist")
+    if args.action == "inspect":
+        lines, ok = tools.inspect(args.dir, verify=not args.no_verify)
+        _say(lines)
+        return 0 if ok else 1
+    if args.action == "export":
+        folder = Path(args.out).parent
+        created = not folder.is_dir()
+        if created and not args.mkdir:
+            raise ShardwiseError(f"directory {folder} does not exist: create it, or pass --mkdir")
+        written = tools.export_checkpoint(args.dir, args.out)
+        _say([f"created {folder}/"] * created + [f"wrote {written}"])
+        return 0
+    if args.action == "diff":
+        lines, same = tools.diff(args.dir, args.other, values=args.values)
+        _say(lines)
+        return 0 if same else 1
     args.ckpt_parser.print_help()
     return 0

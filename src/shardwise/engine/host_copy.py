@@ -1,5 +1,5 @@
 """`shard(..., frozen="host")`: one read-only copy of the frozen weights per host, mapped by every local rank.
-Uses: host_file, host_param, st_header.
+Uses: host_file, host_param, messages, st_header.
 
 Note [host copy]: fine-tuning a large frozen base with a small trainable part is the common
 case; DDP keeps a full copy of the base on every rank and FSDP2 / zero3 all-gather it every
@@ -17,8 +17,12 @@ step, though it never changes. Here the frozen parameters (`requires_grad=False`
   copy file].
 - Every file is mapped only after its header is checked against the file (st_header.py):
   offsets that do not tile the data exactly are refused, never mapped shifted.
+- A `source=` file is the same bytes on every host or `shard()` refuses it: the lowest rank
+  mapping each distinct file (host, device, inode) computes its crc32 (one read per host), and
+  the ranks compare them, so hosts holding different frozen values never train together.
 - A `source=` file that shrinks while mapped would kill the rank with SIGBUS at its next
-  read; each rank keeps the file open and checks its size before every forward, so the
+  read, and one rewritten in place would change the weights under the model; each rank keeps
+  the file open and checks its size and modification time before every forward, so the
   forward raises a ShardwiseError instead. What this cannot catch: a shrink during a
   forward or between a forward and its backward (autograd keeps views of the weights), or a
   read outside a forward (`p.sum()`, `state_dict()`, `sw.export`). Replace a mapped file by
@@ -52,12 +56,12 @@ from shardwise.config import HostFrozen
 from shardwise.engine.host_file import (
     PREFIX,
     create_private_file,
-    find_private_directory,
     new_private_directory,
     new_token,
     remove,
 )
 from shardwise.engine.host_param import HostParameter, is_host_shared
+from shardwise.engine.messages import all_gather_json, broadcast_json
 from shardwise.engine.st_header import CODE_OF_DTYPE, parse_header
 from shardwise.errors import ShardwiseError
 
@@ -75,12 +79,20 @@ class HostMapping:
     num_bytes: int = 0
     size: int = 0  # the file's size when mapped
     fd: int | None = None  # kept open for a `source=` file, to see it shrink (Note [host copy])
+    mtime_ns: int = 0  # its modification time when mapped: a write in place changes it
 
     def check_size(self) -> None:
-        """Raise before a read of a mapping whose file shrank: that read would be a SIGBUS."""
+        """Raise before a read of a mapping whose file shrank (that read would be a SIGBUS) or was
+        rewritten in place (the weights changed under the model)."""
         if self.fd is None:
             return
-        size = os.fstat(self.fd).st_size
+        info = os.fstat(self.fd)
+        size = info.st_size
+        if size >= self.size and info.st_mtime_ns != self.mtime_ns:
+            raise ShardwiseError(
+                f"{self.path} was written to while its frozen weights are mapped (frozen=sw.HostFrozen(source=...)): "
+                "the model's frozen values changed under it. Never rewrite a mapped file in place; write a new file "
+                "and rename it over the old one")
         if size < self.size:
             raise ShardwiseError(
                 f"{self.path} shrank from {self.size} to {size} bytes while its frozen weights are mapped "
@@ -125,12 +137,13 @@ def place_frozen_on_host(model: nn.Module, policy: HostFrozen, group) -> HostMap
             mapping = _map(path, frozen, watch=policy.source is not None)
         except ShardwiseError as exc:
             error = str(exc)
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)  # every rank has mapped it, or all raise
+        errors = all_gather_json(error, group)  # every rank has mapped it, or all raise
     finally:
         if private is not None:  # the writer: mapped by all, or the handshake failed (Note [host copy file])
             remove(private)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
+    if not failed and policy.source is not None:
+        failed = _compare_sources(mapping, group)
     if failed:
         for param, holders, _ in frozen.values():  # another rank could not map: this one's model as it was
             for module, attribute in holders:
@@ -140,11 +153,32 @@ def place_frozen_on_host(model: nn.Module, policy: HostFrozen, group) -> HostMap
     return mapping
 
 
+def _compare_sources(mapping: HostMapping, group) -> list[tuple[int, str]]:
+    """[(rank, why)] when the ranks' `source=` files hold different bytes, else [] (Note [host copy]):
+    the lowest rank of each distinct file reads it once for its crc32; every rank compares."""
+    mine = [socket.gethostname(), mapping.device, mapping.inode]
+    files = all_gather_json(mine, group)
+    crc = _crc_of_file(mapping.fd, mapping.size) if files.index(mine) == dist.get_rank(group) else None
+    crcs = all_gather_json(crc, group)
+    readers = [rank for rank, value in enumerate(crcs) if value is not None]
+    if len({crcs[rank] for rank in readers}) <= 1:
+        return []
+    shown = ", ".join(f"rank {rank} on {files[rank][0]!r}: crc32 {crcs[rank]:08x}" for rank in readers[:4])
+    return [(readers[0], f"the frozen weights' file {mapping.path} holds different bytes on different hosts ({shown}): "
+                         "each host would train against another base. Give every host the same file")]
+
+
+def _crc_of_file(fd: int, size: int) -> int:
+    crc = 0
+    for offset in range(0, size, 2**24):
+        crc = zlib.crc32(os.pread(fd, min(2**24, size - offset), offset), crc)
+    return crc
+
+
 def _write_on_leader(frozen, policy: HostFrozen, group) -> tuple[Path, Path | None]:
     """Local rank 0 of each host writes the copy (Note [host copy file]); every rank learns its
     host's path. Returns the path, and on a writer its private directory to remove."""
-    token = [new_token() if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(token, group_src=0, group=group)
+    token = [broadcast_json(new_token() if dist.get_rank(group) == 0 else None, group)]
     directory, leader = policy.directory or _default_directory(), _is_local_leader(group)
     private, path, crc, error = None, None, None, None
     try:
@@ -155,8 +189,8 @@ def _write_on_leader(frozen, policy: HostFrozen, group) -> tuple[Path, Path | No
                 crc = write_safetensors(path, {name: param for name, (param, _, _) in frozen.items()})
             except OSError as exc:
                 error = f"{path or directory}: {exc}"
-        reports = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, (socket.gethostname(), leader, crc, error), group=group)
+        reports = all_gather_json([socket.gethostname(), leader, crc, error, str(private) if private else None],
+                                  group)
         errors = [r[3] for r in reports if r[3]]
         if errors:
             raise ShardwiseError(f"writing the host copy of the frozen weights failed: {errors[0]} "
@@ -169,9 +203,10 @@ def _write_on_leader(frozen, policy: HostFrozen, group) -> tuple[Path, Path | No
         if private is not None:
             remove(private)  # refused or failed: leave nothing behind in shared memory
         raise
-    if private is None:  # not found: _map says that every rank of a host must see the directory
-        private_of_leader = find_private_directory(directory, token[0])
-        return (private_of_leader or Path(directory).absolute() / f"{PREFIX}*-{token[0]}") / _FILE_NAME, None
+    if private is None:  # the leader's directory, by the name it sent (Note [host copy file]); _map refuses a
+        here = [Path(r[4]) for r in reports if r[1] and r[0] == socket.gethostname() and r[4]]  # missing one
+        found = next((p for p in here if p.is_dir()), None)
+        return (found or Path(directory).absolute() / f"{PREFIX}*-{token[0]}") / _FILE_NAME, None
     return path, private
 
 
@@ -184,8 +219,7 @@ def _is_local_leader(group) -> bool:
     local = os.environ.get("LOCAL_RANK")
     if local is not None:
         return int(local) == 0
-    names = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
+    names = all_gather_json(socket.gethostname(), group)
     return names.index(socket.gethostname()) == dist.get_rank(group)
 
 
@@ -240,7 +274,8 @@ def _map_open_file(fd: int, path: Path, frozen, watch: bool) -> HostMapping:
         buffer = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ)
     except OSError as exc:
         raise ShardwiseError(f"cannot map the frozen weights' file {path}: {exc}") from None
-    mapping = HostMapping(path, stat.st_dev, stat.st_ino, size=stat.st_size, fd=fd if watch else None)
+    mapping = HostMapping(path, stat.st_dev, stat.st_ino, size=stat.st_size, fd=fd if watch else None,
+                          mtime_ns=stat.st_mtime_ns)
     views = {name: _view(param, names, name, header, aliases, buffer, path)  # every check before any change
              for name, (param, _, names) in frozen.items()}
     for name, (param, holders, _) in frozen.items():

@@ -17,10 +17,19 @@ list) for the other local ranks to map (host_copy.py, Note [host copy]). So:
   shared memory until reboot; so before writing, a leader sweeps the directory for such
   entries of its own user whose writer is gone. A sweep needs a next start on that host in
   that directory; between the kill and then, the copy stays.
+- "Gone" is proven by a lock, not by a pid: the writer holds an flock(2) on its directory
+  until it removes it, and the kernel drops the lock when the writer dies. A pid says nothing
+  across pid namespaces (two containers of one user sharing /dev/shm: the other container's
+  live writer has no /proc entry here), so the sweep removes a directory only when it can
+  take that lock.
+- The other ranks of the host learn the writer's directory by its full name, which the writer
+  sends them, never by a search for the token: anyone can list /dev/shm and make a twin
+  `shardwise-host-1-1-<token>` that a search would also find.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -43,13 +52,16 @@ def new_private_directory(directory: str | os.PathLike, token: str) -> Path:
     pid = os.getpid()
     path = Path(directory).absolute() / f"{PREFIX}{pid}-{_start_time(pid)}-{token}"
     os.mkdir(path, 0o700)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until remove(): the writer lives
+    except OSError:
+        pass  # a filesystem without flock: the sweep then never takes it for dead
+    _held[path] = fd
     return path
 
 
-def find_private_directory(directory: str | os.PathLike, token: str) -> Path | None:
-    """The directory this host's writer made for `token`, as another rank of the host sees it."""
-    found = sorted(Path(directory).absolute().glob(f"{PREFIX}*-{token}"))
-    return found[0] if len(found) == 1 else None
+_held: dict[Path, int] = {}  # this process's private directories and the locked descriptor of each
 
 
 def create_private_file(path: Path) -> int:
@@ -60,6 +72,9 @@ def create_private_file(path: Path) -> int:
 def remove(private_directory: Path) -> None:
     """Remove the directory and the copy in it (the ranks' mappings keep their pages)."""
     shutil.rmtree(private_directory, ignore_errors=True)
+    fd = _held.pop(private_directory, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def sweep_stale(directory: str | os.PathLike) -> list[Path]:
@@ -78,11 +93,25 @@ def sweep_stale(directory: str | os.PathLike) -> list[Path]:
                 continue
         except OSError:
             continue
-        pid, start = int(match.group(1)), int(match.group(2))
-        if not _is_running(pid, start):
-            remove(Path(entry.path))
+        if _writer_is_gone(Path(entry.path)):
+            shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
+
+
+def _writer_is_gone(path: Path) -> bool:
+    """True when nobody holds the directory's lock (Note [host copy file]): its writer died."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # held (a live writer, in any pid namespace), or no flock here: keep it
+    finally:
+        os.close(fd)
 
 
 def _start_time(pid: int) -> int:
@@ -91,15 +120,3 @@ def _start_time(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _is_running(pid: int, start: int) -> bool:
-    if start and os.path.isdir("/proc"):
-        return _start_time(pid) == start  # 0 (gone) or another process that got the same pid
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

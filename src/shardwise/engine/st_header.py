@@ -27,6 +27,12 @@ import torch
 from shardwise.errors import ShardwiseError
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+# What parsing JSON may build, counted on the raw bytes before it does: a 64 MiB `[{},{},...]` is
+# 21 million objects (3 GiB of Python). A real header or index spends more than 18 bytes of text per
+# object or list (`{"dtype":"F32","shape":[8],"data_offsets":[0,32]}`: 3 in 50) and more than 8 per
+# value (a crc32 is up to 10 digits): text denser than that is refused unparsed.
+BYTES_PER_CONTAINER = 12
+BYTES_PER_ITEM = 4
 _MAX_COUNT = 2**62  # a shape entry or an offset beyond any file; bounds the arithmetic on them
 
 CODE_OF_DTYPE = {
@@ -81,10 +87,11 @@ def read_header(read: Callable[[int, int], bytes], size: int, path) -> Header:
         raise ShardwiseError(f"{corrupt}: its header claims {length} bytes but the file has {size} "
                              "(truncated, or not a safetensors file)")
     header_bytes = read(8, length)
+    check_json_cost(header_bytes, f"{path}'s header")
     try:
         header = json.loads(header_bytes)
-    except ValueError as error:
-        raise ShardwiseError(f"{corrupt}: its header does not parse ({error}); the file is corrupt") from None
+    except ValueError as error:  # UnicodeDecodeError too
+        raise ShardwiseError(f"{corrupt}: its header does not parse ({str(error)[:200]}); it is corrupt") from None
     except RecursionError:
         raise ShardwiseError(f"{corrupt}: its header nests too deeply to be a safetensors header; the file is "
                              "corrupt") from None
@@ -106,6 +113,17 @@ def read_header(read: Callable[[int, int], bytes], size: int, path) -> Header:
         raise ShardwiseError(f"{corrupt}: its header describes {covered} bytes but the file has {size} "
                              f"({'truncated' if size < covered else 'trailing bytes'})")
     return Header(entries, metadata, bytes(header_bytes))
+
+
+def check_json_cost(raw: bytes, what: str) -> None:
+    """Refuse JSON text denser in objects and lists (or values) than any shardwise writes or reads,
+    before parsing it: what it builds stays within a few times its size (an upper bound on the count:
+    brackets and commas inside strings count too)."""
+    containers, items = raw.count(b"{") + raw.count(b"["), raw.count(b",")
+    if containers > 4096 + len(raw) // BYTES_PER_CONTAINER or items > 4096 + len(raw) // BYTES_PER_ITEM:
+        raise ShardwiseError(f"{what} holds up to {containers} JSON objects and lists and {items} values in "
+                             f"{len(raw)} bytes, denser than any index or header shardwise writes or reads: it is "
+                             "damaged or crafted, and was not parsed")
 
 
 def parse_header(read: Callable[[int, int], bytes], size: int, path) -> tuple[dict[str, Entry], dict[str, str]]:
