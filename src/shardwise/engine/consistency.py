@@ -13,6 +13,7 @@ from torch import nn
 
 from shardwise.engine.collectives import named_failure
 from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.messages import all_gather_json
 from shardwise.errors import ShardwiseError
 
 
@@ -21,15 +22,14 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
 
     Ranks first compare a hash of (name, shape, dtype, requires_grad) of every parameter:
     one small all-gather. Only when the hashes differ are the full lists exchanged, to name the
-    first differing parameter (all_gather_object costs ~4 MB of RSS on first use)."""
+    first differing parameter (as JSON: nothing from another rank is unpickled)."""
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     device = _device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     dist.all_gather(signatures, torch.tensor([_digest(repr(mine))], device=device), group=group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_json([list(entry) for entry in mine], group)  # JSON, never a pickle between ranks
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:

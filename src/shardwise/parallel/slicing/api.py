@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from shardwise.engine import engine_of
+from shardwise.engine.messages import all_gather_json
 from shardwise.engine.protocol import attach_slicing, slicing_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
@@ -59,10 +60,9 @@ class Slicing:
     def check_data_group(self, data_group) -> None:
         """Refuse a data-parallel group that is not one rank per tensor slice (Note [slice then shard])."""
         mine = (self.rank, tuple(dist.get_process_group_ranks(self.group)))
-        everyone = [None] * dist.get_world_size(data_group)
-        dist.all_gather_object(everyone, mine, group=data_group)
+        everyone = all_gather_json(mine, data_group)  # JSON, never a pickle between ranks
         positions = {position for position, _ in everyone}
-        groups = [ranks for _, ranks in everyone]
+        groups = [tuple(ranks) for _, ranks in everyone]
         if len(positions) != 1 or len(set(groups)) != len(groups):
             raise ShardwiseError(
                 "sw.shard(process_group=...) on a sliced model needs the data-parallel group: ranks that hold the "
@@ -161,8 +161,7 @@ def _refuse_state_dict(module, state_dict, prefix, local_metadata) -> None:
 
 def _agree(error: str | None, group, world: int) -> None:
     """Raise on every rank if any rank found a problem (every rank raises, none hangs)."""
-    errors = [None] * world
-    dist.all_gather_object(errors, error, group=group)
+    errors = all_gather_json(error, group)  # JSON, never a pickle between ranks
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         raise ShardwiseError(error if error is not None else f"tensor rank {failed[0][0]}: {failed[0][1]}")
