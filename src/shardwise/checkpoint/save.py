@@ -25,6 +25,17 @@ existing NAME swaps the two directories in one step (Note [atomic publish] in
 publish.py); the hidden directories interrupted saves leave are removed by the next
 save (Note [leftovers]).
 
+Note [one shared directory]: every rank writes into the one partial directory rank 0 made, so
+the checkpoint directory must be one that every rank shares (a file system every node mounts at
+the same path). Rank 0 writes a marker holding the checkpoint's id into the partial directory;
+each rank reads it before writing its file, and a rank that cannot (a node-local disk, another
+path on each rank) fails the save on every rank with that message, before any file is written
+there. Rank 0 removes the marker before it writes the index, so no checkpoint holds it.
+
+Note [model config]: a Hugging Face model's config (`model.config`, as `config.json` holds it) is
+recorded in the index as `model_config`, so `shardwise ckpt export` can write the config.json that
+`from_pretrained` needs beside the weights; any other model records none.
+
 Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
 are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
 is usually the same on every rank (sw.ResumableSampler's position is global) and is then
@@ -79,6 +90,7 @@ class SaveJob:
     keep_last: int | None
     durable: bool
     started: float = 0.0  # time.time() when the save began (Note [leftovers])
+    model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config])
 
 
 def save(path, model: nn.Module, optim: torch.optim.Optimizer | None = None, scheduler=None, *,
@@ -127,7 +139,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plan, optim, scheduler_state, objects, values,
                    persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
-                   started)
+                   started, model_config(model) if rank == 0 else None)
 
 
 def complete(job: SaveJob, group) -> None:
@@ -135,6 +147,7 @@ def complete(job: SaveJob, group) -> None:
     rank if any rank failed. `group` carries the gather: the model's, or a checkpoint group of
     the same ranks when the save runs in the background (background.py)."""
     try:
+        _check_shared(job)
         record, error = _write_rank_file(job), None
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
         record, error = None, f"{type(exc).__name__}: {exc}"
@@ -146,6 +159,7 @@ def complete(job: SaveJob, group) -> None:
                              "checkpoints are untouched.")
 
 
+SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory]
 _background: list = []  # this process's background save still running (background.py), at most one
 
 
@@ -169,9 +183,37 @@ def _start_partial(path: Path, partial: Path) -> str:
         if partial.exists():
             shutil.rmtree(partial)  # left by a save that crashed (Note [atomic save])
         partial.mkdir()
+        checkpoint_id = uuid.uuid4().hex
+        (partial / SHARED_MARKER).write_text(checkpoint_id)  # Note [one shared directory]
     except OSError as error:
         return f"error:cannot create {partial}: {error}"
-    return uuid.uuid4().hex
+    return checkpoint_id
+
+
+def _check_shared(job: SaveJob) -> None:
+    """Note [one shared directory]: this rank sees the partial directory rank 0 made, or a ShardwiseError."""
+    marker = job.partial / SHARED_MARKER
+    try:
+        seen = marker.read_text()
+    except OSError:
+        seen = None
+    if seen != job.checkpoint_id:
+        raise ShardwiseError(
+            f"rank {job.rank} does not see {marker}, which rank 0 has just written: the checkpoint directory is "
+            "not one directory that every rank shares (a node-local disk, or another path on each rank). sw.save "
+            "needs a file system every node mounts at the same path (NFS, Lustre, a cloud file store): put the "
+            "checkpoint there (docs/checkpoints.md, several nodes)")
+
+
+def model_config(model: nn.Module) -> dict | None:
+    """Note [model config]: a Hugging Face model's config as JSON, or None for any other model."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return None
+    try:
+        return json.loads(config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):
+        return None  # a config that does not serialize: the checkpoint then says it has none
 
 
 def _optimizer_plan(optim, infos: dict[str, ShardInfo]) -> dict:
@@ -247,6 +289,7 @@ def _finish(job: SaveJob, records: list) -> str | None:
     try:
         if failed:
             return "; ".join(f"rank {r} could not write its file: {error}" for r, error in failed)
+        (partial / SHARED_MARKER).unlink()  # every rank saw it (Note [one shared directory]); never published
         index = build_index(job, records)
         with open(partial / INDEX, "w") as f:
             json.dump(index, f, separators=(",", ":"))

@@ -136,6 +136,7 @@ class Index:
     objects: dict
     objects_by_rank: tuple[dict, ...] | None
     extra: dict
+    model_config: dict | None = None  # a Hugging Face model's config.json (Note [model config] in save.py)
 
 
 def read_index(path: Path) -> Index:
@@ -181,7 +182,8 @@ def parse_index(path: Path, index) -> Index:
     return Index(path, f.match(index, "id", re.compile(r"[0-9a-zA-Z_-]{1,64}")),
                  f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
                  f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
-                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"))
+                 optimizer, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"),
+                 f.dict(index, "model_config") if index.get("model_config") is not None else None)
 
 
 def _tensor(f: Fields, entry, where: str, files: dict, *, param: bool = False, shape=None) -> TensorRecord:

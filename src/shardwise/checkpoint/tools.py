@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from pathlib import Path
 
@@ -94,10 +95,13 @@ def _foreign_files(path: Path, files) -> list[str]:
 
 def export_checkpoint(path, out) -> Path:
     """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
-    file `out` (as `sw.export` writes from a model), one tensor in memory at a time."""
+    file `out` (as `sw.export` writes from a model), one tensor in memory at a time; and,
+    when the checkpoint recorded a Hugging Face config (Note [model config] in save.py), its
+    `config.json` beside `out` (`config_written(out)` says whether it did)."""
     source = CheckpointDir(Path(path), lambda name: name)
     out = Path(out)
     try:
+        config = source.index.model_config
         metadata, specs, tensors = {"format": "pt"}, [], []
         for tensor in source.tensors.values():
             specs.append(TensorSpec(tensor.name, tensor.dtype, tensor.shape))
@@ -120,9 +124,22 @@ def export_checkpoint(path, out) -> Path:
             partial.unlink(missing_ok=True)
             raise
         os.replace(partial, out)
+        if config is not None:
+            write_config(config, out.parent)
     finally:
         source.close()
     return out
+
+
+CONFIG = "config.json"  # what `from_pretrained` reads beside model.safetensors
+
+
+def write_config(config: dict, directory: Path) -> Path:
+    """A Hugging Face config (JSON, as recorded at save) as `directory/config.json`, written whole or not at all."""
+    target, partial = directory / CONFIG, directory / (CONFIG + ".partial")
+    partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, target)
+    return target
 
 
 def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
