@@ -41,6 +41,43 @@ def test_meta_counts_equal_a_real_run(build):
     assert _run_meta(model, 3, 32, None, None) == _run_real(model, 3, 32, None, None)
 
 
+@pytest.mark.parametrize("build", [_llama, _gpt2])
+def test_recompute_counts_equal_a_real_checkpointed_run(build):
+    """Catches the probe ignoring checkpoint_activations (it counted every block's activations, an
+    upper bound: `shardwise plan --checkpoint-activations` then changed nothing) or counting the
+    recompute wrongly: with each block checkpointed, meta and real peaks are equal byte for byte,
+    and below the peak without checkpointing."""
+    torch.manual_seed(0)
+    model = build().train()
+    blocks = tuple(path for path, module in model.named_modules()
+                   if type(module).__name__ in ("LlamaDecoderLayer", "GPT2Block"))
+    assert len(blocks) == 2
+    checkpointed = _run_meta(model, 3, 32, None, None, blocks)
+    assert checkpointed == _run_real(model, 3, 32, None, None, blocks)
+    assert checkpointed[0] < _run_meta(model, 3, 32, None, None)[0]
+    assert all("forward" not in dict(model.named_modules())[path].__dict__ for path in blocks)  # restored
+
+
+def test_plan_with_checkpoint_activations_changes_its_rows(capsys):
+    """Catches `shardwise plan --checkpoint-activations` printing the same rows as without it (the
+    issue's Qwen2-0.5B at 8 GiB, 4 ranks, batch 4, seq 1024: nothing fit either way, and the advice
+    "checkpoint activations" could not be followed): with it, the activations shrink and a zero3
+    configuration fits; without it, the output points to the flag."""
+    from shardwise import cli
+
+    qwen = ["qwen2", "hidden_size=896", "num_hidden_layers=24", "intermediate_size=4864", "num_attention_heads=14",
+            "num_key_value_heads=2", "vocab_size=151936", "tie_word_embeddings=true", "--memory", "12GiB",
+            "--world-size", "4", "--batch", "4", "--seq", "1024"]
+    without = cli.main(["plan", *qwen])
+    plain = capsys.readouterr().out
+    assert cli.main(["plan", *qwen, "--checkpoint-activations"]) == 0
+    checkpointed = capsys.readouterr().out
+    rows = lambda out: [line for line in out.splitlines() if line.startswith("  ") and line[2] != " "]  # noqa: E731
+    assert len(rows(plain)) == len(rows(checkpointed)) and rows(plain)[1:] != rows(checkpointed)[1:]
+    assert "checkpoint_activations=True" in checkpointed
+    assert without == 1 and "with checkpoint_activations zero" in plain, plain
+
+
 class _Frozen(nn.Module):
     """A large frozen weight used through a view, a small trainable scale: tiny activations."""
 

@@ -107,8 +107,9 @@ def _add_common(parser) -> None:
                              "on CPU at batches 1 and 2, and the model must fit one process")
     parser.add_argument("--json", action="store_true", help="print the estimate(s) as JSON")
     parser.add_argument("--checkpoint-activations", action="store_true",
-                        help="recompute each unit's forward in backward (zero strategies): activations of one "
-                             "block at a time plus each block's input")
+                        help="recompute each unit's forward in backward (zero strategies), as "
+                             "sw.shard(..., checkpoint_activations=True) does: the probe runs the checkpointed "
+                             "step (each block's input kept, one block's activations live during its recompute)")
 
 
 def run(args) -> int:
@@ -186,7 +187,15 @@ def _print_plan(model, extra: dict, args) -> int:
         verdict = "fits  <- cheapest that fits" if option is best else ("fits" if option.fits else option.reason)
         print(f"  {option.label:<{width}}{total}   {verdict}")
     if best is None:
-        print("nothing fits: add ranks, lower the batch, checkpoint activations, or raise the budget")
+        rescue = _fits_with_recompute(model, memory, extra, args)
+        if rescue is not None:
+            print(f"nothing fits as asked; with checkpoint_activations {rescue.label} fits "
+                  f"({rescue.estimate.total / MIB:,.0f} MiB): run `shardwise plan` again with "
+                  "--checkpoint-activations for the whole table")
+        else:
+            print("nothing fits: add ranks, lower the batch, "
+                  + ("" if args.checkpoint_activations or not args.batch else "checkpoint activations, ")
+                  + "or raise the budget")
         return 1
     offload = f', offload="{best.offload}"' if best.offload else ""
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
@@ -194,6 +203,16 @@ def _print_plan(model, extra: dict, args) -> int:
           f'{offload}{recompute})')
     print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
     return 0
+
+
+def _fits_with_recompute(model, memory: int, extra: dict, args):
+    """The cheapest option that fits once activations are checkpointed, when the plan was made without
+    it and the batch's activations are counted; else None."""
+    if args.checkpoint_activations or not args.batch:
+        return None
+    options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
+                   offload_dir=args.offload_dir, checkpoint_activations=True, **extra)
+    return next((o for o in options if o.fits and o.strategy != "ddp"), None)
 
 
 def _units_summary(model: nn.Module, units) -> str:
