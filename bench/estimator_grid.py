@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--reestimate", action="store_true",
+                   help="measure nothing: estimate every measured case again with this version's estimator")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arch", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
@@ -183,9 +185,15 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     store = out / "estimator_grid.json"
     rows = json.loads(store.read_text())["rows"] if store.exists() else []
+    if args.reestimate:
+        for row in rows:
+            row["estimate"] = estimated(args, row["arch"], row["strategy"], row["world"], row["recompute"])
+        store.write_text(json.dumps({"settings": {"batch": args.batch, "seq": SEQ, "steps": args.steps},
+                                     "rows": rows}, indent=1))
+        args.archs = ""  # nothing to measure
     done = {(r["arch"], r["strategy"], r["world"], r["recompute"]) for r in rows}
-    for arch in args.archs.split(","):
-        for world in (int(w) for w in args.world_sizes.split(",")):
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        for arch in filter(None, args.archs.split(",")):
             for strategy in args.strategies.split(","):
                 for recompute in [c == "on" for c in args.checkpoint.split(",")]:
                     if (arch, strategy, world, recompute) in done:

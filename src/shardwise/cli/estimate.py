@@ -9,7 +9,8 @@ Hugging Face model type with its sizes, or a directory with a config.json.
 Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated;
 `--batch` runs the activation probe (estimate/probe.py) on meta tensors too. The RSS that
 importing and building a module:function model adds to this process (e.g. transformers)
-is added to the runtime row: a training script imports the same.
+is added to the runtime row: a training script imports the same (the meta device's own
+machinery is loaded before that is measured: a rank building its model for real never loads it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import re
 import sys
 
+import torch
 from torch import nn
 
 from shardwise.cli.models import HELP as MODEL_HELP
@@ -96,7 +98,7 @@ def _add_common(parser) -> None:
                              "block class name, or comma-separated module names")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank per step, for activations: measured by one forward + backward "
-                             "on meta tensors (no memory, any model size; the zoo GPT uses its formula)")
+                             "on meta tensors (no memory, any model size)")
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence (default: the model's maximum length)")
     parser.add_argument("--inputs", default=None, metavar="module:function",
@@ -116,6 +118,7 @@ def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
         spec = model_spec(args)
+        _warm_meta()
         before = process_rss()
         model, units = build_model(spec, args.overrides)
         imported = max(0, process_rss() - before) if _is_function(spec) else 0
@@ -137,6 +140,14 @@ def run(args) -> int:
     except ShardwiseError as error:
         print(f"shardwise {args.command}: {error}", file=sys.stderr)
         return 2
+
+
+def _warm_meta() -> None:
+    """Load what building any model on the meta device loads first (about 32 MiB of torch's own
+    modules, torch 2.13), so that the RSS a MODEL adds counts only its own code and imports
+    (transformers): a training rank that builds its model for real never loads them."""
+    with torch.device("meta"):
+        nn.Sequential(nn.Embedding(3, 2), nn.LayerNorm(2), nn.Linear(2, 2))
 
 
 def _is_function(spec: str) -> bool:

@@ -47,8 +47,10 @@ Note [activations]: with `batch=`, a model's activations are measured by the pro
 compute dtype, its peak bytes besides parameters, at exactly this batch and seq; inputs from
 `inputs=` or, for Hugging Face models, from their config (estimate/inputs.py). A model (or
 `config=`) that implements `activation_bytes(batch, seq, dtype_bytes, checkpointed)`
-(shardwise.interfaces.ActivationSized, as `shardwise.models.gpt` does) is sized by that
-formula instead, unless `inputs=` is given; a bare parameter count needs such a `config=`.
+(shardwise.interfaces.ActivationSized) is sized by that formula instead, unless `inputs=` is
+given or the model makes its own inputs (shardwise.interfaces.ExampleInputs, as the zoo GPT
+does: its formula was within 25% of measured, the probe is exact); a bare parameter count
+needs such a `config=`.
 With `checkpoint_activations=True` the probe checkpoints the same units the engine does (every
 unit but the root) and measures the recomputing step: forward keeps each unit's inputs, backward
 holds one unit's recomputed activations at a time (Note [probed recompute] in probe.py).
@@ -79,7 +81,7 @@ from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
-from shardwise.interfaces import ActivationSized
+from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
 RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
@@ -222,7 +224,8 @@ def estimate(
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
 
     probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
-        inputs is not None or not isinstance(config, ActivationSized))  # Note [activations]
+        inputs is not None or isinstance(model_or_num_params, ExampleInputs)
+        or not isinstance(config, ActivationSized))  # Note [activations]
     if strategy == "ddp":
         real, trainable = sum(u.full for u in plan_units), sum(u.trainable_full for u in plan_units)
         num_tensors = sum(u.num_trainable for u in plan_units)
