@@ -206,14 +206,14 @@ def test_checkpointed_activations_within_25_percent():
 def test_estimate_command_prints_the_table(capsys):
     """Catches `shardwise estimate` not parsing gpt:key=value, not building on meta, or
     printing a table without a row the issue promises."""
-    code = cli.main(["estimate", "--model", "gpt:d_model=512,n_layers=8,vocab_size=8192", "--strategy", "zero3",
-                     "--world-size", "4", "--precision", "bf16", "--batch", "4", "--seq", "128"])
+    code = cli.main(["estimate", "--model", "gpt:d_model=512,n_layers=8,vocab_size=8192,seq_len=128",
+                     "--strategy", "zero3", "--world-size", "4", "--precision", "bf16", "--batch", "4", "--seq", "128"])
     out = capsys.readouterr().out
     assert code == 0
     for row in ("parameters", "gradients", "optimizer state", "gather/reduce buffers", "activations",
                 "runtime", "peak per rank"):
         assert row in out, (row, out)
-    assert "zero3+bf16" in out and "29.4M parameters" in out
+    assert "zero3+bf16" in out and "29.5M parameters" in out
 
 
 def test_estimate_command_rejects_a_bad_model(capsys):

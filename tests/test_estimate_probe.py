@@ -41,6 +41,43 @@ def test_meta_counts_equal_a_real_run(build):
     assert _run_meta(model, 3, 32, None, None) == _run_real(model, 3, 32, None, None)
 
 
+@pytest.mark.parametrize("build", [_llama, _gpt2])
+def test_recompute_counts_equal_a_real_checkpointed_run(build):
+    """Catches the probe ignoring checkpoint_activations (it counted every block's activations, an
+    upper bound: `shardwise plan --checkpoint-activations` then changed nothing) or counting the
+    recompute wrongly: with each block checkpointed, meta and real peaks are equal byte for byte,
+    and below the peak without checkpointing."""
+    torch.manual_seed(0)
+    model = build().train()
+    blocks = tuple(path for path, module in model.named_modules()
+                   if type(module).__name__ in ("LlamaDecoderLayer", "GPT2Block"))
+    assert len(blocks) == 2
+    checkpointed = _run_meta(model, 3, 32, None, None, blocks)
+    assert checkpointed == _run_real(model, 3, 32, None, None, blocks)
+    assert checkpointed[0] < _run_meta(model, 3, 32, None, None)[0]
+    assert all("forward" not in dict(model.named_modules())[path].__dict__ for path in blocks)  # restored
+
+
+def test_plan_with_checkpoint_activations_changes_its_rows(capsys):
+    """Catches `shardwise plan --checkpoint-activations` printing the same rows as without it (the
+    issue's Qwen2-0.5B at 8 GiB, 4 ranks, batch 4, seq 1024: nothing fit either way, and the advice
+    "checkpoint activations" could not be followed): with it, the activations shrink and a zero3
+    configuration fits; without it, the output points to the flag."""
+    from shardwise import cli
+
+    qwen = ["qwen2", "hidden_size=896", "num_hidden_layers=24", "intermediate_size=4864", "num_attention_heads=14",
+            "num_key_value_heads=2", "vocab_size=151936", "tie_word_embeddings=true", "--memory", "12GiB",
+            "--world-size", "4", "--batch", "4", "--seq", "1024"]
+    without = cli.main(["plan", *qwen])
+    plain = capsys.readouterr().out
+    assert cli.main(["plan", *qwen, "--checkpoint-activations"]) == 0
+    checkpointed = capsys.readouterr().out
+    rows = lambda out: [line for line in out.splitlines() if line.startswith("  ") and line[2] != " "]  # noqa: E731
+    assert len(rows(plain)) == len(rows(checkpointed)) and rows(plain)[1:] != rows(checkpointed)[1:]
+    assert "checkpoint_activations=True" in checkpointed
+    assert without == 1 and "with checkpoint_activations zero" in plain, plain
+
+
 class _Frozen(nn.Module):
     """A large frozen weight used through a view, a small trainable scale: tiny activations."""
 
@@ -138,7 +175,8 @@ _RSS_SCRIPT = textwrap.dedent("""
     def status(key):
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
     config = transformers.LlamaConfig(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=4, intermediate_size=512, max_position_embeddings=512)
+                                      num_key_value_heads=int(sys.argv[1]), intermediate_size=512,
+                                      max_position_embeddings=512)
     model = transformers.LlamaForCausalLM(config).train()
     for p in model.parameters():  # as the zero engine: a gradient lives until reduced, then is freed
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
@@ -156,13 +194,16 @@ _RSS_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
-def test_probe_is_the_peak_rss_of_a_real_step():
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_probe_is_the_peak_rss_of_a_real_step(kv_heads):
     """Catches the probe pricing a step other than the one that runs: attention's [seq, seq]
-    weights counted where CPU runs the flash kernel (Note [fused attention]: +15% here), the
+    weights counted where CPU runs the flash kernel (Note [fused attention]: +15% here; with
+    grouped-query attention too, which the probe sent to the math path: +12% on a Qwen2), the
     logits kept alive through backward, parameters counted. A real forward + backward's
     peak RSS growth (large blocks mmap'd, so RSS follows live tensors) within 3%."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT], env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(kv_heads)], env=env, capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert abs(result["probe"] - result["measured"]) <= 0.03 * result["measured"], result

@@ -17,6 +17,10 @@ ddp as for zero3).
 The table prints each strategy's largest distance from the reference beside DDP's: zero3 drifts
 as far as DDP itself, which is what "changes memory, never the result" means at fp32.
 
+Note [demo data]: the text is this Python's standard-library source, so the losses printed depend
+on the Python version (the README's figures: Python 3.11); on one version they are the same on
+every machine and every run.
+
 Note [demo memory]: the ranks run with `MALLOC_MMAP_THRESHOLD_=65536` (unless set): glibc's
 malloc otherwise keeps freed blocks resident, and zero3's gathered units, freed after each
 use, would count in its peak RSS as if kept. The model is sized so that its state (16
@@ -71,7 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_text(max_bytes: int = 4_000_000) -> torch.Tensor:
-    """The standard library's .py files, sorted and concatenated: the same bytes on every machine."""
+    """The standard library's .py files, sorted and concatenated: the same bytes wherever the same
+    Python version runs (another version's standard library is other text, so other losses)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(stdlib.glob("*.py")):
@@ -208,7 +213,8 @@ def print_summary(results: list[dict], world_size: int) -> None:
     params = first["params"]
     reference = next((r for r in results if r["strategy"] == REFERENCE), None)
     print(f"\nGPT with {params:,} parameters, {world_size} ranks, {len(first['losses'])} steps on the Python "
-          f"standard library's source; model state = parameters + gradients + AdamW's two moments")
+          f"{sys.version_info.major}.{sys.version_info.minor} standard library's source (another Python version: "
+          "other text, other losses); model state = parameters + gradients + AdamW's two moments")
     print(f"{'strategy':<12}{'loss end':>9}{'max |loss - 1 proc|':>21}{'median step':>13}"
           f"  {'model state MiB/rank (formula)':<32}peak RSS MiB/rank")
     for r in results:

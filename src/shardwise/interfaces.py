@@ -36,3 +36,15 @@ class ActivationSized(Protocol):
         """Bytes of saved activations per rank for `batch` sequences of `seq` tokens (None: the
         model's own length) in a `dtype_bytes` compute dtype; `checkpointed`: each block recomputed."""
         ...
+
+
+@runtime_checkable
+class ExampleInputs(Protocol):
+    """A model that can make its own inputs for the estimator's activation probe (Note [activation
+    probe] in estimate/probe.py): shapes and dtypes matter, values are never read on meta."""
+
+    def example_inputs(self, batch: int, seq: int | None, device):
+        """The arguments of one training forward (a tuple, a dict of keyword arguments or a tensor) for
+        `batch` samples of `seq` tokens (None: the model's own length) on `device`, such that the
+        output is the loss (or holds it)."""
+        ...

@@ -13,6 +13,8 @@ from torch import nn
 from shardwise.checkpoint.files import FileWriter, TensorSpec
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
+from shardwise.checkpoint.save import model_config
+from shardwise.checkpoint.tools import write_config
 from shardwise.engine.info import ShardInfo, shard_info
 from shardwise.engine.protocol import slicing_of
 from shardwise.errors import ShardwiseError
@@ -28,7 +30,9 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     weight is stored once, under its first name; the file's metadata maps each other
     name to it (safetensors' own convention), and loading into a model that ties them
     re-ties them. `duplicate_tied=True` stores every name (the tied bytes once per
-    name), for a plain strict `load_state_dict`. Returns `path`.
+    name), for a plain strict `load_state_dict`. A Hugging Face model's `config.json` is written
+    beside `path` too (export to `DIR/model.safetensors` and `from_pretrained(DIR)` loads it).
+    Returns `path`.
     """
     slicing = slicing_of(model)  # sliced by sw.slice: whole tensors (Note [unsliced view])
     if slicing is not None:
@@ -72,6 +76,9 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
             if error is None:
                 writer.close()
                 os.replace(partial, path)
+                config = model_config(model)
+                if config is not None:
+                    write_config(config, path.parent)
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {exc}"
         if error is not None:

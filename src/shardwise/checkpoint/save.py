@@ -28,6 +28,17 @@ publish.py); the hidden directories killed saves leave are removed by the next s
 (Note [leftovers]). Which checkpoint is newest is the saver's sequence, not the clock
 (Note [newest] in index.py).
 
+Note [one shared directory]: every rank writes into the one partial directory rank 0 made, so
+the checkpoint directory must be one that every rank shares (a file system every node mounts at
+the same path). Rank 0 writes a marker holding the checkpoint's id into the partial directory;
+each rank reads it before writing its file, and a rank that cannot (a node-local disk, another
+path on each rank) fails the save on every rank with that message, before any file is written
+there. Rank 0 removes the marker before it writes the index, so no checkpoint holds it.
+
+Note [model config]: a Hugging Face model's config (`model.config`, as `config.json` holds it) is
+recorded in the index as `model_config`, so `shardwise ckpt export` can write the config.json that
+`from_pretrained` needs beside the weights; any other model records none.
+
 Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
 are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
 is usually the same on every rank (sw.ResumableSampler's position is global) and is then
@@ -92,6 +103,7 @@ class SaveJob:
     durable: bool
     lock: SaveLock | None = None  # rank 0's hold on `partial` (Note [save ownership] in owner.py)
     order: tuple[int, int] | None = None  # rank 0: (step, save counter), Note [newest] in index.py
+    model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config])
 
 
 def save(path, model: nn.Module, optim=None, scheduler=None, *,
@@ -160,7 +172,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plans, form, scheduler_state, objects, values,
                    persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
-                   lock, order)
+                   lock, order, model_config(model) if rank == 0 else None)
 
 
 def complete(job: SaveJob, group) -> None:
@@ -169,6 +181,7 @@ def complete(job: SaveJob, group) -> None:
     the same ranks when the save runs in the background (background.py)."""
     try:
         try:
+            _check_shared(job)
             record, error = _write_rank_file(job), None
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
             record, error = None, f"{type(exc).__name__}: {exc}"
@@ -183,6 +196,7 @@ def complete(job: SaveJob, group) -> None:
                              "checkpoints are untouched.")
 
 
+SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory]
 _background: list = []  # this process's background save still running (background.py), at most one
 
 
@@ -205,9 +219,37 @@ def _start_partial(path: Path, partial: Path, step) -> tuple[SaveLock, tuple[int
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         order = next_order(path.parent, step)
-        return claim_partial(partial, uuid.uuid4().hex), order
+        lock = claim_partial(partial, uuid.uuid4().hex)
+        (partial / SHARED_MARKER).write_text(lock.checkpoint_id)  # Note [one shared directory]
+        return lock, order
     except OSError as error:
         raise ShardwiseError(f"cannot create {partial}: {error}") from None
+
+
+def _check_shared(job: SaveJob) -> None:
+    """Note [one shared directory]: this rank sees the partial directory rank 0 made, or a ShardwiseError."""
+    marker = job.partial / SHARED_MARKER
+    try:
+        seen = marker.read_text()
+    except OSError:
+        seen = None
+    if seen != job.checkpoint_id:
+        raise ShardwiseError(
+            f"rank {job.rank} does not see {marker}, which rank 0 has just written: the checkpoint directory is "
+            "not one directory that every rank shares (a node-local disk, or another path on each rank). sw.save "
+            "needs a file system every node mounts at the same path (NFS, Lustre, a cloud file store): put the "
+            "checkpoint there (docs/checkpoints.md, several nodes)")
+
+
+def model_config(model: nn.Module) -> dict | None:
+    """Note [model config]: a Hugging Face model's config as JSON, or None for any other model."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_json_string"):
+        return None
+    try:
+        return json.loads(config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):
+        return None  # a config that does not serialize: the checkpoint then says it has none
 
 
 def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank: int, world: int,
@@ -321,6 +363,7 @@ def _finish(job: SaveJob, records: list) -> str | None:
             written = partial / record["file"]
             if not written.is_file() or written.stat().st_size != record["bytes"]:
                 return f"{written} is missing or not the size its rank wrote: another process changed {partial}"
+        (partial / SHARED_MARKER).unlink()  # every rank saw it (Note [one shared directory]); never published
         index = build_index(job, records)
         fd = os.open(partial / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w") as f:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import uuid
 from pathlib import Path
 
 from shardwise.checkpoint.export import partial_name
@@ -98,8 +100,10 @@ def _foreign_files(path: Path, files) -> list[str]:
 
 def export_checkpoint(path, out) -> Path:
     """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
-    file `out` (as `sw.export` writes from a model), one tensor in memory at a time. An `out`
-    inside the checkpoint directory is refused (it would overwrite what it reads)."""
+    file `out` (as `sw.export` writes from a model), one tensor in memory at a time; and,
+    when the checkpoint recorded a Hugging Face config (Note [model config] in save.py), its
+    `config.json` beside `out` (`config_written(out)` says whether it did). An `out` inside the
+    checkpoint directory is refused (it would overwrite what it reads)."""
     out = Path(out).absolute()
     inside = Path(os.path.realpath(path))
     if os.path.commonpath([inside, os.path.realpath(out.parent)]) == str(inside) or \
@@ -107,6 +111,7 @@ def export_checkpoint(path, out) -> Path:
         raise ShardwiseError(f"{out} is inside the checkpoint {path} that the export reads: write it elsewhere")
     source = CheckpointDir(Path(path), lambda name: name)
     try:
+        config = source.index.model_config
         metadata, specs, tensors = {"format": "pt"}, [], []
         for tensor in source.tensors.values():
             specs.append(TensorSpec(tensor.name, tensor.dtype, tensor.shape))
@@ -129,6 +134,8 @@ def export_checkpoint(path, out) -> Path:
             partial.unlink(missing_ok=True)
             raise
         os.replace(partial, out)
+        if config is not None:
+            write_config(config, out.parent)
     finally:
         source.close()
     return out
@@ -153,6 +160,20 @@ def _largest_difference(x: SourceTensor, y: SourceTensor) -> float:
                 return block
             largest = max(largest, block)
     return largest
+
+
+CONFIG = "config.json"  # what `from_pretrained` reads beside model.safetensors
+
+
+def write_config(config: dict, directory: Path) -> Path:
+    """A Hugging Face config (JSON, as recorded at save) as `directory/config.json`, written whole or not at all,
+    through a fresh name of its own (O_EXCL | O_NOFOLLOW: never through a file planted in a shared directory)."""
+    target, partial = directory / CONFIG, directory / f".{CONFIG}.{uuid.uuid4().hex}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, target)
+    return target
 
 
 def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:

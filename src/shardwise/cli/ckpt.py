@@ -29,7 +29,10 @@ def add_commands(commands) -> None:
         "export", help="write the parameters and buffers to one plain model.safetensors",
         description="Write checkpoint DIR's full parameters and buffers to OUT, a safetensors file that "
                     "`safetensors.torch.load_model(model, OUT)` loads without shardwise (tied weights "
-                    "stored once). One tensor is in memory at a time.",
+                    "stored once). One tensor is in memory at a time. When DIR was saved from a Hugging "
+                    "Face model (its config is recorded at save), config.json is written beside OUT too, so "
+                    "`from_pretrained(OUT's directory)` loads it (name OUT model.safetensors); otherwise the "
+                    "command says that the checkpoint does not know its model's config.",
     )
     export.add_argument("dir", metavar="DIR", help="a checkpoint directory")
     export.add_argument("out", metavar="OUT.safetensors", help="the file to write")
@@ -91,7 +94,7 @@ def _run(args) -> int:
         if created and not args.mkdir:
             raise ShardwiseError(f"directory {folder} does not exist: create it, or pass --mkdir")
         written = tools.export_checkpoint(args.dir, args.out)
-        _say([f"created {folder}/"] * created + [f"wrote {written}"])
+        _say([f"created {folder}/"] * created + [f"wrote {written}", _config_line(Path(args.dir), written)])
         return 0
     if args.action == "diff":
         lines, same = tools.diff(args.dir, args.other, values=args.values)
@@ -99,3 +102,15 @@ def _run(args) -> int:
         return 0 if same else 1
     args.ckpt_parser.print_help()
     return 0
+
+
+def _config_line(checkpoint: Path, written: Path) -> str:
+    """What the export did about config.json (Note [model config] in checkpoint/save.py)."""
+    if tools.read_index(checkpoint).model_config is None:
+        return ("no config.json: this checkpoint does not record a Hugging Face config (it was saved from a model "
+                "without one, or by an earlier shardwise). For from_pretrained, write the model's config "
+                f"beside it: model.config.save_pretrained({str(written.parent)!r})")
+    line = f"wrote {written.parent / tools.CONFIG} (the config recorded at save)"
+    if written.name != "model.safetensors":
+        line += f"; from_pretrained({str(written.parent)!r}) reads model.safetensors: name OUT so to load it there"
+    return line

@@ -9,7 +9,8 @@ Hugging Face model type with its sizes, or a directory with a config.json.
 Every model is built under `torch.device("meta")`: only shapes are read, nothing is allocated;
 `--batch` runs the activation probe (estimate/probe.py) on meta tensors too. The RSS that
 importing and building a module:function model adds to this process (e.g. transformers)
-is added to the runtime row: a training script imports the same.
+is added to the runtime row: a training script imports the same (the meta device's own
+machinery is loaded before that is measured: a rank building its model for real never loads it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import re
 import sys
 
+import torch
 from torch import nn
 
 from shardwise.cli.models import HELP as MODEL_HELP
@@ -96,7 +98,7 @@ def _add_common(parser) -> None:
                              "block class name, or comma-separated module names")
     parser.add_argument("--batch", type=int, default=None,
                         help="samples per rank per step, for activations: measured by one forward + backward "
-                             "on meta tensors (no memory, any model size; the zoo GPT uses its formula)")
+                             "on meta tensors (no memory, any model size)")
     parser.add_argument("--seq", type=int, default=None,
                         help="tokens per sequence (default: the model's maximum length)")
     parser.add_argument("--inputs", default=None, metavar="module:function",
@@ -107,14 +109,16 @@ def _add_common(parser) -> None:
                              "on CPU at batches 1 and 2, and the model must fit one process")
     parser.add_argument("--json", action="store_true", help="print the estimate(s) as JSON")
     parser.add_argument("--checkpoint-activations", action="store_true",
-                        help="recompute each unit's forward in backward (zero strategies): activations of one "
-                             "block at a time plus each block's input")
+                        help="recompute each unit's forward in backward (zero strategies), as "
+                             "sw.shard(..., checkpoint_activations=True) does: the probe runs the checkpointed "
+                             "step (each block's input kept, one block's activations live during its recompute)")
 
 
 def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
         spec = model_spec(args)
+        _warm_meta()
         before = process_rss()
         model, units = build_model(spec, args.overrides)
         imported = max(0, process_rss() - before) if _is_function(spec) else 0
@@ -136,6 +140,14 @@ def run(args) -> int:
     except ShardwiseError as error:
         print(f"shardwise {args.command}: {error}", file=sys.stderr)
         return 2
+
+
+def _warm_meta() -> None:
+    """Load what building any model on the meta device loads first (about 32 MiB of torch's own
+    modules, torch 2.13), so that the RSS a MODEL adds counts only its own code and imports
+    (transformers): a training rank that builds its model for real never loads them."""
+    with torch.device("meta"):
+        nn.Sequential(nn.Embedding(3, 2), nn.LayerNorm(2), nn.Linear(2, 2))
 
 
 def _is_function(spec: str) -> bool:
@@ -186,7 +198,15 @@ def _print_plan(model, extra: dict, args) -> int:
         verdict = "fits  <- cheapest that fits" if option is best else ("fits" if option.fits else option.reason)
         print(f"  {option.label:<{width}}{total}   {verdict}")
     if best is None:
-        print("nothing fits: add ranks, lower the batch, checkpoint activations, or raise the budget")
+        rescue = _fits_with_recompute(model, memory, extra, args)
+        if rescue is not None:
+            print(f"nothing fits as asked; with checkpoint_activations {rescue.label} fits "
+                  f"({rescue.estimate.total / MIB:,.0f} MiB): run `shardwise plan` again with "
+                  "--checkpoint-activations for the whole table")
+        else:
+            print("nothing fits: add ranks, lower the batch, "
+                  + ("" if args.checkpoint_activations or not args.batch else "checkpoint activations, ")
+                  + "or raise the budget")
         return 1
     offload = f', offload="{best.offload}"' if best.offload else ""
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
@@ -194,6 +214,16 @@ def _print_plan(model, extra: dict, args) -> int:
           f'{offload}{recompute})')
     print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
     return 0
+
+
+def _fits_with_recompute(model, memory: int, extra: dict, args):
+    """The cheapest option that fits once activations are checkpointed, when the plan was made without
+    it and the batch's activations are counted; else None."""
+    if args.checkpoint_activations or not args.batch:
+        return None
+    options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
+                   offload_dir=args.offload_dir, checkpoint_activations=True, **extra)
+    return next((o for o in options if o.fits and o.strategy != "ddp"), None)
 
 
 def _units_summary(model: nn.Module, units) -> str:

@@ -193,3 +193,13 @@ def refuse_clip_after_step() -> None:
             "backward and its gradient dropped, so there is nothing left to clip. Clip without "
             "optimizer_in_backward (Note [optimizer in backward])."
         )
+
+
+def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """A context in which `module`'s parameters and buffers are `tensors` (by name, tied names
+    following): what `torch.func.functional_call` does for one call, here held open across a
+    backward too, so an activation checkpoint's recompute sees the same tensors (the estimator's
+    probe, Note [activation probe])."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, tensors, tie_weights=True)

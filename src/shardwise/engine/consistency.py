@@ -83,7 +83,10 @@ def agree_before_forward(units: list[FlatUnit], group, num_forwards: int,
                             (1, "run different forwards of the sharded model (a different number of them, or "
                                 "one with and one without grad): every rank must run every forward (evaluate on "
                                 "all ranks, or on an unsharded copy), as every rank takes part in its "
-                                "collectives.")):
+                                "collectives. Generating different numbers of tokens on each rank: pass "
+                                "generate(..., synced_gpus=True), so a rank that finished keeps stepping until "
+                                "the longest is done (or pad every rank's work to the longest; docs/strategies.md, "
+                                "evaluation and generate()).")):
         differ = (rows[:, column] != rows[0, column]).nonzero().flatten().tolist()
         if differ:
             raise ShardwiseError(f"ranks 0 and {differ[0]} {problem}")

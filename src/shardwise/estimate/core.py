@@ -47,8 +47,13 @@ Note [activations]: with `batch=`, a model's activations are measured by the pro
 compute dtype, its peak bytes besides parameters, at exactly this batch and seq; inputs from
 `inputs=` or, for Hugging Face models, from their config (estimate/inputs.py). A model (or
 `config=`) that implements `activation_bytes(batch, seq, dtype_bytes, checkpointed)`
-(shardwise.interfaces.ActivationSized, as `shardwise.models.gpt` does) is sized by that
-formula instead, unless `inputs=` is given; a bare parameter count needs such a `config=`.
+(shardwise.interfaces.ActivationSized) is sized by that formula instead, unless `inputs=` is
+given or the model makes its own inputs (shardwise.interfaces.ExampleInputs, as the zoo GPT
+does: its formula was within 25% of measured, the probe is exact); a bare parameter count
+needs such a `config=`.
+With `checkpoint_activations=True` the probe checkpoints the same units the engine does (every
+unit but the root) and measures the recomputing step: forward keeps each unit's inputs, backward
+holds one unit's recomputed activations at a time (Note [probed recompute] in probe.py).
 
 Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep their
 gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
@@ -76,7 +81,7 @@ from shardwise.engine.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
-from shardwise.interfaces import ActivationSized
+from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
 RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
@@ -219,7 +224,8 @@ def estimate(
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
 
     probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
-        inputs is not None or not isinstance(config, ActivationSized))  # Note [activations]
+        inputs is not None or isinstance(model_or_num_params, ExampleInputs)
+        or not isinstance(config, ActivationSized))  # Note [activations]
     if strategy == "ddp":
         real, trainable = sum(u.full for u in plan_units), sum(u.trainable_full for u in plan_units)
         num_tensors = sum(u.num_trainable for u in plan_units)
@@ -243,8 +249,9 @@ def estimate(
     if batch is None:
         notes.append("activations not counted: pass batch= (--batch)")
     elif probed:
-        activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, checkpoint_activations,
-                              notes)
+        recompute = tuple(plan.module for plan in build_units(model_or_num_params, units)[1:]) \
+            if checkpoint_activations else ()
+        activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, recompute, notes)
     else:
         activations = _activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
@@ -360,15 +367,16 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool =
     return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
 
 
-def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs, checkpointed: bool,
-            notes: list[str]) -> int:
-    """Note [activations]: the probe's peak."""
-    probe = probe_activations(model, batch, seq, dtype=dtype, inputs=inputs)
+def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs,
+            recompute: tuple[nn.Module, ...], notes: list[str]) -> int:
+    """Note [activations]: the probe's peak; with `recompute` (the units checkpoint_activations
+    checkpoints), of the checkpointed step (Note [probed recompute] in probe.py)."""
+    probe = probe_activations(model, batch, seq, dtype=dtype, inputs=inputs, recompute=recompute)
     where = "on meta tensors" if probe.device == "meta" else "on CPU at micro-batches 1 and 2, extrapolated"
     notes.append(f"activations: the peak of one forward + backward at batch {batch}"
-                 + (f", seq {seq}" if seq is not None else "") + f", measured {where}")
-    if checkpointed:
-        notes.append("the probe does not recompute: activations with checkpoint_activations are an upper bound")
+                 + (f", seq {seq}" if seq is not None else "") + f", measured {where}"
+                 + (f", each of the {len(recompute)} units recomputed in backward (checkpoint_activations)"
+                    if recompute else ""))
     return probe.peak
 
 

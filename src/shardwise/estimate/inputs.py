@@ -3,10 +3,12 @@
 A model's inputs come, in order, from:
 1. `inputs=`: a callable `(batch, seq, device) -> dict | tuple | tensor` the user gives
    (`--inputs module:function` on the command line);
-2. a Hugging Face model's config: `input_ids` of shape [batch, seq] below `config.vocab_size`
+2. the model's own `example_inputs(batch, seq, device)` (shardwise.interfaces.ExampleInputs, as
+   the zoo GPT has);
+3. a Hugging Face model's config: `input_ids` of shape [batch, seq] below `config.vocab_size`
    (with `labels`, so the model computes its own loss), or a vision model's `pixel_values`
    [batch, config.num_channels, config.image_size, config.image_size];
-3. else the probe cannot guess, and says which of the two to give.
+4. else the probe cannot guess, and says which of the two to give.
 Only shapes and dtypes matter: on the meta device the values are never read.
 """
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
+from shardwise.interfaces import ExampleInputs
 
 InputMaker = Callable[[int, int | None, torch.device], Any]
 
@@ -28,6 +31,8 @@ def make_inputs(model: nn.Module, batch: int, seq: int | None, device: torch.dev
     """The model's inputs for `batch` samples of `seq` tokens on `device` (module docstring)."""
     if inputs is not None:
         return inputs(batch, seq, device)
+    if isinstance(model, ExampleInputs):  # the model makes its own (shardwise.models.gpt)
+        return model.example_inputs(batch, seq, device)
     config = getattr(model, "config", None)
     accepts = _parameters_of(model)
     if config is not None and "input_ids" in accepts and getattr(config, "vocab_size", None):

@@ -17,6 +17,14 @@ a real CPU run's byte for byte (tests/test_estimate.py checks this). A model who
 reads tensor values (data-dependent control flow) cannot run on meta; then the probe runs
 for real, on CPU, at micro-batches of 1 and 2, and extrapolates linearly in the batch:
 that path needs the model to fit one process (a meta-built model is materialized).
+
+Note [probed recompute]: with `recompute=` (the units `checkpoint_activations=True` checkpoints,
+engine/recompute.py), each of those modules runs under `torch.utils.checkpoint` (non-reentrant)
+during the probe, as the engine runs it: forward keeps only each unit's inputs, and backward
+recomputes one unit at a time, whose activations live only while its own backward runs. The
+counter sees exactly those bytes, so the probe's peak is the checkpointed step's peak, not an
+upper bound. The probe tensors stay in place across the backward (compat.reparametrized), so a
+recompute reads them, not the model's own parameters.
 """
 
 from __future__ import annotations
@@ -28,13 +36,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
+from shardwise.engine.compat import reparametrized
 from shardwise.errors import ShardwiseError
-from shardwise.estimate.inputs import InputMaker, loss_of, make_inputs
+from shardwise.estimate.inputs import InputMaker, call, loss_of, make_inputs
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,13 @@ _FLASH = 1  # torch.nn.attention.SDPBackend.FLASH_ATTENTION
 def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                      enable_gqa=False):
     """The CPU flash kernel's output when torch would choose it for these inputs, else None."""
-    if query.device.type not in ("cpu", "meta") or query.dim() != 4 or key.shape[1] != query.shape[1]:
+    if query.device.type not in ("cpu", "meta") or query.dim() != 4:
         return None
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        return None
+    # Grouped-query attention (fewer key/value heads: Qwen2, Mistral, Llama 3): the CPU flash kernel
+    # takes it as it is, without repeating keys and values (what torch runs for enable_gqa=True); the
+    # math path would keep each head's [seq, seq] weights (+12% on a 6-block Qwen2, bench/estimator_grid.py).
 
     def tiny(tensor):  # the same dims, dtype and head width on CPU: what the choice reads
         return torch.zeros((1,) * (tensor.dim() - 1) + tensor.shape[-1:], dtype=tensor.dtype)
@@ -116,42 +130,44 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
 
 
 def probe_activations(model: nn.Module, batch: int, seq: int | None = None, *, dtype: torch.dtype | None = None,
-                      inputs: InputMaker | None = None) -> ActivationProbe:
+                      inputs: InputMaker | None = None, recompute: tuple[nn.Module, ...] = ()) -> ActivationProbe:
     """Note [activation probe]: the peak bytes of one forward + backward of `model` on `batch`
     samples of `seq` tokens (inputs from `inputs`, else estimate/inputs.py), with floating
-    parameters in `dtype` (default: the model's). The model is not changed. The result is kept
-    for the model while its parameters' names, shapes and dtypes stay the same (`plan` asks
-    once per configuration)."""
-    key = (batch, seq, dtype, inputs, model.training, tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
-                                            for n, p in model.named_parameters()))
+    parameters in `dtype` (default: the model's); the modules in `recompute` checkpointed (Note
+    [probed recompute]). The model is not changed. The result is kept for the model while its
+    parameters' names, shapes and dtypes stay the same (`plan` asks once per configuration)."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    recompute = tuple(paths[id(module)] for module in recompute)  # by path: the CPU path probes a copy
+    key = (batch, seq, dtype, inputs, model.training, recompute,
+           tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()))
     found = _KEPT.setdefault(model, {})
     if key not in found:
-        found[key] = _probe(model, batch, seq, dtype, inputs)
+        found[key] = _probe(model, batch, seq, dtype, inputs, recompute)
     return found[key]
 
 
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: ActivationProbe}
 
 
-def _probe(model, batch, seq, dtype, inputs) -> ActivationProbe:
+def _probe(model, batch, seq, dtype, inputs, recompute) -> ActivationProbe:
     try:
-        peak, after = _run_meta(model, batch, seq, dtype, inputs)
+        peak, after = _run_meta(model, batch, seq, dtype, inputs, recompute)
         return ActivationProbe(peak, after, batch, seq, "meta")
     except ShardwiseError:
         raise
     except (NotImplementedError, RuntimeError):  # the forward reads values: run for real (module docstring)
         pass
-    (p1, a1), (p2, a2) = (_run_real(model, b, seq, dtype, inputs) for b in (1, 2))
+    (p1, a1), (p2, a2) = (_run_real(model, b, seq, dtype, inputs, recompute) for b in (1, 2))
     return ActivationProbe(p1 + (p2 - p1) * (batch - 1), a1 + (a2 - a1) * (batch - 1), batch, seq, "cpu")
 
 
-def _run_meta(model, batch, seq, dtype, inputs) -> tuple[int, int]:
+def _run_meta(model, batch, seq, dtype, inputs, recompute=()) -> tuple[int, int]:
     params = {name: _leaf(p, "meta", dtype) for name, p in model.named_parameters()}
     buffers = {name: torch.empty_like(b, device="meta") for name, b in model.named_buffers()}
-    return _measure(model, params, buffers, batch, seq, inputs, torch.device("meta"))
+    return _measure(model, params, buffers, batch, seq, inputs, torch.device("meta"), recompute)
 
 
-def _run_real(model, batch, seq, dtype, inputs) -> tuple[int, int]:
+def _run_real(model, batch, seq, dtype, inputs, recompute=()) -> tuple[int, int]:
     real = model
     if any(p.device.type == "meta" for p in model.parameters()):
         real = copy.deepcopy(model).to_empty(device="cpu")  # the model must fit one process here
@@ -159,20 +175,21 @@ def _run_real(model, batch, seq, dtype, inputs) -> tuple[int, int]:
             for p in real.parameters():
                 p.normal_(0.0, 0.02)
     params = {name: _leaf(p, "cpu", dtype) for name, p in real.named_parameters()}
-    return _measure(real, params, dict(real.named_buffers()), batch, seq, inputs, torch.device("cpu"))
+    return _measure(real, params, dict(real.named_buffers()), batch, seq, inputs, torch.device("cpu"), recompute)
 
 
-def _measure(model, params, buffers, batch, seq, inputs, device) -> tuple[int, int]:
+def _measure(model, params, buffers, batch, seq, inputs, device, recompute) -> tuple[int, int]:
     known = list(params.values()) + list(buffers.values())
     handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in known if p.requires_grad]
+    modules = dict(model.named_modules())
+    originals = {path: modules[path].forward for path in recompute}
+    own = {path: modules[path].__dict__.get("forward") for path in recompute}  # an instance's own forward
     try:
-        with _FusedAttention(), _LiveBytes(known) as counter:
+        for path in recompute:  # Note [probed recompute]
+            modules[path].forward = _checkpointed(originals[path])
+        with reparametrized(model, {**params, **buffers}), _FusedAttention(), _LiveBytes(known) as counter:
             made = make_inputs(model, batch, seq, device, inputs)
-            if isinstance(made, dict):
-                output = functional_call(model, (params, buffers), args=(), kwargs=made)
-            else:
-                output = functional_call(model, (params, buffers), tuple(made) if isinstance(made, (tuple, list))
-                                         else (made,))
+            output = call(model, made)
             loss = loss_of(output)
             del output  # as `model(**batch).loss.backward()` and HF's Trainer: logits die before backward
             after_forward = counter.live
@@ -182,6 +199,26 @@ def _measure(model, params, buffers, batch, seq, inputs, device) -> tuple[int, i
     finally:
         for handle in handles:
             handle.remove()
+        for path in recompute:
+            if own[path] is not None:
+                modules[path].forward = own[path]
+            else:
+                del modules[path].forward  # the class's own forward again
+
+
+def _checkpointed(forward):
+    """`forward` as `checkpoint_activations=True` runs a unit (engine/recompute.py). The recompute
+    runs in backward, outside the probe's function mode: it enters _FusedAttention again, so it
+    takes the attention kernel the forward took (Note [fused attention])."""
+    def fused(*args, **kwargs):
+        with _FusedAttention():
+            return forward(*args, **kwargs)
+
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(fused, *args, use_reentrant=False, **kwargs)
+    return run
 
 
 def _drop_grad(param: torch.Tensor) -> None:

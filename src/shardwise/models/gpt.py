@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.errors import ShardwiseError
+
 _ACT_PER_BLOCK = 16.5  # saved elements per token per block, in units of D (Note [activations])
 _ACT_RECOMPUTE = 36  # checkpointed: one block recomputed in backward, in units of D
 _ACT_LOGITS = 3  # logits, log-softmax, and the logits' gradient, in units of V
@@ -158,6 +160,15 @@ class GPT(nn.Module):
     def activation_bytes(self, batch: int, seq: int | None, dtype_bytes: int, checkpointed: bool) -> int:
         """Bytes autograd keeps per rank for one step (Note [activations])."""
         return self.cfg.activation_bytes(batch, seq, dtype_bytes, checkpointed)
+
+    def example_inputs(self, batch: int, seq: int | None, device) -> tuple[Tensor, Tensor]:
+        """`(idx, targets)` for the estimator's probe (shardwise.interfaces.ExampleInputs): the loss comes out."""
+        seq = seq if seq is not None else self.cfg.seq_len
+        if seq > self.cfg.seq_len:
+            raise ShardwiseError(f"seq={seq} exceeds the GPT's seq_len={self.cfg.seq_len}: pass a smaller seq "
+                                 f"(--seq), or build it with seq_len={seq}")
+        idx = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        return idx, idx
 
     def num_params(self) -> int:
         """Number of distinct parameter elements (the tied weight counted once)."""

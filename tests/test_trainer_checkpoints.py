@@ -1,0 +1,88 @@
+"""ShardwiseTrainer's checkpoints appear whole or not at all, and a resume skips one that is not whole
+(Note [whole trainer checkpoints] in integrations/trainer_checkpoints.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+
+import shardwise as sw
+
+
+class OddState(torch.optim.Optimizer):
+    """Plain SGD that keeps a Python set in its state: a value no checkpoint can hold without pickle."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("tags", {"a", "b"})
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def _train(tmp, steps, save_steps, resume=None, odd=False):
+    import transformers
+    from accelerate.state import AcceleratorState
+
+    from shardwise.integrations.transformers import ShardwiseTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 8), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=tmp, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-2, logging_steps=1,
+        report_to=[], seed=0, save_strategy="steps", save_steps=save_steps, use_cpu=True,
+        lr_scheduler_type="constant", disable_tqdm=True)
+    sw.shard(model, strategy="zero3")
+    optimizers = (OddState(model.parameters()), None) if odd else (None, None)
+    trainer = ShardwiseTrainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("shardwise.integrations").addHandler(handler)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except sw.ShardwiseError as error:
+        return str(error), None, []
+    finally:
+        logging.getLogger("shardwise.integrations").removeHandler(handler)
+    return None, sw.full_parameters(model), [r.getMessage() for r in records]
+
+
+def test_a_failed_save_leaves_no_checkpoint_and_names_the_users_optimizer(ranks, tmp_path):
+    """Catches a failed first save leaving checkpoint-2/ without its shardwise/ part (which a resume
+    then picked), an error naming Accelerate's AcceleratedOptimizer, and a fix that cannot be
+    applied inside a Trainer (sw.save(path, model))."""
+    out = str(tmp_path / "run")
+    for error, _, _ in ranks.run(_train, 2, out, 2, 2, None, True, timeout=180):
+        assert error is not None and "OddState" in error and "AcceleratedOptimizer" not in error, error
+        assert "save_only_model=True" in error, error
+    assert not [name for name in os.listdir(out) if "checkpoint" in name], os.listdir(out)
+
+
+def test_resume_skips_a_checkpoint_that_is_not_whole(ranks, tmp_path):
+    """Catches resume_from_checkpoint=True picking the newest checkpoint-N although its shardwise/ part
+    is missing ("checkpoint-3/shardwise does not exist"): it resumes from checkpoint-2, says why in
+    one log line, and ends where the uninterrupted run ended."""
+    out = str(tmp_path / "run")
+    (_, whole, _), _ = ranks.run(_train, 2, out, 3, 1, timeout=180)
+    assert sorted(n for n in os.listdir(out) if "checkpoint" in n) == ["checkpoint-1", "checkpoint-2",
+                                                                      "checkpoint-3"]
+    shutil.rmtree(os.path.join(out, "checkpoint-3", "shardwise"))  # as a save that failed before this fix left it
+    (error, resumed, logs), (_, _, quiet) = ranks.run(_train, 2, out, 3, 1, True, timeout=180)
+    assert error is None, error
+    assert len(logs) == 1 and "checkpoint-3" in logs[0] and "shardwise/" in logs[0], logs
+    assert quiet == []  # rank 0 reports it, once
+    for name, value in whole.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=1e-6)
