@@ -84,7 +84,7 @@ def build_index(job, records: list) -> dict:
         "objects_by_rank": None if all(r["objects"] == job.objects for r, _ in records)
         else [r["objects"] for r, _ in records],
     }
-    if job.model_config is not None:  # Note [model config] in save.py
+    if job.model_config is not None:  # Note [model config] in model_config.py
         index["model_config"] = job.model_config
     index["digest"] = index_digest(index)  # Note [index digest] in schema.py
     return index

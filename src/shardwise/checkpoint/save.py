@@ -35,10 +35,6 @@ each rank reads it before writing its file, and a rank that cannot (a node-local
 path on each rank) fails the save on every rank with that message, before any file is written
 there. Rank 0 removes the marker before it writes the index, so no checkpoint holds it.
 
-Note [model config]: a Hugging Face model's config (`model.config`, as `config.json` holds it) is
-recorded in the index as `model_config`, so `shardwise ckpt export` can write the config.json that
-`from_pretrained` needs beside the weights; any other model records none.
-
 Note [object states]: keyword objects (`sampler=`, `loader=` a torchdata `StatefulDataLoader`)
 are saved as JSON (small tensors such as a generator's state as base64 bytes). Their state
 is usually the same on every rank (sw.ResumableSampler's position is global) and is then
@@ -61,6 +57,7 @@ from torch import nn
 
 from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
 from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints, next_order
+from shardwise.checkpoint.model_config import model_config
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.optim_state import (
     SEVERAL,
@@ -103,7 +100,7 @@ class SaveJob:
     durable: bool
     lock: SaveLock | None = None  # rank 0's hold on `partial` (Note [save ownership] in owner.py)
     order: tuple[int, int] | None = None  # rank 0: (step, save counter), Note [newest] in index.py
-    model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config])
+    model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config] in model_config.py)
 
 
 def save(path, model: nn.Module, optim=None, scheduler=None, *,
@@ -239,17 +236,6 @@ def _check_shared(job: SaveJob) -> None:
             "not one directory that every rank shares (a node-local disk, or another path on each rank). sw.save "
             "needs a file system every node mounts at the same path (NFS, Lustre, a cloud file store): put the "
             "checkpoint there (docs/checkpoints.md, several nodes)")
-
-
-def model_config(model: nn.Module) -> dict | None:
-    """Note [model config]: a Hugging Face model's config as JSON, or None for any other model."""
-    config = getattr(model, "config", None)
-    if not hasattr(config, "to_json_string"):
-        return None
-    try:
-        return json.loads(config.to_json_string(use_diff=False))
-    except (TypeError, ValueError):
-        return None  # a config that does not serialize: the checkpoint then says it has none
 
 
 def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank: int, world: int,

@@ -145,7 +145,7 @@ class Index:
     objects_by_rank: tuple[dict, ...] | None
     extra: dict
     order: tuple[int, int] | None = None  # (step, save counter): Note [newest]
-    model_config: dict | None = None  # a Hugging Face model's config.json (Note [model config] in save.py)
+    model_config: dict | None = None  # a Hugging Face model's config.json (Note [model config] in model_config.py)
 
     @property
     def newness(self) -> tuple:

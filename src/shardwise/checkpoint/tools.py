@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import uuid
 from pathlib import Path
 
 from shardwise.checkpoint.export import partial_name
 from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
+from shardwise.checkpoint.model_config import CONFIG, write_config  # noqa: F401 - CONFIG: the CLI's name for it
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
@@ -101,7 +100,7 @@ def _foreign_files(path: Path, files) -> list[str]:
 def export_checkpoint(path, out) -> Path:
     """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
     file `out` (as `sw.export` writes from a model), one tensor in memory at a time; and,
-    when the checkpoint recorded a Hugging Face config (Note [model config] in save.py), its
+    when the checkpoint recorded a Hugging Face config (Note [model config] in model_config.py), its
     `config.json` beside `out` (`config_written(out)` says whether it did). An `out` inside the
     checkpoint directory is refused (it would overwrite what it reads)."""
     out = Path(out).absolute()
@@ -160,20 +159,6 @@ def _largest_difference(x: SourceTensor, y: SourceTensor) -> float:
                 return block
             largest = max(largest, block)
     return largest
-
-
-CONFIG = "config.json"  # what `from_pretrained` reads beside model.safetensors
-
-
-def write_config(config: dict, directory: Path) -> Path:
-    """A Hugging Face config (JSON, as recorded at save) as `directory/config.json`, written whole or not at all,
-    through a fresh name of its own (O_EXCL | O_NOFOLLOW: never through a file planted in a shared directory)."""
-    target, partial = directory / CONFIG, directory / f".{CONFIG}.{uuid.uuid4().hex}.partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, target)
-    return target
 
 
 def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
