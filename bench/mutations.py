@@ -172,7 +172,7 @@ MUTATIONS = [
      "tests/test_whole_tensor_optim.py -k 'zero2 and muon'"),
     ("issue 20: the owner's whole update never written back to the rows",
      'WholeStep.end',
-     '                param.view(-1)[: own.numel()].copy_(own)',
+     '                _scatter_from(whole, param, owner, rows)',
      '                pass',
      "tests/test_whole_tensor_optim.py -k 'zero1 and adafactor'"),
     ('issue 20: owners chosen per rank, not the same on every rank',

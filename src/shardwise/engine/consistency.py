@@ -1,6 +1,6 @@
 """Ranks agree on the model: the same parameters (and which are trainable) at `shard()` and
 before every forward, the same starting values, and which units need a re-gather.
-Uses: collectives, flat_unit.
+Uses: collectives, flat_unit, messages.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class ShardwiseTrainer(transformers.Trainer):
             return
         path = os.path.join(checkpoint, "shardwise")
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # saved under the user's class
-        saved = read_index(path).optimizer
+        saved = next(iter(read_index(path).optimizers), None)
         if saved is not None and saved.class_name == type(self.optimizer).__name__:
             optimizer = self.optimizer  # saved before shardwise named the user's class (AcceleratedOptimizer)
         load(path, self.model, optimizer, self.lr_scheduler)
