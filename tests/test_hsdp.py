@@ -31,8 +31,13 @@ def _run_on_mesh(strategy, name, configs, steps, global_batch_size, seed, shard_
     return run_on_rank(strategy, name, configs, steps, global_batch_size, seed, {**kwargs, "mesh": mesh}, prepare)
 
 
-@pytest.mark.parametrize("name", ["gpt", "reused_block", "unused_branch", "odd_shapes"])
-@pytest.mark.parametrize("strategy, shape", GRID, ids=[f"{s}-{r}x{c}" for s, (r, c) in GRID])
+# `make test` runs the tied GPT at every grid point and every model at 2x2; the rest is `make test-all`.
+PARITY = [pytest.param(strategy, shape, name, id=f"{strategy}-{shape[0]}x{shape[1]}-{name}",
+                       marks=() if name == "gpt" or tuple(shape) == (2, 2) else pytest.mark.slow)
+          for strategy, shape in GRID for name in ("gpt", "reused_block", "unused_branch", "odd_shapes")]
+
+
+@pytest.mark.parametrize("strategy, shape, name", PARITY)
 def test_hybrid_parity_with_single_process(ranks, strategy, name, shape):
     """Catches a gradient not averaged across replicas (each replica would step on its own half of the batch),
     a norm summed over every rank instead of the shard group (sqrt(R) too large: clipping differs), rows cut
