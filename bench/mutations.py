@@ -441,6 +441,11 @@ MUTATIONS = [
      'if len({crcs[rank] for rank in readers}) <= 1:',
      'if True:',
      'tests/test_host_copy_safety.py -k differ_between_hosts'),
+    ("the pipeline's re-pack sends the optimizer state's layout with pickle (broadcast_object_list)",
+     'broadcast_entries',
+     'layouts = broadcast_json(layouts, group, src=dist.get_group_rank(group, src))',
+     'box = [layouts]; dist.broadcast_object_list(box, src=src, group=group); layouts = box[0]',
+     'tests/test_pipeline_ranks.py -k sends_no_pickle'),
     ('issue 36: ShardwiseTrainer ignores bf16=True (no autocast around the forward)',
      'ShardwiseTrainer.__init__',
      '        if self.accelerator.native_amp:',
@@ -471,6 +476,11 @@ MUTATIONS = [
      '        return json.loads(config.to_json_string(use_diff=False))',
      '        return None',
      'tests/test_export_config.py -k config'),
+    ('issue 36: ShardwiseAccelerator ignores mixed_precision="bf16" (no autocast around the forward)',
+     'ShardwiseAccelerator.prepare_model',
+     '        if self.native_amp:',
+     '        if False:',
+     "tests/test_accelerate.py -k bf16 -m 'slow or not slow'"),
 ]
 
 
