@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shardwise.checkpoint.export import partial_name
 from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise.checkpoint.model_config import CONFIG, write_config  # noqa: F401 - CONFIG: the CLI's name for it
+from shardwise.checkpoint.model_config import write_config
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
