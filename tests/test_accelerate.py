@@ -8,23 +8,20 @@ import torch
 
 import shardwise as sw
 from helpers.parity import assert_trainer_run_matches, log_distance
+from helpers.tiny import tiny_gpt2
 
 pytest.importorskip("accelerate")
 STEPS = 3
 
 
 def _train(strategy, accumulate, save_dir=None, mixed_precision="no"):
-    import transformers
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState
 
     from shardwise.integrations.accelerate import ShardwiseAccelerator
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the pool's processes run many tests
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # built before shard(): the HF order
     ids = torch.randint(0, 128, (8 * STEPS * accumulate, 8), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(ids, batch_size=8)  # the global batch; split over the ranks
