@@ -47,7 +47,7 @@ def add_commands(commands) -> None:
     diff.add_argument("dir", metavar="DIR")
     diff.add_argument("other", metavar="OTHER")
     diff.add_argument("--values", action="store_true",
-                      help="also compare values (reads both, 16 MiB of rows at a time)")
+                      help="also compare values (reads both 16 MiB at a time: whole rows, or a larger row in parts)")
     ckpt.set_defaults(ckpt_parser=ckpt)
 
 
