@@ -93,39 +93,52 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="measure nothing: estimate again (this version's estimator) for the measured cases in "
                         "OUT/estimator.json, and rewrite it and the .md and .png")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--arch", help=argparse.SUPPRESS)
+    p.add_argument("--arch", help=argparse.SUPPRESS)  # a name in BUILDERS, or path/to/file.py:function
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--strategy", default="zero3", help=argparse.SUPPRESS)
+    p.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)  # checkpoint_activations=True
+    p.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)  # build without sw.deferred_init()
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-# ---- one rank ------------------------------------------------------------------------------
+# ---- one rank (bench/estimator_grid.py runs its cases through this worker too) -----------------
+
+
+def build(arch: str):
+    """The model ARCH names: one of BUILDERS, or what `path/to/file.py:function` returns."""
+    if arch in BUILDERS:
+        return BUILDERS[arch]()
+    from shardwise.cli.models import load_function
+
+    return load_function(arch)()
 
 
 def run_worker(args) -> None:
     import torch.distributed as dist
 
     import shardwise as sw
-    from shardwise.estimate.inputs import loss_of, make_inputs
+    from shardwise.estimate.inputs import call, loss_of, make_inputs
     from shardwise.estimate.measure import process_rss
 
     rank = int(os.environ.get("RANK", 0))
     torch.set_num_threads(1)
     sw.init()
     rss_init = process_rss()
-    if args.arch in EAGER:
-        model = BUILDERS[args.arch]()
+    if args.eager or args.arch in EAGER:
+        model = build(args.arch)
     else:
         with sw.deferred_init():
-            model = BUILDERS[args.arch]()
-    sw.shard(model, strategy="zero3")
+            model = build(args.arch)
+    sw.shard(model, strategy=args.strategy, precision=args.precision, checkpoint_activations=args.recompute)
     model.train()
     rss_built = process_rss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
     for _ in range(args.steps):
         batch = make_inputs(model, args.batch, args.seq, torch.device("cpu"))
-        loss = loss_of(model(**batch))
+        loss = loss_of(call(model, batch))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -154,17 +167,22 @@ def estimated(args, arch: str, batch: int) -> dict:
 
 
 def measured(args, arch: str, batch: int) -> dict:
+    return measure_ranks(args.world_size, ["--arch", arch, "--batch", str(batch), "--seq", str(args.seq),
+                                           "--steps", str(args.steps)], args.timeout)
+
+
+def measure_ranks(world: int, worker_args: list[str], timeout: float) -> dict:
+    """Run this file's worker on `world` fresh gloo ranks under torchrun; each rank's record and the peak."""
     from strategies import run_logged  # sibling script: bench/ is on sys.path when run as a script
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     with tempfile.TemporaryDirectory() as out_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-               __file__, "--worker", "--arch", arch, "--batch", str(batch), "--seq", str(args.seq),
-               "--steps", str(args.steps), "--out-dir", out_dir]
-        error, log = run_logged(cmd, env, out_dir, args.timeout)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               __file__, "--worker", *worker_args, "--out-dir", out_dir]
+        error, log = run_logged(cmd, env, out_dir, timeout)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
-    if error or len(ranks) < args.world_size:
-        raise RuntimeError(f"{arch} batch {batch}: {error or 'a rank wrote no result'}\n{log[-2000:]}")
+    if error or len(ranks) < world:
+        raise RuntimeError(f"{' '.join(worker_args)}: {error or 'a rank wrote no result'}\n{log[-2000:]}")
     return {"ranks": ranks, "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks)}
 
 

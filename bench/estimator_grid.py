@@ -6,26 +6,22 @@ checkpointing, for zero1/2/3 at world sizes 2 and 4, on the zoo GPT and three Hu
 
 Each case is what bench/estimator.py does for one configuration: the estimate is what `shardwise
 estimate --model bench/estimator_grid.py:ARCH --strategy S --world-size W --batch B --seq S --json
-[--checkpoint-activations]` prints in a fresh process; the measurement is 2 AdamW steps of the loss
-on W fresh gloo ranks under torchrun (one thread each, MALLOC_MMAP_THRESHOLD_=65536, the model
-built eagerly, `sw.shard(model, strategy=S, checkpoint_activations=...)` with units="auto"), each
-rank reporting its peak RSS. Results are appended case by case to OUT/estimator_grid.json (a rerun
-skips the cases already there), then written as OUT/estimator_grid.md.
+[--checkpoint-activations]` prints in a fresh process; the measurement is bench/estimator.py's worker
+(`--arch bench/estimator_grid.py:ARCH --eager [--recompute]`): 2 AdamW steps of the loss on W fresh
+gloo ranks under torchrun (one thread each, MALLOC_MMAP_THRESHOLD_=65536, the model built eagerly,
+`sw.shard(model, strategy=S, checkpoint_activations=...)` with units="auto"), each rank reporting
+its peak RSS. Results are appended case by case to OUT/estimator_grid.json (a rerun
+skips the cases already there), then written as OUT/estimator_grid.md and plotted in OUT/estimator_grid.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
@@ -81,48 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--reestimate", action="store_true",
                    help="measure nothing: estimate every measured case again with this version's estimator")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--arch", help=argparse.SUPPRESS)
-    p.add_argument("--strategy", help=argparse.SUPPRESS)
-    p.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-# ---- one rank ------------------------------------------------------------------------------
-
-
-def run_worker(args) -> None:
-    import torch.distributed as dist
-
-    import shardwise as sw
-    from shardwise.estimate.inputs import loss_of, make_inputs
-    from shardwise.estimate.measure import process_rss
-
-    rank = int(os.environ.get("RANK", 0))
-    torch.set_num_threads(1)
-    sw.init()
-    rss_init = process_rss()
-    model = BUILDERS[args.arch]()
-    sw.shard(model, strategy=args.strategy, checkpoint_activations=args.recompute)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(args.steps):
-        if args.arch == "gpt":
-            ids = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g)
-            loss = model(ids, ids)
-        else:
-            loss = loss_of(model(**make_inputs(model, args.batch, SEQ, torch.device("cpu"))))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        del loss
-    record = {"rank": rank, "rss_init_bytes": rss_init, "rss_between_steps_bytes": process_rss(),
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    dist.barrier()
-    Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
-    sw.shutdown()
 
 
 # ---- launcher ------------------------------------------------------------------------------
@@ -139,18 +94,12 @@ def estimated(args, arch, strategy, world, recompute) -> dict:
 
 
 def measured(args, arch, strategy, world, recompute) -> dict:
-    from strategies import run_logged  # sibling script: bench/ is on sys.path when run as a script
+    """bench/estimator.py's worker on this file's model, built eagerly, with this strategy and checkpointing."""
+    from estimator import measure_ranks  # sibling script: bench/ is on sys.path when run as a script
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
-    with tempfile.TemporaryDirectory() as out_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-               "--worker", "--arch", arch, "--strategy", strategy, "--batch", str(args.batch), "--steps",
-               str(args.steps), "--out-dir", out_dir] + ["--recompute"] * recompute
-        error, log = run_logged(cmd, env, out_dir, args.timeout)
-        ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
-    if error or len(ranks) < world:
-        raise RuntimeError(f"{arch} {strategy} ws {world}: {error or 'a rank wrote no result'}\n{log[-2000:]}")
-    return {"ranks": ranks, "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks)}
+    return measure_ranks(world, ["--arch", f"{__file__}:{arch}", "--strategy", strategy, "--batch", str(args.batch),
+                                 "--seq", str(SEQ), "--steps", str(args.steps), "--eager"]
+                         + ["--recompute"] * recompute, args.timeout)
 
 
 def markdown(rows: list[dict], args) -> str:
@@ -158,7 +107,9 @@ def markdown(rows: list[dict], args) -> str:
              f"`checkpoint_activations`: the zoo GPT and Hugging Face Qwen2, GPT-NeoX and Phi from small configs "
              f"(vocab {VOCAB}, width {WIDTH}, {LAYERS} blocks, {HEADS} heads, FFN {FFN}), seq {SEQ}, batch "
              f"{args.batch} per rank, fp32 AdamW, {args.steps} steps, units=\"auto\", gloo, 1 thread per rank, "
-             "MALLOC_MMAP_THRESHOLD_=65536. Reproduce: `python bench/estimator_grid.py`.", "",
+             "MALLOC_MMAP_THRESHOLD_=65536. Peak RSS, not time: other jobs loading the machine (load average 12-14 on "
+             "2 cores for the ws-4 GPT-NeoX, Phi and Qwen2 zero3-checkpointing rows) do not change it. Reproduce: "
+             "`python bench/estimator_grid.py` (a rerun measures only the cases missing from the .json).", "",
              "| model | strategy | ranks | checkpointing | estimated MiB | measured MiB | error | est. activations |",
              "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:
@@ -176,11 +127,36 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Each case's error (estimated - measured) / measured, by model and world size, against the ±5% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.axhspan(-5, 5, color="0.92", label="±5%")
+    groups = sorted({(r["world"], r["arch"]) for r in rows}, key=lambda g: (g[0], ARCHS.index(g[1])))
+    strategies = ("zero1", "zero2", "zero3")
+    for recompute, marker in ((False, "o"), (True, "^")):
+        xs, ys = [], []
+        for r in rows:
+            if r["recompute"] == recompute:
+                peak = r["measured"]["peak_rss_bytes"]
+                xs.append(groups.index((r["world"], r["arch"])) + 0.25 * (strategies.index(r["strategy"]) - 1))
+                ys.append(100 * (r["estimate"]["total"] - peak) / peak)
+        ax.scatter(xs, ys, marker=marker, label=f"checkpointing {'on' if recompute else 'off'}")
+    ax.set_xticks(range(len(groups)), [f"{arch}\nws {world}" for world, arch in groups])
+    ax.set_ylabel("estimate error (% of measured peak RSS)")
+    ax.set_title("shardwise estimate vs measured peak RSS per rank (zero1, zero2, zero3 left to right in each group)")
+    ax.set_ylim(-8, 8)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.worker:
-        run_worker(args)
-        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     store = out / "estimator_grid.json"
@@ -210,6 +186,7 @@ def main(argv=None) -> None:
                           f"{peak / MIB:,.0f} MiB ({(est - peak) / peak:+.1%}), {time.time() - started:.0f} s",
                           flush=True)
     (out / "estimator_grid.md").write_text(markdown(rows, args))
+    plot(rows, out / "estimator_grid.png")
     print((out / "estimator_grid.md").read_text())
 
 

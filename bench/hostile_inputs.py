@@ -8,7 +8,10 @@ Cases: `latest` (sw.latest beside a 64 MiB `[{},{},...]` index.json), `load-head
 checkpoint whose rank-file header is 99 MiB of `{}`, index forged to match), `inspect-sparse` (the
 digest `ckpt inspect` computes of a 4 KiB sparse file declaring one row of 2^28 floats),
 `suggest` (sw.load strict=False of 20,000 unmatched names into 20 parameters), `diff-values`
-(`ckpt diff --values` of two 256 MiB tensors). Prints one line per case; measures, asserts nothing.
+(`ckpt diff --values` of two 256 MiB tensors), `diff-row` (the same of two 256 MiB tensors of one row,
+[1, 2^26]). Prints one line per case; measures, asserts nothing.
+
+    python bench/hostile_inputs.py diff-values diff-row   # some cases only
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ CASES = {
                "strict=False)",
     "diff-values": "from shardwise.checkpoint import tools; tools.diff(root / 'a.safetensors', root / 'b.safetensors', "
                    "values=True)",
+    "diff-row": "from shardwise.checkpoint import tools; tools.diff(root / 'row-a.safetensors', "
+                "root / 'row-b.safetensors', values=True)",
 }
 
 
@@ -68,6 +73,8 @@ def make_inputs(root: Path) -> None:
                                 root / "names.safetensors")
     safetensors.torch.save_file({"x": torch.zeros(8192, 8192)}, root / "a.safetensors")
     safetensors.torch.save_file({"x": torch.ones(8192, 8192)}, root / "b.safetensors")
+    safetensors.torch.save_file({"x": torch.zeros(1, 2**26)}, root / "row-a.safetensors")
+    safetensors.torch.save_file({"x": torch.ones(1, 2**26)}, root / "row-b.safetensors")
 
 
 def measure(root: Path, case: str) -> str:
@@ -97,7 +104,7 @@ def main() -> None:
         # so this process must stay small.
         subprocess.run([sys.executable, __file__, "--make", str(root)], check=True)
         print(f"inputs made in {time.monotonic() - started:.0f} s under {root}", flush=True)
-        for case in CASES:
+        for case in sys.argv[1:] or CASES:
             print(measure(root, case), flush=True)
 
 

@@ -8,8 +8,9 @@ loop Accelerate's docs write (`prepare`, `accumulate`, `backward`, `clip_grad_no
 `save_model`): `sw.init()`, `sw.shard(model, ...)` before Accelerate sees the model,
 `ShardwiseAccelerator` instead of `Accelerator`, and `sw.save` for checkpoints
 (`accelerator.save_state` is refused on a sharded model: it would keep rank 0's optimizer
-rows only). Mixed precision is `sw.shard(..., precision="bf16")` (`--precision`), not
-`Accelerator(mixed_precision=...)`, which is refused. GPT-2 is built from a small config over a
+rows only). Mixed precision is `sw.shard(..., precision="bf16")` (`--precision`);
+`ShardwiseAccelerator(mixed_precision="bf16")` would autocast instead, as the plain Accelerator
+does (`"fp16"` is refused: use precision="fp16"). GPT-2 is built from a small config over a
 byte-level vocabulary of 256: nothing is downloaded. Every `--save-every` optimizer steps, and at
 the end, `sw.save` writes OUT/step-N (model and optimizer, every rank its rows and RNG states);
 started again with the same `--out`, the script resumes from the newest one: the data order

@@ -7,29 +7,29 @@ import pytest
 import torch
 
 import shardwise as sw
-from helpers.parity import assert_trainer_run_matches
+from helpers.parity import assert_trainer_run_matches, log_distance
+from helpers.tiny import tiny_gpt2
 
 pytest.importorskip("accelerate")
 STEPS = 3
 
 
-def _train(strategy, accumulate, save_dir=None):
-    import transformers
+def _train(strategy, accumulate, save_dir=None, mixed_precision="no"):
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.state import AcceleratorState
 
     from shardwise.integrations.accelerate import ShardwiseAccelerator
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the pool's processes run many tests
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # built before shard(): the HF order
     ids = torch.randint(0, 128, (8 * STEPS * accumulate, 8), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(ids, batch_size=8)  # the global batch; split over the ranks
-    options = dict(cpu=True, gradient_accumulation_steps=accumulate,
+    options = dict(cpu=True, gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision,
                    dataloader_config=DataLoaderConfiguration(split_batches=True))
+    seen = []  # what block 0's MLP computed in: (autocast on, output dtype)
+    model.transformer.h[0].mlp.register_forward_hook(
+        lambda module, inputs, output: seen.append((torch.is_autocast_enabled("cpu"), str(output.dtype))))
     if strategy == "none":
         accelerator = Accelerator(**options)
     else:
@@ -50,6 +50,8 @@ def _train(strategy, accumulate, save_dir=None):
         accelerator.save_model(model, save_dir)
     params = sw.full_parameters(model) if strategy != "none" else \
         {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+    if mixed_precision != "no":
+        return logs, seen[0]
     return logs, params
 
 
@@ -68,6 +70,43 @@ def test_accelerate_loop_matches_one_process(ranks, tmp_path, strategy, accumula
         if name in saved:
             assert torch.equal(saved[name], value), name
     assert saved["transformer.wte.weight"].shape == (128, 32)
+
+
+@pytest.mark.slow  # 3 runs of 2 ranks (~14 s on 2 busy cores)
+def test_accelerate_bf16_autocasts_as_the_plain_accelerator(ranks):
+    """Catches mixed_precision="bf16" refused, or accepted and ignored (the forward in fp32): the plain
+    Accelerator under torch DDP and ShardwiseAccelerator (zero3) on the same 2 ranks both compute block 0
+    in bf16 under autocast, and log losses and grad norms within twice the plain Accelerator's own
+    distance from one process (bf16 rounds the ranks' partial sums differently), as
+    tests/test_trainer_args.py holds the Trainer's bf16."""
+    (plain, plain_seen), _ = ranks.run(_train, 2, "none", 1, None, "bf16", timeout=180)
+    (mine, seen), _ = ranks.run(_train, 2, "zero3", 1, None, "bf16", timeout=180)
+    (one, _), = ranks.run(_train, 1, "none", 1, None, "bf16", timeout=180)
+    assert seen == plain_seen == (True, "torch.bfloat16"), (seen, plain_seen)
+    assert len(mine) == len(plain) == STEPS
+    assert log_distance(mine, plain) <= 2 * log_distance(plain, one) + 1e-6, (mine, plain, one)
+
+
+def _prepare_fp16():
+    from accelerate.state import AcceleratorState
+
+    from shardwise.integrations.accelerate import ShardwiseAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sw.shard(model, strategy="zero2", units=torch.nn.Linear)
+    try:
+        ShardwiseAccelerator(cpu=True, mixed_precision="fp16").prepare(model)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_accelerate_fp16_is_refused_with_the_shardwise_way(ranks):
+    """Catches fp16 through Accelerate's GradScaler, whose inf/NaN check sees this rank's rows only:
+    refused on every rank with shardwise's precision="fp16", as ShardwiseTrainer refuses fp16=True."""
+    for message in ranks.run(_prepare_fp16, 2, timeout=120):
+        assert message is not None and 'precision="fp16"' in message, message
 
 
 def _refused_state(tmp):

@@ -4,6 +4,7 @@ refused, raw KeyError / UnicodeDecodeError turned into ShardwiseErrors, control 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -111,16 +112,66 @@ def test_diff_values_streams_rows(tmp_path, monkeypatch):
     reads = []
     original = tools._largest_difference
 
-    def watched(x, y):
+    def watched(first, second, x, y):
         for side in (x, y):
             read = side.read
             side.read = lambda lo, hi, out, read=read: reads.append(hi - lo) or read(lo, hi, out)
-        return original(x, y)
+        return original(first, second, x, y)
 
     monkeypatch.setattr(tools, "_largest_difference", watched)
     lines, same = tools.diff(a, b, values=True)
     assert not same and any("2.5" in line for line in lines), lines
     assert max(reads) * 4096 * 4 <= 16 * 2**20, max(reads)
+
+
+class _Row(torch.nn.Module):
+    def __init__(self, value):
+        super().__init__()
+        self.x = torch.nn.Parameter(value)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "safetensors", "torch"])
+def test_diff_values_streams_one_huge_row_in_parts(tmp_path, monkeypatch, kind):
+    """Catches `ckpt diff --values` reading a row larger than its block whole (a [1, N] tensor held N
+    elements, twice, then 12x in doubles): every read is at most a block, the difference is still
+    found, and a checkpoint's chunk crcs are still checked."""
+    monkeypatch.setattr(tools, "_BLOCK_BYTES", 4096)  # a row of 16 KiB is then 4 blocks
+    changed = torch.zeros(1, 4096)
+    changed[0, -1] = 2.5
+    paths = []
+    for name, value in (("a", torch.zeros(1, 4096)), ("b", changed)):
+        if kind == "checkpoint":
+            paths.append(sw.save(tmp_path / name, _Row(value)))
+        elif kind == "safetensors":
+            safetensors.torch.save_file({"x": value}, tmp_path / f"{name}.safetensors")
+            paths.append(tmp_path / f"{name}.safetensors")
+        else:
+            torch.save({"x": value}, tmp_path / f"{name}.pt")
+            paths.append(tmp_path / f"{name}.pt")
+    elements = []
+    original = tools._largest_difference
+
+    def watched(first, second, x, y):
+        for side in (x, y):
+            read, flat = side.read, side.read_flat
+            side.read = lambda lo, hi, out, read=read: elements.append((hi - lo) * 4096) or read(lo, hi, out)
+            side.read_flat = lambda start, stop, flat=flat: elements.append(stop - start) or flat(start, stop)
+        return original(first, second, x, y)
+
+    monkeypatch.setattr(tools, "_largest_difference", watched)
+    lines, same = tools.diff(*paths, values=True)
+    assert not same and any("2.5" in line for line in lines), lines
+    assert elements and max(elements) * 4 <= 4096, elements
+    if kind == "checkpoint":
+        file = paths[1] / "rank-00000-of-00001.safetensors"
+        data = bytearray(file.read_bytes())
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        end = next(8 + int.from_bytes(data[:8], "little") + entry["data_offsets"][1]
+                   for entry in header.values() if isinstance(entry, dict) and entry.get("shape") == [1, 4096])
+        data[end - 8] ^= 0xFF  # inside the row's last block
+        file.write_bytes(bytes(data))
+        with pytest.raises(sw.ShardwiseError, match="checksum mismatch"):
+            tools.diff(*paths, values=True)
 
 
 def test_a_fifo_is_refused_not_read(tmp_path):

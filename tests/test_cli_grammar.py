@@ -137,10 +137,13 @@ def test_strategy_names_get_did_you_mean():
 def test_sharding_twice_the_same_way_does_not_talk_of_changing_strategy():
     """Catches `sw.shard` called twice with the same strategy answered "to change strategy"."""
     sw.init()
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    sw.shard(model, strategy="zero2", units=["0", "1"])
-    with pytest.raises(sw.ShardwiseError, match="once per model") as raised:
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
         sw.shard(model, strategy="zero2", units=["0", "1"])
-    assert "change strategy" not in str(raised.value)
-    with pytest.raises(sw.ShardwiseError, match="to change strategy"):
-        sw.shard(model, strategy="zero3")
+        with pytest.raises(sw.ShardwiseError, match="once per model") as raised:
+            sw.shard(model, strategy="zero2", units=["0", "1"])
+        assert "change strategy" not in str(raised.value)
+        with pytest.raises(sw.ShardwiseError, match="to change strategy"):
+            sw.shard(model, strategy="zero3")
+    finally:
+        sw.shutdown()

@@ -58,3 +58,41 @@ def test_hung_rank_fails_within_timeout_and_is_named(ranks):
     assert "rank(s) [1] of 2" in message
     assert "_sleep_forever" in message  # the stack shows where rank 1 was
     assert ranks.run(_all_reduce_rank, 2)[1][2] == 1.0  # a fresh pool replaces the killed one
+
+
+
+ORDER = """
+import torch.distributed as dist
+
+import shardwise as sw
+
+
+def test_leaves_its_group():
+    sw.init()  # a one-rank group in the pytest process, never shut down
+
+
+def test_makes_its_own_group():  # as tests/test_compat.py's DDP test does
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # a pytest of its own (~5 s quiet, 18 s loaded)
+def test_a_test_that_leaves_its_group_does_not_fail_the_next(tmp_path):
+    """Catches the order-dependent failure: a test that called sw.init() in the pytest process and did not
+    shut down (tests/test_cli_grammar.py's did) left the default group to the next test, and
+    tests/test_compat.py's own init_process_group then failed ("initialize the default process group
+    twice"). conftest's no_group_left_behind ends each test's group: two such tests, in that order,
+    under this suite's conftest."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_order.py").write_text(ORDER)
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_order.py")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout[-3000:]

@@ -216,3 +216,52 @@ def test_time_balance_is_the_same_on_every_rank(ranks):
     results = ranks.run(_time_balance_on_rank, 2, timeout=60)
     assert results[0] == results[1]
     assert all(c > 0 for c in results[0][0])
+
+
+def _move_state_without_unpickling(extra):
+    """2 ranks: rank 0 sends a parameter and its SGD momentum to rank 1, torch's unpickler made to refuse."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.pipeline._moves import broadcast_entries
+
+    class Refuse:
+        def __init__(self, *args):
+            raise AssertionError("unpickled bytes that came over a collective")
+
+    rank = dist.get_rank()
+    params = {"w": torch.nn.Parameter(torch.full((3, 2), float(rank)))}
+    optimizer = torch.optim.SGD(params.values(), lr=0.1, momentum=0.9)
+    if rank == 0:
+        optimizer.state[params["w"]] = {"momentum_buffer": torch.arange(6.0).view(3, 2), "extra": extra}
+    saved, c10d._unpickler = c10d._unpickler, Refuse
+    try:
+        state = broadcast_entries(params, ["w"], optimizer, 0, dist.group.WORLD, True)
+    except ShardwiseError as error:
+        return str(error)
+    finally:
+        c10d._unpickler = saved
+    return params["w"].tolist(), state["w"]["momentum_buffer"].tolist(), state["w"]["extra"]
+
+
+def test_moving_optimizer_state_sends_no_pickle(ranks):
+    """Catches the pipeline's re-pack sending the optimizer state's layout with broadcast_object_list,
+    which unpickles what arrives (Note [no pickle on the wire]): the layout goes as JSON, the values
+    arrive whole; a state value JSON cannot carry is refused on both ranks, not a hang on one."""
+    moved = ([[0.0, 0.0]] * 3, [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], 7)
+    assert ranks.run(_move_state_without_unpickling, 2, 7, timeout=120) == [moved, moved]
+    for message in ranks.run(_move_state_without_unpickling, 2, object(), timeout=120):
+        assert "extra=object" in message, message
+
+
+def test_no_object_collective_in_the_source():
+    """Catches a pickle between ranks coming back anywhere in src (Note [no pickle on the wire])."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "shardwise"
+    pattern = re.compile(r"dist\.(broadcast_object_list|all_gather_object|gather_object|scatter_object_list)\(")
+    found = [f"{path.relative_to(src)}:{n}" for path in sorted(src.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

@@ -8,6 +8,7 @@ import torch
 
 import shardwise as sw
 from helpers.parity import assert_trainer_run_matches
+from helpers.tiny import tiny_gpt2, tiny_lm_data
 
 STEPS = 3
 
@@ -19,12 +20,7 @@ def _train(tmp, strategy, world_size, accumulate, steps=STEPS, save_steps=None, 
     from shardwise.integrations.transformers import ShardwiseTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)  # the pool's processes run many tests
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 8), generator=g)]
+    model, data = tiny_gpt2(), tiny_lm_data()
     per_device = 8 // world_size // accumulate
     args = transformers.TrainingArguments(
         output_dir=tmp, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulate,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import shardwise as sw
+from helpers.parity import log_distance
 from shardwise.integrations.trainer_args import HONOURED, REFUSALS
 
 STEPS = 3
@@ -91,10 +92,6 @@ def _train(tmp, kind: str, overrides: dict):
     return logs, params, seen[0]
 
 
-def _distance(a, b) -> float:
-    return max(max(abs(x - y), abs(m - n)) for (x, m), (y, n) in zip(a, b))
-
-
 # `make test` runs the rows whose fields change the arithmetic most; every row runs in `make test-all`.
 FAST_ROWS = {"base", "bf16", "accumulation", "checkpointing", "adafactor"}
 
@@ -116,10 +113,10 @@ def test_each_honoured_field_does_what_the_plain_trainer_does(ranks, tmp_path, r
     if overrides.get("bf16"):
         assert seen == (True, "torch.bfloat16")
         (one, _, _), = ranks.run(_train, 1, str(tmp_path / "one"), "plain", overrides, timeout=240)
-        tolerance = 2 * _distance(plain, one) + 1e-6
-        assert _distance(mine, plain) <= tolerance, (mine, plain, one)
+        tolerance = 2 * log_distance(plain, one) + 1e-6
+        assert log_distance(mine, plain) <= tolerance, (mine, plain, one)
         return
-    assert _distance(mine, plain) < 1e-5 * max(1.0, max(n for _, n in plain)), (mine, plain)
+    assert log_distance(mine, plain) < 1e-5 * max(1.0, max(n for _, n in plain)), (mine, plain)
     for name, value in plain_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

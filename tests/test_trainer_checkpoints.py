@@ -10,21 +10,15 @@ import shutil
 import torch
 
 import shardwise as sw
+from helpers.tiny import PerParameter, tiny_gpt2, tiny_lm_data
 
 
-class OddState(torch.optim.Optimizer):
+class OddState(PerParameter):
     """Plain SGD that keeps a Python set in its state: a value no checkpoint can hold without pickle."""
 
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.state[p].setdefault("tags", {"a", "b"})
-                    p.add_(p.grad, alpha=-group["lr"])
+    def update(self, p, state, lr) -> None:
+        state.setdefault("tags", {"a", "b"})
+        p.add_(p.grad, alpha=-lr)
 
 
 def _train(tmp, steps, save_steps, resume=None, odd=False):
@@ -34,18 +28,13 @@ def _train(tmp, steps, save_steps, resume=None, odd=False):
     from shardwise.integrations.transformers import ShardwiseTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (32, 8), generator=g)]
+    model, data = tiny_gpt2(), tiny_lm_data()
     args = transformers.TrainingArguments(
         output_dir=tmp, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-2, logging_steps=1,
         report_to=[], seed=0, save_strategy="steps", save_steps=save_steps, use_cpu=True,
         lr_scheduler_type="constant", disable_tqdm=True)
     sw.shard(model, strategy="zero3")
-    optimizers = (OddState(model.parameters()), None) if odd else (None, None)
+    optimizers = (OddState(model.parameters(), lr=0.1), None) if odd else (None, None)
     trainer = ShardwiseTrainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
     records = []
     handler = logging.Handler()

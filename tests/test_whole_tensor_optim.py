@@ -14,48 +14,33 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
+from helpers.tiny import PerParameter
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import assert_close_runs, global_batch, rank_slice, train
 
 MODEL = "reused_block"  # a unit used 3 times per forward, a head in the root unit
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(PerParameter):
     """A LAMB-style class as repositories write it: Adam's direction scaled by ||p|| / ||update||."""
 
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
-                state["v"].mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
-                update = state["m"] / (state["v"].sqrt() + 1e-6) + 0.01 * p
-                trust = (p.norm() / update.norm()).clamp(max=10.0) if p.norm() > 0 else torch.tensor(1.0)
-                p.add_(update, alpha=-group["lr"] * float(trust))
+    def update(self, p, state, lr) -> None:
+        if not state:
+            state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+        state["v"].mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+        update = state["m"] / (state["v"].sqrt() + 1e-6) + 0.01 * p
+        trust = (p.norm() / update.norm()).clamp(max=10.0) if p.norm() > 0 else torch.tensor(1.0)
+        p.add_(update, alpha=-lr * float(trust))
 
 
-class ColumnNorm(torch.optim.Optimizer):
+class ColumnNorm(PerParameter):
     """A preconditioner-like class: each column of the gradient scaled by that column's norm
     over every row (the statistic Adafactor and Shampoo-like methods read across rows)."""
 
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    scale = p.grad.norm(dim=0, keepdim=True) + 1e-3 if p.dim() == 2 else p.grad.norm() + 1e-3
-                    p.add_(p.grad / scale, alpha=-group["lr"])
+    def update(self, p, state, lr) -> None:
+        scale = p.grad.norm(dim=0, keepdim=True) + 1e-3 if p.dim() == 2 else p.grad.norm() + 1e-3
+        p.add_(p.grad / scale, alpha=-lr)
 
 
 class Both:

@@ -119,3 +119,8 @@ def assert_trainer_run_matches(logs, params, reference_logs, reference_params, s
                                                                                                reference_logs)
     for name, value in reference_params.items():
         torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-5)
+
+
+def log_distance(a, b) -> float:
+    """The largest difference between two trainer runs' logged (loss, grad norm) per step."""
+    return max(max(abs(x - y), abs(m - n)) for (x, m), (y, n) in zip(a, b))

@@ -290,6 +290,18 @@ class FileReader:
         rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
         return rows[lo - span_lo : hi - span_lo]
 
+    def read_span(self, key: str, start: int, stop: int) -> Tensor:
+        """Elements `start:stop` of tensor `key`, flattened: part of one huge row (`ckpt diff --values`
+        streams rows larger than its block so). Unchecked: verify_rows the rows first."""
+        entry = self.entry(key)
+        numel = (entry.end - entry.begin) // entry.dtype.itemsize
+        if not 0 <= start <= stop <= numel:
+            raise ShardwiseError(f"internal: elements {start}:{stop} of {key!r} in {self.path} ({numel})")
+        buffer = torch.empty(stop - start, dtype=entry.dtype)
+        if buffer.numel():
+            self._pread_into(as_bytes(buffer), entry.begin + start * entry.dtype.itemsize)
+        return buffer
+
     def _pread_into(self, data: memoryview, offset: int) -> None:
         done = 0
         while done < len(data):

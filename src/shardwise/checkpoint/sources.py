@@ -9,6 +9,7 @@ renamed on the way in (Note [wrapper prefixes] in names.py).
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, replace
@@ -26,7 +27,9 @@ from shardwise.errors import ShardwiseError
 
 @dataclass
 class SourceTensor:
-    """One tensor a source can provide: `read(lo, hi, out)` returns rows lo:hi (into `out` when it can)."""
+    """One tensor a source can provide: `read(lo, hi, out)` returns rows lo:hi (into `out` when it can);
+    `read_flat(start, stop)`, where the source has it, elements start:stop of the flattened tensor
+    (unchecked: `Source.verify` the rows first), so that a row larger than memory is read in parts."""
 
     name: str
     shape: tuple[int, ...]
@@ -34,6 +37,7 @@ class SourceTensor:
     aliases: tuple[str, ...]
     read: Callable[[int, int, Tensor | None], Tensor]
     slices: tuple[SliceRecord, ...] | None = None  # a checkpoint directory's row slices
+    read_flat: Callable[[int, int], Tensor] | None = None
 
 
 class Source:
@@ -124,7 +128,8 @@ class CheckpointDir(Source):
 
     def _source_tensor(self, name: str, record: TensorRecord) -> SourceTensor:
         return SourceTensor(name, record.shape, record.dtype, (),
-                            lambda lo, hi, out: self._read(name, record, lo, hi, out), record.slices)
+                            lambda lo, hi, out: self._read(name, record, lo, hi, out), record.slices,
+                            lambda start, stop: self._read_flat(name, record, start, stop))
 
     def optimizer_tensor(self, number: int, name: str, key: str, *, whole: bool = False) -> SourceTensor:
         state = self.optimizers[number].state[name]
@@ -180,6 +185,14 @@ class CheckpointDir(Source):
             if got is not view:
                 view.copy_(got.reshape(view.shape))
         return target
+
+    def _read_flat(self, name, record: TensorRecord, start: int, stop: int) -> Tensor:
+        row = math.prod(record.shape[1:])  # elements per row
+        rows = record.shape[0] if record.shape else 1
+        parts = self._parts(name, record.slices, start // max(row, 1), min(rows, -(-stop // max(row, 1))))
+        pieces = [self.reader(piece.file).read_span(piece.key, max(start, a * row) - piece.lo * row,
+                                                    min(stop, b * row) - piece.lo * row) for piece, a, b in parts]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def rng_of(self, rank: int):
         if rank >= len(self.index.rng):
@@ -247,7 +260,8 @@ class SafetensorsFile(Source):
             name = names.add(renamer(clean_name(key)), key)
             self.tensors[name] = SourceTensor(
                 name, entry.shape, entry.dtype, (),
-                lambda lo, hi, out, key=key: self.file.read_rows(key, lo, hi, out=out))
+                lambda lo, hi, out, key=key: self.file.read_rows(key, lo, hi, out=out),
+                read_flat=lambda start, stop, key=key: self.file.read_span(key, start, stop))
         # Tied weights stored once: safetensors' save_model (and sw.export) record each
         # dropped name in the metadata as {dropped: kept}.
         for dropped, kept in self.file.metadata.items():
@@ -291,7 +305,8 @@ class TorchFile(Source):
             if identity is not None:
                 by_storage[identity] = name
             self.tensors[name] = SourceTensor(name, tuple(value.shape), value.dtype, (),
-                                              lambda lo, hi, out, value=value: _rows(value)[lo:hi])
+                                              lambda lo, hi, out, value=value: _rows(value)[lo:hi],
+                                              read_flat=lambda start, stop, value=value: value.reshape(-1)[start:stop])
 
 
 def _rows(tensor: Tensor) -> Tensor:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from pathlib import Path
 
 from shardwise.checkpoint.export import partial_name
 from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise.checkpoint.model_config import CONFIG, write_config  # noqa: F401 - CONFIG: the CLI's name for it
+from shardwise.checkpoint.model_config import write_config
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
@@ -143,15 +144,29 @@ def export_checkpoint(path, out) -> Path:
 _BLOCK_BYTES = 16 * _MIB  # rows compared at a time by `diff --values`
 
 
-def _largest_difference(x: SourceTensor, y: SourceTensor) -> float:
-    """max |x - y| over two tensors of one shape, read _BLOCK_BYTES of rows at a time (never whole; a
-    single row larger than that is read whole) and compared 2^20 elements at a time in float64."""
+def _blocks(source, tensor: SourceTensor, row_bytes: int, flat: bool):
+    """`tensor`'s elements in order, flat, about _BLOCK_BYTES at a time: whole rows, or parts of a
+    row larger than that (its chunks' crcs checked first, streaming, by `source.verify`)."""
+    rows = tensor.shape[0] if tensor.shape else 1
+    if not flat:
+        step = max(1, _BLOCK_BYTES // max(1, row_bytes))
+        for lo in range(0, rows, step):
+            yield tensor.read(lo, min(rows, lo + step), None).reshape(-1)
+        return
+    source.verify([(tensor, 0, rows)])
+    numel, step = math.prod(tensor.shape), max(1, _BLOCK_BYTES // tensor.dtype.itemsize)
+    for start in range(0, numel, step):
+        yield tensor.read_flat(start, min(numel, start + step))
+
+
+def _largest_difference(first, second, x: SourceTensor, y: SourceTensor) -> float:
+    """max |x - y| over two tensors of one shape, read _BLOCK_BYTES at a time (never whole, nor a
+    whole row larger than that) and compared 2^20 elements at a time in float64."""
     rows = x.shape[0] if x.shape else 1
-    step = max(1, _BLOCK_BYTES // max(1, _nbytes(x) // max(rows, 1)))
+    row_bytes = _nbytes(x) // max(rows, 1)
     largest = 0.0
-    for lo in range(0, rows, step):
-        hi = min(rows, lo + step)
-        a, b = x.read(lo, hi, None).reshape(-1), y.read(lo, hi, None).reshape(-1)
+    flat = row_bytes > _BLOCK_BYTES and x.read_flat is not None and y.read_flat is not None  # the same blocks
+    for a, b in zip(_blocks(first, x, row_bytes, flat), _blocks(second, y, row_bytes, flat)):
         for start in range(0, a.numel(), 2**20):
             piece = (a[start : start + 2**20].double() - b[start : start + 2**20].double()).abs().max()
             block = float(piece)
@@ -187,7 +202,7 @@ def diff(a, b, *, values: bool = False) -> tuple[list[str], bool]:
                 lines.append(f"~ {name}: {list(x.shape)} {dtype_code(x.dtype)} "
                              f"vs {list(y.shape)} {dtype_code(y.dtype)}")
             elif values:
-                largest = _largest_difference(x, y)
+                largest = _largest_difference(first, second, x, y)
                 if largest != 0.0:
                     changed += 1
                     lines.append(f"~ {name}: values differ, max |a - b| = {largest:.3g}")

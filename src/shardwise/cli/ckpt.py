@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from shardwise.checkpoint import tools
+from shardwise.checkpoint.model_config import CONFIG
 from shardwise.errors import ShardwiseError
 
 
@@ -46,7 +47,7 @@ def add_commands(commands) -> None:
     diff.add_argument("dir", metavar="DIR")
     diff.add_argument("other", metavar="OTHER")
     diff.add_argument("--values", action="store_true",
-                      help="also compare values (reads both, 16 MiB of rows at a time)")
+                      help="also compare values (reads both 16 MiB at a time: whole rows, or a larger row in parts)")
     ckpt.set_defaults(ckpt_parser=ckpt)
 
 
@@ -105,12 +106,12 @@ def _run(args) -> int:
 
 
 def _config_line(checkpoint: Path, written: Path) -> str:
-    """What the export did about config.json (Note [model config] in checkpoint/save.py)."""
+    """What the export did about config.json (Note [model config] in checkpoint/model_config.py)."""
     if tools.read_index(checkpoint).model_config is None:
         return ("no config.json: this checkpoint does not record a Hugging Face config (it was saved from a model "
                 "without one, or by an earlier shardwise). For from_pretrained, write the model's config "
                 f"beside it: model.config.save_pretrained({str(written.parent)!r})")
-    line = f"wrote {written.parent / tools.CONFIG} (the config recorded at save)"
+    line = f"wrote {written.parent / CONFIG} (the config recorded at save)"
     if written.name != "model.safetensors":
         line += f"; from_pretrained({str(written.parent)!r}) reads model.safetensors: name OUT so to load it there"
     return line

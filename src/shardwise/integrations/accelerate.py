@@ -14,9 +14,10 @@ sharded model as shardwise returned it (Accelerate's `accumulate()` then finds i
 `no_sync()`), clips by the global norm (`sw.clip_grad_norm_`) when given all of its
 parameters, and gives `sw.full_state_dict` to `get_state_dict` (so `save_model` writes the
 whole model from rank 0). `save_state` / `load_state` would keep only rank 0's optimizer rows:
-they are refused with the fix (`sw.save` / `sw.load`). Mixed precision is shardwise's own
-(`sw.shard(..., precision="bf16")`), not Accelerate's autocast. Unsharded models take
-Accelerate's own paths unchanged.
+they are refused with the fix (`sw.save` / `sw.load`). `mixed_precision="bf16"` autocasts the
+forward (outputs in fp32) as the plain Accelerator does; `"fp16"` is refused for shardwise's own
+`precision="fp16"`, whose loss scaler agrees on inf/NaN across ranks (Accelerate's GradScaler
+would check this rank's rows only). Unsharded models take Accelerate's own paths unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shardwise.checkpoint.export import full_state_dict
 from shardwise.engine.grads import clip_grad_norm_
 from shardwise.engine.info import engine_of
 from shardwise.errors import ShardwiseError
-from shardwise.integrations.prepared import mark_prepared
+from shardwise.integrations.prepared import FP16_FIX, autocast_forward, mark_prepared
 
 
 class ShardwiseAccelerator(accelerate.Accelerator):
@@ -37,11 +38,12 @@ class ShardwiseAccelerator(accelerate.Accelerator):
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if engine_of(model) is None:
             return super().prepare_model(model, device_placement, evaluation_mode)
-        if self.mixed_precision != "no":
+        if self.mixed_precision == "fp16":
+            raise ShardwiseError(f"ShardwiseAccelerator(mixed_precision=\"fp16\"): {FP16_FIX}")
+        if self.mixed_precision not in ("no", "bf16"):
             raise ShardwiseError(
-                f"Accelerator(mixed_precision={self.mixed_precision!r}) autocasts around shardwise's own "
-                "precision handling: pass precision= to sw.shard(...) instead (e.g. precision=\"bf16\") and "
-                "leave the accelerator's mixed_precision at \"no\".")
+                f"ShardwiseAccelerator(mixed_precision={self.mixed_precision!r}) is not supported on a sharded "
+                "model: use mixed_precision=\"bf16\" (autocast) or sw.shard(..., precision=\"bf16\")")
         ranks = dist.get_world_size(engine_of(model).group)
         if self.num_processes != ranks:
             # Accelerate then deals every rank the same batches: a wrong model without a word.
@@ -50,6 +52,8 @@ class ShardwiseAccelerator(accelerate.Accelerator):
                 "Under torchrun on CPU pass ShardwiseAccelerator(cpu=True) so Accelerate reads torchrun's "
                 "environment; launch with torchrun (not `accelerate launch` without a distributed config).")
         mark_prepared(model)
+        if self.native_amp:  # bf16: Accelerate skips a prepared model's autocast, so it is applied here
+            autocast_forward(model, self)
         return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):

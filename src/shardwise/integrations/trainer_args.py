@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardwise.errors import ShardwiseError
+from shardwise.integrations.prepared import FP16_FIX
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,7 @@ def _reentrant(args) -> bool:
 
 
 REFUSALS = (
-    Refusal(("fp16",), _truthy("fp16"),
-            "shard with sw.shard(model, strategy=..., precision=\"fp16\") and leave fp16 off: shardwise's loss "
-            "scaler agrees on inf/NaN across ranks, Accelerate's GradScaler would check this rank's rows only"),
+    Refusal(("fp16",), _truthy("fp16"), FP16_FIX),
     Refusal(("bf16_full_eval", "fp16_full_eval"), _truthy("bf16_full_eval", "fp16_full_eval"),
             "the Trainer would cast the sharded model with .to(dtype) for evaluation: shard with "
             "sw.shard(..., precision=\"bf16\") instead, which computes in bf16 for training and evaluation"),

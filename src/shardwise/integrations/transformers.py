@@ -27,10 +27,8 @@ Trainer's does) or refused when the trainer is built (Note [trainer arguments] i
 from __future__ import annotations
 
 import os
-from types import MethodType
 
 import transformers
-from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
 
 from shardwise.checkpoint.export import full_state_dict
 from shardwise.checkpoint.load import load
@@ -42,7 +40,7 @@ from shardwise.engine.protocol import engine_of
 from shardwise.engine.step_in_backward import steps_in_backward
 from shardwise.errors import ShardwiseError
 from shardwise.integrations import trainer_checkpoints
-from shardwise.integrations.prepared import mark_prepared
+from shardwise.integrations.prepared import autocast_forward, mark_prepared
 from shardwise.integrations.trainer_args import check_training_args
 
 
@@ -59,7 +57,7 @@ class ShardwiseTrainer(transformers.Trainer):
         mark_prepared(model)
         self._staging = None  # Note [whole trainer checkpoints]: where a save in progress writes
         if self.accelerator.native_amp:
-            _autocast_forward(model, self.accelerator)
+            autocast_forward(model, self.accelerator)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # the newest whole checkpoint (Note [whole trainer checkpoints])
@@ -138,13 +136,3 @@ class ShardwiseTrainer(transformers.Trainer):
             optimizer = self.optimizer  # saved before shardwise named the user's class (AcceleratedOptimizer)
         load(path, self.model, optimizer, self.lr_scheduler)
 
-
-def _autocast_forward(model, accelerator) -> None:
-    """Run `model`'s forward under the accelerator's autocast, outputs in fp32: what Accelerate's
-    `prepare_model` does to the plain Trainer's model, which it skips for a prepared one."""
-    context = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
-    model._original_forward = model.forward
-    if hasattr(model.forward, "__func__"):
-        model.forward = MethodType(convert_outputs_to_fp32(context(model.forward.__func__)), model)
-    else:
-        model.forward = convert_outputs_to_fp32(context(model.forward))

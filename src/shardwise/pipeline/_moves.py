@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from shardwise.engine.messages import broadcast_json
+from shardwise.errors import ShardwiseError
+
 State = dict[str, dict[str, Any]]  # parameter name -> that parameter's optimizer state
 
 
@@ -65,7 +68,8 @@ def broadcast_entries(
     """Send parameters `names` (and their optimizer state, if `with_state`) from global rank
     `src` to every rank of `group`; write the values into `params` and return the state.
 
-    The state's layout (which keys, shapes, dtypes) travels first as a small object, then
+    The state's layout (which keys, shapes, dtypes) travels first as JSON (Note [no pickle on the
+    wire] in engine/messages.py: a pickle from the wire would run the sender's code here), then
     the tensors as one flat buffer per dtype.
     """
     me = dist.get_rank()
@@ -73,25 +77,47 @@ def broadcast_entries(
     if me == src and with_state and optimizer is not None:
         for name in names:
             states[name] = dict(optimizer.state.get(params[name], {}))
-    meta = [[(name, {k: (tuple(v.shape), v.dtype) if isinstance(v, Tensor) else ("value", v)
-                     for k, v in states.get(name, {}).items()}) for name in names]]
+    try:
+        layouts = [[name, {k: _spec(name, k, v) for k, v in states.get(name, {}).items()}] for name in names]
+    except ShardwiseError as error:  # sent, so that every rank raises it rather than waiting for tensors
+        layouts = {"error": str(error)}
     if with_state:
-        dist.broadcast_object_list(meta, src=src, group=group)
+        layouts = broadcast_json(layouts, group, src=dist.get_group_rank(group, src))
+    if isinstance(layouts, dict):
+        raise ShardwiseError(str(layouts.get("error")))
     tensors: list[Tensor] = []  # in meta's order: each parameter, then its state tensors
-    for name, layout in meta[0]:
+    for name, layout in layouts:
         tensors.append(params[name].data)  # received in place on the other ranks
         received = states.setdefault(name, {})
         for key, spec in layout.items():
-            if spec[0] == "value":
-                received[key] = spec[1]
+            if spec["kind"] == "value":
+                received[key] = spec["value"]
                 continue
             if me != src:
-                received[key] = torch.empty(spec[0], dtype=spec[1])
+                received[key] = torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]))
             tensors.append(received[key])
     _broadcast_flat(tensors, src, group, me == src)
     # Copies: the optimizer that loads them must not share tensors with the one that sent them.
     return {name: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
             for name, s in states.items()}
+
+
+def _spec(name: str, key: str, value) -> dict:
+    """A state entry's layout as JSON: a tensor's shape and dtype, or a plain value itself."""
+    if isinstance(value, Tensor):
+        return {"kind": "tensor", "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"kind": "value", "value": value}
+    raise ShardwiseError(f"the optimizer state of {name} holds {key}={type(value).__name__}: the pipeline moves "
+                         "tensors and plain numbers, strings or booleans between ranks, nothing else")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ShardwiseError(f"a rank sent optimizer state of dtype {name!r}, which is not a torch dtype (Note [no "
+                             "pickle on the wire]): a process that is not one of this job's ranks may have joined")
+    return dtype
 
 
 def _broadcast_flat(tensors: list[Tensor], src: int, group: dist.ProcessGroup, is_src: bool) -> None:

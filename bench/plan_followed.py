@@ -1,0 +1,111 @@
+"""Benchmark: the planner's advice, followed exactly, fits the budget it was given.
+
+    python bench/plan_followed.py             # Qwen2 (bench/estimator_grid.py), 720 MiB per rank, ws 2 (~2 min)
+    python bench/plan_followed.py --model bench/estimator_grid.py:phi --memory 740MiB
+
+Runs `shardwise plan MODEL --memory M --world-size W --batch B --seq S --json
+[--checkpoint-activations]` in a fresh process, takes the row it chooses (the first that fits:
+the cheapest), then runs that row exactly (its strategy, precision, checkpointing, this batch and
+seq) as bench/estimator.py's worker on W fresh gloo ranks (one thread each,
+MALLOC_MMAP_THRESHOLD_=65536, the model built eagerly, AdamW) and records each rank's peak RSS
+against the budget. The default budget is one that ddp and zero1 exceed, so the plan must choose.
+Results are appended to OUT/plan_followed.json and written as OUT/plan_followed.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MIB = 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=f"{HERE / 'estimator_grid.py'}:qwen2", help="path/to/file.py:function")
+    p.add_argument("--memory", default="720MiB", help="per-rank budget given to `shardwise plan`")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="samples per rank per step")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--no-checkpoint-activations", dest="recompute", action="store_false",
+                   help="plan (and run) without activation checkpointing")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", default=str(RESULTS))
+    return p.parse_args(argv)
+
+
+def plan(args) -> tuple[dict, int]:
+    """The row `shardwise plan --json` chooses (the first that fits) and the budget in bytes."""
+    from shardwise.cli.estimate import parse_bytes
+
+    cmd = [sys.executable, "-m", "shardwise.cli", "plan", args.model, "--memory", args.memory, "--world-size",
+           str(args.world_size), "--batch", str(args.batch), "--seq", str(args.seq), "--json"]
+    done = subprocess.run(cmd + ["--checkpoint-activations"] * args.recompute, capture_output=True, text=True,
+                          timeout=args.timeout)
+    if done.returncode:
+        raise SystemExit(f"no row fits {args.memory}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    return next(r for r in rows if r["fits"]), parse_bytes(args.memory)
+
+
+def follow(args, row: dict) -> dict:
+    """The chosen row run as it says, on fresh ranks: each rank's record and the peak."""
+    from estimator import measure_ranks  # sibling script: bench/ is on sys.path when run as a script
+
+    est = row["estimate"]
+    if est["offload"]:
+        raise SystemExit(f"the plan chose {row['label']}: this bench does not run offload; give another budget")
+    worker = ["--arch", args.model, "--strategy", est["strategy"], "--precision", est["precision"], "--batch",
+              str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--eager"]
+    return measure_ranks(args.world_size, worker + ["--recompute"] * args.recompute, args.timeout)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["`shardwise plan` followed exactly: the chosen row (strategy, precision, checkpointing, batch) run on "
+             "fresh gloo ranks, 1 thread each, MALLOC_MMAP_THRESHOLD_=65536, fp32 AdamW masters; peak RSS per rank "
+             "against the budget the plan was given. Reproduce: `python bench/plan_followed.py` (one row; "
+             "`--help` for the others).", "",
+             "| model | ranks | batch x seq | checkpointing | budget MiB | chosen | estimated MiB "
+             "| measured MiB per rank | fits |", "|---|---:|---|---|---:|---|---:|---|---|"]
+    for r in rows:
+        peaks = [x["peak_rss_bytes"] for x in r["measured"]["ranks"]]
+        fits = "yes" if max(peaks) <= r["budget"] else "NO"
+        lines.append(f"| {r['model']} | {r['world']} | "
+                     f"{r['batch']} x {r['seq']} | {'on' if r['recompute'] else 'off'} | {r['budget'] / MIB:,.0f} | "
+                     f"{r['chosen']['label']} | {r['chosen']['estimate']['total'] / MIB:,.0f} | "
+                     f"{', '.join(f'{p / MIB:,.0f}' for p in peaks)} | {fits} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    chosen, budget = plan(args)
+    print(f"the plan chooses {chosen['label']} ({chosen['estimate']['total'] / MIB:,.0f} MiB estimated)", flush=True)
+    path, _, function = args.model.rpartition(":")
+    shown = f"{Path(path).resolve().relative_to(ROOT)}:{function}" if Path(path).resolve().is_relative_to(ROOT) \
+        else args.model
+    row = {"model": shown, "world": args.world_size, "batch": args.batch, "seq": args.seq,
+           "recompute": args.recompute, "budget": budget, "chosen": chosen, "measured": follow(args, chosen)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "plan_followed.json"
+    rows = json.loads(store.read_text())["rows"] if store.exists() else []
+    key = ("model", "world", "batch", "seq", "recompute", "budget")
+    rows = [r for r in rows if tuple(r[k] for k in key) != tuple(row[k] for k in key)] + [row]
+    store.write_text(json.dumps({"rows": rows}, indent=1))
+    (out / "plan_followed.md").write_text(markdown(rows))
+    print((out / "plan_followed.md").read_text())
+    peak = row["measured"]["peak_rss_bytes"]
+    if peak > budget:
+        raise SystemExit(f"the followed plan peaked at {peak / MIB:,.0f} MiB, over the {budget / MIB:,.0f} MiB budget")
+
+
+if __name__ == "__main__":
+    main()
