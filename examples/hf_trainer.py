@@ -15,7 +15,8 @@ rows); started again with the same `--out`, the script continues from the newest
 world size. The schedule is constant: one that decays over `max_steps` would, resumed with a
 larger `--max-steps`, go on from the saved optimizer's learning rate of the shorter run (0 at
 its end). Rank 0 prints `step N loss X grad_norm Y` as it goes. GPT-2 is built from a small
-config over a byte-level vocabulary of 256: nothing is downloaded. At the end
+config over a byte-level vocabulary of 256: nothing is downloaded. `--optim adafactor` and `--bf16`
+are the TrainingArguments fields of those names, honoured as the plain Trainer does. At the end
 `sw.save_pretrained` writes OUT/final (model.safetensors + config.json) for `from_pretrained`.
 """
 
@@ -71,6 +72,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="bytes per sequence (default: 128)")
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (default: 50)")
     parser.add_argument("--out", default="out/hf_trainer", help="output directory (default: out/hf_trainer)")
+    parser.add_argument("--optim", default="adamw_torch", help="the Trainer's optim= (default: adamw_torch; "
+                        "adafactor keeps factored state, saved and resumed like AdamW's)")
+    parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): autocast the forward")
     args = parser.parse_args()
     torch.set_num_threads(1)                                  # one thread per rank (CPU)
     transformers.utils.logging.disable_progress_bar()         # no "Writing model shards" bar per checkpoint
@@ -91,7 +95,7 @@ def main() -> None:
         gradient_accumulation_steps=args.accumulate, learning_rate=1e-3, weight_decay=0.1,
         max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=1,
         report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-        save_strategy="steps", save_steps=args.save_every, save_total_limit=2)
+        save_strategy="steps", save_steps=args.save_every, save_total_limit=2, optim=args.optim, bf16=args.bf16)
     trainer = ShardwiseTrainer(model=model, args=training_args, train_dataset=byte_windows(args.seq))  # shardwise
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(StepPrinter())

@@ -116,6 +116,8 @@ MISUSE = {
     "deferred": (2, ["meta device", "build the model eagerly"]),
     "save_without_data_strategy": (4, ["spans the whole world (4 ranks)", "1 data x 2 tensor"]),
     "different_inputs": (2, ["different inputs", "mesh['data'].get_local_rank()"]),
+    "mesh3d_unsliced": (4, ["is not sliced", "sw.slice(model, group=mesh)"]),
+    "mesh3d_other_tensor_group": (4, ["sliced over another group", "sw.shard(model, ..., mesh=mesh)"]),
 }
 
 

@@ -148,25 +148,42 @@ def _average(value: float) -> float:
 
 
 def run_mesh(name: str, data: int, tensor: int, strategy: str | None, steps: int = 5,
-             global_batch_size: int = 8, clip: float | None = None, norm_type: float = 2.0) -> RunResult:
+             global_batch_size: int = 8, clip: float | None = None, norm_type: float = 2.0,
+             replicas: int = 1) -> RunResult:
     """On this rank of a data x tensor mesh: slice over "tensor", shard with `strategy` over "data"
-    (None: no sharding), train; full (unsliced, unsharded) parameters at the end."""
-    mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+    (None: no sharding), train; full (unsliced, unsharded) parameters at the end. `replicas` > 1:
+    a replicate x shard x tensor mesh, `data` ranks per replica (Note [sliced mesh])."""
     model = build(name)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
     tied = [(m.tok_emb, m.head) for m in [model] if name == "gpt"]
-    sw.slice(model, PLANS.get(name, "auto"), group=mesh)
-    spec = MODELS[name]
-    if strategy is not None:
-        units = spec.unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
-        kwargs = {} if strategy == "ddp" else {"units": units}
-        sw.shard(model, strategy=strategy, process_group=mesh["data"].get_group(), **kwargs)
+    mesh, data_rank, data_world = _slice_and_shard(model, name, data, tensor, True, strategy, replicas)
     for emb, head in tied:  # Note [tied params]: one Parameter after slicing and sharding, as before
         assert emb.weight is head.weight, "the tied embedding/head weight became two parameters"
     optimizer = make_optimizer(model, ndim_by_name=ndim_by_name)
-    return train(model, spec, steps, global_batch_size, rank=mesh["data"].get_local_rank(), world_size=data,
+    return train(model, MODELS[name], steps, global_batch_size, rank=data_rank, world_size=data_world,
                  optimizer=optimizer, all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model),
                  clip=clip, clip_fn=lambda m, c: sw.clip_grad_norm_(m, c, norm_type))
+
+
+def _slice_and_shard(model: nn.Module, name: str, data: int, tensor: int, sliced: bool, strategy: str | None,
+                     replicas: int = 1):
+    """`model` sliced over "tensor" (when `sliced`) and `strategy` applied over the data ranks: a
+    ("data", "tensor") mesh, or with `replicas` > 1 a ("replicate", "shard", "tensor") mesh that both
+    calls take whole (hybrid sharding of the slices). The mesh, this rank's data rank and their number."""
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, data, tensor), mesh_dim_names=("replicate", "shard", "tensor"))
+        data_rank = mesh["replicate"].get_local_rank() * data + mesh["shard"].get_local_rank()
+        placement = {"mesh": mesh}
+    else:
+        mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+        data_rank, placement = mesh["data"].get_local_rank(), {"process_group": mesh["data"].get_group()}
+    if sliced:
+        sw.slice(model, PLANS.get(name, "auto"), group=mesh)
+    if strategy is not None and data * replicas > 1:
+        units = MODELS[name].unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
+        kwargs = {} if strategy == "ddp" else {"units": units}
+        sw.shard(model, strategy=strategy, **placement, **kwargs)
+    return mesh, data_rank, data * replicas
 
 
 # ---- misuse: each returns this rank's ShardwiseError message (None if nothing was raised) ----------
@@ -209,6 +226,12 @@ def misuse(case: str) -> str | None:
     if case == "shard_over_tensor_ranks":  # slice over every rank, then zero3 over the same ranks
         model = sw.slice(build("gpt"))
         return _message(lambda: sw.shard(model, strategy="zero3"))
+    if case in ("mesh3d_unsliced", "mesh3d_other_tensor_group"):  # Note [sliced mesh]
+        mesh = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("replicate", "shard", "tensor"))
+        model = build("gpt")
+        if case == "mesh3d_other_tensor_group":  # sliced over every rank, not over mesh["tensor"]
+            sw.slice(model)
+        return _message(lambda: sw.shard(model, strategy="zero3", mesh=mesh))
     if case == "tied_sliced_two_ways":
         return _message(lambda: sw.slice(build("gpt"), {"tok_emb": "vocab", "head": "rowwise"}))
     if case == "logits_argmax":
@@ -266,28 +289,23 @@ def auto_plan_of(name: str) -> dict[str, str]:
 # ---- checkpoints across mesh shapes ----------------------------------------------------------
 
 
-def _layout(name: str, data: int, tensor: int, sliced: bool, strategy: str = "zero3"):
+def _layout(name: str, data: int, tensor: int, sliced: bool, strategy: str = "zero3", replicas: int = 1):
     """A fresh model on this rank's place in a data x tensor mesh: sliced over "tensor" when `sliced`,
-    `strategy` over "data" when data > 1; its optimizer and this rank's data rank."""
-    mesh = init_device_mesh("cpu", (data, tensor), mesh_dim_names=("data", "tensor"))
+    `strategy` over "data" when data > 1 (replicate x shard with `replicas` > 1); its optimizer and
+    this rank's data rank and their number."""
     model = build(name)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
-    if sliced:
-        sw.slice(model, PLANS.get(name, "auto"), group=mesh)
-    if data > 1:
-        units = MODELS[name].unit_class or (_hf_unit(name) if name.startswith(("llama", "gpt2")) else "auto")
-        kwargs = {} if strategy == "ddp" else {"units": units}
-        sw.shard(model, strategy=strategy, process_group=mesh["data"].get_group(), **kwargs)
-    return model, make_optimizer(model, ndim_by_name=ndim_by_name), mesh["data"].get_local_rank()
+    _, data_rank, data_world = _slice_and_shard(model, name, data, tensor, sliced, strategy, replicas)
+    return model, make_optimizer(model, ndim_by_name=ndim_by_name), data_rank, data_world
 
 
 def checkpoint_phase(name: str, data: int, tensor: int, sliced: bool, strategy: str, path: str, resume: bool,
-                     steps: int = 3) -> RunResult:
+                     steps: int = 3, replicas: int = 1) -> RunResult:
     """Save after `steps` steps in one layout, or (resume) load into another and train `steps` more."""
-    model, optimizer, data_rank = _layout(name, data, tensor, sliced, strategy)
+    model, optimizer, data_rank, data_world = _layout(name, data, tensor, sliced, strategy, replicas)
     if resume:
         sw.load(path, model, optimizer)
-    result = train(model, MODELS[name], steps, 8, rank=data_rank, world_size=data, optimizer=optimizer,
+    result = train(model, MODELS[name], steps, 8, rank=data_rank, world_size=data_world, optimizer=optimizer,
                    all_reduce_loss=_average, gather_params=lambda: sw.full_parameters(model))
     if not resume:
         sw.save(path, model, optimizer)
@@ -296,7 +314,7 @@ def checkpoint_phase(name: str, data: int, tensor: int, sliced: bool, strategy: 
 
 def export_phase(name: str, data: int, tensor: int, path: str) -> dict:
     """sw.full_state_dict and sw.export of a sliced (and sharded) model, after one step."""
-    model, optimizer, data_rank = _layout(name, data, tensor, True)
+    model, optimizer, data_rank, _ = _layout(name, data, tensor, True)
     train(model, MODELS[name], 1, 8, rank=data_rank, world_size=data, optimizer=optimizer, all_reduce_loss=_average)
     state = sw.full_state_dict(model)
     sw.export(model, path)
@@ -319,7 +337,7 @@ def count_step(name: str, data: int, tensor: int, global_batch_size: int = 8) ->
     """One training step's collectives on this rank (after a warm-up step), counted, and predicted."""
     from shardwise.parallel.slicing.traffic import count_collectives, predict_gpt
 
-    model, optimizer, data_rank = _layout(name, data, tensor, True)
+    model, optimizer, data_rank, _ = _layout(name, data, tensor, True)
     spec = MODELS[name]
     mesh_tensor = slicing_of(model).group
     train(model, spec, 1, global_batch_size, rank=data_rank, world_size=data, optimizer=optimizer)

@@ -31,7 +31,13 @@ EXAMPLES = ["examples/hf_causal_lm.py --max-steps 200 --out out/run1",
             "examples/hf_causal_lm.py --max-steps 200 --out out/run1",  # started again: resumes, then ends
             "examples/hf_trainer.py --max-steps 100",
             "examples/accelerate_lm.py --max-steps 100",
-            "examples/lightning_lm.py --max-steps 100"]
+            "examples/lightning_lm.py --max-steps 100",
+            # issue 36/33: the Trainer's bf16 and a factored optimizer, saved at 3, resumed to 6
+            "examples/hf_trainer.py --max-steps 3 --save-every 3 --optim adafactor --bf16 --out out/trainer_adafactor",
+            "examples/hf_trainer.py --max-steps 6 --save-every 3 --optim adafactor --bf16 --out out/trainer_adafactor"]
+QWEN2 = ("shardwise plan qwen2 hidden_size=896 num_hidden_layers=24 intermediate_size=4864 num_attention_heads=14 "
+         "num_key_value_heads=2 vocab_size=151936 tie_word_embeddings=true --memory 8GiB --world-size 4 --batch 4 "
+         "--seq 1024")
 MY_MODEL = '''import transformers
 def build():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -53,7 +59,9 @@ CLI = ["shardwise --help",
        "shardwise units llama hidden_size=512 num_hidden_layers=4",
        "shardwise plan mymodel:gpt2_small --memory 1GiB --world-size 8",
        "shardwise plan gpt2 --memory 1GiB --world-size 8",
-       "shardwise units gpt2"]
+       "shardwise units gpt2",
+       QWEN2,  # issue 36 point 5: the rows change with --checkpoint-activations
+       QWEN2 + " --checkpoint-activations"]
 
 
 class Trial:
@@ -129,7 +137,10 @@ def main() -> None:
             for command in (f"shardwise ckpt inspect {saved[-1]}",
                             f"shardwise ckpt export {saved[-1]} exported/model.safetensors --mkdir",
                             f"shardwise ckpt diff {saved[-2]} {saved[-1]}",
-                            f"shardwise ckpt diff {saved[-2]} {saved[-1]} --values"):
+                            f"shardwise ckpt diff {saved[-2]} {saved[-1]} --values",
+                            # issue 36 point 4: the export beside its config.json loads as the model
+                            "python -c \"from transformers import AutoModelForCausalLM as A; "
+                            "print(type(A.from_pretrained('exported')).__name__)\""):
                 trial.step(command.replace(str(clone) + "/", ""), command, folder)
         trial.step("make docs", "make docs", clone)
     (work / f"results_{part}.json").write_text(json.dumps(trial.results, indent=1))

@@ -15,7 +15,7 @@ from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.host_copy import place_frozen_on_host
-from shardwise.engine.mesh_info import check_mesh
+from shardwise.engine.mesh_info import check_mesh, data_mesh
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
 from shardwise.engine.units import UnitSpec
 from shardwise.engine.zero import apply_zero
@@ -68,7 +68,9 @@ def shard(
     `mesh` (zero strategies) is a 2-D `DeviceMesh` named ("replicate", "shard") for hybrid sharding
     (FSDP2's HSDP): each parameter is sharded over the shard dimension only, whose ranks run the
     gathers and reduce-scatters, and the gradients are then averaged across the replicas; the
-    result is still one process's. Note [mesh info] in mesh_info.py.
+    result is still one process's. Note [mesh info] in mesh_info.py. A model sliced first with
+    `sw.slice(model, group=mesh)` over a 3-D mesh named ("replicate", "shard", "tensor") takes the
+    same mesh here: each tensor rank's slices are sharded over the other two (Note [sliced mesh]).
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,
@@ -83,14 +85,12 @@ def shard(
     if not dist.is_initialized():
         raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
-    if mesh is not None:
+    slicing = slicing_of(model)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
+    if mesh is not None:  # Note [sliced mesh]: a 3-D mesh's data part, and the group of its ranks
+        mesh, group = data_mesh(mesh, slicing.group if slicing is not None else None, process_group)
         check_mesh(mesh, config.strategy, group)
     _refuse_sparse_gradients(model, config.strategy)
-    slicing = slicing_of(model)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
     if slicing is not None:
-        if mesh is not None:
-            raise ShardwiseError("sw.slice followed by shard(..., mesh=...) is not supported yet: shard a sliced model "
-                                 "over a flat data group (process_group=), or drop mesh=")
         slicing.check_data_group(group)
     if config.frozen is not None:
         place_frozen_on_host(model, config.frozen, group)  # before any strategy sees the parameters

@@ -124,6 +124,7 @@ class MeshInfo:
 
 
 MESH_NAMES = ("replicate", "shard")
+SLICED_MESH_NAMES = ("replicate", "shard", "tensor")
 _BUILD = ('build it with torch.distributed.device_mesh.init_device_mesh("cuda" or "cpu", (num_replicas, '
           'ranks_per_replica), mesh_dim_names=("replicate", "shard"))')
 
@@ -149,3 +150,29 @@ def check_mesh(mesh, strategy: str, group) -> None:
         raise ShardwiseError(f"mesh= spans {mesh.size()} ranks but the process group has "
                              f"{dist.get_world_size(group)}: build the mesh over every rank of the group "
                              "(or pass the group of the mesh's ranks as process_group=).")
+
+
+def data_mesh(mesh, tensor_group, process_group):
+    """The `replicate x shard` mesh and the process group of its ranks that `shard(mesh=...)` runs on.
+
+    Note [sliced mesh]: a model sliced over the "tensor" dimension of a 3-D mesh named
+    ("replicate", "shard", "tensor") is sharded over the other two (FSDP2 + TP's layout): each tensor
+    rank's slices form their own 2-D mesh, `mesh["replicate", "shard"]`, whose ranks hold the same
+    slices (sw.slice checks that of the group). `mesh` may be that 3-D mesh (`tensor_group` is then
+    the group sw.slice cut over, which must be its "tensor" dimension) or a 2-D one; the group is
+    `process_group`, else the mesh's own ranks flattened (fewer than the world's on a sliced model)."""
+    if isinstance(mesh, DeviceMesh) and mesh.ndim == 3 and tuple(mesh.mesh_dim_names or ()) == SLICED_MESH_NAMES:
+        if tensor_group is None:
+            raise ShardwiseError(f"mesh= is 3-D {SLICED_MESH_NAMES} but the model is not sliced: call "
+                                 'sw.slice(model, group=mesh) first (it cuts over "tensor"), or pass '
+                                 'mesh["replicate", "shard"]')
+        if dist.get_process_group_ranks(tensor_group) != dist.get_process_group_ranks(mesh.get_group("tensor")):
+            raise ShardwiseError('the model was sliced over another group than this mesh\'s "tensor" dimension: '
+                                 "slice and shard with the same mesh, sw.slice(model, group=mesh) then "
+                                 "sw.shard(model, ..., mesh=mesh)")
+        mesh = mesh["replicate", "shard"]
+    if process_group is not None or not isinstance(mesh, DeviceMesh) or mesh.size() == dist.get_world_size():
+        return mesh, process_group or dist.group.WORLD
+    if tuple(mesh.mesh_dim_names or ()) != MESH_NAMES:
+        return mesh, dist.group.WORLD  # check_mesh names the problem
+    return mesh, mesh._flatten().get_group()  # torch's flattened dimension: built once, collectively

@@ -5,7 +5,8 @@ its slice) and, under zero3, over the data group (each rank its rows of the slic
 parameter no plan slices (a norm, a row-sliced layer's bias) has the same gradient on every
 tensor rank. So the norm raised to p is this rank's sum over sliced gradients' rows plus, on
 tensor rank 0 only, its unsliced gradients' rows, summed over every rank of the mesh (over
-the tensor group alone when no engine shards the data axis: replicas hold equal gradients).
+the tensor group alone when no engine shards the data axis: replicas hold equal gradients;
+on a replicate x shard x tensor mesh, over replica 0's ranks alone, for the same reason).
 Each rank's part is torch's arithmetic (one norm per tensor, `_foreach_norm`, in the gradients'
 dtype, no float64 copy; Note [clip arithmetic]); the ∞-norm is the largest over every rank.
 """
@@ -29,6 +30,8 @@ def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type
         params, group = list(model.parameters()), slicing.group
     grads = [(p.grad, getattr(p, "_sw_slice", None) is not None) for p in params if p.grad is not None]
     counted = [g for g, sliced in grads if sliced or slicing.rank == 0]
+    if engine is not None and engine.shards_rows and engine.mesh.replicate_rank != 0:
+        counted = []  # Note [sliced mesh]: the other replicas hold the same rows; replica 0 counts them
     norm_type = float(norm_type)
     device = params[0].device if params else torch.device("cpu")
     if norm_type == float("inf"):

@@ -68,7 +68,8 @@ class UnslicedView:
                 "sw.shard over the data axis of one mesh that holds every rank (Note [unsliced view])")
         sharded = engine is not None and engine.shards_rows  # zero: rows of each slice; ddp: whole slices
         self.engine_infos = engine.shard_info() if sharded else None
-        self.data_group = engine.group if sharded else None
+        # the rows of a slice are spread over the shard group; replicas hold copies (Note [sliced mesh])
+        self.data_group = engine.mesh.shard_group if sharded else None
         names = _first_names(model)
         self.params = [(name, p) for name, p in model.named_parameters()]
         self.by_name = dict(self.params)
