@@ -156,10 +156,13 @@ def _save_and_load_without_unpickling(directory):
     net, fresh = model(1.0), model(1.0)
     sw.shard(net, strategy="zero2")
     sw.shard(fresh, strategy="zero2")
-    c10d._unpickler = Refuse
-    sw.save(os.path.join(directory, "a"), net, step=1)
-    sw.save(os.path.join(directory, "a"), net, step=2)
-    return sw.load(os.path.join(directory, "a"), fresh).extra["step"]
+    saved, c10d._unpickler = c10d._unpickler, Refuse
+    try:
+        sw.save(os.path.join(directory, "a"), net, step=1)
+        sw.save(os.path.join(directory, "a"), net, step=2)
+        return sw.load(os.path.join(directory, "a"), fresh).extra["step"]
+    finally:  # the rank pool's processes run later tests: leave torch's unpickler as it was
+        c10d._unpickler = saved
 
 
 def test_no_pickle_crosses_a_collective(ranks, tmp_path):

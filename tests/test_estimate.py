@@ -274,3 +274,16 @@ def test_a_reduce_in_flight_counts_its_receive_buffer_and_a_packed_input_zero1_d
         model = model.to(dtype)
         zero1, zero2 = (sw.estimate(model, s, world_size=2).gather_buffers for s in ("zero1", "zero2"))
         assert zero2 - zero1 == pytest.approx(4 * biggest, rel=0.05), (dtype, zero1, zero2, biggest)
+
+
+def test_the_plans_advice_is_one_each_row_can_follow():
+    """Catches the planner telling a ddp row, or a run that already checkpoints, to "checkpoint
+    activations" (ddp has no units to recompute; the user asked for it already)."""
+    model = GPT(CONFIG)
+    tight = 2**20  # 1 MiB: activations alone exceed it at this batch
+    for checkpointing in (False, True):
+        options = {o.label: o for o in plan(model, tight, 2, batch=512, seq=15,
+                                                checkpoint_activations=checkpointing)}
+        assert "a zero strategy with checkpoint_activations=True" in options["ddp"].reason
+        zero3 = options["zero3"].reason
+        assert ("checkpoint activations" in zero3) != checkpointing, zero3

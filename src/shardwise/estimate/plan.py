@@ -47,11 +47,12 @@ def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, 
         est = estimate(model_or_num_params, strategy, world_size, precision, optimizer, offload, batch, seq,
                        checkpoint_activations=checkpoint_activations and strategy != "ddp", **estimate_kwargs)
         fits = est.total <= memory
-        options.append(PlanOption(strategy, precision, offload, est, fits, "" if fits else _why_not(est, memory)))
+        why = "" if fits else _why_not(est, memory, checkpoint_activations)
+        options.append(PlanOption(strategy, precision, offload, est, fits, why))
     return options
 
 
-def _why_not(est: MemoryEstimate, memory: int) -> str:
+def _why_not(est: MemoryEstimate, memory: int, checkpointing: bool) -> str:
     over = est.total - memory
     parts = sorted(est.rows()[:-1], key=lambda row: row[1], reverse=True)
     name, largest = parts[0]
@@ -60,8 +61,11 @@ def _why_not(est: MemoryEstimate, memory: int) -> str:
         total, budget = f"{est.total / 2**20:,.1f} MiB", f"{memory / 2**20:,.1f} MiB"
     text = f"{total} > {budget} by {_gib(over)}; largest: {name} {_gib(largest)}"
     floor = est.activations + est.runtime
-    if floor > memory:
-        text += f" (activations + runtime alone need {_gib(floor)}: lower the batch or checkpoint activations)"
+    if floor > memory:  # advice this row can follow: ddp has no units to recompute
+        fix = ("lower the batch, or a zero strategy with checkpoint_activations=True" if est.strategy == "ddp" else
+               "lower the batch or the sequence length" if checkpointing else
+               "lower the batch or checkpoint activations")
+        text += f" (activations + runtime alone need {_gib(floor)}: {fix})"
     return text
 
 
