@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -171,6 +172,9 @@ def check_save_load(device, rank: int, world: int, report: Report) -> None:
     train(model, optim, range(2, 3), device, rank, world)
     train(loaded, loaded_optim, range(2, 3), device, rank, world)
     report.check("save/load zero3", worst(full(loaded), full(model)), 0.0)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
 
 
 def main(argv=None) -> int:
