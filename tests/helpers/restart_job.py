@@ -219,10 +219,7 @@ def main(argv=None) -> None:
     sw.shard(model, strategy=args.strategy, units=Block, **shard_kwargs(args, world))
     if args.frozen:
         (out / f"maps-{rank}.json").write_text(json.dumps(host_copy_maps()))
-    # With --frozen host the optimizer takes the trainable parameters only: sw.save refuses an optimizer
-    # that holds the host copy's parameters ("not a parameter of this model"; noted in issue 34's report).
-    trainable = [p for p in model.parameters() if p.requires_grad] if args.frozen else model.parameters()
-    optim = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1, eps=args.adam_eps)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=args.adam_eps)
     sampler = sw.ResumableSampler(NUM_SAMPLES, seed=3, drop_last=True)
     inputs, targets = dataset()
 
