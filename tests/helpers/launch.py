@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ class Launch:
     started: float = field(default_factory=time.time)
     returncodes: list[int | None] = field(default_factory=list)
     hung: list[str] = field(default_factory=list)  # "rank 1 (pid 123, stopped)" for each rank left at timeout
+    hung_agents: list[int] = field(default_factory=list)  # index of each agent still running at timeout
 
     @property
     def timed_out(self) -> bool:
@@ -82,6 +84,7 @@ def wait(launch: Launch, timeout: float) -> Launch:
         kill_all(launch)
         raise
     if any(agent.poll() is None for agent in launch.agents) or processes(launch.tag):
+        launch.hung_agents = [k for k, agent in enumerate(launch.agents) if agent.poll() is None]
         launch.hung = kill_all(launch)  # also workers an agent left behind
     launch.returncodes = [agent.poll() for agent in launch.agents]
     return launch
@@ -91,6 +94,23 @@ def run(argv: list[str], log: Path, timeout: float, env: dict | None = None, cwd
     """One torchrun, waited for."""
     launch = new_launch(log)
     start_agent(launch, argv, env, cwd)
+    return wait(launch, timeout)
+
+
+def free_port() -> int:
+    """A TCP port that was free on loopback a moment ago (the launch binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(per_node_args: list[list[str]], job_args: list[list[str]], log: Path, timeout: float,
+              env: dict | None = None) -> Launch:
+    """Several torchrun agents on this machine, one per simulated node (agent K gets `per_node_args[K]`
+    and `job_args[K]`), in one launch: a timeout kills every agent and worker and names the ranks left."""
+    launch = new_launch(log)
+    for launcher_args, job in zip(per_node_args, job_args):
+        start_agent(launch, torchrun_argv(*launcher_args, job_args=job), env)
     return wait(launch, timeout)
 
 

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 tests/helpers/restart_job.py \
         --ckpt DIR --out DIR [--steps 12 --save-every 3] [--fault '{"kind": "kill", "rank": 1, "step": 8}']
+        [--mesh 2x2] [--frozen host [--host-name NAME]]
 
 Each attempt loads the newest complete checkpoint in `--ckpt` (if any) and trains to
 `--steps`, saving every `--save-every` steps. The global batch (8 samples, dealt by
@@ -20,6 +21,11 @@ purpose, in the attempt given by "attempt" (default 0, i.e. the first;
                 written and before the directory is renamed into place
   load          SIGKILL itself inside `sw.load`, before reading tensor number "at"
   first_step    SIGKILL itself in the first step after resuming (after its forward)
+`--mesh RxS` shards over a ("replicate", "shard") DeviceMesh (HSDP) instead of the flat world;
+`--frozen host` freezes block 0 and keeps it as the host's shared copy (`frozen="host"`), each
+rank then writes the host-copy files it maps (from /proc/self/maps) to `--out/maps-RANK.json`;
+`--host-name` makes `socket.gethostname()` answer NAME in this process, so that two agents on one
+machine act as two hosts (tests/test_nodes.py).
 This file is a script, not part of the library: tests and bench/faults.py launch it.
 """
 
@@ -63,7 +69,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stagger", type=float, default=0.0,
                    help="after a restart, rank r waits r times this many seconds before sw.init(), so that "
                         "rank 0 surely looks for its peers' addresses before they publish new ones")
+    p.add_argument("--adam-eps", type=float, default=1e-8,
+                   help="AdamW's eps (1e-3, as the parity tests, when comparing with another world size)")
+    p.add_argument("--mesh", default=None, help="RxS: shard over a (replicate, shard) mesh of that shape")
+    p.add_argument("--frozen", default=None, choices=["host"], help="freeze block 0 as the host copy")
+    p.add_argument("--host-name", default=None, help="the host name this process reports (a simulated host)")
     return p.parse_args(argv)
+
+
+def host_copy_maps() -> list[str]:
+    """The host-copy files this process maps (their directory names carry the writer's pid)."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return sorted({line.split(None, 5)[-1] for line in lines if "shardwise-host-" in line})
+
+
+def shard_kwargs(args, world: int) -> dict:
+    """sw.shard's keywords for --mesh and --frozen."""
+    kwargs = {}
+    if args.mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(int(n) for n in args.mesh.split("x"))
+        if shape[0] * shape[1] != world:
+            raise SystemExit(f"mesh {args.mesh} needs {shape[0] * shape[1]} ranks, the world has {world}")
+        kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    if args.frozen:
+        kwargs["frozen"] = args.frozen
+    return kwargs
 
 
 def log_event(out: Path, **fields) -> None:
@@ -161,6 +193,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     # SIGUSR1 prints every thread's stack to stderr: how a launcher learns where a hung rank was.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if args.host_name:
+        import socket
+
+        socket.gethostname = lambda: args.host_name
     torch.set_num_threads(1)
     out, ckpt = Path(args.out), Path(args.ckpt)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,8 +214,12 @@ def main(argv=None) -> None:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig())
-    sw.shard(model, strategy=args.strategy, units=Block)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if args.frozen:
+        model.blocks[0].requires_grad_(False)
+    sw.shard(model, strategy=args.strategy, units=Block, **shard_kwargs(args, world))
+    if args.frozen:
+        (out / f"maps-{rank}.json").write_text(json.dumps(host_copy_maps()))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=args.adam_eps)
     sampler = sw.ResumableSampler(NUM_SAMPLES, seed=3, drop_last=True)
     inputs, targets = dataset()
 

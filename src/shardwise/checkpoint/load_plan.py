@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import class_name, full_info, optimizer_names, placements
+from shardwise.checkpoint.optim_state import class_name, full_info, held_params, optimizer_names, placements
 from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.schema import OptimizerRecord
 from shardwise.checkpoint.sources import Source, SourceTensor
@@ -178,7 +178,7 @@ def _check_groups(saved: OptimizerRecord, optim, infos, pairs, report: LoadRepor
                                f"optimizer {len(optim.param_groups)}; their settings were not loaded")
         return
     for index, (then, now) in enumerate(zip(saved.groups, optim.param_groups)):
-        current = {pairs[n].name if n in pairs else n for n in (names[id(p)] for p in now["params"])}
+        current = {pairs[n].name if n in pairs else n for n in (names[id(p)] for p in held_params(now))}
         if set(then.params) != current:
             differ = sorted(set(then.params) ^ current)
             report.problems.append(f"{label}optimizer param group {index} holds different parameters in the "
@@ -210,7 +210,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
     for index, group in enumerate(optim.param_groups):
         settings = {**group, **(load.settings[index] if same_groups else {})}
         on_device = bool(settings.get("fused") or settings.get("capturable"))
-        for param in group["params"]:
+        for param in held_params(group):
             name = names[id(param)]
             state = saved.state.get(pairs[name].name) if name in pairs else None
             place = where_state[id(param)]

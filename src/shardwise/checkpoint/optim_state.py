@@ -24,6 +24,7 @@ from torch import Tensor
 
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
+from shardwise.engine.host_param import is_host_shared
 from shardwise.engine.info import ShardInfo
 from shardwise.engine.whole_step import owner_map, unwrapped
 from shardwise.errors import ShardwiseError
@@ -63,12 +64,19 @@ def named_optimizers(optim) -> tuple[list[tuple[str | None, object]], str]:
     return found, form
 
 
+def held_params(group: dict) -> list[Tensor]:
+    """A param group's parameters that a checkpoint records: all but the host copy's (`frozen="host"`,
+    Note [host copy]), which are read-only, never stepped, and outside every checkpoint. An optimizer
+    built from `model.parameters()` holds them like any frozen parameter."""
+    return [param for param in group["params"] if not is_host_shared(param)]
+
+
 def optimizer_names(optim, infos: dict[str, ShardInfo]) -> dict[int, str]:
-    """id(param) -> the model's (cleaned) name, for every param the optimizer holds."""
+    """id(param) -> the model's (cleaned) name, for every param the optimizer holds (`held_params`)."""
     by_id = {id(info.param): clean_name(name) for name, info in infos.items()}
     names = {}
     for index, group in enumerate(optim.param_groups):
-        for param in group["params"]:
+        for param in held_params(group):
             if id(param) not in by_id:
                 raise ShardwiseError(
                     f"optimizer param group {index} holds a tensor of shape {list(param.shape)} that is not a "
@@ -99,7 +107,7 @@ def placements(optim, infos: dict[str, ShardInfo]) -> dict[int, Placement]:
     owners = owner_map(optim)
     out = {}
     for group in optim.param_groups:
-        for param in group["params"]:
+        for param in held_params(group):
             owner = owners.get(id(param))
             out[id(param)] = Placement(owner, param._sw_unit.mesh.shard_rank if owner is not None else 0)
     return out

@@ -63,6 +63,7 @@ from shardwise.checkpoint.optim_state import (
     SEVERAL,
     class_name,
     full_info,
+    held_params,
     named_optimizers,
     optimizer_names,
     placements,
@@ -250,9 +251,9 @@ def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank:
     state, groups = {}, []
     for index, group in enumerate(optim.param_groups):
         options = {k: v for k, v in group.items() if k != "params"}
-        groups.append({"params": [names[id(p)] for p in group["params"]],
+        groups.append({"params": [names[id(p)] for p in held_params(group)],
                        "options": to_json(options, f"optimizer param group {index}")})
-        for param in group["params"]:
+        for param in held_params(group):
             place, name = where[id(param)], names[id(param)]
             if not optim.state.get(param) or not place.mine:
                 continue  # no state yet, or an owner rank's (Note [whole-tensor step])
