@@ -144,8 +144,8 @@ def _freeze_on_rank_1_before_a_backward(strategy: str):
     model = build("gpt")
     sw.shard(model, strategy=strategy, units=spec.unit_class)
     x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
-    if dist.get_rank() == 1:
-        model.head.weight.requires_grad_(False)
+    if dist.get_rank() == 1:  # a parameter of the last unit: the first one backward reduces
+        engine_of(model).units[-1].shard_params[0].requires_grad_(False)
     try:
         model(x, y).backward()  # zero2: a forward with nothing to gather; the backward's header refuses it
     except sw.ShardwiseError as error:

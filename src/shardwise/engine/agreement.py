@@ -82,7 +82,8 @@ class Agreement:
     def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
         """Issue this phase's header (asynchronously); the previous one is confirmed first."""
         self.confirm()
-        if self.group is None:
+        if self.group is None:  # one rank: nothing to pair, and its order is every rank's
+            self.agreed_order = list(order) or None
             return
         flagged = {id(unit) for unit in regather}
         index = {id(unit): i for i, unit in enumerate(self.units)}

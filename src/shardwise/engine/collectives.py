@@ -75,15 +75,19 @@ def new_reduce_group(group) -> dist.ProcessGroup:
 
     Only `group`'s members call this (local synchronization), so a user's subgroup gets its own
     reduce group as the world does; it keeps `group`'s timeout."""
-    ranks = dist.get_process_group_ranks(group)
+    reduce_group = dist.new_group(dist.get_process_group_ranks(group), timeout=_timeout_of(group),
+                                  backend=dist.get_backend(group), use_local_synchronization=True)
+    return close_group_at_exit(reduce_group, "a reduce group")  # Note [exit teardown]
+
+
+def _timeout_of(group):
+    """`group`'s timeout (the bound sw.init(timeout=...) sets), for a group made beside it; None (torch's
+    default) for a backend that does not say."""
     try:
         device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        timeout = group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):  # a backend that does not say: torch's default
-        timeout = None
-    reduce_group = dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group),
-                                  use_local_synchronization=True)
-    return close_group_at_exit(reduce_group, "a reduce group")  # Note [exit teardown]
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # Note [host values]: some decisions of a step are made on host values: whether the ranks agree on a
@@ -98,7 +102,8 @@ def host_group_of(group) -> dist.ProcessGroup:
 def new_host_group(group) -> dist.ProcessGroup:
     """A new gloo group of `group`'s ranks (Note [host values]): a channel of its own, whose collectives
     pair only with each other (Note [agreement rides the traffic], agreement.py)."""
-    host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    host = dist.new_group(dist.get_process_group_ranks(group), timeout=_timeout_of(group), backend="gloo",
+                          use_local_synchronization=True)
     return close_group_at_exit(host, "a host group")  # Note [exit teardown]
 
 
