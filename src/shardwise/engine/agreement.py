@@ -16,9 +16,12 @@ path of each training step, evaluation batch and `generate()` token. Now:
   digest of the last forward's unit order] and one re-gather flag per unit.
 - The header is checked (`confirm`) where the engine waits for that phase's collectives anyway:
   before the first gather lands, before the first reduce is issued (a rank that froze a parameter
-  would issue a reduce of another size), at the forward's end. By then its landing took no time of
-  its own; its values live on the host, so the check reads no device value, on NCCL as on gloo.
-  A difference raises the same ShardwiseError on every rank, since all of them read the same rows.
+  would issue a reduce of another size), at the forward's end. On gloo the host waits there anyway,
+  and the header has landed beside the payload. Its values live on the host, so the check reads no
+  device value on NCCL either; there the engine's own waits are stream waits, so `confirm` is a wait
+  of the ranks' CPUs for each other's header (never for a device: the stream's queue is not drained),
+  which CPUs doing the same work reach together. (Not yet measured on a GPU.) A difference raises the
+  same ShardwiseError on every rank, since all of them read the same rows.
 - Headers have a channel of their own, so a header always pairs with the other ranks' next header
   whatever the others' phase is (a header sent on the gathers' group could pair with a backward's
   gather of another size): a forward only one rank runs meets the others' next forward or backward
