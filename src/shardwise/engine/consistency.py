@@ -1,6 +1,6 @@
-"""Ranks agree on the model: the same parameters (and which are trainable) at `shard()` and
-before every forward, the same starting values, and which units need a re-gather.
-Uses: collectives, flat_unit, messages.
+"""Ranks agree on the model at `shard()`: the same parameters (and which are trainable) and the same
+starting values. What they agree on during training rides the traffic (agreement.py).
+Uses: flat_unit, messages.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.collectives import named_failure
 from shardwise.engine.flat_unit import FlatUnit
 from shardwise.engine.messages import all_gather_json
 from shardwise.errors import ShardwiseError
@@ -26,7 +25,7 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     device = _device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(signatures, torch.tensor([_digest(repr(mine))], device=device), group=group)
+    dist.all_gather(signatures, torch.tensor([digest(repr(mine))], device=device), group=group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
     everyone = all_gather_json([list(entry) for entry in mine], group)  # JSON, never a pickle between ranks
@@ -53,50 +52,9 @@ def _describe(entry) -> str:
     return f"{name!r} shape {list(shape)} {dtype} {'trainable' if requires_grad else 'frozen'}"
 
 
-def _digest(text: str) -> int:
+def digest(text: str) -> int:
+    """56 bits of a SHA-256 of `text`: an int64 every rank computes alike."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def agree_before_forward(units: list[FlatUnit], group, num_forwards: int,
-                         forward_order: list[int]) -> tuple[list[FlatUnit], bool]:
-    """The units any rank must re-gather before this forward, agreed by every rank, and whether
-    every rank's last forward used the units in the same order.
-
-    One small all-gather carries each rank's "my rows changed" flag per unit (zero1/zero2: a
-    write only some ranks made still re-gathers everywhere, Note [collective order]), a
-    digest of which parameters are trainable (a rank that froze or unfroze a parameter the
-    others did not is an error here instead of a gloo abort in the next reduce), the number
-    of forwards so far (a forward only some ranks run, `if rank == 0: evaluate(model)`, is an
-    error instead of mis-paired collectives) and a digest of the last forward's unit order."""
-    trainable = "".join("1" if shard.requires_grad else "0" for unit in units for shard in unit.shard_params)
-    header = [_digest(trainable), 2 * num_forwards + torch.is_grad_enabled(),
-              _digest(repr(_positions(units, forward_order)))]
-    local = torch.tensor(header + [int(unit.needs_gather()) for unit in units], device=_device(group))
-    world = dist.get_world_size(group)
-    everyone = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    with named_failure(f"the agreement before a forward ({units[0].where})"):
-        dist.all_gather_single(everyone, local, group=group)
-    rows = everyone.view(world, -1).cpu()
-    for column, problem in ((0, "train different parameters: requires_grad was changed on some ranks and not "
-                                "on others. Freeze or unfreeze parameters the same way on every rank, between "
-                                "steps."),
-                            (1, "run different forwards of the sharded model (a different number of them, or "
-                                "one with and one without grad): every rank must run every forward (evaluate on "
-                                "all ranks, or on an unsharded copy), as every rank takes part in its "
-                                "collectives. Generating different numbers of tokens on each rank: pass "
-                                "generate(..., synced_gpus=True), so a rank that finished keeps stepping until "
-                                "the longest is done (or pad every rank's work to the longest; docs/strategies.md, "
-                                "evaluation and generate()).")):
-        differ = (rows[:, column] != rows[0, column]).nonzero().flatten().tolist()
-        if differ:
-            raise ShardwiseError(f"ranks 0 and {differ[0]} {problem}")
-    same_order = bool((rows[:, 2] == rows[0, 2]).all())
-    return [unit for unit, flag in zip(units, rows[:, len(header):].amax(0).tolist()) if flag], same_order
-
-
-def _positions(units: list[FlatUnit], order: list[int]) -> list[int]:
-    index = {id(unit): i for i, unit in enumerate(units)}
-    return [index[key] for key in order if key in index]
 
 
 def _device(group) -> torch.device:

@@ -260,6 +260,11 @@ class FlatUnit:
             return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
 
+    def written(self) -> bool:
+        """zero1/zero2: the rows changed by a write no optimizer step marked, which only the ranks that made
+        it see (Note [agreement rides the traffic], agreement.py)."""
+        return self.stage.keeps_full_params and not self.stale and self._master_stamp() != self.gathered_stamp
+
     def _own_parts(self, dtype: torch.dtype) -> list[Tensor]:
         """This rank's rows of each parameter in `dtype`, one tensor per parameter: the gather's input."""
         if self.aliased:  # the shards are views into full_flat: its own rows, in place

@@ -5,10 +5,14 @@ The forward queue holds the units to gather before this forward (zero3: all of t
 those whose rows changed), the backward queue zero3's re-gathers in the reverse order. A unit is
 gathered by issuing every queued unit before it (a unit this rank skips is still gathered, and
 dropped, so every rank issues the same sequence); at most `stage.gathers_in_flight` are issued
-ahead of use (zero3 prefetches the next unit while this one computes).
+ahead of use (zero3 prefetches the next unit while this one computes). `before_landing` runs before
+any gather is waited for: the engine confirms its phase's header there (Note [agreement rides the
+traffic], agreement.py).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from shardwise.engine.flat_unit import FlatUnit
 
@@ -16,8 +20,8 @@ from shardwise.engine.flat_unit import FlatUnit
 class GatherScheduler:
     """The gathers of one window (Note [unit window]); `reset()` when it closes."""
 
-    def __init__(self, units: list[FlatUnit], in_flight: int) -> None:
-        self.units, self.in_flight = units, in_flight
+    def __init__(self, units: list[FlatUnit], in_flight: int, before_landing: Callable[[], None]) -> None:
+        self.units, self.in_flight, self.before_landing = units, in_flight, before_landing
         self.reset()
 
     def reset(self) -> None:
@@ -42,6 +46,7 @@ class GatherScheduler:
         if unit in queue:
             self.issue(queue, up_to=unit)
         if id(unit) in self.prefetching:
+            self.before_landing()
             # Gathers land in issue order: those queued before this unit first. A zero3 unit
             # among them that is not running is one this rank skipped: drop it again.
             for other in list(self.prefetching.values()):
@@ -53,7 +58,8 @@ class GatherScheduler:
                     other.free()
         elif not unit.stage.keeps_full_params and unit.needs_gather():
             # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
-            unit.start_gather(async_op=False)
+            unit.start_gather(async_op=True)
+            self.before_landing()
             unit.finish_gather()
 
     def drain(self, queue: list[FlatUnit]) -> None:
@@ -64,6 +70,8 @@ class GatherScheduler:
 
     def land_all(self) -> None:
         """Wait for every gather in flight (freed or kept by the caller, the same on every rank)."""
+        if self.prefetching:
+            self.before_landing()
         for unit in list(self.prefetching.values()):
             del self.prefetching[id(unit)]
             unit.finish_gather()

@@ -9,9 +9,11 @@ optimizer hooks are the one place that sees every step without an extra call to 
 - before and after a step: an optimizer that reads parameters as whole tensors is stepped on
   whole tensors, and one that couples tensors is refused (Note [whole-tensor step]); when such a
   step raises on one rank, every rank stops it (Note [raising step]);
-- after a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
+- before a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
-  (Note [writes the engine must see]).
+  (Note [writes the engine must see]); before, not after, so that a step that raised midway, on
+  some ranks or all (Note [raising step]), still marks the same units on every rank, as the
+  re-gather needs (Note [agreement rides the traffic], agreement.py).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ def watch_units(units) -> None:
         for shard, layout in zip(unit.shard_params, unit.layouts):
             shard._sw_unit, shard._sw_layout = unit, layout
     if not _INSTALLED:
+        register_optimizer_step_pre_hook(_mark_stepped_units_stale)
         register_optimizer_step_pre_hook(_refuse_replaced_params)
         register_optimizer_step_pre_hook(_refuse_optimizer_of_nothing)
         register_optimizer_step_pre_hook(_begin_whole_step)
         register_optimizer_step_post_hook(_end_whole_step)
-        register_optimizer_step_post_hook(_mark_stepped_units_stale)
         on_step_error(_abort_whole_step)
         _INSTALLED.append(True)
 

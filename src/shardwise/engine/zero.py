@@ -1,5 +1,5 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: collectives, compat, consistency, flat_unit, gather_schedule, info, mesh_info, offload,
+(flat_unit.py). Uses: agreement, collectives, compat, consistency, flat_unit, gather_schedule, info, mesh_info, offload,
 optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict, unit_choice,
 units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
 optimizers (whole_step.py).
@@ -20,7 +20,7 @@ The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifec
 Notes [unit window], [aborted backward], [one backward at a time], [gradients of inputs]: window.py.
 Note [outer calls]: a unit, or a module of the root unit (an embedding, a final norm, T5's
 encoder that `generate()` calls by itself), may be called outside the model's forward. The
-outermost hooked module called then opens a pass as the model's forward would: the same agreement
+outermost hooked module called then opens a pass as the model's forward would: the same header
 and (zero1/2) re-gathers, the root unit's full values in place, the same window, so such a
 call joins a pending backward exactly; it closes the pass when it returns. [recompute]: recompute.py.
 
@@ -30,10 +30,11 @@ frees it after its backward from a hook on its inputs' gradients instead.
 A unit no rank used this step still takes part in the reduce, with zeros, at the end of
 backward, in a fixed order, so nobody waits on a collective that never comes.
 
-zero1/zero2 re-gather a unit before a forward when any rank's rows of it changed (Note
-[writes the engine must see] in shard_param.py), agreed in one small all-gather per
-forward (consistency.agree_before_forward) that also checks every rank trains the same
-parameters.
+zero1/zero2 re-gather a unit before a forward when its rows changed (Note [writes the engine
+must see] in shard_param.py). Which units, how many forwards ran and which parameters are trainable
+the ranks agree on in a small header that each phase with collectives sends first and checks where
+it waits anyway; a forward with nothing to gather sends nothing (Note [agreement rides the traffic],
+agreement.py).
 
 Note [collective order]: gloo and NCCL pair collectives by their order of issue, so
 every rank must issue the same sequence even when ranks take different branches.
@@ -42,7 +43,7 @@ in one fixed unit order (forward: registration order; backward: its reverse); a 
 whose turn comes before it is ready holds back the ones after it, never reorders
 them. Reduce-scatters run on a group of their own, so they never interleave with
 gathers. zero3's forward gathers follow the forward itself (prefetched in the last
-forward's unit order once every rank's agrees, else registration order), so zero3
+forward's unit order once every rank's header agrees, else registration order), so zero3
 requires every rank to run the same units in each step (as FSDP does); parameters
 unused by every rank and branches inside a unit may still differ.
 """
@@ -59,9 +60,10 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
+from shardwise.engine.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.collectives import host_group_of, new_reduce_group
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
-from shardwise.engine.consistency import agree_before_forward, check_same_model_on_every_rank
+from shardwise.engine.consistency import check_same_model_on_every_rank
 from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.gather_schedule import GatherScheduler
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
@@ -105,7 +107,8 @@ class ZeroEngine(Engine):
         self.root = self.units[0]
         watch_units(self.units)
         install_state_dict_hooks(model, self)  # Note [state dict]
-        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight)
+        self.agreement = Agreement(self.units, group)  # Note [agreement rides the traffic]
+        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight, self.agreement.confirm)
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
         # hybrid mesh the flags span every replica (a parameter used on one replica has a gradient on all)
@@ -113,9 +116,9 @@ class ZeroEngine(Engine):
         flags_group = reduce_group if self.host_group is group and not self.mesh.hybrid else self.host_group
         self.reducer = Reducer(list(reversed(self.units)), flags_group)  # Note [collective order]
         self.sync_grads = True
-        self.num_forwards = 0  # root forwards, agreed across ranks before each
+        self.num_forwards = 0  # root forwards, counted in every header
         self.forward_order: list[int] = []  # units in the order the last forward used them
-        self.prefetch_order: list[FlatUnit] = list(self.units)  # agreed by every rank (_begin_forward)
+        self.prefetch_order: list[FlatUnit] = list(self.units)  # alike on every rank (_begin_forward)
         self.step = StepState()
         if self.precision.param_dtype != torch.float32:
             self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
@@ -211,18 +214,23 @@ class ZeroEngine(Engine):
         self.step.in_window = True
         self.step.pass_uses, self.step.order = {}, []
         self.clock.enter(Phase.FORWARD)
-        # The same list on every rank (zero3: units not gathered; zero1/2: units whose rows changed).
-        queue, same_order = agree_before_forward(self.units, self.host_group, self.num_forwards,
-                                                 self.forward_order)
-        # zero3 prefetches in the last forward's order once every rank agrees on it (registration
+        self.num_forwards += 1
+        # zero3 prefetches in the last forward's order once every rank's header reported it (registration
         # order otherwise): forward gathers in that order, backward gathers in its reverse.
         self.prefetch_order = list(self.units)
-        if not self.stage.keeps_full_params and same_order and self.forward_order:
-            position = {key: i for i, key in enumerate(self.forward_order)}
+        if not self.stage.keeps_full_params and self.agreement.agreed_order:
+            position = {key: i for i, key in enumerate(self.agreement.agreed_order)}
             self.prefetch_order.sort(key=lambda u: position.get(id(u), len(position)))
         position = {id(u): i for i, u in enumerate(self.prefetch_order)}
-        self.gathers.forward_queue = sorted(queue, key=lambda u: position[id(u)])
-        self.num_forwards += 1
+        # zero3: the units not gathered; zero1/2: those whose rows changed. The same on every rank, or the
+        # header says otherwise before any of them is used (Note [agreement rides the traffic]).
+        queue = sorted((unit for unit in self.units if unit.needs_gather()), key=lambda u: position[id(u)])
+        self.gathers.forward_queue = queue
+        if queue:  # this forward communicates: its header goes first, checked where the gathers land
+            phase = FORWARD_WITH_GRAD if torch.is_grad_enabled() else FORWARD_NO_GRAD
+            self.agreement.open(phase, self.num_forwards, self.forward_order, queue)
+            if any(unit.written() for unit in queue):  # only the writers know: agreed before re-gathering
+                self.agreement.confirm()
 
     def _backward_possible(self) -> bool:
         self.step.uses = [use for use in self.step.uses if use() is not None]
@@ -253,6 +261,7 @@ class ZeroEngine(Engine):
 
     def _end_forward(self) -> None:
         self.gathers.drain(self.gathers.forward_queue)  # units this rank did not run still take their gather
+        self.agreement.confirm()
         for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
             if id(unit) in self.step.fulls and (self.stage.keeps_full_params or unit.resident):
                 unit.install_full(list(self.step.fulls[id(unit)]))
@@ -281,6 +290,8 @@ class ZeroEngine(Engine):
             self.step.callback_queued = True
             self.step.graph_task = graph_task_id()
             self.clock.enter(Phase.BACKWARD)
+            if self.sync_grads or not self.stage.keeps_full_params:  # it reduces or re-gathers: a header first
+                self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
@@ -308,6 +319,7 @@ class ZeroEngine(Engine):
             # the reduce packs the gradients, so the two are never held together (one unit's
             # worth less at the backward peak; bench/max_model.py).
             unit.free()
+        self.agreement.confirm()  # before the first reduce: a rank that froze a parameter reduces another size
         if not self.sync_grads:
             unit.grads.accumulate(grads)
             return
@@ -320,6 +332,7 @@ class ZeroEngine(Engine):
 
     def _finalize_backward(self) -> None:
         self.gathers.drain(self.gathers.backward_queue)  # units this rank's backward never reached
+        self.agreement.confirm()
         if self.sync_grads:
             # Units not reduced yet: zero1's kept grads, and units unused this step on this
             # rank (zeros). Same fixed order as during backward (Note [collective order]).
@@ -329,6 +342,7 @@ class ZeroEngine(Engine):
         self._close_window()
 
     def _close_window(self) -> None:
+        self.agreement.confirm()
         self.gathers.land_all()  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()

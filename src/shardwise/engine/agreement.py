@@ -1,0 +1,130 @@
+"""Ranks agree on what each communicating phase does, on traffic that happens anyway, not in a
+barrier before every forward. Uses: collectives, consistency, flat_unit.
+
+Note [agreement rides the traffic]: gloo and NCCL pair collectives by their order of issue (Note
+[collective order], zero.py), so ranks must agree, before the collectives of a forward or a backward
+are used, on (a) which zero1/zero2 units are re-gathered, (b) which parameters are trainable (the
+reduces' sizes), (c) how many forwards ran and with or without grad (`if rank == 0: evaluate(model)`
+would pair one rank's forward with another's backward) and (d) zero3's prefetch order. This used to
+be one blocking all-gather, read on the host, before every forward: a host rendezvous on the critical
+path of each training step, evaluation batch and `generate()` token. Now:
+
+- A phase that communicates anyway (zero3's forward: its gathers; a zero1/zero2 forward with a unit
+  to re-gather; a backward that reduces or re-gathers) first issues a small header, asynchronously,
+  on a gloo group of its own (`Agreement.group`; a CPU group beside NCCL, Note [host values]):
+  [digest of requires_grad, forwards so far, phase (forward without grad, with grad, backward),
+  digest of the last forward's unit order] and one re-gather flag per unit.
+- The header is checked (`confirm`) where the engine waits for that phase's collectives anyway:
+  before the first gather lands, before the first reduce is issued (a rank that froze a parameter
+  would issue a reduce of another size), at the forward's end. On gloo the host waits there anyway,
+  and the header has landed beside the payload. Its values live on the host, so the check reads no
+  device value on NCCL either; there the engine's own waits are stream waits, so `confirm` is a wait
+  of the ranks' CPUs for each other's header (never for a device: the stream's queue is not drained),
+  which CPUs doing the same work reach together. (Not yet measured on a GPU.) A difference raises the
+  same ShardwiseError on every rank, since all of them read the same rows.
+- Headers have a channel of their own, so a header always pairs with the other ranks' next header
+  whatever the others' phase is (a header sent on the gathers' group could pair with a backward's
+  gather of another size): a forward only one rank runs meets the others' next forward or backward
+  header and is refused there, with the forward count or phase differing.
+- A forward that communicates nothing (a zero1/zero2 evaluation once the units are current) sends no
+  header: nothing in it can mis-pair. It still counts, so a forward only some ranks run is refused at
+  the next phase that communicates (as before: the same script must run under zero3, where it would
+  mis-pair).
+- (a) Re-gathers are decided from what every rank knows alike: the optimizer step runs on every
+  rank and marks the units whose shards it holds stale on each (optim_hooks.py; whole-tensor and
+  in-backward steps go through the same hook). A write of the user's (`p.data.mul_()`,
+  `load_state_dict`, `sw.load`) is seen only by the ranks that made it (a version stamp:
+  FlatUnit.written). Loading on every rank must work exactly, so a forward after such a write
+  confirms its header *before* issuing any re-gather: the writers wait there for the other ranks'
+  next header, and a write only some ranks made is refused on every rank (the flags differ) instead
+  of re-gathered by a one-sided collective. Steady-state training never waits there: its re-gathers
+  come from steps.
+- (d) zero3 prefetches in the last forward's order once every rank's header said the same order
+  (digest), learned at the previous backward (a training step: the next forward uses it) or the
+  previous forward (evaluation: from the forward after next); registration order until then.
+- What it cannot do: refuse a forward only some ranks run before that forward's own collectives
+  are issued (they are issued before the header lands, and are never waited for: the error comes
+  first, and the process group is spent after it, as after any mismatched collective); and a rank
+  that stops calling collectives entirely (it ended the program) still leaves the others waiting
+  until the group's timeout, where a named failure says where they waited.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from shardwise.engine.collectives import named_failure, new_host_group
+from shardwise.engine.consistency import digest
+from shardwise.engine.flat_unit import FlatUnit
+from shardwise.errors import ShardwiseError
+
+FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD = 0, 1, 2
+
+_DIFFERENT_PARAMETERS = (
+    "train different parameters: requires_grad was changed on some ranks and not on others. Freeze or unfreeze "
+    "parameters the same way on every rank, between steps.")
+_DIFFERENT_FORWARDS = (
+    "run different forwards of the sharded model (a different number of them, or one with and one without "
+    "grad): every rank must run every forward (evaluate on all ranks, or on an unsharded copy), as every rank "
+    "takes part in its collectives. Generating different numbers of tokens on each rank: pass "
+    "generate(..., synced_gpus=True), so a rank that finished keeps stepping until the longest is done (or pad "
+    "every rank's work to the longest; docs/strategies.md, evaluation and generate()).")
+
+
+class Agreement:
+    """The headers of one engine's phases (Note [agreement rides the traffic]); one in flight at a time."""
+
+    def __init__(self, units: list[FlatUnit], group) -> None:
+        self.units = units
+        self.world = dist.get_world_size(group)
+        self.group = new_host_group(group) if self.world > 1 else None
+        self.pending = None  # (work, sent, received, order, where) of the header in flight
+        self.agreed_order: list[int] | None = None  # unit ids in the last order every rank reported
+
+    def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
+        """Issue this phase's header (asynchronously); the previous one is confirmed first."""
+        self.confirm()
+        if self.group is None:  # one rank: nothing to pair, and its order is every rank's
+            self.agreed_order = list(order) or None
+            return
+        flagged = {id(unit) for unit in regather}
+        index = {id(unit): i for i, unit in enumerate(self.units)}
+        trainable = "".join("1" if shard.requires_grad else "0" for unit in self.units for shard in unit.shard_params)
+        header = [digest(trainable), num_forwards, phase, digest(repr([index[key] for key in order if key in index]))]
+        sent = torch.tensor(header + [int(id(unit) in flagged) for unit in self.units], dtype=torch.int64)
+        received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
+        where = self.units[0].where
+        with named_failure(f"the agreement of a {'backward' if phase == BACKWARD else 'forward'} ({where})"):
+            work = dist.all_gather_into_tensor(received, sent, group=self.group, async_op=True)
+        self.pending = (work, sent, received, list(order), where)
+
+    def confirm(self) -> None:
+        """Wait for the header in flight, if any (a host value: Note [host values]), and raise on any
+        difference between the ranks' headers, on every rank alike."""
+        if self.pending is None:
+            return
+        (work, _sent, received, order, where), self.pending = self.pending, None
+        with named_failure(f"the agreement of a phase ({where})"):
+            work.wait()
+        rows = received.view(self.world, -1).tolist()
+        first = rows[0]
+        for rank, row in enumerate(rows[1:], start=1):
+            if row[0] != first[0]:
+                raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_PARAMETERS}")
+            if row[1] != first[1]:
+                raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_FORWARDS}")
+            if row[4:] != first[4:]:
+                raise ShardwiseError(self._different_writes(rank, first[4:], row[4:]))
+            if row[2] != first[2]:
+                raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_FORWARDS}")
+        self.agreed_order = order if order and all(row[3] == first[3] for row in rows) else None
+
+    def _different_writes(self, rank: int, mine: list[int], theirs: list[int]) -> str:
+        unit = next(unit for unit, a, b in zip(self.units, mine, theirs) if a != b)
+        wrote, other = (0, rank) if mine[self.units.index(unit)] else (rank, 0)
+        return (f"ranks 0 and {rank} changed different parameters between forwards: the rows of unit {unit.label} "
+                f"were written on rank {wrote} (an in-place write such as p.data.mul_(), load_state_dict or "
+                f"sw.load, or an optimizer step) and not on rank {other}. Write parameters on every rank alike "
+                "(load, and step the optimizer, on every rank); each rank holds only its rows, so a write on one "
+                "rank never reaches the others' (Note [agreement rides the traffic]).")
