@@ -11,6 +11,8 @@ the fp32 parity bound (1e-5 / 1e-6) at world size 1 and 4 and under another stra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -100,6 +102,21 @@ def test_another_number_of_optimizers_is_refused(ranks, saved):
 
 
 # ---- several optimizers, one process ----------------------------------------------------------
+
+
+def test_owner_map_is_recorded_shown_and_checked(ranks, saved):
+    """Catches the whole-tensor owner map not recorded in the index, not shown by `shardwise ckpt inspect`,
+    or not checked on load (Note [recorded owners]): a Muon built with its matrices in another order puts
+    their momenta on other owners at the same shard group size, which must be refused, not loaded."""
+    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.tools import inspect
+
+    path, _ = saved("muon", "zero2")
+    muon = read_index(Path(path)).optimizers[0]
+    assert muon.owner_world == 2 and sorted(set(muon.owners.values())) == [0, 1], muon.owners
+    assert any("whole-tensor owners (shard group of 2): rank 0" in line for line in inspect(path)[0])
+    for message in ranks.run(load_into, 2, path, "zero2", "muon_swapped", timeout=120):
+        assert "whole-tensor owners differ from the ones recorded" in message and "saved on rank" in message, message
 
 
 def _two(seed: int = 0):

@@ -35,8 +35,15 @@ Note [owner traffic]: only the owner needs a parameter whole, so its rows and gr
 gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),
 each rank receiving its own rows only. A rank then receives, per step, 2·|owned|·(N−1)/N elements
 of the parameters it owns plus |P|/N of its rows, where the all-gathers and broadcast made every
-rank receive 3·|P|·(N−1)/N: the whole model three times. Batching per unit and overlapping owner
-k+1's gathers with owner k's compute are the next steps.
+rank receive 3·|P|·(N−1)/N: the whole model three times. Under zero1/zero2 at the master dtype the
+owner already holds the whole parameter (the unit's kept full values, current unless rows were written
+since their gather): it copies it and gathers only the gradient, 2·|owned|·(N−1)/N becoming
+|owned|·(N−1)/N. The gradient stays reduce-scattered in backward and is then gathered to its owner,
+not reduced there directly: that pair is a reduce's bandwidth-optimal form (the owner receives
+2·|g|·(N−1)/N, where a flat reduce sends it (N−1)·|g|, equal at N = 2, twice at N = 4), it overlaps
+backward, and it leaves every rank its gradient rows between backward and step, which
+sw.clip_grad_norm_, the fp16 scaler's inf check and a user's gradient reads need. Batching per unit
+and overlapping owner k+1's gathers with owner k's compute are the next steps.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
@@ -162,6 +169,17 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
+def _kept_whole(param) -> Tensor | None:
+    """The owner's whole parameter without a collective, where zero1/zero2 keep it (Note [owner traffic]):
+    the unit's full values, when they are the master dtype (aliased) and current (no rows written since
+    their gather, so they are bit copies of every rank's rows). A copy: the step must not write the
+    kept buffer, which the next forward re-gathers anyway. None where a gather is needed."""
+    unit = param._sw_unit
+    if not (unit.stage.keeps_full_params and unit.aliased and unit.resident and not unit.needs_gather()):
+        return None
+    return unit.full_views[unit.layouts.index(param._sw_layout)].detach().clone()
+
+
 def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
     """Every rank's rows of one parameter on its owner alone, as the unpadded whole tensor (None
     elsewhere): a gather, not an all-gather, so only the owner receives (Note [owner traffic])."""
@@ -169,7 +187,7 @@ def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
     send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
     mine = unit.mesh.shard_rank == owner
     parts = [torch.empty_like(send) for _ in range(unit.mesh.shard_world)] if mine else None
-    dist.gather(send, parts, dst=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
+    dist.gather(send, parts, dst=unit.mesh.global_rank(owner), group=unit.mesh.shard_group)
     if not mine:
         return None
     return torch.cat(parts)[: layout.rows * layout.row_numel].view(layout.shape)
@@ -185,7 +203,7 @@ def _scatter_from(whole: Tensor | None, param, owner: int, rows: Tensor) -> None
         padded = torch.zeros(unit.mesh.shard_world * layout.shard_numel, dtype=rows.dtype, device=rows.device)
         padded[: whole.numel()] = whole.reshape(-1)
         parts = list(padded.chunk(unit.mesh.shard_world))
-    dist.scatter(out, parts, src=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
+    dist.scatter(out, parts, src=unit.mesh.global_rank(owner), group=unit.mesh.shard_group)
     real = max(0, min(layout.shard_numel, layout.rows * layout.row_numel - unit.mesh.shard_rank * layout.shard_numel))
     rows.reshape(-1)[:real].copy_(out[:real])
 
@@ -213,7 +231,8 @@ class WholeStep:
         for param, owner in zip(self.params, self.owners):
             rows, grad = param.detach(), param.grad
             unit = param._sw_unit
-            whole = _gather_to(rows, param, owner)
+            kept = _kept_whole(param)  # the same answer on every rank: the units were stepped alike
+            whole = _gather_to(rows, param, owner) if kept is None else kept if unit.mesh.shard_rank == owner else None
             whole_grad = _gather_to(grad, param, owner) if grad is not None else None
             self.saved.append((rows, grad))
             if unit.mesh.shard_rank == owner:
