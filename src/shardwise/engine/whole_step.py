@@ -38,12 +38,14 @@ of the parameters it owns plus |P|/N of its rows, where the all-gathers and broa
 rank receive 3·|P|·(N−1)/N: the whole model three times. Under zero1/zero2 at the master dtype the
 owner already holds the whole parameter (the unit's kept full values, current unless rows were written
 since their gather): it copies it and gathers only the gradient, 2·|owned|·(N−1)/N becoming
-|owned|·(N−1)/N. The gradient stays reduce-scattered in backward and is then gathered to its owner,
-not reduced there directly: that pair is a reduce's bandwidth-optimal form (the owner receives
-2·|g|·(N−1)/N, where a flat reduce sends it (N−1)·|g|, equal at N = 2, twice at N = 4), it overlaps
-backward, and it leaves every rank its gradient rows between backward and step, which
-sw.clip_grad_norm_, the fp16 scaler's inf check and a user's gradient reads need. Batching per unit
-and overlapping owner k+1's gathers with owner k's compute are the next steps.
+|owned|·(N−1)/N. The gradient stays reduce-scattered in backward (overlapped with it), then gathered
+to its owner. Counted (shardwise.testing.count_received, owners balanced), a reduce straight to the
+owner would receive less per rank: |G|/2 instead of 3|G|/4 at N = 2, 3|G|/4 instead of 15|G|/16 at
+N = 4 (|G|: the whole-stepped gradients). It is not done: non-owners would hold no gradient rows
+between backward and step (sw.clip_grad_norm_, the fp16 scaler's inf check and a user's reads use
+them), backward learns which optimizer steps a parameter whole only at its first step, and a reduce
+sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
+Batching per unit and overlapping owner k+1's gathers with owner k's compute are the next steps.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
