@@ -131,8 +131,8 @@ def time_arm(arm: str, args, world_size: int, rank: int, mesh) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step_s.append(end - stepping)
         full_s.append(end - start)
-        bytes_step.append(received_in_step[0])
-        bytes_full.append(received[0] + received_in_step[0])
+        bytes_step.append(received_in_step.bytes)
+        bytes_full.append(received.bytes + received_in_step.bytes)
     counted = shape in ("zero2", "zero3", "one")  # the others' traffic is in C++ (DDP) or DTensor's own ops
     return {"step_s": step_s, "full_s": full_s if shape != "dtensor" else None, "thread_s": thread_s,
             "process_s": process_s, "bytes_full": bytes_full if counted else None,

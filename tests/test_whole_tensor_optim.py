@@ -178,7 +178,7 @@ def _bytes_received_in_step(strategy: str):
     mine = sum(gathers * (world - 1) * p._sw_layout.shard_numel for p in params if owners[id(p)] == rank)
     others = sum(p._sw_layout.shard_numel for p in params if owners[id(p)] != rank)
     before = sum(3 * (world - 1) * p._sw_layout.shard_numel for p in params)
-    return received[0], 4 * (mine + others), 4 * before
+    return received.bytes, 4 * (mine + others), 4 * before, received.calls, len(set(owners.values()))
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2", "zero3"])
@@ -186,10 +186,12 @@ def test_the_owner_alone_receives_whole_tensors(ranks, strategy):
     """Catches the whole-tensor step sending every parameter and gradient whole to every rank (two
     all-gathers and a broadcast per parameter: 3·|P|·(N−1)/N bytes per rank) where only the owner
     needs them (Note [owner traffic]: gathered to the owner, updated rows scattered back), and a
-    zero1/zero2 owner gathering a parameter it already holds whole (its kept full values)."""
-    for received, bound, before in ranks.run(_bytes_received_in_step, 2, strategy):
+    zero1/zero2 owner gathering a parameter it already holds whole (its kept full values), and one
+    gather and one scatter per parameter where one per owner carries them all (Note [owner batches])."""
+    for received, bound, before, calls, num_owners in ranks.run(_bytes_received_in_step, 2, strategy):
         assert bound <= received <= bound + 512, (received, bound)  # 512: the agreements' flags
         assert received < 0.75 * before, (received, before)
+        assert calls["gather"] == calls["scatter"] == num_owners == 2, calls
 
 
 def test_muon_owners_are_balanced_by_newton_schulz_cost():

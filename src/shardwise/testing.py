@@ -10,7 +10,7 @@ loop on the same data, any difference in the results is the strategy's.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
@@ -288,15 +288,24 @@ COUNTED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single
            "all_to_all_single", "all_reduce", "broadcast", "gather", "scatter")
 
 
+@dataclass
+class Received:
+    """What `count_received` counted: bytes this rank received, and the calls of each collective."""
+
+    bytes: int = 0
+    calls: dict = field(default_factory=dict)
+
+
 @contextlib.contextmanager
 def count_received():
-    """Sum, into the yielded one-element list, the bytes this rank receives in the torch.distributed
-    collectives called inside (`COUNTED`, by `_received`'s model); DDP's C++ reducer is not seen."""
+    """Count, into the yielded `Received`, the bytes this rank receives in the torch.distributed
+    collectives called inside (`COUNTED`, by `_received`'s model) and their calls; DDP's C++ reducer is
+    not seen."""
     import inspect
 
     import torch.distributed as dist
 
-    total, real = [0], {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
+    total, real = Received(), {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
     depth = [0]  # a deprecated name calling its successor is one collective, counted once
 
     def counting(name, function):
@@ -309,7 +318,8 @@ def count_received():
             root = found.get("src") == dist.get_rank() if found.get("src") is not None \
                 else found.get("group_src") == dist.get_rank(group)
             if not depth[0]:
-                total[0] += _received(name, found, root, dist.get_world_size(group))
+                total.bytes += _received(name, found, root, dist.get_world_size(group))
+                total.calls[name] = total.calls.get(name, 0) + 1
             depth[0] += 1
             try:
                 return function(*args, **kwargs)

@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: compat.
+Uses: compat, owner_traffic.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -45,7 +45,7 @@ N = 4 (|G|: the whole-stepped gradients). It is not done: non-owners would hold 
 between backward and step (sw.clip_grad_norm_, the fp16 scaler's inf check and a user's reads use
 them), backward learns which optimizer steps a parameter whole only at its first step, and a reduce
 sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
-Batching per unit and overlapping owner k+1's gathers with owner k's compute are the next steps.
+The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.compat import set_data, set_grad
+from shardwise.engine.owner_traffic import Piece, can_copy_whole, gather_to_owners, kept_whole, scatter_from_owners
 from shardwise.errors import ShardwiseError
 
 _set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
@@ -171,45 +172,6 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
-def _kept_whole(param) -> Tensor | None:
-    """The owner's whole parameter without a collective, where zero1/zero2 keep it (Note [owner traffic]):
-    the unit's full values, when they are the master dtype (aliased) and current (no rows written since
-    their gather, so they are bit copies of every rank's rows). A copy: the step must not write the
-    kept buffer, which the next forward re-gathers anyway. None where a gather is needed."""
-    unit = param._sw_unit
-    if not (unit.stage.keeps_full_params and unit.aliased and unit.resident and not unit.needs_gather()):
-        return None
-    return unit.full_views[unit.layouts.index(param._sw_layout)].detach().clone()
-
-
-def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
-    """Every rank's rows of one parameter on its owner alone, as the unpadded whole tensor (None
-    elsewhere): a gather, not an all-gather, so only the owner receives (Note [owner traffic])."""
-    layout, unit = param._sw_layout, param._sw_unit
-    send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
-    mine = unit.mesh.shard_rank == owner
-    parts = [torch.empty_like(send) for _ in range(unit.mesh.shard_world)] if mine else None
-    dist.gather(send, parts, dst=unit.mesh.global_rank(owner), group=unit.mesh.shard_group)
-    if not mine:
-        return None
-    return torch.cat(parts)[: layout.rows * layout.row_numel].view(layout.shape)
-
-
-def _scatter_from(whole: Tensor | None, param, owner: int, rows: Tensor) -> None:
-    """The owner's updated whole tensor back into every rank's rows (a scatter: each rank receives its
-    own rows only); the padding past the real rows is left as it is."""
-    layout, unit = param._sw_layout, param._sw_unit
-    out = torch.empty(layout.shard_numel, dtype=rows.dtype, device=rows.device)
-    parts = None
-    if unit.mesh.shard_rank == owner:
-        padded = torch.zeros(unit.mesh.shard_world * layout.shard_numel, dtype=rows.dtype, device=rows.device)
-        padded[: whole.numel()] = whole.reshape(-1)
-        parts = list(padded.chunk(unit.mesh.shard_world))
-    dist.scatter(out, parts, src=unit.mesh.global_rank(owner), group=unit.mesh.shard_group)
-    real = max(0, min(layout.shard_numel, layout.rows * layout.row_numel - unit.mesh.shard_rank * layout.shard_numel))
-    rows.reshape(-1)[:real].copy_(out[:real])
-
-
 def _name(param) -> str:
     return param._sw_layout.owned.name
 
@@ -223,6 +185,7 @@ class WholeStep:
         self.params = sharded_params(optimizer)
         owners = owner_map(optimizer)
         self.owners = [owners[id(param)] for param in self.params]
+        self.mesh = self.params[0]._sw_unit.mesh if self.params else None
         self.group = self.params[0]._sw_unit.mesh.shard_group if self.params else None
         self.world_size = self.params[0]._sw_unit.mesh.shard_world if self.params else 1
         self.rank = self.params[0]._sw_unit.mesh.shard_rank if self.params else 0
@@ -230,16 +193,17 @@ class WholeStep:
 
     def begin(self) -> None:
         self._agree_on_grads()
-        for param, owner in zip(self.params, self.owners):
-            rows, grad = param.detach(), param.grad
-            unit = param._sw_unit
-            kept = _kept_whole(param)  # the same answer on every rank: the units were stepped alike
-            whole = _gather_to(rows, param, owner) if kept is None else kept if unit.mesh.shard_rank == owner else None
-            whole_grad = _gather_to(grad, param, owner) if grad is not None else None
-            self.saved.append((rows, grad))
-            if unit.mesh.shard_rank == owner:
-                _set_data(param, whole)
-                _set_grad(param, whole_grad)  # plain: the whole gradient is no RowsGrad
+        copied = [can_copy_whole(param) for param in self.params]  # the same on every rank (owner_traffic.py)
+        pieces = [Piece(("data", i), param, owner, param.detach())
+                  for i, (param, owner, copy) in enumerate(zip(self.params, self.owners, copied)) if not copy]
+        pieces += [Piece(("grad", i), param, owner, param.grad)
+                   for i, (param, owner) in enumerate(zip(self.params, self.owners)) if param.grad is not None]
+        wholes = gather_to_owners(pieces, self.mesh) if pieces else {}  # Note [owner batches]
+        for i, (param, owner) in enumerate(zip(self.params, self.owners)):
+            self.saved.append((param.detach(), param.grad))
+            if self.rank == owner:
+                _set_data(param, kept_whole(param) if copied[i] else wholes["data", i])
+                _set_grad(param, wholes.get(("grad", i)))  # plain: the whole gradient is no RowsGrad
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
@@ -270,12 +234,16 @@ class WholeStep:
             self._restore()
             raise self._error(failed, None)
         with torch.no_grad():
-            for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
-                whole = param.detach() if param._sw_unit.mesh.shard_rank == owner else None
+            wholes, pieces = {}, []
+            for i, (param, owner, (rows, grad)) in enumerate(zip(self.params, self.owners, self.saved)):
+                if self.rank == owner:
+                    wholes[i] = param.detach()
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                _scatter_from(whole, param, owner, rows)
+                pieces.append(Piece(i, param, owner, rows))
+            if pieces:
+                scatter_from_owners(pieces, wholes, self.mesh)  # Note [owner batches]
         self.saved = []
 
     def abort(self, error: BaseException) -> ShardwiseError:
