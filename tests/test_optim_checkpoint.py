@@ -197,3 +197,24 @@ def test_other_names_are_refused(tmp_path):
     fresh, muon2, factored2 = _two(seed=1)
     with pytest.raises(sw.ShardwiseError, match="holds optimizers named"):
         sw.load(tmp_path / "ckpt", fresh, {"muon": muon2, "adafactor": factored2})
+
+
+@pytest.mark.parametrize("owners, problem", [({"shard_world": 2, "map": {"0.weight": 1}}, None),
+                                             ({"shard_world": 2, "map": {"0.weight": 2}}, "not an integer in 0..1"),
+                                             ({"shard_world": 1, "map": {}}, "not an integer in 2.."),
+                                             ({"shard_world": 2, "map": {"9.weight": 0}}, "do not list"),
+                                             ({"shard_world": 2, "map": []}, "not an object")])
+def test_a_forged_owner_map_is_refused_naming_the_field(tmp_path, owners, problem):
+    """Catches a recorded owner map (Note [recorded owners]) read without its checks: an owner outside the
+    shard group, a group of one, a parameter the index does not hold, a map of another type."""
+    from helpers.damage import edit_index, save_small, trained_several
+    from shardwise.checkpoint.schema import read_index
+
+    path = save_small(tmp_path / "ckpt", trained_several)
+    edit_index(path, lambda index: index["optimizers"][0].update(owners=owners))
+    if problem is None:
+        assert read_index(path).optimizers[0].owners == {"0.weight": 1}
+        return
+    with pytest.raises(sw.ShardwiseError, match="owners") as error:
+        read_index(path)
+    assert problem in str(error.value), str(error.value)
