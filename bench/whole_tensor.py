@@ -3,6 +3,8 @@ beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/w
 
     python bench/whole_tensor.py                                        # bench GPT (29.5M), ws 2 and 4
     python bench/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check
+    python bench/whole_tensor.py --vocab 4096 --d-model 256 --layers 4 --seq 64 --batch 2 \
+        --only zero2_adamw,zero2_muon,zero3_muon,one_muon,ddp_muon          # issue 33's figures, bounded
 
 Arms: shardwise zero2/zero3 with AdamW (rows, the fast path) and with Muon on 2-D parameters + AdamW
 (the owner shape, inside optimizer.step()); the same optimizers on `Shard(0)` DTensor parameters (step
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--only", default=",".join(ARMS),
+                   help="the arms to run, comma-separated (zero2_adamw, the ratios' base, always runs)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -138,6 +142,15 @@ def phase_medians(ranks: list[dict], arm: str, warmup: int) -> dict | None:
             for j, name in enumerate(PHASES)}
 
 
+def chosen_arms(args) -> list[str]:
+    """`--only`'s arms in ARMS order, zero2_adamw among them (every ratio's base)."""
+    wanted = set(args.only.split(",")) | {"zero2_adamw"}
+    unknown = wanted - set(ARMS)
+    if unknown:
+        sys.exit(f"--only: unknown arms {sorted(unknown)}; the arms are {', '.join(ARMS)}")
+    return [arm for arm in ARMS if arm in wanted]
+
+
 def _paired(values: list, bases: list) -> float | None:
     """The median over rounds of value / base, each round's pair (None where either is missing)."""
     pairs = [a / b for a, b in zip(values, bases) if a is not None and b]
@@ -149,6 +162,8 @@ def targets(args, per_round: list, arm: str) -> dict:
     the busiest rank's CPU seconds in the step (process and thread) over one process's, bytes received by
     the most receiving rank per step (the full step, and optimizer.step() alone) over AdamW zero2's."""
     def per(key, of=arm):
+        if of not in per_round[0][0]:  # an arm --only left out
+            return [None] * len(per_round)
         return [median_over_steps(ranks, of, key, args.warmup) for ranks in per_round]
 
     step, cpu, thread, sent = per("step_s"), per("process_s"), per("thread_s"), per("bytes_full")
@@ -167,7 +182,7 @@ def summarize(args, rounds: dict, world_sizes: list[int]) -> list[dict]:
         per_round = [rounds[(r, ws)]["ranks"] for r in range(args.rounds)]
         base = [median_over_steps(ranks, "zero2_adamw", "step_s", args.warmup) for ranks in per_round]
         base_full = [median_over_steps(ranks, "zero2_adamw", "full_s", args.warmup) for ranks in per_round]
-        for arm in ARMS:
+        for arm in chosen_arms(args):
             step = [median_over_steps(ranks, arm, "step_s", args.warmup) for ranks in per_round]
             full = [median_over_steps(ranks, arm, "full_s", args.warmup) for ranks in per_round]
             row = {"arm": arm, "label": LABELS[arm], "world_size": ws, "round_step_s": step,
@@ -279,7 +294,8 @@ def run_launcher(args) -> None:
     jobs += [("timing", ws, r) for r in range(args.rounds) for ws in world_sizes]
     results, started = {}, time.time()
     for job, ws, r in tqdm(jobs, desc="launches", unit="launch"):
-        arms = list(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)])  # rotated: no arm always runs first
+        arms = chosen_arms(args)
+        arms = arms[r % len(arms):] + arms[:r % len(arms)]  # rotated: no arm always runs first
         tqdm.write(f"ws={ws} {job}" + (f" round {r + 1}: {','.join(arms)}" if job == "timing" else ""))
         results[(r, ws)] = result = launch(args, job, ws, arms)
         if "error" in result:
