@@ -3,6 +3,8 @@ beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/w
 
     python bench/whole_tensor.py                                        # bench GPT (29.5M), ws 2 and 4
     python bench/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check
+    python bench/whole_tensor.py --vocab 4096 --d-model 256 --layers 4 --seq 64 --batch 2 \
+        --only zero2_adamw,zero2_muon,zero3_muon,one_muon,ddp_muon          # issue 33's figures, bounded
 
 Arms: shardwise zero2/zero3 with AdamW (rows, the fast path) and with Muon on 2-D parameters + AdamW
 (the owner shape, inside optimizer.step()); the same optimizers on `Shard(0)` DTensor parameters (step
@@ -10,8 +12,12 @@ only, on fixed random gradients); one process stepping the same optimizers on th
 0 alone) and ddp (Moonlight's redundant shape: every rank runs Newton-Schulz on every matrix). Timed:
 optimizer.step() after a real forward/backward, and the whole step. A round launches each world size once
 (torch.distributed.run, gloo, 1 thread/rank), its ranks running every arm in a rotated order; medians
-over rounds, per-round ranges, ratios to zero2 AdamW paired per round. A parity job compares 3 steps on
-fixed gradients with one process on whole tensors.
+over rounds, per-round ranges, ratios to zero2 AdamW paired per round. Issue 33's targets, per round
+paired: the Muon+AdamW step's wall time over one process's and the redundant shape's (ws 2), the busiest
+rank's CPU seconds in the step over one process's (ws 4: four ranks on two cores), and the bytes the most
+receiving rank gets per training step (counted at torch.distributed's calls: shardwise.testing.count_received)
+over AdamW zero2's. A parity job compares 3 steps on fixed gradients with one process on whole tensors.
+The arms, one rank's side, are in bench/whole_tensor_arms.py.
 Writes bench/results/whole_tensor.{json,md,png}; `--worker` (set by the launcher) makes it one rank.
 """
 
@@ -32,10 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 import shardwise as sw
-from shardwise.models.gpt import GPT, Block, GPTConfig
+from whole_tensor_arms import PHASES, parity_job, time_arm
 
 ARMS = ("zero2_adamw", "zero2_muon", "zero3_adamw", "zero3_muon", "dtensor_adamw", "dtensor_muon", "one_muon",
         "ddp_muon")
@@ -45,8 +50,6 @@ LABELS = {"zero2_adamw": "shardwise zero2, AdamW (rows)", "zero2_muon": "shardwi
           # issue 33's anchors: the whole global batch and step in one process (rank 0; the others wait at
           # the barriers), and Moonlight's redundant shape (ddp: every rank runs Newton-Schulz on every matrix)
           "one_muon": "one process, Muon+AdamW (global batch)", "ddp_muon": "ddp, Muon+AdamW (redundant)"}
-PARITY = ("adamw", "muon", "adafactor")  # each under the owner shape (shardwise zero2) and DTensor
-PHASES = ("gather", "muon_compute", "broadcast_writeback", "adamw")  # MuonAdamW's clock
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -59,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--only", default=",".join(ARMS),
+                   help="the arms to run, comma-separated (zero2_adamw, the ratios' base, always runs)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's")
     p.add_argument("--muon-lr", type=float, default=0.02)
@@ -72,156 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- one rank ----------------------------------------------------------------------
-
-
-def build_model(args):
-    torch.manual_seed(args.seed)  # every arm, rank and the reference start from the same weights
-    return GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model,
-                         n_layers=args.layers, n_heads=args.heads))
-
-
-class MuonAdamW:
-    """Muon for 2-D parameters, AdamW for the rest (torch's Muon docs), with a clock on each phase.
-
-    The whole-tensor step's gathers run in torch's global pre-hooks and its broadcasts in the global
-    post-hooks; torch runs an instance's own pre-hooks after the global ones and its post-hooks before
-    them, so the marks below split Muon's step into gather | compute | broadcast and write-back."""
-
-    def __init__(self, params, args):
-        params = list(params)
-        self.muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=args.muon_lr,
-                                     weight_decay=args.weight_decay)
-        self.adamw = torch.optim.AdamW([p for p in params if p.dim() != 2], lr=args.lr,
-                                       weight_decay=args.weight_decay)
-        self.marks: list[float] = []
-        self.muon.register_step_pre_hook(lambda *_: self.marks.append(time.perf_counter()))
-        self.muon.register_step_post_hook(lambda *_: self.marks.append(time.perf_counter()))
-        self.phases: list[list[float]] = []  # per step: gather, compute, broadcast, adamw
-
-    def step(self):
-        self.marks = [time.perf_counter()]
-        self.muon.step()
-        self.marks.append(time.perf_counter())
-        self.adamw.step()
-        self.marks.append(time.perf_counter())
-        self.phases.append([b - a for a, b in zip(self.marks, self.marks[1:])])
-
-    def zero_grad(self, set_to_none=True):
-        for optimizer in (self.muon, self.adamw):
-            optimizer.zero_grad(set_to_none=set_to_none)
-
-
-def make_optimizer(params, kind: str, args):
-    if kind == "muon":
-        return MuonAdamW(params, args)
-    if kind == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-2)
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-
-
-def whole_grads(shapes: dict, args, step: int) -> dict[str, torch.Tensor]:
-    """Fixed random gradients of the whole shapes, by name: the same on every rank and in every arm."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000 + step)
-    return {name: torch.randn(shape, generator=gen) * 1e-2 for name, shape in shapes.items()}
-
-
-def shard0(tensors: dict, mesh) -> dict:
-    """Each tensor as a `Shard(0)` DTensor; every rank holds the same whole value, so no scatter."""
-    return {name: distribute_tensor(t.detach(), mesh, [Shard(0)], src_data_rank=None) for name, t in tensors.items()}
-
-
-def to_dtensors(model, mesh) -> dict:
-    """The model's parameters as `Shard(0)` DTensor Parameters, by name (the tied weight once)."""
-    return {name: torch.nn.Parameter(d) for name, d in shard0(dict(model.named_parameters()), mesh).items()}
-
-
-def set_dtensor_grads(params: dict, grads: dict, mesh) -> None:
-    for name, g in shard0(grads, mesh).items():
-        params[name].grad = g
-
-
-def time_arm(arm: str, args, world_size: int, rank: int, mesh) -> dict:
-    """Per-step times of one arm on this rank: optimizer.step(), the full step, Muon's phases."""
-    shape, kind = arm.split("_")
-    model = build_model(args)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if shape == "ddp":
-        sw.shard(model, strategy="ddp")
-    elif shape in ("zero2", "zero3"):
-        sw.shard(model, strategy=shape, units=Block)  # the optimizer is built after: it sees shards
-    params = to_dtensors(model, mesh) if shape == "dtensor" else dict(model.named_parameters())
-    optimizer = make_optimizer(list(params.values()), kind, args)
-    alone = shape == "one"  # rank 0 alone, on the whole global batch
-    step_s, full_s = [], []
-    for step in range(args.warmup + args.steps):
-        if shape == "dtensor":
-            set_dtensor_grads(params, whole_grads(shapes, args, step), mesh)
-        gen = torch.Generator().manual_seed(args.seed + step)
-        tokens = torch.randint(args.vocab, (world_size * args.batch, args.seq + 1), generator=gen)
-        if not alone:
-            tokens = tokens[rank * args.batch:(rank + 1) * args.batch]
-        dist.barrier()  # every rank starts the step together: the time is the step's, not a straggler's
-        start = time.perf_counter()
-        if shape != "dtensor" and (not alone or rank == 0):
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-        dist.barrier()
-        stepping = time.perf_counter()
-        if not alone or rank == 0:
-            optimizer.step()
-        end = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        step_s.append(end - stepping)
-        full_s.append(end - start)
-    return {"step_s": step_s, "full_s": full_s if shape != "dtensor" else None,
-            "phases": getattr(optimizer, "phases", None)}
-
-
-def three_steps(args, kind: str, shape: str, mesh) -> dict:
-    """Full parameters after 3 steps of `kind` on fixed gradients, stepped on whole tensors in this
-    process ("whole"), by shardwise zero2's owner step ("owner") or as Shard(0) DTensors ("dtensor")."""
-    model = build_model(args)
-    shapes = {name: p.shape for name, p in model.named_parameters()}
-    if shape == "owner":
-        sw.shard(model, strategy="zero2", units=Block)
-    params = to_dtensors(model, mesh) if shape == "dtensor" else dict(model.named_parameters())
-    optimizer = make_optimizer(list(params.values()), kind, args)
-    for step in range(3):
-        grads = whole_grads(shapes, args, step)
-        if shape == "dtensor":
-            set_dtensor_grads(params, grads, mesh)
-        elif shape == "owner":  # this rank's rows of the same whole gradient, padding zero
-            for name, info in sw.shard_info(model).items():
-                info.param.grad = torch.zeros_like(info.param)
-                info.param.grad[: info.row_end - info.row_start] = grads[name][info.row_start:info.row_end]
-        else:
-            for name, p in params.items():
-                p.grad = grads[name]
-        optimizer.step()
-    if shape == "owner":
-        return sw.full_parameters(model)
-    return {name: p.detach().full_tensor() if shape == "dtensor" else p.detach() for name, p in params.items()}
-
-
-def parity_job(args, rank: int, mesh) -> dict:
-    """Each optimizer in PARITY under the owner and DTensor shapes, against one process (on rank 0)."""
-    out = {}
-    for kind in PARITY:
-        reference = three_steps(args, kind, "whole", mesh) if rank == 0 else None
-        dist.barrier()
-        for shape in ("owner", "dtensor"):
-            try:
-                full = three_steps(args, kind, shape, mesh)
-            except Exception as error:  # noqa: BLE001 — Adafactor on DTensor raises: record what
-                out[f"{shape}_{kind}"] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
-                print(f"rank {rank}: {shape} {kind}: {out[f'{shape}_{kind}']['error']}", file=sys.stderr)
-                full = None
-            if rank == 0 and full is not None:
-                diffs = {name: (full[name] - ref).abs().max().item() for name, ref in reference.items()}
-                worst = max(diffs, key=diffs.get)
-                out[f"{shape}_{kind}"] = {"max_abs_diff": diffs[worst], "worst_param": worst,
-                                          "bitwise": all(torch.equal(full[n], r) for n, r in reference.items())}
-            dist.barrier()
-    return out
 
 
 def run_worker(args) -> None:
@@ -269,8 +124,9 @@ def launch(args, job: str, world_size: int, arms: list[str]) -> dict:
 
 
 def median_over_steps(ranks: list[dict], arm: str, key: str, warmup: int) -> float | None:
-    """Median over timed steps of the slowest rank's time (a step lasts as long as its slowest rank)."""
-    if ranks[0][arm][key] is None:
+    """Median over timed steps of the slowest (busiest, most receiving) rank's value (a step lasts as long as
+    its slowest rank)."""
+    if ranks[0][arm].get(key) is None:
         return None
     per_step = [max(r[arm][key][i] for r in ranks) for i in range(len(ranks[0][arm][key]))]
     return statistics.median(per_step[warmup:])
@@ -286,13 +142,47 @@ def phase_medians(ranks: list[dict], arm: str, warmup: int) -> dict | None:
             for j, name in enumerate(PHASES)}
 
 
+def chosen_arms(args) -> list[str]:
+    """`--only`'s arms in ARMS order, zero2_adamw among them (every ratio's base)."""
+    wanted = set(args.only.split(",")) | {"zero2_adamw"}
+    unknown = wanted - set(ARMS)
+    if unknown:
+        sys.exit(f"--only: unknown arms {sorted(unknown)}; the arms are {', '.join(ARMS)}")
+    return [arm for arm in ARMS if arm in wanted]
+
+
+def _paired(values: list, bases: list) -> float | None:
+    """The median over rounds of value / base, each round's pair (None where either is missing)."""
+    pairs = [a / b for a, b in zip(values, bases) if a is not None and b]
+    return statistics.median(pairs) if pairs else None
+
+
+def targets(args, per_round: list, arm: str) -> dict:
+    """Issue 33's figures for one arm: its step's wall time over one process's and the redundant shape's,
+    the busiest rank's CPU seconds in the step (process and thread) over one process's, bytes received by
+    the most receiving rank per step (the full step, and optimizer.step() alone) over AdamW zero2's."""
+    def per(key, of=arm):
+        if of not in per_round[0][0]:  # an arm --only left out
+            return [None] * len(per_round)
+        return [median_over_steps(ranks, of, key, args.warmup) for ranks in per_round]
+
+    step, cpu, thread, sent = per("step_s"), per("process_s"), per("thread_s"), per("bytes_full")
+    return {"round_process_s": cpu, "round_thread_s": thread, "round_bytes_full": sent,
+            "round_bytes_step": per("bytes_step"),
+            "x_one_wall": _paired(step, per("step_s", "one_muon")),
+            "x_redundant_wall": _paired(step, per("step_s", "ddp_muon")),
+            "cpu_x_one": _paired(cpu, per("process_s", "one_muon")),
+            "thread_x_one": _paired(thread, per("thread_s", "one_muon")),
+            "bytes_x_adamw": _paired(sent, per("bytes_full", "zero2_adamw"))}
+
+
 def summarize(args, rounds: dict, world_sizes: list[int]) -> list[dict]:
     rows = []
     for ws in world_sizes:
         per_round = [rounds[(r, ws)]["ranks"] for r in range(args.rounds)]
         base = [median_over_steps(ranks, "zero2_adamw", "step_s", args.warmup) for ranks in per_round]
         base_full = [median_over_steps(ranks, "zero2_adamw", "full_s", args.warmup) for ranks in per_round]
-        for arm in ARMS:
+        for arm in chosen_arms(args):
             step = [median_over_steps(ranks, arm, "step_s", args.warmup) for ranks in per_round]
             full = [median_over_steps(ranks, arm, "full_s", args.warmup) for ranks in per_round]
             row = {"arm": arm, "label": LABELS[arm], "world_size": ws, "round_step_s": step,
@@ -302,6 +192,7 @@ def summarize(args, rounds: dict, world_sizes: list[int]) -> list[dict]:
             if full[0] is not None:
                 row["median_full_s"] = statistics.median(full)
                 row["full_x_adamw_rows"] = statistics.median(a / b for a, b in zip(full, base_full))
+            row.update(targets(args, per_round, arm))
             rows.append(row)
     return rows
 
@@ -312,6 +203,14 @@ def parity_text(entry: dict | None) -> str:
     if "error" in entry:
         return f"raises {entry['error'][:100]}"
     return "bitwise" if entry["bitwise"] else f"{entry['max_abs_diff']:.1e} ({entry['worst_param']})"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _mb(values: list) -> str:
+    return "—" if values[0] is None else f"{statistics.median(values) / 2**20:.2f}"
 
 
 def markdown(args, rows: list[dict], parity: dict, world_sizes: list[int]) -> str:
@@ -341,6 +240,18 @@ def markdown(args, rows: list[dict], parity: dict, world_sizes: list[int]) -> st
             entry = "—" if shape in ("one", "ddp") else parity_text(entry if shape != "zero3" else None)
             lines.append(f"| {r['label']} | {r['median_step_s']:.3f} | {rng(r['round_step_s'])} | "
                          f"{r['x_adamw_rows']:.2f} | {full} | {entry} |")
+        lines += ["", "Issue 33's targets (per-round pairs, median over rounds; CPU: the busiest rank's CPU seconds in "
+                  "optimizer.step(), the process (gloo's threads too) and the stepping thread; bytes: received by "
+                  "the most receiving rank in one training step, counted at torch.distributed's calls, and in "
+                  "optimizer.step() alone; DDP's C++ reducer and DTensor are not counted):", "",
+                  "| arm | step × one process | step × redundant | CPU s (process) | range | CPU × one process "
+                  "(thread) | MB/step | MB in step | × AdamW zero2 bytes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in (r for r in rows if r["world_size"] == ws and r["arm"].split("_")[0] in ("zero2", "zero3", "one")):
+            lines.append(f"| {r['label']} | {_x(r['x_one_wall'])} | {_x(r['x_redundant_wall'])} | "
+                         f"{statistics.median(r['round_process_s']):.3f} | {rng(r['round_process_s'])} | "
+                         f"{_x(r['cpu_x_one'])} ({_x(r['thread_x_one'])}) | {_mb(r['round_bytes_full'])} | "
+                         f"{_mb(r['round_bytes_step'])} | {_x(r['bytes_x_adamw'])} |")
         lines += ["", f"Parity at ws {ws}, all entries: " + "; ".join(
             f"{key.replace('_', ' ')}: {parity_text(entry)}" for key, entry in parity[ws].items()) + ".",
                   "", "Where the Muon+AdamW step's time goes (s; median over rounds of each phase's median, "
@@ -383,7 +294,8 @@ def run_launcher(args) -> None:
     jobs += [("timing", ws, r) for r in range(args.rounds) for ws in world_sizes]
     results, started = {}, time.time()
     for job, ws, r in tqdm(jobs, desc="launches", unit="launch"):
-        arms = list(ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)])  # rotated: no arm always runs first
+        arms = chosen_arms(args)
+        arms = arms[r % len(arms):] + arms[:r % len(arms)]  # rotated: no arm always runs first
         tqdm.write(f"ws={ws} {job}" + (f" round {r + 1}: {','.join(arms)}" if job == "timing" else ""))
         results[(r, ws)] = result = launch(args, job, ws, arms)
         if "error" in result:

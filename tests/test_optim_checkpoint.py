@@ -11,6 +11,8 @@ the fp32 parity bound (1e-5 / 1e-6) at world size 1 and 4 and under another stra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -102,6 +104,21 @@ def test_another_number_of_optimizers_is_refused(ranks, saved):
 # ---- several optimizers, one process ----------------------------------------------------------
 
 
+def test_owner_map_is_recorded_shown_and_checked(ranks, saved):
+    """Catches the whole-tensor owner map not recorded in the index, not shown by `shardwise ckpt inspect`,
+    or not checked on load (Note [recorded owners]): a Muon built with its matrices in another order puts
+    their momenta on other owners at the same shard group size, which must be refused, not loaded."""
+    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.tools import inspect
+
+    path, _ = saved("muon", "zero2")
+    muon = read_index(Path(path)).optimizers[0]
+    assert muon.owner_world == 2 and sorted(set(muon.owners.values())) == [0, 1], muon.owners
+    assert any("whole-tensor owners (shard group of 2): rank 0" in line for line in inspect(path)[0])
+    for message in ranks.run(load_into, 2, path, "zero2", "muon_swapped", timeout=120):
+        assert "whole-tensor owners differ from the ones recorded" in message and "saved on rank" in message, message
+
+
 def _two(seed: int = 0):
     """A tiny model, Muon on its first matrix and torch's Adafactor (row and column factors) on
     the rest, after two steps: two optimizers of two classes, one with whole records."""
@@ -180,3 +197,24 @@ def test_other_names_are_refused(tmp_path):
     fresh, muon2, factored2 = _two(seed=1)
     with pytest.raises(sw.ShardwiseError, match="holds optimizers named"):
         sw.load(tmp_path / "ckpt", fresh, {"muon": muon2, "adafactor": factored2})
+
+
+@pytest.mark.parametrize("owners, problem", [({"shard_world": 2, "map": {"0.weight": 1}}, None),
+                                             ({"shard_world": 2, "map": {"0.weight": 2}}, "not an integer in 0..1"),
+                                             ({"shard_world": 1, "map": {}}, "not an integer in 2.."),
+                                             ({"shard_world": 2, "map": {"9.weight": 0}}, "do not list"),
+                                             ({"shard_world": 2, "map": []}, "not an object")])
+def test_a_forged_owner_map_is_refused_naming_the_field(tmp_path, owners, problem):
+    """Catches a recorded owner map (Note [recorded owners]) read without its checks: an owner outside the
+    shard group, a group of one, a parameter the index does not hold, a map of another type."""
+    from helpers.damage import edit_index, save_small, trained_several
+    from shardwise.checkpoint.schema import read_index
+
+    path = save_small(tmp_path / "ckpt", trained_several)
+    edit_index(path, lambda index: index["optimizers"][0].update(owners=owners))
+    if problem is None:
+        assert read_index(path).optimizers[0].owners == {"0.weight": 1}
+        return
+    with pytest.raises(sw.ShardwiseError, match="owners") as error:
+        read_index(path)
+    assert problem in str(error.value), str(error.value)

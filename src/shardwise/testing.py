@@ -10,7 +10,7 @@ loop on the same data, any difference in the results is the strategy's.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
 import torch
@@ -259,3 +259,78 @@ def assert_close_runs(ref: RunResult, got: RunResult, rtol: float = 1e-5, atol: 
         problems.append(f"{len(bad)} param(s) differ, first: {bad[0]}")
     if problems:
         raise AssertionError(f"runs differ (rtol={rtol}, atol={atol}):\n  " + "\n  ".join(problems))
+
+
+# Bytes one rank receives in each torch.distributed collective (the ring/direct model of each: an
+# all-gather brings the N-1 other chunks, a reduce-scatter the N-1 other contributions to this rank's
+# chunk, an all-reduce 2(N-1)/N of the tensor, a gather its root the N-1 others, a scatter or broadcast
+# each non-root its part). Counted from the arguments, so it is the same on gloo and NCCL.
+def _received(name: str, args: dict, root: bool, world: int) -> int:
+    tensor = args.get("tensor")
+    if name in ("all_gather_single", "all_gather_into_tensor"):
+        return args["output_tensor"].nbytes - args["input_tensor"].nbytes
+    if name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        return args["input"].nbytes - args["output"].nbytes
+    if name == "all_to_all_single":
+        return args["output"].nbytes * (world - 1) // world
+    if name == "all_reduce":
+        return 2 * (world - 1) * tensor.nbytes // world
+    if name == "broadcast":
+        return 0 if root else tensor.nbytes
+    if name == "gather":
+        return (len(args["gather_list"]) - 1) * tensor.nbytes if args.get("gather_list") else 0
+    if name == "scatter":
+        return 0 if root else tensor.nbytes
+    return 0
+
+
+COUNTED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+           "all_to_all_single", "all_reduce", "broadcast", "gather", "scatter")
+
+
+@dataclass
+class Received:
+    """What `count_received` counted: bytes this rank received, and the calls of each collective."""
+
+    bytes: int = 0
+    calls: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def count_received():
+    """Count, into the yielded `Received`, the bytes this rank receives in the torch.distributed
+    collectives called inside (`COUNTED`, by `_received`'s model) and their calls; DDP's C++ reducer is
+    not seen."""
+    import inspect
+
+    import torch.distributed as dist
+
+    total, real = Received(), {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
+    depth = [0]  # a deprecated name calling its successor is one collective, counted once
+
+    def counting(name, function):
+        signature = inspect.signature(function)
+
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            found, group = bound.arguments, bound.arguments.get("group")
+            root = found.get("src") == dist.get_rank() if found.get("src") is not None \
+                else found.get("group_src") == dist.get_rank(group)
+            if not depth[0]:
+                total.bytes += _received(name, found, root, dist.get_world_size(group))
+                total.calls[name] = total.calls.get(name, 0) + 1
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    try:
+        for name, function in real.items():
+            setattr(dist, name, counting(name, function))
+        yield total
+    finally:
+        for name, function in real.items():
+            setattr(dist, name, function)

@@ -59,8 +59,10 @@ class BlockQuant(torch.optim.Optimizer):
 def make_optimizers(model, name: str, ndim: dict[str, int]):
     """`name`'s optimizers: one, or a dict of two (what sw.save and sw.load are given)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if name == "muon":
+    if name in ("muon", "muon_swapped"):  # swapped: the first two matrices in the other order (other owners)
         matrices = [p for n, p in params if ndim[n] == 2]
+        if name == "muon_swapped":
+            matrices[:2] = matrices[1::-1]
         rest = [p for n, p in params if ndim[n] != 2]
         return {"muon": torch.optim.Muon(matrices, lr=0.02),
                 "adamw": torch.optim.AdamW(rest, lr=1e-2, eps=1e-3)}

@@ -20,10 +20,11 @@ parser.add_argument("--max-steps", type=int, default=3)
 parser.add_argument("--save", default=None)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--out", required=True)
+parser.add_argument("--muon", action="store_true", help="manual optimization: Muon on matrices, AdamW on the rest")
 args = parser.parse_args()
 torch.set_num_threads(1)
 world = int(os.environ.get("WORLD_SIZE", "1"))
-GLOBAL_BATCH, ACCUMULATE = 8, 2
+GLOBAL_BATCH, ACCUMULATE = 8, 1 if args.muon else 2
 
 
 class LitGPT(L.LightningModule):
@@ -33,13 +34,22 @@ class LitGPT(L.LightningModule):
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         self.model = transformers.GPT2LMHeadModel(config)
         self.losses = []
+        self.automatic_optimization = not args.muon  # two optimizers: Lightning steps them by hand only
 
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch, labels=batch).loss
         self.losses.append(loss.detach())
+        if args.muon:
+            self.manual_backward(loss)
+            for optimizer in self.optimizers():
+                optimizer.step()
+                optimizer.zero_grad()
         return loss
 
     def configure_optimizers(self):
+        if args.muon:
+            return [torch.optim.Muon([p for p in self.parameters() if p.dim() == 2], lr=0.02),
+                    torch.optim.AdamW([p for p in self.parameters() if p.dim() != 2], lr=1e-2, eps=1e-3)]
         return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-3)
 
 
@@ -54,7 +64,8 @@ order = [k * micro + rank * per_rank + i for k in range(len(data) // micro) for 
 loader = torch.utils.data.DataLoader(data, batch_size=per_rank, sampler=order)
 strategy = "auto" if args.strategy == "none" else ShardwiseStrategy(args.strategy)
 trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.max_steps,
-                    gradient_clip_val=0.5, accumulate_grad_batches=ACCUMULATE, enable_checkpointing=False,
+                    gradient_clip_val=None if args.muon else 0.5, accumulate_grad_batches=ACCUMULATE,
+                    enable_checkpointing=False,
                     logger=False, enable_progress_bar=False, enable_model_summary=False,
                     use_distributed_sampler=False)
 trainer.fit(module, loader, ckpt_path=args.resume)

@@ -46,6 +46,8 @@ def build_index(job, records: list) -> dict:
         optimizer = {"class": plan["class"], "param_groups": plan["groups"], "state": {}}
         if job.form == "dict":
             optimizer["name"] = plan["name"]
+        if plan["owners"] is not None:  # Note [recorded owners] in optim_state.py
+            optimizer["owners"] = plan["owners"]
         state = optimizer["state"]
         for record, _ in records:  # scalars agree across ranks; the first rank that has them wins
             mine = record["optims"][number]

@@ -186,6 +186,29 @@ def _check_groups(saved: OptimizerRecord, optim, infos, pairs, report: LoadRepor
                                    f"{'...' if len(differ) > 4 else ''})")
 
 
+def _check_owners(where: str, saved: OptimizerRecord, optim, names, pairs, where_state) -> None:
+    """Note [recorded owners] (optim_state.py): under a shard group of the recorded size, the owner map
+    must be the recorded one; under another size each whole state simply goes to its new owner."""
+    now, world = {}, 0
+    for group in optim.param_groups:
+        for param in group["params"]:
+            owner = where_state[id(param)].owner
+            if owner is not None:
+                name = names[id(param)]
+                now[pairs[name].name if name in pairs else name] = owner
+                world = param._sw_unit.mesh.shard_world
+    if not saved.owners or world != saved.owner_world:
+        return
+    differ = [name for name, owner in saved.owners.items() if name in now and now[name] != owner]
+    if differ:
+        shown = ", ".join(f"{name!r} saved on rank {saved.owners[name]}, now rank {now[name]}" for name in differ[:4])
+        raise ShardwiseError(
+            f"{where}: the {saved.class_name}'s whole-tensor owners differ from the ones recorded at the same shard "
+            f"group size ({world}): {shown}{'...' if len(differ) > 4 else ''}. Owners follow the order of the "
+            "optimizer's param groups and its cost model: build the optimizer with the param groups it was saved "
+            "with, in the same order (Note [recorded owners])")
+
+
 def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, infos, pairs) -> OptimizerLoad:
     """Each group's settings (decoded, and each of the type the current one has), then each param's
     state where the current layout keeps it (Note [optimizer records]): scalars from JSON, tensors from files."""
@@ -193,6 +216,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
     load = OptimizerLoad(optim)
     names = optimizer_names(optim, infos)
     where_state = placements(optim, infos)
+    _check_owners(source.values_file or source.description, saved, optim, names, pairs, where_state)
     same_groups = len(saved.groups) == len(optim.param_groups)
     if same_groups:
         load.settings = []

@@ -13,6 +13,14 @@ it whole on the parameter's owner rank only; a replica (ddp, one process, a plai
 whole on every rank, so its rows are split between the ranks to write, and its whole records are
 written by rank 0. On load the same question is asked of the *current* layout: the owner under
 the new owner map gets the whole state, the other ranks none, a rows layout its own rows.
+
+Note [recorded owners]: a whole-tensor optimizer's owner map (Note [kept owners], whole_step.py) is
+recorded in the index, per parameter name, with the size of the shard group it was made for. On load
+under a shard group of another size the map is new and each whole state goes to its new owner. Under
+the same size the map must be the same one: the owners come from the param groups' order and the
+optimizer's cost model, so a differing map means the optimizer was built otherwise (groups reordered,
+parameters moved between groups) or another shardwise balanced it otherwise, and the run would not be
+the one saved. `shardwise ckpt inspect` shows the map's load per rank.
 """
 
 from __future__ import annotations
@@ -111,6 +119,17 @@ def placements(optim, infos: dict[str, ShardInfo]) -> dict[int, Placement]:
             owner = owners.get(id(param))
             out[id(param)] = Placement(owner, param._sw_unit.mesh.shard_rank if owner is not None else 0)
     return out
+
+
+def recorded_owners(optim, names: dict[int, str], where: dict[int, Placement]) -> dict | None:
+    """Note [recorded owners]: the owner map of a whole-tensor optimizer as a checkpoint records it, by
+    parameter name, with the shard group's size it was made for; None for any other optimizer."""
+    owners = {names[id(p)]: where[id(p)].owner for group in optim.param_groups for p in group["params"]
+              if where[id(p)].owner is not None}
+    if not owners:
+        return None
+    first = next(p for group in optim.param_groups for p in group["params"] if where[id(p)].owner is not None)
+    return {"shard_world": first._sw_unit.mesh.shard_world, "map": owners}
 
 
 def full_info(info: ShardInfo) -> ShardInfo:

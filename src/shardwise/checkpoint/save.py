@@ -67,6 +67,7 @@ from shardwise.checkpoint.optim_state import (
     named_optimizers,
     optimizer_names,
     placements,
+    recorded_owners,
     scalar_state_keys,
     split_state,
 )
@@ -271,7 +272,8 @@ def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank:
                                                whole_allowed=not sharded or world == 1 or place.owner is not None)
             state[name] = {"rows": rows, "scalars": scalars, "whole": whole if writes_whole else {},
                            "info": info, "lo": lo, "hi": hi}
-    return {"class": class_name(optim), "name": label, "groups": groups, "state": state}
+    return {"class": class_name(optim), "name": label, "groups": groups, "state": state,
+            "owners": recorded_owners(optim, names, where)}
 
 
 def _write_rank_file(job: SaveJob) -> dict:

@@ -114,6 +114,8 @@ class OptimizerRecord:
     groups: tuple[GroupRecord, ...]
     state: dict[str, StateRecord]
     name: str | None = None  # its key when several were saved as a dict
+    owners: dict[str, int] = field(default_factory=dict)  # whole-tensor owners by name (Note [recorded owners])
+    owner_world: int = 0  # the shard group's size the owners were chosen for; 0: none recorded
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,23 @@ def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimize
             raise f.fail(at, f"stores {sorted(tensors.keys() & whole.keys())} both as rows and whole")
         state[name] = StateRecord(f.dict(entry, "scalars", at), tensors, whole)
     label = None if raw.get("name") is None else f.str(raw, "name", 256, where)
-    return OptimizerRecord(f.str(raw, "class", 256, where), tuple(groups), state, label)
+    owners, owner_world = _owners(f, raw, params, where)
+    return OptimizerRecord(f.str(raw, "class", 256, where), tuple(groups), state, label, owners, owner_world)
+
+
+def _owners(f: Fields, raw: dict, params: dict, where: str) -> tuple[dict[str, int], int]:
+    """The recorded owner map (Note [recorded owners] in optim_state.py): absent for most optimizers."""
+    if raw.get("owners") is None:
+        return {}, 0
+    at = f"{where}.owners"
+    record = f.dict(raw, "owners", where)
+    world = f.int(record, "shard_world", 2, 2**20, at)
+    owners = {}
+    for name in f.dict(record, "map", at):
+        if f.name(name, f"{at}.map") not in params:
+            raise f.fail(f"{at}.map[{name!r}]", "names a parameter the index's params do not list")
+        owners[name] = f.int(record["map"], name, 0, world - 1, f"{at}.map")
+    return owners, world
 
 
 def _rng(f: Fields, raw, at: str, files: dict) -> RngRecord:

@@ -51,6 +51,10 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
         extra = f" ({whole} whole state tensors: factors, scales)" if whole else ""
         lines.append(f"  optimizer{label} {_clip(optim.class_name)}: {len(optim.state)} params with state{extra}; "
                      f"groups {groups}")
+        if optim.owners:  # Note [recorded owners]
+            held = [sum(owner == rank for owner in optim.owners.values()) for rank in range(optim.owner_world)]
+            lines.append(f"    whole-tensor owners (shard group of {optim.owner_world}): "
+                         + ", ".join(f"rank {rank} {count} params" for rank, count in enumerate(held)))
     if not index.optimizers:
         lines.append("  optimizer: none saved")
     lines.append(f"  scheduler: {'saved' if index.scheduler is not None else 'none saved'}; "

@@ -102,6 +102,11 @@ class MeshInfo:
 
     # ---- groups -------------------------------------------------------------------------
 
+    def global_rank(self, shard_rank: int) -> int:
+        """The global rank of shard rank `shard_rank` (what `dst=`/`src=` of a collective on the shard group
+        take): a whole-tensor owner's, a gather's root."""
+        return dist.get_global_rank(self.shard_group, shard_rank)
+
     @property
     def norm_group(self):
         """Where a gradient norm's per-rank parts are summed: the shard group (Note [mesh info])."""

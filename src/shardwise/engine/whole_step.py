@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: compat.
+Uses: compat, owner_traffic.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -35,8 +35,17 @@ Note [owner traffic]: only the owner needs a parameter whole, so its rows and gr
 gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),
 each rank receiving its own rows only. A rank then receives, per step, 2·|owned|·(N−1)/N elements
 of the parameters it owns plus |P|/N of its rows, where the all-gathers and broadcast made every
-rank receive 3·|P|·(N−1)/N: the whole model three times. Batching per unit and overlapping owner
-k+1's gathers with owner k's compute are the next steps.
+rank receive 3·|P|·(N−1)/N: the whole model three times. Under zero1/zero2 at the master dtype the
+owner already holds the whole parameter (the unit's kept full values, current unless rows were written
+since their gather): it copies it and gathers only the gradient, 2·|owned|·(N−1)/N becoming
+|owned|·(N−1)/N. The gradient stays reduce-scattered in backward (overlapped with it), then gathered
+to its owner. Counted (shardwise.testing.count_received, owners balanced), a reduce straight to the
+owner would receive less per rank: |G|/2 instead of 3|G|/4 at N = 2, 3|G|/4 instead of 15|G|/16 at
+N = 4 (|G|: the whole-stepped gradients). It is not done: non-owners would hold no gradient rows
+between backward and step (sw.clip_grad_norm_, the fp16 scaler's inf check and a user's reads use
+them), backward learns which optimizer steps a parameter whole only at its first step, and a reduce
+sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
+The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
@@ -57,6 +66,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.compat import set_data, set_grad
+from shardwise.engine.owner_traffic import Piece, can_copy_whole, gather_to_owners, kept_whole, scatter_from_owners
 from shardwise.errors import ShardwiseError
 
 _set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
@@ -162,34 +172,6 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
-def _gather_to(rows: Tensor, param, owner: int) -> Tensor | None:
-    """Every rank's rows of one parameter on its owner alone, as the unpadded whole tensor (None
-    elsewhere): a gather, not an all-gather, so only the owner receives (Note [owner traffic])."""
-    layout, unit = param._sw_layout, param._sw_unit
-    send = rows.detach().contiguous().reshape(-1).as_subclass(Tensor)
-    mine = unit.mesh.shard_rank == owner
-    parts = [torch.empty_like(send) for _ in range(unit.mesh.shard_world)] if mine else None
-    dist.gather(send, parts, dst=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
-    if not mine:
-        return None
-    return torch.cat(parts)[: layout.rows * layout.row_numel].view(layout.shape)
-
-
-def _scatter_from(whole: Tensor | None, param, owner: int, rows: Tensor) -> None:
-    """The owner's updated whole tensor back into every rank's rows (a scatter: each rank receives its
-    own rows only); the padding past the real rows is left as it is."""
-    layout, unit = param._sw_layout, param._sw_unit
-    out = torch.empty(layout.shard_numel, dtype=rows.dtype, device=rows.device)
-    parts = None
-    if unit.mesh.shard_rank == owner:
-        padded = torch.zeros(unit.mesh.shard_world * layout.shard_numel, dtype=rows.dtype, device=rows.device)
-        padded[: whole.numel()] = whole.reshape(-1)
-        parts = list(padded.chunk(unit.mesh.shard_world))
-    dist.scatter(out, parts, src=dist.get_global_rank(unit.mesh.shard_group, owner), group=unit.mesh.shard_group)
-    real = max(0, min(layout.shard_numel, layout.rows * layout.row_numel - unit.mesh.shard_rank * layout.shard_numel))
-    rows.reshape(-1)[:real].copy_(out[:real])
-
-
 def _name(param) -> str:
     return param._sw_layout.owned.name
 
@@ -203,6 +185,7 @@ class WholeStep:
         self.params = sharded_params(optimizer)
         owners = owner_map(optimizer)
         self.owners = [owners[id(param)] for param in self.params]
+        self.mesh = self.params[0]._sw_unit.mesh if self.params else None
         self.group = self.params[0]._sw_unit.mesh.shard_group if self.params else None
         self.world_size = self.params[0]._sw_unit.mesh.shard_world if self.params else 1
         self.rank = self.params[0]._sw_unit.mesh.shard_rank if self.params else 0
@@ -210,15 +193,17 @@ class WholeStep:
 
     def begin(self) -> None:
         self._agree_on_grads()
-        for param, owner in zip(self.params, self.owners):
-            rows, grad = param.detach(), param.grad
-            unit = param._sw_unit
-            whole = _gather_to(rows, param, owner)
-            whole_grad = _gather_to(grad, param, owner) if grad is not None else None
-            self.saved.append((rows, grad))
-            if unit.mesh.shard_rank == owner:
-                _set_data(param, whole)
-                _set_grad(param, whole_grad)  # plain: the whole gradient is no RowsGrad
+        copied = [can_copy_whole(param) for param in self.params]  # the same on every rank (owner_traffic.py)
+        pieces = [Piece(("data", i), param, owner, param.detach())
+                  for i, (param, owner, copy) in enumerate(zip(self.params, self.owners, copied)) if not copy]
+        pieces += [Piece(("grad", i), param, owner, param.grad)
+                   for i, (param, owner) in enumerate(zip(self.params, self.owners)) if param.grad is not None]
+        wholes = gather_to_owners(pieces, self.mesh) if pieces else {}  # Note [owner batches]
+        for i, (param, owner) in enumerate(zip(self.params, self.owners)):
+            self.saved.append((param.detach(), param.grad))
+            if self.rank == owner:
+                _set_data(param, kept_whole(param) if copied[i] else wholes["data", i])
+                _set_grad(param, wholes.get(("grad", i)))  # plain: the whole gradient is no RowsGrad
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
@@ -249,12 +234,16 @@ class WholeStep:
             self._restore()
             raise self._error(failed, None)
         with torch.no_grad():
-            for param, owner, (rows, grad) in zip(self.params, self.owners, self.saved):
-                whole = param.detach() if param._sw_unit.mesh.shard_rank == owner else None
+            wholes, pieces = {}, []
+            for i, (param, owner, (rows, grad)) in enumerate(zip(self.params, self.owners, self.saved)):
+                if self.rank == owner:
+                    wholes[i] = param.detach()
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                _scatter_from(whole, param, owner, rows)
+                pieces.append(Piece(i, param, owner, rows))
+            if pieces:
+                scatter_from_owners(pieces, wholes, self.mesh)  # Note [owner batches]
         self.saved = []
 
     def abort(self, error: BaseException) -> ShardwiseError:

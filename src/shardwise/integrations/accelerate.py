@@ -13,11 +13,20 @@ clips with torch's rank-local norm (refused: Note [rank-local clipping]), and
 sharded model as shardwise returned it (Accelerate's `accumulate()` then finds its
 `no_sync()`), clips by the global norm (`sw.clip_grad_norm_`) when given all of its
 parameters, and gives `sw.full_state_dict` to `get_state_dict` (so `save_model` writes the
-whole model from rank 0). `save_state` / `load_state` would keep only rank 0's optimizer rows:
-they are refused with the fix (`sw.save` / `sw.load`). `mixed_precision="bf16"` autocasts the
-forward (outputs in fp32) as the plain Accelerator does; `"fp16"` is refused for shardwise's own
-`precision="fp16"`, whose loss scaler agrees on inf/NaN across ranks (Accelerate's GradScaler
-would check this rank's rows only). Unsharded models take Accelerate's own paths unchanged.
+whole model from rank 0). `save_state(dir)` / `load_state(dir)` of a sharded model are `sw.save` /
+`sw.load` of a shardwise checkpoint directory (Note [accelerate state]). `mixed_precision="bf16"`
+autocasts the forward (outputs in fp32) as the plain Accelerator does; `"fp16"` is refused for
+shardwise's own `precision="fp16"`, whose loss scaler agrees on inf/NaN across ranks (Accelerate's
+GradScaler would check this rank's rows only). Unsharded models take Accelerate's own paths unchanged.
+
+Note [accelerate state]: Accelerate's own `save_state` would write each optimizer's
+`state_dict()` from rank 0, i.e. rank 0's rows, and for a whole-tensor optimizer (Muon) the state
+of the matrices rank 0 owns only. On a sharded model it writes instead one shardwise checkpoint
+directory: every rank its rows, every optimizer (several as a list, Muon + AdamW), the one
+scheduler, the objects given to `register_for_checkpointing`, each rank's RNG states and the
+accelerator's step; `load_state` reads it back into the prepared ones at any world size (at the
+same one, bitwise). Not carried: the data loaders' positions (pass `sw.ResumableSampler` or skip
+batches yourself) and save/load hooks; several models or schedulers are refused.
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import accelerate
 import torch.distributed as dist
 
 from shardwise.checkpoint.export import full_state_dict
+from shardwise.checkpoint.load import load
+from shardwise.checkpoint.save import save
 from shardwise.engine.grads import clip_grad_norm_
 from shardwise.engine.info import engine_of
 from shardwise.errors import ShardwiseError
@@ -75,18 +86,34 @@ class ShardwiseAccelerator(accelerate.Accelerator):
         return super().get_state_dict(model, unwrap)
 
     def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
-        self._refuse_state("save_state", "sw.save(path, model, optim, scheduler, loader=...)")
-        return super().save_state(output_dir, safe_serialization, **kwargs)
+        if not self._sharded_models():
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        model, optim, scheduler, objects = self._state_parts("save_state", output_dir)
+        return str(save(output_dir, model, optim, scheduler, accelerator_step=self.step, **objects))
 
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
-        self._refuse_state("load_state", "sw.load(sw.latest(dir), model, optim, scheduler, loader=...)")
-        return super().load_state(input_dir, load_kwargs, **kwargs)
+        if not self._sharded_models():
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        model, optim, scheduler, objects = self._state_parts("load_state", input_dir)
+        report = load(input_dir, model, optim, scheduler, **objects)
+        self.step = report.extra.get("accelerator_step", self.step)
 
     def _sharded_models(self):
         return [model for model in self._models if engine_of(model) is not None]
 
-    def _refuse_state(self, method: str, fix: str) -> None:
-        if self._sharded_models():
-            raise ShardwiseError(
-                f"accelerator.{method} would keep only rank 0's rows of a sharded model's optimizer state. "
-                f"Use {fix}: every rank writes its own rows, and any world size loads them.")
+    def _state_parts(self, method: str, directory):
+        """What save_state / load_state carry (Note [accelerate state]): the model, its optimizers (one, or
+        a list), the scheduler, the registered objects by keyword."""
+        fix = "sw.save(path, model, [optimizers], scheduler) / sw.load(...) for the parts you choose"
+        if directory is None:
+            raise ShardwiseError(f"accelerator.{method}() of a sharded model needs the directory: "
+                                 f"accelerator.{method}(path) (or {fix})")
+        if len(self._models) != 1 or len(self._schedulers) > 1:
+            raise ShardwiseError(f"accelerator.{method} of a sharded model carries one model and at most one "
+                                 f"scheduler; this accelerator prepared {len(self._models)} models and "
+                                 f"{len(self._schedulers)} schedulers: use {fix}")
+        optimizers = [getattr(o, "optimizer", o) for o in self._optimizers]
+        optim = None if not optimizers else optimizers[0] if len(optimizers) == 1 else optimizers
+        scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
+        objects = {f"custom_{i}": obj for i, obj in enumerate(self._custom_objects)}
+        return self._models[0], optim, scheduler, objects

@@ -13,7 +13,9 @@ micro-batch (`sw.no_sync`); `gradient_clip_val` clips by the global norm (`sw.cl
 not torch's rank-local one). Checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`,
 `fit(ckpt_path=...)`) are shardwise checkpoint directories written by every rank
 (`sw.save`: each rank its rows and optimizer rows, any world size loads them), with Lightning's
-own loop and callback state inside index.json as JSON (Note [lightning state]).
+own loop and callback state inside index.json as JSON (Note [lightning state]). Several optimizers
+(Lightning takes them with manual optimization: `self.automatic_optimization = False`, e.g. Muon for
+the matrices and AdamW for the rest) are saved together, as `sw.save(path, module, [muon, adamw])`.
 
 Note [lightning state]: Lightning's own state (loops, callbacks, hyper-parameters, schedulers)
 is stored as the checkpoint's JSON extra value `lightning` (small tensors tagged, as object
@@ -88,10 +90,6 @@ class ShardwiseStrategy(DDPStrategy):
         if storage_options is not None:
             raise ShardwiseError("ShardwiseStrategy writes shardwise checkpoint directories; storage_options "
                                  "are not supported")
-        optimizers = self.optimizers
-        if len(optimizers) > 1:
-            raise ShardwiseError("ShardwiseStrategy checkpoints one optimizer; this module configures "
-                                 f"{len(optimizers)}")
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         try:
             state = to_json(meta, "Lightning's checkpoint")
@@ -99,7 +97,7 @@ class ShardwiseStrategy(DDPStrategy):
             raise ShardwiseError(f"{error}. ShardwiseStrategy stores Lightning's state as JSON (no pickle): leave "
                                  "such values out (save_hyperparameters(ignore=[...])) or make them JSON "
                                  "values") from None
-        save(filepath, self.lightning_module, optimizers[0] if optimizers else None, **{_STATE: state})
+        save(filepath, self.lightning_module, self._optimizers_to_save(), **{_STATE: state})
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path = Path(checkpoint_path)
@@ -117,7 +115,13 @@ class ShardwiseStrategy(DDPStrategy):
         load(checkpoint["_shardwise_path"], self.lightning_module, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        load(checkpoint["_shardwise_path"], self.lightning_module, self.optimizers[0] if self.optimizers else None)
+        load(checkpoint["_shardwise_path"], self.lightning_module, self._optimizers_to_save())
+
+    def _optimizers_to_save(self):
+        """One optimizer as itself; several (manual optimization: Muon + AdamW) as a list, in the order
+        configure_optimizers returns them (Note [lightning integration])."""
+        optimizers = list(self.optimizers)
+        return None if not optimizers else optimizers[0] if len(optimizers) == 1 else optimizers
 
 
 def _load_legacy(file: Path, weights_only: bool | None) -> dict:
