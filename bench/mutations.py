@@ -395,6 +395,12 @@ MUTATIONS = [
      'copied = [can_copy_whole(param) for param in self.params]',
      'copied = [False for param in self.params]',
      "tests/test_whole_tensor_optim.py -k 'owner_alone and zero2'"),
+    ("issue 33 after 34: a unit marked once per stepped parameter (its mark forgets it was current): the owner "
+     "re-gathers what it holds",
+     '_mark_stepped_units_stale',
+     'for unit in units.values():',
+     'for unit in [*units.values(), *units.values()]:',
+     "tests/test_whole_tensor_optim.py -k 'owner_alone and zero2'"),
     ("issue 33: an owner's batch of updated rows drops its last parameter (Note [owner batches])",
      'scatter_from_owners',
      'piece.rows.reshape(-1)[:real].copy_(out[start : start + real])',

@@ -116,6 +116,7 @@ class FlatUnit:
         self.grads = UnitGrads(self)
         self.gathered_stamp = -1  # _master_stamp() right after the last gather (full params kept)
         self.stale = False  # an optimizer stepped these shards since the last gather (optim_hooks.py)
+        self.current_at_step = False  # the full values matched every rank's rows when the last step began
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
         # Counted in `residents` (the engine's): a zero3 unit other than the root.
         self.residents = residents if residents is not None and self.path and not stage.keeps_full_params \
@@ -134,7 +135,10 @@ class FlatUnit:
         self.pinned = True
 
     def mark_stepped(self) -> None:
-        """An optimizer wrote these shards: re-gather before the next use (optim_hooks.py)."""
+        """An optimizer is about to write these shards: re-gather before the next use (optim_hooks.py). Whether
+        the kept full values still matched every rank's rows as this step began is kept for the owners
+        (owner_traffic.can_copy_whole): the mark comes before the step, so `stale` no longer says it."""
+        self.current_at_step = not self.needs_gather()
         self.stale = True
 
     def hand_steps_to_backward(self) -> None:
@@ -259,6 +263,12 @@ class FlatUnit:
         if self.stage.keeps_full_params:  # the rows changed since the last gather
             return self.stale or self._master_stamp() != self.gathered_stamp
         return self.residency is Residency.SHARDED
+
+    def current_in_step(self) -> bool:
+        """zero1/zero2, inside an optimizer step: the full values were current when the step began (its
+        pre-step mark has set `stale` since) and no rows were written since (an optimizer that stepped
+        this unit earlier in the same step moved the stamp)."""
+        return self.current_at_step and self._master_stamp() == self.gathered_stamp
 
     def written(self) -> bool:
         """zero1/zero2: the rows changed by a write no optimizer step marked, which only the ranks that made

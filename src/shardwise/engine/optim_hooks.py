@@ -79,10 +79,9 @@ def _refuse_optimizer_of_nothing(optimizer, args, kwargs) -> None:
 
 
 def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:
-    for param in _params(optimizer):
-        unit = getattr(param, "_sw_unit", None)
-        if unit is not None:
-            unit.mark_stepped()
+    units = {id(p._sw_unit): p._sw_unit for p in _params(optimizer) if getattr(p, "_sw_unit", None) is not None}
+    for unit in units.values():  # once each: a unit's mark records whether it was current (FlatUnit.mark_stepped)
+        unit.mark_stepped()
 
 
 def _begin_whole_step(optimizer, args, kwargs) -> None:

@@ -38,7 +38,7 @@ def can_copy_whole(param) -> bool:
     zero1/zero2 keep the unit's full values, which are bit copies of every rank's rows when they are the
     master dtype (aliased) and current (no rows written since their gather). The same on every rank."""
     unit = param._sw_unit
-    return unit.stage.keeps_full_params and unit.aliased and unit.resident and not unit.needs_gather()
+    return unit.stage.keeps_full_params and unit.aliased and unit.resident and unit.current_in_step()
 
 
 def kept_whole(param) -> Tensor:
