@@ -37,17 +37,15 @@ Results: bench/results/traffic.{md,json,png}.
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
 import json
 import sys
-import threading
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
 from _launch import publish, run_per_world_size
+from shardwise.testing import watch_collectives
 
 LINK_IN_NODE = 900e9  # bytes/s per GPU, NVLink (H100/H200 SXM)
 LINK_ACROSS = 50e9  # bytes/s per node, one 400 Gb/s NIC
@@ -137,53 +135,26 @@ _CALLS = {
 class Counter:
     """Bytes per call while installed. Each rank counts the calls of the groups whose lowest rank it is
     (every rank of a group makes the same calls): the ranks' totals add up to the job's. Only the
-    outermost call counts (a torch collective that calls another is one call)."""
+    outermost call counts (a torch collective that calls another is one call: watch_collectives)."""
 
     def __init__(self, node: int, rank: int):
-        self.node, self.rank, self.calls, self._depth = node, rank, [], threading.local()
+        self.node, self.rank, self.calls = node, rank, []
 
-    def _wrap(self, name: str, fn):
+    def _record(self, name: str, a: dict) -> None:
         kind, payload, root_name = _CALLS[name]
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            depth = getattr(self._depth, "n", 0)
-            if depth == 0:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                a = bound.arguments
-                ranks = _group_of(a.get("group"))
-                if ranks[0] != self.rank:
-                    return self._call(depth, fn, args, kwargs)
-                root = a.get(root_name) if root_name else None
-                if root_name and root is None:  # group_src / group_dst: a rank of the group
-                    root = ranks[a.get(f"group_{root_name}")]
-                nbytes = payload(a)
-                self.calls.append((kind, tuple(ranks), nbytes, *link_bytes(kind, nbytes, ranks, self.node, root)))
-            return self._call(depth, fn, args, kwargs)
-
-        return counted
-
-    def _call(self, depth: int, fn, args, kwargs):
-        self._depth.n = depth + 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._depth.n = depth
+        ranks = _group_of(a.get("group"))
+        if ranks[0] != self.rank:
+            return
+        root = a.get(root_name) if root_name else None
+        if root_name and root is None:  # group_src / group_dst: a rank of the group
+            root = ranks[a.get(f"group_{root_name}")]
+        nbytes = payload(a)
+        self.calls.append((kind, tuple(ranks), nbytes, *link_bytes(kind, nbytes, ranks, self.node, root)))
 
     @contextmanager
     def installed(self):
-        import torch.distributed as dist
-
-        originals = {name: getattr(dist, name) for name in _CALLS if hasattr(dist, name)}
-        for name, fn in originals.items():
-            setattr(dist, name, self._wrap(name, fn))
-        try:
+        with watch_collectives(self._record, tuple(_CALLS)):
             yield self
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
 
     def totals(self) -> dict:
         in_node = sum(c[3] for c in self.calls)

@@ -15,12 +15,7 @@ import shardwise as sw
 from helpers.host_reads import HOST_VALUES, count_host_reads
 from shardwise.engine import engine_of
 from shardwise.models.zoo import ZOO, build
-from shardwise.testing import global_batch, rank_slice
-
-_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
-                "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
-                "irecv", "isend", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
-                "reduce_scatter_tensor", "scatter", "send")
+from shardwise.testing import global_batch, rank_slice, watch_collectives
 
 
 class _Reads(collections.Counter):
@@ -40,22 +35,13 @@ class _Reads(collections.Counter):
 def _traffic(header_group):
     """A log of every collective (("header" | "payload", name)) and every engine host read (("read",
     where)) in the block, in order."""
-    log, originals = [], {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    log = []
 
-    def counting(name, call):
-        def wrapper(*args, **kwargs):
-            log.append(("header" if kwargs.get("group") is header_group else "payload", name))
-            return call(*args, **kwargs)
-        return wrapper
+    def record(name: str, arguments: dict) -> None:
+        log.append(("header" if arguments.get("group") is header_group else "payload", name))
 
-    for name, call in originals.items():
-        setattr(dist, name, counting(name, call))
-    try:
-        with count_host_reads(_Reads(log)):
-            yield log
-    finally:
-        for name, call in originals.items():
-            setattr(dist, name, call)
+    with watch_collectives(record), count_host_reads(_Reads(log)):
+        yield log
 
 
 def _device_reads(log) -> list:

@@ -296,41 +296,68 @@ class Received:
     calls: dict = field(default_factory=dict)
 
 
+# Every collective torch.distributed offers as a function, for `watch_collectives`.
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "all_reduce",
+               "all_to_all", "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather",
+               "irecv", "isend", "recv", "reduce", "reduce_scatter", "reduce_scatter_single",
+               "reduce_scatter_tensor", "scatter", "send")
+
+
 @contextlib.contextmanager
-def count_received():
-    """Count, into the yielded `Received`, the bytes this rank receives in the torch.distributed
-    collectives called inside (`COUNTED`, by `_received`'s model) and their calls; DDP's C++ reducer is
-    not seen."""
+def watch_collectives(on_call: Callable[[str, dict], None], names=COLLECTIVES):
+    """Call `on_call(name, arguments)` before each torch.distributed collective of `names` issued inside the
+    block, its arguments bound by name with the defaults applied. A collective torch implements by calling
+    another (a deprecated name calling its successor) is reported once, as the outer call. torch's functions
+    are restored after. DDP's C++ reducer calls its process group directly: it is not seen."""
+    import functools
     import inspect
+    import threading
 
     import torch.distributed as dist
 
-    total, real = Received(), {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
-    depth = [0]  # a deprecated name calling its successor is one collective, counted once
+    real = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+    depth = threading.local()
 
-    def counting(name, function):
+    def watching(name, function):
         signature = inspect.signature(function)
 
+        @functools.wraps(function)
         def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            found, group = bound.arguments, bound.arguments.get("group")
-            root = found.get("src") == dist.get_rank() if found.get("src") is not None \
-                else found.get("group_src") == dist.get_rank(group)
-            if not depth[0]:
-                total.bytes += _received(name, found, root, dist.get_world_size(group))
-                total.calls[name] = total.calls.get(name, 0) + 1
-            depth[0] += 1
+            outer = getattr(depth, "n", 0)
+            if not outer:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                on_call(name, bound.arguments)
+            depth.n = outer + 1
             try:
                 return function(*args, **kwargs)
             finally:
-                depth[0] -= 1
+                depth.n = outer
         return call
 
     try:
         for name, function in real.items():
-            setattr(dist, name, counting(name, function))
-        yield total
+            setattr(dist, name, watching(name, function))
+        yield
     finally:
         for name, function in real.items():
             setattr(dist, name, function)
+
+
+@contextlib.contextmanager
+def count_received():
+    """Count, into the yielded `Received`, the bytes this rank receives in the torch.distributed
+    collectives called inside (`COUNTED`, by `_received`'s model) and their calls."""
+    import torch.distributed as dist
+
+    total = Received()
+
+    def count(name: str, found: dict) -> None:
+        group = found.get("group")
+        root = found.get("src") == dist.get_rank() if found.get("src") is not None \
+            else found.get("group_src") == dist.get_rank(group)
+        total.bytes += _received(name, found, root, dist.get_world_size(group))
+        total.calls[name] = total.calls.get(name, 0) + 1
+
+    with watch_collectives(count, COUNTED):
+        yield total
