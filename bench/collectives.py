@@ -68,9 +68,9 @@ def forms(full: torch.Tensor, shard: torch.Tensor, rank: int, world_size: int):
             work.wait()
         torch.sum(into, dim=0, out=shard).div_(world_size)
 
-    return {"all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+    return {"all_gather": lambda: dist.all_gather_single(full, shard),
             "broadcasts": broadcasts,
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.AVG),
+            "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG),
             "all_reduce": all_reduce,
             "all_to_all": all_to_all,
             "sends": sends}

@@ -208,3 +208,25 @@ def test_step_error_hooks_see_a_raising_step_of_classes_made_before_and_after():
     finally:
         compat._STEP_ERROR_HOOKS.pop()
     assert seen == [("Before", "before"), ("After", "after")]
+
+
+def test_no_torch_distributed_call_is_a_deprecated_one():
+    """Catches a call of a torch.distributed function that this torch marks deprecated (2.13:
+    `all_gather_into_tensor`, `reduce_scatter_tensor`): its FutureWarning reaches every user's
+    output, and the next torch removes the function. Every `dist.NAME(` in the library, the benches
+    and the examples is looked up on this torch."""
+    import re
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    root = Path(__file__).resolve().parents[1]
+    called = {}
+    for folder in ("src", "bench", "examples"):
+        for path in (root / folder).rglob("*.py"):
+            for name in re.findall(r"\b(?:dist|torch\.distributed)\.([a-z_]+)\(", path.read_text()):
+                called.setdefault(name, path.relative_to(root))
+    assert "all_gather_single" in called, "the scan found none of the engine's calls"
+    deprecated = {name: str(where) for name, where in called.items()
+                  if getattr(getattr(dist, name, None), "__deprecated__", None)}
+    assert deprecated == {}, f"deprecated torch.distributed calls (use the *_single forms): {deprecated}"

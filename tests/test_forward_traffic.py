@@ -86,10 +86,10 @@ def test_steady_state_forwards_wait_for_no_barrier(ranks, strategy):
         assert _device_reads(train) == [], train
         first_payload = next(i for i, (kind, _) in enumerate(train) if kind == "payload")
         assert not any(kind == "read" for kind, _ in train[:first_payload]), train
-        assert [name for kind, name in train if kind == "header"] == ["all_gather_into_tensor"], train
+        assert [name for kind, name in train if kind == "header"] == ["all_gather_single"], train
         for log in evals:
             if strategy == "zero3":
-                assert [entry for entry in log if entry[0] == "header"] == [("header", "all_gather_into_tensor")], log
+                assert [entry for entry in log if entry[0] == "header"] == [("header", "all_gather_single")], log
                 assert {name for kind, name in log if kind == "payload"} == {"broadcast"}, log  # gloo's gathers
                 assert _device_reads(log) == [], log
             else:
@@ -120,7 +120,7 @@ def test_generate_sends_one_header_per_token_and_reads_no_device_value(ranks):
     header on the agreement's own group, and the engine reads no device value."""
     for log, forwards in ranks.run(_generate_traffic, 2, timeout=120):
         assert forwards == 4
-        assert [entry for entry in log if entry[0] == "header"] == [("header", "all_gather_into_tensor")] * 4, log
+        assert [entry for entry in log if entry[0] == "header"] == [("header", "all_gather_single")] * 4, log
         assert {name for kind, name in log if kind == "payload"} == {"broadcast"}, log
         assert _device_reads(log) == [], log
 

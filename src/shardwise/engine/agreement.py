@@ -96,7 +96,7 @@ class Agreement:
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
         where = self.units[0].where
         with named_failure(f"the agreement of a {'backward' if phase == BACKWARD else 'forward'} ({where})"):
-            work = dist.all_gather_into_tensor(received, sent, group=self.group, async_op=True)
+            work = dist.all_gather_single(received, sent, group=self.group, async_op=True)
         self.pending = (work, sent, received, list(order), where)
 
     def confirm(self) -> None:
