@@ -89,3 +89,46 @@ def test_precision_validation():
         resolve_precision("bf8")
     with pytest.raises(sw.ShardwiseError, match="param_dtype"):
         sw.MixedPrecision(param_dtype=torch.int8)
+
+
+def _used_weights_after_steps(strategy, steps):
+    """What the forward after `steps` bf16 steps computes with (each Linear's weight as its forward sees
+    it) beside the fp32 masters, gathered whole."""
+    spec = ZOO["gpt"]
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build("gpt")
+    ndim = {n: p.ndim for n, p in model.named_parameters()}
+    sw.shard(model, strategy=strategy, units=spec.unit_class, precision="bf16")
+    optimizer = make_optimizer(model, ndim_by_name=ndim)
+    for step in range(steps):
+        x, y = rank_slice(global_batch(spec, step, 8), rank, world_size)
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    used = {}
+
+    def record(key):
+        def hook(module, args):  # returns None: the forward's inputs stay its own
+            used.setdefault(key, module.weight.detach().clone())
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(record(f"{name}.weight"))
+    with torch.no_grad():
+        model(*rank_slice(global_batch(spec, steps, 8), rank, world_size))
+    masters = sw.full_state_dict(model, rank0_only=False)
+    return {key: (value.dtype, bool(torch.equal(value, masters[key].to(value.dtype)))) for key, value in used.items()}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_the_forward_computes_with_the_stepped_masters_cast(ranks, strategy):
+    """Catches a gather that leaves this rank's own rows of a low-precision compute copy as they were
+    before the step (its rows are a cast of the fp32 masters, not the shards themselves, so they must
+    be copied in): the forward then mixes this step's rows of other ranks with last step's own. The
+    loss-tracking test above does not see a one-step lag; this compares the weights used, bitwise."""
+    for per_weight in ranks.run(_used_weights_after_steps, 2, strategy, 2):
+        assert per_weight, "no Linear's forward was seen"
+        assert {dtype for dtype, _ in per_weight.values()} == {torch.bfloat16}
+        stale = [key for key, (_, equal) in per_weight.items() if not equal]
+        assert stale == [], f"weights the forward used that are not the stepped masters' bf16 cast: {stale}"
