@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's")
     p.add_argument("--muon-lr", type=float, default=0.02)
+    p.add_argument("--muon-on", choices=("hidden", "all-2d"), default="hidden",
+                   help="hidden: the blocks' 2-D matrices, the standard recipe (default); all-2d: every 2-D "
+                        "parameter, the tied embedding/head and pos_emb included")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one launch is killed")
     p.add_argument("--out", default=str(RESULTS))
@@ -102,7 +105,7 @@ def launch(args, job: str, world_size: int, arms: list[str]) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
             __file__, "--worker", job, "--arms", ",".join(arms)]
     for flag in ("vocab", "d_model", "layers", "heads", "seq", "batch", "steps", "warmup", "seed", "lr",
-                 "muon_lr", "weight_decay"):
+                 "muon_lr", "muon_on", "weight_decay"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -217,17 +220,19 @@ def markdown(args, rows: list[dict], parity: dict, world_sizes: list[int]) -> st
     def rng(values):
         return f"{min(values):.3f}–{max(values):.3f}"
 
+    recipe = ("the blocks' 2-D matrices (the standard recipe), AdamW on the embeddings, the tied head and every "
+              "1-D parameter" if args.muon_on == "hidden" else
+              "every 2-D parameter (tied embedding/head and pos_emb included), AdamW on the rest")
     lines = [
         f"GPT vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, batch "
         f"{args.batch}/rank; gloo on loopback, 1 thread/rank, 2 CPU cores. Muon (lr {args.muon_lr}, torch.optim.Muon, "
-        "Newton–Schulz in bf16) on every 2-D parameter (tied embedding/head and pos_emb included), AdamW on the "
-        f"rest. Step s: optimizer.step() only, slowest rank, median of {args.steps} steps after {args.warmup} "
-        f"warm-up per round, then median over {args.rounds} interleaved rounds (range: per-round medians). "
-        "× AdamW rows: per-round ratio to shardwise zero2 AdamW, median. Full step: forward+backward+step. "
-        "zero2's re-gather of updated rows runs at the next forward, so it is in full step, not in step s. "
-        "The machine was shared with other agents running tests (load swings): absolute numbers are noisy; "
-        "read the paired ratios. Parity: 3 steps on fixed random gradients, max |param − one process stepping "
-        "whole tensors| (owner shape = shardwise zero2; worst parameter in brackets)."]
+        f"Newton–Schulz in bf16) on {recipe}. Step s: optimizer.step() only, slowest rank, median of {args.steps} "
+        f"steps after {args.warmup} warm-up per round, then median over {args.rounds} interleaved rounds (range: "
+        "per-round medians). × AdamW rows: per-round ratio to shardwise zero2 AdamW, median. Full step: "
+        "forward+backward+step. zero2's re-gather of updated rows runs at the next forward, so it is in full step, "
+        "not in step s. The machine's load moves absolute numbers: read the paired ratios. Parity: 3 steps on "
+        "fixed random gradients, max |param − one process stepping whole tensors| (owner shape = shardwise zero2; "
+        "worst parameter in brackets)."]
     for ws in world_sizes:
         lines += ["", f"### world size {ws}", "",
                   "| arm | median step s | range | × AdamW rows | full step s | full × AdamW rows | parity |",

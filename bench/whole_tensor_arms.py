@@ -32,18 +32,25 @@ def build_model(args):
                          n_layers=args.layers, n_heads=args.heads))
 
 
+def takes_muon(name: str, param, muon_on: str) -> bool:
+    """Whether Muon steps this parameter: "hidden", the standard recipe (Keller Jordan's, Moonlight's, torch's
+    docs): the blocks' 2-D matrices, AdamW for the embeddings, the head and every 1-D parameter; "all-2d":
+    every 2-D parameter, the tied embedding/head and pos_emb too."""
+    return param.dim() == 2 and (muon_on == "all-2d" or name.startswith("blocks."))
+
+
 class MuonAdamW:
-    """Muon for 2-D parameters, AdamW for the rest (torch's Muon docs), with a clock on each phase.
+    """Muon for the parameters `takes_muon` picks, AdamW for the rest, with a clock on each phase.
 
     The whole-tensor step's gathers run in torch's global pre-hooks and its broadcasts in the global
     post-hooks; torch runs an instance's own pre-hooks after the global ones and its post-hooks before
     them, so the marks below split Muon's step into gather | compute | broadcast and write-back."""
 
-    def __init__(self, params, args):
-        params = list(params)
-        self.muon = torch.optim.Muon([p for p in params if p.dim() == 2], lr=args.muon_lr,
+    def __init__(self, params: dict, args):
+        muon = {name: takes_muon(name, p, args.muon_on) for name, p in params.items()}
+        self.muon = torch.optim.Muon([p for name, p in params.items() if muon[name]], lr=args.muon_lr,
                                      weight_decay=args.weight_decay)
-        self.adamw = torch.optim.AdamW([p for p in params if p.dim() != 2], lr=args.lr,
+        self.adamw = torch.optim.AdamW([p for name, p in params.items() if not muon[name]], lr=args.lr,
                                        weight_decay=args.weight_decay)
         self.marks: list[float] = []
         self.muon.register_step_pre_hook(lambda *_: self.marks.append(time.perf_counter()))
@@ -63,12 +70,13 @@ class MuonAdamW:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def make_optimizer(params, kind: str, args):
+def make_optimizer(params: dict, kind: str, args):
+    """`params`: name -> parameter (Muon picks by name)."""
     if kind == "muon":
         return MuonAdamW(params, args)
     if kind == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-2)
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        return torch.optim.Adafactor(list(params.values()), lr=1e-2)
+    return torch.optim.AdamW(list(params.values()), lr=args.lr, weight_decay=args.weight_decay)
 
 
 def whole_grads(shapes: dict, args, step: int) -> dict[str, torch.Tensor]:
@@ -105,7 +113,7 @@ def time_arm(arm: str, args, world_size: int, rank: int, mesh) -> dict:
     elif shape in ("zero2", "zero3"):
         sw.shard(model, strategy=shape, units=Block)  # the optimizer is built after: it sees shards
     params = to_dtensors(model, mesh) if shape == "dtensor" else dict(model.named_parameters())
-    optimizer = make_optimizer(list(params.values()), kind, args)
+    optimizer = make_optimizer(params, kind, args)
     alone = shape == "one"  # rank 0 alone, on the whole global batch
     step_s, full_s, thread_s, process_s, bytes_full, bytes_step = [], [], [], [], [], []
     for step in range(args.warmup + args.steps):
@@ -147,7 +155,7 @@ def three_steps(args, kind: str, shape: str, mesh) -> dict:
     if shape == "owner":
         sw.shard(model, strategy="zero2", units=Block)
     params = to_dtensors(model, mesh) if shape == "dtensor" else dict(model.named_parameters())
-    optimizer = make_optimizer(list(params.values()), kind, args)
+    optimizer = make_optimizer(params, kind, args)
     for step in range(3):
         grads = whole_grads(shapes, args, step)
         if shape == "dtensor":

@@ -27,9 +27,10 @@ bench GPT (bench/results/whole_tensor.md, 3 interleaved rounds, a loaded machine
 (its Newton-Schulz runs in bf16 and distributed matmuls round differently), `torch.optim.Adafactor`
 raises (`aten.pow_`: in-place op needing a placement change), and its Muon step took 23.7x an
 AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The owner step is bitwise
-for Muon and Adafactor at ws 2 and 4 and took 16.6-19.2x (ws 2), 25.4-33.7x (ws 4) an AdamW row
-step, 1.5-2.3x the whole training step: most of it is Newton-Schulz itself (about 4 s of 5), the
-rest one all-gather per parameter and gradient and one broadcast per parameter.
+for Muon and Adafactor at ws 2 and 4. Timed on a quiet machine with the standard recipe (Muon on the
+blocks' matrices; bench/results/whole_tensor.md), its step takes 0.51x one process's at ws 2 and the
+busiest rank's CPU 0.31x at ws 4, nearly all of it Newton-Schulz; with one owner per matrix the
+largest matrix's share of the work is the floor (bench/owner_cost.py).
 
 Note [owner traffic]: only the owner needs a parameter whole, so its rows and gradient rows are
 gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),
