@@ -21,6 +21,7 @@ LAYERS = {
     "shardwise.teardown": 0,  # what closes at exit (Note [exit teardown]): everything below may register
     "shardwise.config": 1,
     "shardwise.dist": 1,
+    "shardwise.collective_watch": 1,  # watches torch.distributed's collectives: every traffic counter
     "shardwise.interfaces": 1,
     "shardwise.models": 1,  # models hold only the math
     "shardwise.sampler": 2,

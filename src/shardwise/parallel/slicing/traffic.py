@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from shardwise.collective_watch import watch_collectives
+
 
 @dataclass
 class Traffic:
@@ -97,63 +99,38 @@ def count_collectives(tensor_group=None):
     agreements) go to `other`."""
     traffic = Traffic()
     tensor_ranks = dist.get_process_group_ranks(tensor_group) if tensor_group is not None else None
-    names = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_gather",
-             "broadcast")
-    real = {name: getattr(dist, name) for name in names}
-
-    def record(kind: str, nbytes: int, group, floating: bool) -> None:
-        size = dist.get_world_size(group)
-        on_tensor = tensor_ranks is not None and group is not None and \
-            dist.get_process_group_ranks(group) == tensor_ranks
-        if on_tensor:
-            traffic.calls["tensor_all_reduce"] += 1
-            traffic.tensor_reduce += nbytes
-            traffic.wire_bytes += nbytes * 2 * (size - 1) / size
-        elif floating and kind in ("gather", "broadcast"):
-            traffic.calls["data_" + kind] += 1
-            traffic.data_gather += nbytes
-            traffic.wire_bytes += nbytes * (size - 1) / size
-        elif floating:
-            traffic.calls["data_" + kind] += 1
-            traffic.data_reduce += nbytes
-            traffic.wire_bytes += nbytes * (2 if kind == "all_reduce" else 1) * (size - 1) / size
-        else:
-            traffic.other += nbytes
 
     def nbytes(t) -> int:
         return t.numel() * t.element_size()
 
-    def all_reduce(tensor, *args, group=None, **kwargs):
-        record("all_reduce", nbytes(tensor), group, tensor.is_floating_point())
-        return real["all_reduce"](tensor, *args, group=group, **kwargs)
+    # each watched collective: its kind here, its payload bytes and the tensor whose dtype decides
+    payload = {"all_reduce": ("all_reduce", lambda a: nbytes(a["tensor"]), "tensor"),
+               "all_gather_single": ("gather", lambda a: nbytes(a["output_tensor"]), "input_tensor"),
+               "reduce_scatter_single": ("reduce_scatter", lambda a: nbytes(a["input"]), "input"),
+               "all_to_all_single": ("all_to_all", lambda a: nbytes(a["input"]), "input"),
+               "all_gather": ("gather", lambda a: sum(nbytes(t) for t in a["tensor_list"]), "tensor"),
+               "broadcast": ("broadcast", lambda a: nbytes(a["tensor"]), "tensor")}
 
-    def all_gather_single(output, input, *args, group=None, **kwargs):
-        record("gather", nbytes(output), group, input.is_floating_point())
-        return real["all_gather_single"](output, input, *args, group=group, **kwargs)
+    def record(name: str, args: dict) -> None:
+        kind, size_of, typed = payload[name]
+        group, size = args["group"], dist.get_world_size(args["group"])
+        nbytes_, floating = size_of(args), args[typed].is_floating_point()
+        on_tensor = tensor_ranks is not None and group is not None and \
+            dist.get_process_group_ranks(group) == tensor_ranks
+        if on_tensor:
+            traffic.calls["tensor_all_reduce"] += 1
+            traffic.tensor_reduce += nbytes_
+            traffic.wire_bytes += nbytes_ * 2 * (size - 1) / size
+        elif floating and kind in ("gather", "broadcast"):
+            traffic.calls["data_" + kind] += 1
+            traffic.data_gather += nbytes_
+            traffic.wire_bytes += nbytes_ * (size - 1) / size
+        elif floating:
+            traffic.calls["data_" + kind] += 1
+            traffic.data_reduce += nbytes_
+            traffic.wire_bytes += nbytes_ * (2 if kind == "all_reduce" else 1) * (size - 1) / size
+        else:
+            traffic.other += nbytes_
 
-    def reduce_scatter_single(output, input, *args, group=None, **kwargs):
-        record("reduce_scatter", nbytes(input), group, input.is_floating_point())
-        return real["reduce_scatter_single"](output, input, *args, group=group, **kwargs)
-
-    def all_to_all_single(output, input, *args, group=None, **kwargs):
-        record("all_to_all", nbytes(input), group, input.is_floating_point())
-        return real["all_to_all_single"](output, input, *args, group=group, **kwargs)
-
-    def all_gather(outputs, tensor, *args, group=None, **kwargs):
-        record("gather", sum(nbytes(t) for t in outputs), group, tensor.is_floating_point())
-        return real["all_gather"](outputs, tensor, *args, group=group, **kwargs)
-
-    def broadcast(tensor, *args, group=None, **kwargs):
-        record("broadcast", nbytes(tensor), group, tensor.is_floating_point())
-        return real["broadcast"](tensor, *args, group=group, **kwargs)
-
-    patched = {"all_reduce": all_reduce, "all_gather_single": all_gather_single,
-               "reduce_scatter_single": reduce_scatter_single, "all_to_all_single": all_to_all_single,
-               "all_gather": all_gather, "broadcast": broadcast}
-    for name, fn in patched.items():
-        setattr(dist, name, fn)
-    try:
+    with watch_collectives(record, tuple(payload)):
         yield traffic
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
