@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import re
 import sys
@@ -119,6 +120,7 @@ def run(args) -> int:
     try:
         spec = model_spec(args)
         _warm_meta()
+        gc.collect()  # garbage freed while the model builds would hide what its import holds
         before = process_rss()
         model, units = build_model(spec, args.overrides)
         imported = max(0, process_rss() - before) if _is_function(spec) else 0
