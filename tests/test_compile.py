@@ -80,6 +80,7 @@ def test_compiled_bf16_equals_eager_bf16(ranks, strategy):
             assert torch.equal(value, c["run"].params[name]), name
 
 
+@pytest.mark.slow  # 12 s; make test compiles the zoo GPT under every strategy and recipe (27 tests)
 def test_compiled_hugging_face_llama_matches_one_process(ranks):
     """A Llama built from a config (tied embeddings, rotary, grouped-query attention), zero3, compiled whole
     and per decoder layer: within 1e-5 of one process compiled. Its AdamW (eps 1e-8) turns the two half

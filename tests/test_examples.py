@@ -151,6 +151,7 @@ def test_accelerate_lm_trains_and_saves(tmp_path):
                            "resumed from")
 
 
+@pytest.mark.slow  # 24 s; make test runs Lightning through test_lightning.py and docs/migrate/lightning.md's block
 def test_lightning_lm_trains_and_checkpoints(tmp_path):
     """Catches the Lightning example going stale (ShardwiseStrategy against the pinned lightning),
     its loss not falling with gradient_clip_val and accumulate_grad_batches at 2 ranks,
