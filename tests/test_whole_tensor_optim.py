@@ -144,8 +144,9 @@ def test_lbfgs_is_refused_on_every_rank(ranks, strategy):
 
 
 def _bytes_received_in_step(strategy: str):
-    """Bytes this rank receives in Muon's owner step (counted at torch.distributed's calls), the bound
-    of Note [owner traffic], and what the old all-gathers and broadcast moved."""
+    """Bytes this rank receives in Muon's owner step and in the next forward (counted at torch.distributed's
+    calls), the step's bound (Note [owner traffic], Note [owner broadcast]), and what the old all-gathers and
+    broadcast moved."""
     from shardwise.engine.whole_step import owner_map, sharded_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,26 +158,36 @@ def _bytes_received_in_step(strategy: str):
     model(x, y).backward()
     with count_received() as received:
         optim.step()
+    with count_received() as received_in_forward:
+        model(x, y)
     owners = owner_map(optim)
     params = sharded_params(optim)
-    gathers = 2 if strategy == "zero3" else 1  # zero1/zero2: the owner copies its kept full parameter
-    mine = sum(gathers * (world - 1) * p._sw_layout.shard_numel for p in params if owners[id(p)] == rank)
-    others = sum(p._sw_layout.shard_numel for p in params if owners[id(p)] != rank)
+    kept = strategy != "zero3"  # zero1/zero2: the owner copies its kept full parameter and broadcasts it whole
+    mine = sum((1 if kept else 2) * (world - 1) * p._sw_layout.shard_numel for p in params if owners[id(p)] == rank)
+    others = sum(p._sw_layout.shape.numel() if kept else p._sw_layout.shard_numel
+                 for p in params if owners[id(p)] != rank)
     before = sum(3 * (world - 1) * p._sw_layout.shard_numel for p in params)
-    return received.bytes, 4 * (mine + others), 4 * before, received.calls, len(set(owners.values()))
+    return (received.bytes, 4 * (mine + others), 4 * before, received.calls, len(set(owners.values())),
+            received_in_forward.bytes)
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow), "zero2", "zero3"])
 def test_the_owner_alone_receives_whole_tensors(ranks, strategy):
     """Catches the whole-tensor step sending every parameter and gradient whole to every rank (two
     all-gathers and a broadcast per parameter: 3·|P|·(N−1)/N bytes per rank) where only the owner
-    needs them (Note [owner traffic]: gathered to the owner, updated rows scattered back), and a
-    zero1/zero2 owner gathering a parameter it already holds whole (its kept full values), and one
-    gather and one scatter per parameter where one per owner carries them all (Note [owner batches])."""
-    for received, bound, before, calls, num_owners in ranks.run(_bytes_received_in_step, 2, strategy):
+    needs them (Note [owner traffic]: gathered to the owner, updated rows scattered back), a
+    zero1/zero2 owner gathering a parameter it already holds whole (its kept full values), one gather
+    and one scatter per parameter where one per owner carries them all (Note [owner batches]), and, under
+    zero1/zero2, rows scattered back and then re-gathered by the next forward where the owner's broadcast
+    of the whole update leaves every rank's full values current (Note [owner broadcast]): that forward
+    receives nothing (the 1-D parameters no optimizer stepped are not re-gathered either)."""
+    for received, bound, before, calls, num_owners, in_forward in ranks.run(_bytes_received_in_step, 2, strategy):
         assert bound <= received <= bound + 512, (received, bound)  # 512: the agreements' flags
         assert received < 0.75 * before, (received, before)
-        assert calls["gather"] == calls["scatter"] == num_owners == 2, calls
+        back = "scatter" if strategy == "zero3" else "broadcast"
+        assert calls["gather"] == calls[back] == num_owners == 2, calls
+        if strategy != "zero3":
+            assert in_forward == 0, in_forward
 
 
 def test_muon_owners_are_balanced_by_newton_schulz_cost():

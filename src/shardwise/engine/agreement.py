@@ -92,7 +92,9 @@ class Agreement:
         index = {id(unit): i for i, unit in enumerate(self.units)}
         trainable = "".join("1" if shard.requires_grad else "0" for unit in self.units for shard in unit.shard_params)
         header = [digest(trainable), num_forwards, phase, digest(repr([index[key] for key in order if key in index]))]
-        sent = torch.tensor(header + [int(id(unit) in flagged) for unit in self.units], dtype=torch.int64)
+        # Per unit: 0 no re-gather, 1 a re-gather after a step, 2 after a write outside a step (FlatUnit.written).
+        flags = [1 + unit.written() if id(unit) in flagged else 0 for unit in self.units]
+        sent = torch.tensor(header + flags, dtype=torch.int64)
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
         where = self.units[0].where
         with named_failure(f"the agreement of a {'backward' if phase == BACKWARD else 'forward'} ({where})"):
@@ -122,7 +124,8 @@ class Agreement:
 
     def _different_writes(self, rank: int, mine: list[int], theirs: list[int]) -> str:
         unit = next(unit for unit, a, b in zip(self.units, mine, theirs) if a != b)
-        wrote, other = (0, rank) if mine[self.units.index(unit)] else (rank, 0)
+        at = self.units.index(unit)
+        wrote, other = (0, rank) if mine[at] > theirs[at] else (rank, 0)
         return (f"ranks 0 and {rank} changed different parameters between forwards: the rows of unit {unit.label} "
                 f"were written on rank {wrote} (an in-place write such as p.data.mul_(), load_state_dict or "
                 f"sw.load, or an optimizer step) and not on rank {other}. Write parameters on every rank alike "

@@ -26,6 +26,15 @@ wrong number):
 zero1/zero2 start GATHERED and stay there (their full values are kept); zero3 starts
 SHARDED. Gradients have their own phase (unit_grads.GradPhase).
 
+Note [stepped parameters]: a zero1/zero2 unit re-gathers after a step only the parameters whose rows
+an optimizer wrote: `mark_stepped` adds the ones it holds, and a whole-tensor owner's broadcast, which
+writes the whole update into every rank's full view (Note [owner broadcast], owner_traffic.py), takes
+its own out again (`mark_fresh`). A frozen parameter or a broadcast one is not re-gathered. Version
+stamps cannot tell one parameter's rows from another's (the shards are views of one buffer), so the
+set is trusted only while the stamp moved inside steps alone (`after_step` records it): a write outside
+a step (a user's in-place write, `sw.load`) re-gathers every parameter and counts as a write in the
+forward's header (`written`), which refuses a write only some ranks made. A gather clears the set.
+
 Note [version counters]: autograd saves the full views for backward. Refilling their
 storage after a free would bump the version counter and make autograd refuse the
 saved tensors, although the values written back are identical; a gather therefore
@@ -93,6 +102,7 @@ class FlatUnit:
         self.reduce_group = reduce_group or mesh.shard_group  # reduce-scatters may have a group of their own
         self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
         self.layouts, self.shard_total = lay_out(plan.params, mesh)
+        self.index_of = {id(layout): i for i, layout in enumerate(self.layouts)}  # id(layout) -> its index
         dtypes = {entry.param.dtype for entry in plan.params}
         if len(dtypes) > 1:
             raise ShardwiseError(
@@ -117,6 +127,11 @@ class FlatUnit:
         self.gathered_stamp = -1  # _master_stamp() right after the last gather (full params kept)
         self.stale = False  # an optimizer stepped these shards since the last gather (optim_hooks.py)
         self.current_at_step = False  # the full values matched every rank's rows when the last step began
+        # Note [stepped parameters]: the layout indices an optimizer wrote since the last gather, the stamp after
+        # the last step, and whether rows were written outside a step since the last gather.
+        self.stepped: set[int] = set()
+        self.step_stamp = -1
+        self.written_outside = False
         self.residency = Residency.GATHERED  # full_flat is allocated above; zero3 frees it in take_shards
         # Counted in `residents` (the engine's): a zero3 unit other than the root.
         self.residents = residents if residents is not None and self.path and not stage.keeps_full_params \
@@ -134,12 +149,32 @@ class FlatUnit:
         """Keep the full values until the window closes (Note [gradients of inputs], window.py)."""
         self.pinned = True
 
-    def mark_stepped(self) -> None:
-        """An optimizer is about to write these shards: re-gather before the next use (optim_hooks.py). Whether
-        the kept full values still matched every rank's rows as this step began is kept for the owners
-        (owner_traffic.can_copy_whole): the mark comes before the step, so `stale` no longer says it."""
+    def mark_stepped(self, indices: set[int]) -> None:
+        """An optimizer is about to write the shards `indices` (layout indices): re-gather before the next use
+        (optim_hooks.py). Whether the kept full values still matched every rank's rows as this step began is
+        kept for the owners (owner_traffic.can_copy_whole): the mark comes before the step, so `stale` no
+        longer says it."""
+        self.written_outside = self.written()  # since the last gather or step (Note [stepped parameters])
+        if self.stage.keeps_full_params and not self.to_gather():
+            self._now_current()  # so that the owners know the full values are current (can_copy_whole)
         self.current_at_step = not self.needs_gather()
-        self.stale = True
+        self.stepped |= indices
+        self.stale, self.step_stamp = True, self._master_stamp()  # writes from here on are a step's
+
+    def mark_fresh(self, layout: ParamLayout) -> None:
+        """The owner's broadcast wrote this parameter's whole update into every rank's full view (Note [owner
+        broadcast], owner_traffic.py): the next forward need not re-gather it (Note [stepped parameters])."""
+        self.stepped.discard(self.index_of[id(layout)])
+
+    def after_step(self) -> None:
+        """An optimizer's step over this unit ended (or was undone): its writes are accounted for (Note
+        [stepped parameters])."""
+        self.step_stamp = self._master_stamp()
+
+    def _now_current(self) -> None:
+        """Every rank's full values equal every rank's rows: nothing to re-gather until the rows change."""
+        self.gathered_stamp, self.stale = self._master_stamp(), False
+        self.stepped, self.written_outside = set(), False
 
     def hand_steps_to_backward(self) -> None:
         """sw.optimizer_in_backward steps this unit during backward (Note [optimizer in backward])."""
@@ -260,9 +295,19 @@ class FlatUnit:
     # ---- gather / free -----------------------------------------------------------
 
     def needs_gather(self) -> bool:
-        if self.stage.keeps_full_params:  # the rows changed since the last gather
-            return self.stale or self._master_stamp() != self.gathered_stamp
+        if self.stage.keeps_full_params:  # the rows of a parameter changed since the last gather
+            return bool(self.to_gather())
         return self.residency is Residency.SHARDED
+
+    def to_gather(self) -> list[int]:
+        """The layout indices the next gather carries: zero3 all of them; zero1/zero2 none while the full
+        values are current, those an optimizer wrote after steps alone, all after any other write (Note
+        [stepped parameters])."""
+        if self.stage.keeps_full_params and not self.stale and self._master_stamp() == self.gathered_stamp:
+            return []
+        if self.stage.keeps_full_params and not self.written():
+            return sorted(self.stepped)
+        return list(range(len(self.layouts)))
 
     def current_in_step(self) -> bool:
         """zero1/zero2, inside an optimizer step: the full values were current when the step began (its
@@ -271,19 +316,26 @@ class FlatUnit:
         return self.current_at_step and self._master_stamp() == self.gathered_stamp
 
     def written(self) -> bool:
-        """zero1/zero2: the rows changed by a write no optimizer step marked, which only the ranks that made
-        it see (Note [agreement rides the traffic], agreement.py)."""
-        return self.stage.keeps_full_params and not self.stale and self._master_stamp() != self.gathered_stamp
+        """zero1/zero2: rows changed by a write no optimizer step made (`p.data.mul_()`, `load_state_dict`,
+        `sw.load`), which only the ranks that made it see (Note [agreement rides the traffic], agreement.py;
+        Note [stepped parameters]): since the last gather, or since the last step after one."""
+        if not self.stage.keeps_full_params:
+            return False
+        return self.written_outside or self._master_stamp() != (self.step_stamp if self.stale else self.gathered_stamp)
 
-    def _own_parts(self, dtype: torch.dtype) -> list[Tensor]:
-        """This rank's rows of each parameter in `dtype`, one tensor per parameter: the gather's input."""
+    def _own_parts(self, dtype: torch.dtype, indices: list[int] | None = None) -> list[Tensor]:
+        """This rank's rows of each parameter (of `indices`, else all) in `dtype`, one tensor per parameter:
+        the gather's input."""
+        indices = range(len(self.layouts)) if indices is None else indices
         if self.aliased:  # the shards are views into full_flat: its own rows, in place
-            return [self.own_rows(self.full_flat, layout).detach() for layout in self.layouts]
+            return [self.own_rows(self.full_flat, self.layouts[i]).detach() for i in indices]
         flat = self.shard_flat.to(dtype).detach()  # a no-op at full precision, a cast to param_dtype otherwise
-        return list(flat.split([layout.shard_numel for layout in self.layouts]))
+        parts = flat.split([layout.shard_numel for layout in self.layouts])
+        return [parts[i] for i in indices]
 
-    def _regions(self, target: Tensor) -> list[Tensor]:
-        return [self._padded_region(layout, target) for layout in self.layouts]
+    def _regions(self, target: Tensor, indices: list[int] | None = None) -> list[Tensor]:
+        indices = range(len(self.layouts)) if indices is None else indices
+        return [self._padded_region(self.layouts[i], target) for i in indices]
 
     def start_gather(self, async_op: bool) -> None:
         """Issue the all-gather of every rank's rows (SHARDED or stale GATHERED -> GATHERING). The rows
@@ -293,9 +345,11 @@ class FlatUnit:
         if storage.nbytes() == 0:
             storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
+        indices = self.to_gather()  # zero1/zero2: the stepped ones (Note [stepped parameters])
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
             self.pending_gather = coll.gather_into(
-                self._own_parts(self.compute_dtype), self._regions(self.full_flat), self.mesh.shard_world,
+                self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices),
+                self.mesh.shard_world,
                 self.mesh.shard_group,
                 async_op, what=f"the all-gather of unit {self.label} ({self.where})", own_in_place=self.aliased)
 
@@ -307,7 +361,7 @@ class FlatUnit:
         self._move(Residency.GATHERED)
         if self.store is not None:
             self.store.release(self.shard_flat)  # read for the gather; back to disk
-        self.gathered_stamp, self.stale = self._master_stamp(), False
+        self._now_current()
 
     def free(self, *, unpin: bool = False) -> None:
         """Release the full values (zero3; zero1/zero2 keep them), unless pinned (Note [gradients of

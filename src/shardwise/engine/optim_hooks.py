@@ -78,10 +78,19 @@ def _refuse_optimizer_of_nothing(optimizer, args, kwargs) -> None:
     optimizer._sw_checked = True
 
 
+def _stepped_units(optimizer) -> dict:
+    """{id(unit): (unit, the layout indices of its shards this optimizer holds)}."""
+    units = {}
+    for param in _params(optimizer):
+        unit = getattr(param, "_sw_unit", None)
+        if unit is not None:
+            units.setdefault(id(unit), (unit, set()))[1].add(unit.index_of[id(param._sw_layout)])
+    return units
+
+
 def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:
-    units = {id(p._sw_unit): p._sw_unit for p in _params(optimizer) if getattr(p, "_sw_unit", None) is not None}
-    for unit in units.values():  # once each: a unit's mark records whether it was current (FlatUnit.mark_stepped)
-        unit.mark_stepped()
+    for unit, indices in _stepped_units(optimizer).values():  # once each: a unit's mark records whether it
+        unit.mark_stepped(indices)  # was current (FlatUnit.mark_stepped)
 
 
 def _begin_whole_step(optimizer, args, kwargs) -> None:
@@ -100,8 +109,16 @@ def _begin_whole_step(optimizer, args, kwargs) -> None:
 
 def _end_whole_step(optimizer, args, kwargs) -> None:
     step = _WHOLE_STEPS.pop(id(optimizer), None)
-    if step is not None:
-        step.end()
+    try:
+        if step is not None:
+            step.end()
+    finally:  # ended or undone on every rank (Note [raising step]): the rows' writes so far are the step's
+        _after_step(optimizer)
+
+
+def _after_step(optimizer) -> None:
+    for unit, _indices in _stepped_units(optimizer).values():  # (Note [stepped parameters], flat_unit.py)
+        unit.after_step()
 
 
 def _abort_whole_step(optimizer, error) -> None:
@@ -109,4 +126,6 @@ def _abort_whole_step(optimizer, error) -> None:
     rows come back; the ShardwiseError naming the failed rank replaces the error."""
     step = _WHOLE_STEPS.pop(id(optimizer), None)
     if step is not None:
-        raise step.abort(error) from error
+        failure = step.abort(error)
+        _after_step(optimizer)
+        raise failure from error

@@ -67,7 +67,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.compat import set_data, set_grad
-from shardwise.engine.owner_traffic import Piece, can_copy_whole, gather_to_owners, kept_whole, scatter_from_owners
+from shardwise.engine.owner_traffic import (
+    Piece,
+    broadcast_from_owners,
+    broadcasts_whole,
+    can_copy_whole,
+    full_view,
+    gather_to_owners,
+    kept_whole,
+    scatter_from_owners,
+)
 from shardwise.errors import ShardwiseError
 
 _set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
@@ -193,8 +202,8 @@ class WholeStep:
         self.saved: list[tuple[Tensor, Tensor | None]] = []  # each param's own rows and gradient rows
 
     def begin(self) -> None:
-        self._agree_on_grads()
-        copied = [can_copy_whole(param) for param in self.params]  # the same on every rank (owner_traffic.py)
+        copied = [can_copy_whole(param) for param in self.params]  # owner_traffic.py
+        self._agree_on_grads(copied)
         pieces = [Piece(("data", i), param, owner, param.detach())
                   for i, (param, owner, copy) in enumerate(zip(self.params, self.owners, copied)) if not copy]
         pieces += [Piece(("grad", i), param, owner, param.grad)
@@ -208,14 +217,23 @@ class WholeStep:
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
-    def _agree_on_grads(self) -> None:
+    def _agree_on_grads(self, copied: list[bool]) -> None:
         """Refuse, on every rank and before anything moves, a gradient some ranks have and others not
-        (set to None on one rank only): the gathers of it would pair with other collectives."""
-        has = torch.tensor([float(p.grad is not None) for p in self.params], dtype=torch.float32)
+        (set to None on one rank only), and kept full values current on some ranks only (rows written on
+        one rank since the last forward): the gathers would pair with other collectives."""
+        has = torch.tensor([float(p.grad is not None) for p in self.params] + list(map(float, copied)))
         both = torch.cat([has, -has])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        anywhere, everywhere = both[: len(self.params)], -both[len(self.params):]
-        differ = [_name(p) for p, a, e in zip(self.params, anywhere.tolist(), everywhere.tolist()) if a != e]
+        anywhere, everywhere = both[: len(has)].tolist(), (-both[len(has):]).tolist()
+        count = len(self.params)
+        written = [_name(p) for p, a, e in zip(self.params, anywhere[count:], everywhere[count:]) if a != e]
+        if written:
+            raise ShardwiseError(
+                f"{self.kind}.step(): the rows of {written[:4]}{'...' if len(written) > 4 else ''} were written on "
+                "some ranks and not on others since the last forward (an in-place write such as p.data.mul_() or "
+                "load_state_dict on one rank only). Write parameters on every rank alike: each rank holds only its "
+                "rows, so a write on one rank never reaches the others'. Nothing was stepped.")
+        differ = [_name(p) for p, a, e in zip(self.params, anywhere[:count], everywhere[:count]) if a != e]
         if differ:
             raise ShardwiseError(
                 f"{self.kind}.step(): the gradient of {differ[:4]}{'...' if len(differ) > 4 else ''} is None on some "
@@ -235,16 +253,23 @@ class WholeStep:
             self._restore()
             raise self._error(failed, None)
         with torch.no_grad():
-            wholes, pieces = {}, []
+            wholes, as_rows, as_wholes = {}, [], []
             for i, (param, owner, (rows, grad)) in enumerate(zip(self.params, self.owners, self.saved)):
                 if self.rank == owner:
                     wholes[i] = param.detach()
                 param.grad = None  # the whole gradient goes first: a grad must match the data's shape
                 _set_data(param, rows)
                 param.grad = grad
-                pieces.append(Piece(i, param, owner, rows))
-            if pieces:
-                scatter_from_owners(pieces, wholes, self.mesh)  # Note [owner batches]
+                if broadcasts_whole(param):  # the same on every rank (Note [owner broadcast])
+                    as_wholes.append(Piece(i, param, owner, full_view(param)))
+                else:
+                    as_rows.append(Piece(i, param, owner, rows))
+            if as_wholes:
+                broadcast_from_owners(as_wholes, wholes, self.mesh)
+                for piece in as_wholes:  # current on every rank: the next forward does not re-gather them
+                    piece.param._sw_unit.mark_fresh(piece.param._sw_layout)
+            if as_rows:
+                scatter_from_owners(as_rows, wholes, self.mesh)  # Note [owner batches]
         self.saved = []
 
     def abort(self, error: BaseException) -> ShardwiseError:
