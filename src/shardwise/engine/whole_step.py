@@ -46,6 +46,8 @@ N = 4 (|G|: the whole-stepped gradients). It is not done: non-owners would hold 
 between backward and step (sw.clip_grad_norm_, the fp16 scaler's inf check and a user's reads use
 them), backward learns which optimizer steps a parameter whole only at its first step, and a reduce
 sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
+There the owner also sends its update back whole into every rank's kept full values, so the next
+forward need not re-gather it (Note [owner broadcast]: 1 + f/(2N) of AdamW zero2's bytes, not 1 + f/N).
 The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
 
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
