@@ -151,6 +151,7 @@ def kill_all(launch: Launch) -> list[str]:
         time.sleep(1.0)
     for pid, _ in found:
         _signal(pid, signal.SIGKILL)
+    _wait_gone([pid for pid, _ in found], seconds=10)  # SIGKILL lands later on a loaded host
     for agent in launch.agents:
         try:
             agent.wait(timeout=10)
@@ -159,6 +160,14 @@ def kill_all(launch: Launch) -> list[str]:
     with open(launch.log, "a") as log:
         log.write(f"\n[launch] timed out; killed the run. Ranks still there: {', '.join(hung) or 'none'}\n")
     return hung or ["no rank (only the agent was left)"]
+
+
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    """Until each of `pids` is dead (gone, or a zombie no parent reaped yet: it runs nothing), at most
+    `seconds`: a killed worker is no longer listed by `processes` once this returns."""
+    deadline = time.monotonic() + seconds
+    while any(_state(pid) not in ("gone", "zombie") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _signal(pid: int, sig: int) -> None:
