@@ -215,3 +215,32 @@ def test_whole_tensor_owners_inside_the_shard_group(ranks, strategy, name):
     reference = run(None, name)
     for result in ranks.run(run, 4, strategy, name, "after", (2, 2)):
         assert_close_runs(reference, result)
+
+
+def _run_with_alone_bytes(strategy: str, name: str, alone_bytes: int):
+    """`run`, with the tensors of at least `alone_bytes` broadcast by themselves; and the number of
+    broadcasts it made. The ranks' processes serve later tests too: the threshold is put back."""
+    from shardwise.engine import owner_traffic
+
+    default, owner_traffic.ALONE_BYTES = owner_traffic.ALONE_BYTES, alone_bytes
+    try:
+        with count_received() as received:
+            result = run(strategy, name)
+    finally:
+        owner_traffic.ALONE_BYTES = default
+    return result, received.calls.get("broadcast", 0)
+
+
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_large_tensors_broadcast_alone_match_one_process(ranks, strategy, name):
+    """Catches the owner broadcast's path for large tensors (Note [owner broadcast]: one broadcast each,
+    straight into every rank's full view) leaving the owner's own full view stale or a non-owner's
+    unwritten: with a threshold that sends the two 32x16 matrices alone and packs the head, 3 steps still
+    equal one process, through more broadcasts than the packed path makes."""
+    reference = run(None, name)
+    packed = ranks.run(_run_with_alone_bytes, 2, strategy, name, 2**62)
+    for (result, broadcasts), (_, packed_broadcasts) in zip(ranks.run(_run_with_alone_bytes, 2, strategy, name, 2048),
+                                                            packed):
+        assert_close_runs(reference, result)
+        assert broadcasts > packed_broadcasts, (broadcasts, packed_broadcasts)
