@@ -7,7 +7,7 @@
 Each size runs every form in interleaved rounds inside the same ranks (the machine's load
 swings), one thread per rank, a barrier before each call; the table is the median over
 rounds of the slowest rank's time. It is the measurement behind Note [gloo collectives]
-(engine/collectives.py): which form of all-gather and reduce-scatter the engine issues on gloo.
+(engine/comm/collectives.py): which form of all-gather and reduce-scatter the engine issues on gloo.
 Results: bench/results/collectives.{json,md}.
 """
 

@@ -45,7 +45,7 @@ def block_shapes(d: int) -> list[tuple[int, ...]]:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    import shardwise.engine.collectives as coll
+    import shardwise.engine.comm.collectives as coll
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardwise.engine.whole_step import _owners
+from shardwise.engine.optim.whole_step import _owners
 from shardwise.models.gpt import GPT, GPTConfig
 
 

@@ -1,5 +1,5 @@
 """Benchmark: what each matrix's Muon step really costs on this machine, beside the cost the owners are
-balanced by (Note [owner cost], engine/whole_step.py: m·n·min(m, n)), for the GPT of bench/whole_tensor.py.
+balanced by (Note [owner cost], engine/optim/whole_step.py: m·n·min(m, n)), for the GPT of bench/whole_tensor.py.
 
     python bench/owner_cost.py                       # vocab 4096, d_model 256, 4 layers (issue 33's figures)
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from shardwise.engine.whole_step import step_cost
+from shardwise.engine.optim.whole_step import step_cost
 from shardwise.models.gpt import GPT, GPTConfig
 
 

@@ -37,7 +37,7 @@ DDP's step time less (N-1)/N of DDP's optimizer step. Each run records its optim
 the table gives that bound for each world size as a ratio to DDP, paired per round: it is as fast
 as zero1/zero2 can be here, measured. On gloo the reduce-scatter and all-gather cost a little
 more than the all-reduce of the same bytes at 2 ranks and a little less at 4 (Note [gloo
-collectives] in shardwise/engine/collectives.py), which moves the true floor by about as much.
+collectives] in shardwise/engine/comm/collectives.py), which moves the true floor by about as much.
 """
 
 from __future__ import annotations

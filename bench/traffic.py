@@ -19,7 +19,7 @@ simulated boundary, since every rank of this host talks over loopback). Per link
 bytes over P ranks: all-gather and reduce-scatter (P-1)/P S, all-reduce 2 (P-1)/P S; a broadcast
 pipelines S along the P-1 links that leave its root; gather/scatter send each rank's part straight
 to or from the root. On gloo the engine gathers by one broadcast per rank and reduce-scatters by an
-all-to-all (Note [gloo collectives], engine/collectives.py): the broadcasts are exactly a ring
+all-to-all (Note [gloo collectives], engine/comm/collectives.py): the broadcasts are exactly a ring
 all-gather's chunks, and the all-to-all is counted as the reduce-scatter it stands for (pairwise, gloo
 itself sends 2/3 of it across nodes at 2 x 2 instead of a ring's 1/2).
 

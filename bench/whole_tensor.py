@@ -1,5 +1,5 @@
 """Benchmark: Muon's step on the zoo GPT, whole-tensor owner shape against DTensor `Shard(0)`,
-beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/whole_step.py).
+beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/optim/whole_step.py).
 
     python bench/whole_tensor.py                                        # bench GPT (29.5M), ws 2 and 4
     python bench/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check

@@ -1,5 +1,5 @@
 """The arms of bench/whole_tensor.py, one rank's side: the optimizers, one arm's timed steps (wall time,
-CPU seconds and bytes received, Note [owner traffic] in engine/whole_step.py), the parity job.
+CPU seconds and bytes received, Note [owner traffic] in engine/optim/whole_step.py), the parity job.
 """
 
 from __future__ import annotations

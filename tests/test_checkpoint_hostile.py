@@ -238,7 +238,7 @@ def test_deep_nesting_and_a_huge_index(small, tmp_path):
 def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
     """Catches a rank file whose header is 100k-deep JSON nesting (its index re-made to match its size)
     escaping as a RecursionError from the checkpoint reader's own header parser, in sw.load and in
-    `shardwise ckpt inspect`: one parser (engine/st_header.py) serves the reader and the host copy."""
+    `shardwise ckpt inspect`: one parser (wire/st_header.py) serves the reader and the host copy."""
     from shardwise.cli.main import main
 
     bad = copy(small, tmp_path / "deep")

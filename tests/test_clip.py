@@ -1,5 +1,5 @@
 """`sw.clip_grad_norm_` does torch's arithmetic: per-tensor norms in the gradients' dtype, then the
-norm of norms (Note [clip arithmetic] in engine/grads.py)."""
+norm of norms (Note [clip arithmetic] in engine/optim/grads.py)."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def test_preserve_version_counter_keeps_the_counter():
 def test_chunk_cat_lays_gradients_out_rank_major_with_padding(monkeypatch):
     """Catches a torch release that changes `_chunk_cat`'s layout (the reduce-scatter would hand
     each rank another rank's rows): the engine's own per-parameter packing is the reference."""
-    import shardwise.engine.collectives as coll
+    import shardwise.engine.comm.collectives as coll
     from shardwise.engine.compat import chunk_cat as compat_chunk_cat
 
     grads = [torch.randn(5, 3), torch.randn(4), torch.randn(()), torch.randn(1, 2), torch.randn(0, 3),
@@ -164,7 +164,7 @@ def test_shard_parameters_take_the_optimizers_foreach_kernels(monkeypatch):
     devices, so the device list is widened to the CPU here to ask the very function AdamW asks."""
     import torch.optim.optimizer as optimizer_module
 
-    from shardwise.engine.shard_param import ShardParameter
+    from shardwise.engine.unit.shard_param import ShardParameter
 
     shard = torch.nn.Parameter(torch.zeros(3))
     shard.__class__ = ShardParameter

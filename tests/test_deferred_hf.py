@@ -78,7 +78,7 @@ class _Padded(nn.Module):
 def test_partial_in_place_writes_replay_exactly():
     """Catches an in-place op on a view (which returns its input) taken for the creation of the
     parameter: the init before it was then replayed as a scratch draw and the weight left zeros."""
-    from shardwise.engine.deferred import replay
+    from shardwise.engine.init.deferred import replay
 
     torch.manual_seed(0)
     eager = _Padded().emb.weight.detach()

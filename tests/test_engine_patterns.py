@@ -11,7 +11,7 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 import shardwise as sw
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 from helpers.forms import coll_threshold
 from shardwise.engine import engine_of
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine import host_copy
+from shardwise.engine.memory import host_copy
 
 
 def _frozen_model(width: int = 8) -> nn.Module:
@@ -188,7 +188,7 @@ HOST_JOB = textwrap.dedent("""
     import os, signal, sys, torch
     from torch import nn
     import shardwise as sw
-    from shardwise.engine import host_copy
+    from shardwise.engine.memory import host_copy
 
     directory, mode = sys.argv[1], sys.argv[2]
     sw.init(timeout=20)
@@ -256,7 +256,7 @@ def test_the_sweep_spares_a_copy_whose_writer_holds_its_lock(tmp_path):
     sharing /dev/shm (another pid namespace: no /proc entry here) was deleted under its live job."""
     import fcntl
 
-    from shardwise.engine import host_file
+    from shardwise.engine.memory import host_file
 
     live, dead = (tmp_path / f"{host_file.PREFIX}{2**22 + i}-1-abcdef" for i in range(2))
     live.mkdir()
@@ -276,7 +276,7 @@ def _shard_beside_a_twin(directory):
 
     import torch.distributed as dist
 
-    from shardwise.engine import host_file
+    from shardwise.engine.memory import host_file
 
     host_copy.new_token = lambda: "feedfacefeedface"
     if dist.get_rank() == 1:  # named after a live process, and locked: no sweep removes it

@@ -20,7 +20,7 @@ from torch import nn
 
 import shardwise as sw
 from helpers.parity import check_parity
-from shardwise.engine.host_param import is_host_shared
+from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch, rank_slice
 

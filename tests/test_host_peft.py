@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.engine.host_param import is_host_shared
+from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.testing import RunResult, assert_close_runs
 

@@ -65,4 +65,4 @@ def test_loss_scaler_reads_the_host_once_per_step(ranks):
     whether to step, as torch's GradScaler makes it."""
     for counts in ranks.run(_count_scaled, 2):
         engine = {where: n for where, n in counts.items() if where != "torch or the test" and where not in HOST_VALUES}
-        assert engine == {"engine/precision.py:unscale_": 1}, counts
+        assert engine == {"engine/memory/precision.py:unscale_": 1}, counts

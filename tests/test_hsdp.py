@@ -7,8 +7,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
 from helpers.parity import check_parity, run_on_rank
-from shardwise.engine.info import shard_info
 from shardwise.engine.protocol import engine_of
+from shardwise.engine.unit.info import shard_info
 from shardwise.errors import ShardwiseError
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch, make_optimizer, rank_slice
@@ -140,7 +140,7 @@ def test_a_mesh_that_cannot_be_honoured_is_refused_on_every_rank(ranks, case, wo
 def _collectives_by_group(shape):
     """One zero3 step of the zoo GPT on a mesh of `shape`: the world size of every unit gather, reduce-scatter
     and replica all-reduce the engine issued, and the number of units with trainable parameters."""
-    import shardwise.engine.collectives as coll
+    import shardwise.engine.comm.collectives as coll
 
     seen = {"gather": [], "reduce": [], "replicas": []}
     real = coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg

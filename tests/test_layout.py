@@ -23,6 +23,7 @@ LAYERS = {
     "shardwise.dist": 1,
     "shardwise.collective_watch": 1,  # watches torch.distributed's collectives: every traffic counter
     "shardwise.interfaces": 1,
+    "shardwise.wire": 1,  # safetensors headers and rank messages: the engine, checkpoint/ and pipeline/ use them
     "shardwise.models": 1,  # models hold only the math
     "shardwise.sampler": 2,
     "shardwise.engine": 2,
@@ -203,8 +204,10 @@ def engine_uses_problems(root: Path = SRC) -> list[str]:
     for name, path in module_files(root).items():
         if not name.startswith("shardwise.engine.") or path.name == "__init__.py":
             continue
-        imported = {target.split(".")[2] for target in imports_of(name, path, set(module_files(root)))
-                    if target.startswith("shardwise.engine.")}
+        known = module_files(root)
+        # Engine modules are named by their file (unique across engine/'s subpackages), not their package.
+        imported = {target.rpartition(".")[2] for target in imports_of(name, path, set(known))
+                    if target.startswith("shardwise.engine.") and known[target].name != "__init__.py"}
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         said = " ".join(doc.split("Uses: ", 1)[1].split(".", 1)[0].split()) if "Uses: " in doc else None
         if said is None:

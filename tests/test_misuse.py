@@ -112,7 +112,7 @@ def test_a_user_process_group_gets_its_own_reduce_group(ranks, strategy):
 
 
 def _reduce_dtypes(policy):
-    from shardwise.engine import collectives
+    from shardwise.engine.comm import collectives
 
     seen = set()
     real = collectives.reduce_scatter_avg

@@ -3,7 +3,7 @@
 `accelerator.prepare(optim)` returns an `AcceleratedOptimizer` (the torch optimizer at `.optimizer`)
 and a LightningModule's `self.optimizers()` a `LightningOptimizer` (at `._optimizer`, its class a
 subclass of the inner one's). How shardwise steps and checkpoints an optimizer depends on its
-class (Note [whole-tensor step], engine/whole_step.py): an elementwise one steps and saves rows,
+class (Note [whole-tensor step], engine/optim/whole_step.py): an elementwise one steps and saves rows,
 any other is stepped whole and its state refused by `sw.save`. Read off the wrapper, every
 wrapped AdamW would be taken for an unknown class: `sw.save` then refused to checkpoint it.
 """

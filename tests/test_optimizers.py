@@ -1,7 +1,7 @@
 """Any optimizer and any in-place write between steps, under zero1/2/3, against one process.
 
 zero1/zero2 re-gather a unit only when its rows may have changed (Note [writes the engine
-must see] in engine/shard_param.py); these runs write the rows every way a user does and
+must see] in engine/unit/shard_param.py); these runs write the rows every way a user does and
 compare every parameter with a single process doing the same.
 """
 

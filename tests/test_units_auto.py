@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-from shardwise.engine.units import build_units
+from shardwise.engine.unit.units import build_units
 from shardwise.testing import RunResult, assert_close_runs
 
 SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
@@ -63,7 +63,7 @@ def test_auto_units_leave_only_embeddings_heads_and_norms_in_the_root(name):
     assert all(any(word in o.name.lower() for word in allowed) for o in root), [o.name for o in root]
     with warnings.catch_warnings():
         warnings.simplefilter("error", sw.ShardwiseWarning)
-        from shardwise.engine.unit_choice import warn_if_root_holds_most
+        from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
         warn_if_root_holds_most(model, [o.param for o in root])
 
 
@@ -123,7 +123,7 @@ def test_units_take_instances_names_and_say_what_is_wrong():
         build_units(model, 3)
     table = str(sw.describe(model, units=model.blocks, world_size=4))
     assert "<root>" in table and "blocks.2" in table and "Linear" in table
-    from shardwise.engine.unit_choice import warn_if_root_holds_most
+    from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
     root = build_units(model, model.blocks)[0].params
     with pytest.warns(sw.ShardwiseWarning, match="big"):
         warn_if_root_holds_most(model, [o.param for o in root])

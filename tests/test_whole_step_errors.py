@@ -1,5 +1,5 @@
 """A whole-tensor step where ranks disagree (Note [raising step], Note [kept owners] in
-engine/whole_step.py): a step that raises on one rank, a gradient None on one rank only, param
+engine/optim/whole_step.py): a step that raises on one rank, a gradient None on one rank only, param
 groups reordered after the first step. Each used to hang the other ranks in a broadcast, leave
 whole tensors in registered parameters, or orphan an owner's state without a word."""
 

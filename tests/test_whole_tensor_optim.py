@@ -1,6 +1,6 @@
 """Optimizers that read a parameter as a whole tensor, under zero1/2/3, against one process.
 
-Note [whole-tensor step] (engine/whole_step.py): Muon, Adafactor, LAMB-style trust ratios and
+Note [whole-tensor step] (engine/optim/whole_step.py): Muon, Adafactor, LAMB-style trust ratios and
 column statistics ran on this rank's rows as if they were the tensor, 3e-3 to 1e-1 off one
 process after 3 steps with no warning. Each is now stepped on whole tensors by an owner rank;
 LBFGS, which couples every tensor, is refused on every rank.
@@ -147,7 +147,7 @@ def _bytes_received_in_step(strategy: str):
     """Bytes this rank receives in Muon's owner step and in the next forward (counted at torch.distributed's
     calls), the step's bound (Note [owner traffic], Note [owner broadcast]), and what the old all-gathers and
     broadcast moved."""
-    from shardwise.engine.whole_step import owner_map, sharded_params
+    from shardwise.engine.optim.whole_step import owner_map, sharded_params
 
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = ZOO[MODEL]
@@ -196,7 +196,7 @@ def test_muon_owners_are_balanced_by_newton_schulz_cost():
     elements both squares land on one rank (4.2M against 0.13M of m·n·min(m, n))."""
     from types import SimpleNamespace
 
-    from shardwise.engine.whole_step import _owners, step_cost
+    from shardwise.engine.optim.whole_step import _owners, step_cost
 
     shapes = [(128, 128), (512, 8), (512, 8), (512, 8), (512, 8), (128, 128)]
     params = [SimpleNamespace(_sw_layout=SimpleNamespace(shape=shape)) for shape in shapes]
@@ -220,7 +220,7 @@ def test_whole_tensor_owners_inside_the_shard_group(ranks, strategy, name):
 def _run_with_alone_bytes(strategy: str, name: str, alone_bytes: int):
     """`run`, with the tensors of at least `alone_bytes` broadcast by themselves; and the number of
     broadcasts it made. The ranks' processes serve later tests too: the threshold is put back."""
-    from shardwise.engine import owner_traffic
+    from shardwise.engine.optim import owner_traffic
 
     default, owner_traffic.ALONE_BYTES = owner_traffic.ALONE_BYTES, alone_bytes
     try:

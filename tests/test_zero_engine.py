@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 from helpers.forms import coll_threshold
 from shardwise.engine import engine_of
 from shardwise.models.gpt import GPT, Block, GPTConfig

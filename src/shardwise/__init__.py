@@ -22,11 +22,11 @@ from shardwise.config import STRATEGIES, DiskOffload, HostFrozen, MixedPrecision
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.ema import EMA
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
-from shardwise.engine.deferred import deferred_init
 from shardwise.engine.describe import UnitTable, describe
-from shardwise.engine.grads import clip_grad_norm_, no_sync
-from shardwise.engine.precision import LossScaler
-from shardwise.engine.step_in_backward import optimizer_in_backward
+from shardwise.engine.init.deferred import deferred_init
+from shardwise.engine.memory.precision import LossScaler
+from shardwise.engine.optim.grads import clip_grad_norm_, no_sync
+from shardwise.engine.optim.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
 from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits, hogwild, slice, sliced_cross_entropy

@@ -27,7 +27,7 @@ an outsider could not read): any local process that can connect to MASTER_ADDR:M
 can read the run id and the nonces below, answer as rank 0 before the real one, and join or
 feed the group. The run-id check below keeps two honest jobs apart; it is no authentication
 and does not stop a hostile local user. So shardwise never unpickles what comes over the store
-or a collective (Note [no pickle on the wire] in engine/messages.py: reports are JSON, store
+or a collective (Note [no pickle on the wire] in wire/messages.py: reports are JSON, store
 values are parsed as text), which takes away running code in a rank; a process that joins can
 still send wrong numbers. Run jobs where the users who can reach the port are trusted, as with
 torch.distributed itself. So the store a hand launch makes (rank 0 hosts it) listens on the `MASTER_ADDR` given

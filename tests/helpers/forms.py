@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 
 
 @contextlib.contextmanager

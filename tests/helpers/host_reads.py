@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # collectives.py): results of collectives over a CPU group (gloo, beside NCCL on a GPU). Any other
 # read in a step is a device synchronisation.
 HOST_VALUES = {
-    "engine/agreement.py:confirm",  # a phase's header (Note [agreement rides the traffic])
-    "engine/collectives.py:any_rank",  # which parameters any rank used, once per step
+    "engine/schedule/agreement.py:confirm",  # a phase's header (Note [agreement rides the traffic])
+    "engine/comm/collectives.py:any_rank",  # which parameters any rank used, once per step
 }
 
 # torch's frames between a read and a dispatch mode (its entry is wrapped to stay out of compile)

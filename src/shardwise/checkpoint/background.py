@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
-from shardwise.engine.info import row_view
+from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import at_exit, close_group_at_exit, log
 

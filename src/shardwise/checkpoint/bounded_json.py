@@ -9,8 +9,8 @@ import re
 import stat
 from pathlib import Path
 
-from shardwise.engine.st_header import check_json_cost
 from shardwise.errors import ShardwiseError
+from shardwise.wire.st_header import check_json_cost
 
 
 class Fields:

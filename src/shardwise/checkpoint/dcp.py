@@ -1,6 +1,6 @@
 """`sw.dcp_state_dict`: a sharded model's state as DTensors, for `torch.distributed.checkpoint`.
 
-Each shard's real rows (Note [dcp rows] in engine/info.py) become a DTensor's local
+Each shard's real rows (Note [dcp rows] in engine/unit/info.py) become a DTensor's local
 tensor as they are, no copy, and DCP can save them and load them back *in place*, at another world size or strategy
 (DCP reads the overlapping chunks). A 0-D parameter, which the engine holds as one
 row, is exposed as shape (1,): DCP with shardwise's own keys both ways.
@@ -14,7 +14,7 @@ from torch import nn
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.optim_state import class_name, optimizer_names, placements, scalar_state_keys, split_state
 from shardwise.checkpoint.ranks import is_sharded
-from shardwise.engine.info import ShardInfo, as_dtensor, shard_info
+from shardwise.engine.unit.info import ShardInfo, as_dtensor, shard_info
 from shardwise.errors import ShardwiseError
 
 

@@ -14,8 +14,8 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec
 from shardwise.checkpoint.model_config import model_config, write_config
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
-from shardwise.engine.info import ShardInfo, shard_info
 from shardwise.engine.protocol import slicing_of
+from shardwise.engine.unit.info import ShardInfo, shard_info
 from shardwise.errors import ShardwiseError
 
 

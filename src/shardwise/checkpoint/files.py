@@ -15,7 +15,7 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
   open: a zero3 load would then look like it holds the whole shard twice.
 - Errors: a truncated file, a header that does not parse, a missing tensor, or a
   checksum mismatch each become a `ShardwiseError` that names the file and the fix.
-  The header is parsed and checked against the file by engine/st_header.py, the one
+  The header is parsed and checked against the file by wire/st_header.py, the one
   safetensors header parser, which the host copy of frozen weights uses too.
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` and
@@ -46,8 +46,8 @@ import torch
 from torch import Tensor
 
 from shardwise.checkpoint.sparse_crc import crc_of_range
-from shardwise.engine.st_header import CODE_OF_DTYPE, Entry, read_header
 from shardwise.errors import ShardwiseError
+from shardwise.wire.st_header import CODE_OF_DTYPE, Entry, read_header
 
 CHUNK_BYTES = 4 * 2**20
 

@@ -22,7 +22,7 @@ from shardwise.checkpoint.files import dtype_code
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.publish import recover_interrupted
 from shardwise.checkpoint.schema import FORMAT, INDEX, VERSION, index_digest, read_index
-from shardwise.engine.info import engine_of
+from shardwise.engine.unit.info import engine_of
 from shardwise.errors import ShardwiseError
 
 __all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints", "next_order"]

@@ -28,8 +28,8 @@ from shardwise.checkpoint.ranks import all_gather_object, group_of
 from shardwise.checkpoint.report import LoadReport
 from shardwise.checkpoint.sources import open_source
 from shardwise.checkpoint.values import from_json, restore_rng
-from shardwise.engine.info import row_view
 from shardwise.engine.protocol import slicing_of
+from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError
 
 

@@ -14,7 +14,7 @@ from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.schema import OptimizerRecord
 from shardwise.checkpoint.sources import Source, SourceTensor
 from shardwise.checkpoint.values import check_like, check_rng, from_json, like_current
-from shardwise.engine.info import ShardInfo, row_view, shard_info
+from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
 

@@ -32,9 +32,9 @@ from torch import Tensor
 
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
-from shardwise.engine.host_param import is_host_shared
-from shardwise.engine.info import ShardInfo
-from shardwise.engine.whole_step import owner_map, unwrapped
+from shardwise.engine.memory.host_param import is_host_shared
+from shardwise.engine.optim.whole_step import owner_map, unwrapped
+from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 
 SEVERAL = ("sw.save(path, model, [muon, adamw], scheduler) or sw.save(path, model, {'muon': muon, "

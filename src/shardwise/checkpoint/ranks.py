@@ -1,13 +1,13 @@
 """Who writes and reads which rows, and the small JSON collectives a save or load needs (never pickle:
-Note [no pickle on the wire] in engine/messages.py)."""
+Note [no pickle on the wire] in wire/messages.py)."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.info import ShardInfo, engine_of, unit_of_any_param
-from shardwise.engine.messages import all_gather_json, broadcast_json, gather_json
+from shardwise.engine.unit.info import ShardInfo, engine_of, unit_of_any_param
+from shardwise.wire.messages import all_gather_json, broadcast_json, gather_json
 
 
 def group_of(model: nn.Module):

@@ -75,8 +75,8 @@ from shardwise.checkpoint.owner import SaveLock, claim_partial
 from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
-from shardwise.engine.info import ShardInfo, row_view, shard_info
 from shardwise.engine.protocol import slicing_of
+from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
 

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.bounded_json import Fields, parse_json, read_bounded
-from shardwise.engine.st_header import DTYPE_OF_CODE
 from shardwise.errors import ShardwiseError
+from shardwise.wire.st_header import DTYPE_OF_CODE
 
 INDEX = "index.json"
 FORMAT = "shardwise-checkpoint"

@@ -1,17 +1,18 @@
-"""The engine: `shard()` and everything below it (units, flat units, the zero and ddp
-policies, collectives, precision, offload, deferred init, gradient helpers).
+"""The engine: `shard()` and everything below it, in subpackages by concept.
 
 Read in this order: api.py (the entry point) → protocol.py (what the layers above may ask of
-an engine, Note [engine protocol]) → units.py (who owns a shared parameter) → stage.py (what
-each zero stage keeps) → flat_unit.py (one unit's shards and its lifecycle) → unit_grads.py
-(its gradients) → zero.py (the hooks that drive it) → gather_schedule.py and reducer.py (the
-order of its collectives) → collectives.py. Each module's docstring names the engine modules
-it uses (tests/test_layout.py). The engine imports nothing from checkpoint, estimate,
-pipeline, models, cli or demo (tests/test_layout.py).
+an engine, Note [engine protocol]) → layout/ (the parallel layout: ranks, groups, rows) →
+unit/ (units, their flat shards and lifecycle) → schedule/ (the stage policies, the window, the
+order of gathers and reduces, the agreement) → zero.py (the step driver: the hooks that call
+them) → comm/ (the collectives) → optim/ (the optimizer's side) → memory/ (precision, offload,
+host copies) → init/ (deferred init). ddp.py delegates to torch's DDP; describe.py and
+state_dict.py are the user-facing views. Each package's docstring gives its reading order;
+each module's names the engine modules it uses (tests/test_layout.py). The engine imports
+nothing from checkpoint, estimate, pipeline, models, cli or demo (tests/test_layout.py).
 """
 
 from shardwise.engine.api import shard
-from shardwise.engine.info import ShardInfo, full_parameters, shard_info
 from shardwise.engine.protocol import Engine, engine_of, slicing_of
+from shardwise.engine.unit.info import ShardInfo, full_parameters, shard_info
 
 __all__ = ["Engine", "ShardInfo", "engine_of", "full_parameters", "shard", "shard_info", "slicing_of"]

@@ -12,12 +12,12 @@ from torch import nn
 from shardwise.config import DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
-from shardwise.engine.deferred import is_deferred, materialize
 from shardwise.engine.guards import RefuseDataParallel
-from shardwise.engine.host_copy import place_frozen_on_host
-from shardwise.engine.mesh_info import check_mesh, data_mesh
+from shardwise.engine.init.deferred import is_deferred, materialize
+from shardwise.engine.layout.mesh_info import check_mesh, data_mesh
+from shardwise.engine.memory.host_copy import place_frozen_on_host
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
-from shardwise.engine.units import UnitSpec
+from shardwise.engine.unit.units import UnitSpec
 from shardwise.engine.zero import apply_zero
 from shardwise.errors import ShardwiseError
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config import ShardConfig
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
-from shardwise.engine.host_copy import host_param_names
+from shardwise.engine.memory.host_copy import host_param_names
 from shardwise.engine.protocol import Engine
 from shardwise.errors import ShardwiseError
 

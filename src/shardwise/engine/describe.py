@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from shardwise.engine.protocol import engine_of
-from shardwise.engine.units import UnitSpec, build_units
+from shardwise.engine.unit.units import UnitSpec, build_units
 
 MIB = 2**20
 

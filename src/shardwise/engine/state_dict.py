@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.engine.info import ShardInfo, as_dtensor
+from shardwise.engine.unit.info import ShardInfo, as_dtensor
 
 
 def install_state_dict_hooks(model: nn.Module, engine) -> None:

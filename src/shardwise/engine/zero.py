@@ -60,27 +60,34 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
-from shardwise.engine.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
-from shardwise.engine.collectives import host_group_of, new_reduce_group
+from shardwise.engine.comm.collectives import host_group_of, new_reduce_group
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
-from shardwise.engine.consistency import check_same_model_on_every_rank
-from shardwise.engine.flat_unit import FlatUnit, Residents
-from shardwise.engine.gather_schedule import GatherScheduler
-from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
-from shardwise.engine.mesh_info import MeshInfo
-from shardwise.engine.offload import open_store
-from shardwise.engine.optim_hooks import watch_units
-from shardwise.engine.phase import Clock, Phase
-from shardwise.engine.precision import cast_floating_inputs
+from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.memory.offload import open_store
+from shardwise.engine.memory.precision import cast_floating_inputs
+from shardwise.engine.optim.optim_hooks import watch_units
 from shardwise.engine.protocol import Engine
-from shardwise.engine.recompute import checkpoint_forward
-from shardwise.engine.reducer import Reducer
-from shardwise.engine.sharding import shard_units
-from shardwise.engine.stage import Stage
+from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
+from shardwise.engine.schedule.consistency import check_same_model_on_every_rank
+from shardwise.engine.schedule.gather_schedule import GatherScheduler
+from shardwise.engine.schedule.phase import Clock, Phase
+from shardwise.engine.schedule.recompute import checkpoint_forward
+from shardwise.engine.schedule.reducer import Reducer
+from shardwise.engine.schedule.stage import Stage
+from shardwise.engine.schedule.window import (
+    GatherUnit,
+    StepState,
+    Use,
+    in_backward,
+    in_grad_call,
+    refuse_nested_backward,
+)
 from shardwise.engine.state_dict import install_state_dict_hooks
-from shardwise.engine.unit_choice import warn_if_root_holds_most
-from shardwise.engine.units import UnitSpec, build_units, root_scope_modules
-from shardwise.engine.window import GatherUnit, StepState, Use, in_backward, in_grad_call, refuse_nested_backward
+from shardwise.engine.unit.flat_unit import FlatUnit, Residents
+from shardwise.engine.unit.info import ShardInfo, module_paths, units_shard_info
+from shardwise.engine.unit.sharding import shard_units
+from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
+from shardwise.engine.unit.units import UnitSpec, build_units, root_scope_modules
 
 
 class ZeroEngine(Engine):

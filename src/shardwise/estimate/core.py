@@ -1,6 +1,6 @@
 """`sw.estimate`: what one rank will hold for a training job, before anything is built.
 
-The model-state figures follow the engine's own buffers (engine/flat_unit.py), unit by unit,
+The model-state figures follow the engine's own buffers (engine/unit/flat_unit.py), unit by unit,
 padding included, so they are the bytes `memory.model_state_bytes` counts after
 `optimizer.step()` and before `zero_grad()` (tests/test_estimate.py holds every
 strategy × precision to 5%). With m the master dtype's bytes (4: fp32), c the compute
@@ -18,7 +18,7 @@ plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
 trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
 With `offload="disk:PATH"` (zero3) the fp32 master shards and the optimizer's
 param-sized state live in memory-mapped files: they are reported as `offloaded`, not
-resident; the step pages in one unit's masters and state at a time (engine/offload.py), which
+resident; the step pages in one unit's masters and state at a time (engine/memory/offload.py), which
 counts with the transient buffers.
 
 Note [transient buffers]: `gather_buffers` is what a step holds only while it runs,
@@ -26,7 +26,7 @@ besides activations. zero3: the root unit (gathered for the whole forward), at m
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
 (the tied head's gradient waits there for the embedding's) and one packed reduce
-input (r·F: one reduce in flight, engine/reducer.py's MAX_PENDING_REDUCES) with its receive
+input (r·F: one reduce in flight, engine/schedule/reducer.py's MAX_PENDING_REDUCES) with its receive
 buffer (r·F more: gloo's all-to-all form, Note [gloo collectives]; NCCL's reduce-scatter
 needs 1/N of it, so there this counts up to one unit's gradients too many; zero1's kept
 gradients are that input already, Note [kept gradients rank-major], so only the receive
@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
-from shardwise.engine.units import UnitSpec, build_units
+from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations

@@ -19,7 +19,7 @@ for real, on CPU, at micro-batches of 1 and 2, and extrapolates linearly in the 
 that path needs the model to fit one process (a meta-built model is materialized).
 
 Note [probed recompute]: with `recompute=` (the units `checkpoint_activations=True` checkpoints,
-engine/recompute.py), each of those modules runs under `torch.utils.checkpoint` (non-reentrant)
+engine/schedule/recompute.py), each of those modules runs under `torch.utils.checkpoint` (non-reentrant)
 during the probe, as the engine runs it: forward keeps only each unit's inputs, and backward
 recomputes one unit at a time, whose activations live only while its own backward runs. The
 counter sees exactly those bytes, so the probe's peak is the checkpointed step's peak, not an
@@ -207,7 +207,7 @@ def _measure(model, params, buffers, batch, seq, inputs, device, recompute) -> t
 
 
 def _checkpointed(forward):
-    """`forward` as `checkpoint_activations=True` runs a unit (engine/recompute.py). The recompute
+    """`forward` as `checkpoint_activations=True` runs a unit (engine/schedule/recompute.py). The recompute
     runs in backward, outside the probe's function mode: it enters _FusedAttention again, so it
     takes the attention kernel the forward took (Note [fused attention])."""
     def fused(*args, **kwargs):

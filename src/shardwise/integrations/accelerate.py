@@ -37,8 +37,8 @@ import torch.distributed as dist
 from shardwise.checkpoint.export import full_state_dict
 from shardwise.checkpoint.load import load
 from shardwise.checkpoint.save import save
-from shardwise.engine.grads import clip_grad_norm_
-from shardwise.engine.info import engine_of
+from shardwise.engine.optim.grads import clip_grad_norm_
+from shardwise.engine.unit.info import engine_of
 from shardwise.errors import ShardwiseError
 from shardwise.integrations.prepared import FP16_FIX, autocast_forward, mark_prepared
 

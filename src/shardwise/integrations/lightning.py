@@ -40,7 +40,7 @@ from shardwise.checkpoint.save import save
 from shardwise.checkpoint.schema import read_index
 from shardwise.checkpoint.values import from_json, to_json
 from shardwise.engine.api import shard
-from shardwise.engine.grads import clip_grad_norm_, no_sync
+from shardwise.engine.optim.grads import clip_grad_norm_, no_sync
 from shardwise.errors import ShardwiseError
 
 # Note [pinned pair]: lightning 2.x's pytree helper builds torch's LeafSpec, which torch 2.13 deprecates,

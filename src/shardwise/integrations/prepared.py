@@ -6,7 +6,7 @@ from types import MethodType
 
 from torch import nn
 
-from shardwise.engine.grads import no_sync
+from shardwise.engine.optim.grads import no_sync
 
 
 def mark_prepared(model: nn.Module) -> None:

@@ -35,9 +35,9 @@ from shardwise.checkpoint.load import load
 from shardwise.checkpoint.ranks import group_of
 from shardwise.checkpoint.save import save
 from shardwise.checkpoint.schema import read_index
-from shardwise.engine.grads import clip_grad_norm_
+from shardwise.engine.optim.grads import clip_grad_norm_
+from shardwise.engine.optim.step_in_backward import steps_in_backward
 from shardwise.engine.protocol import engine_of
-from shardwise.engine.step_in_backward import steps_in_backward
 from shardwise.errors import ShardwiseError
 from shardwise.integrations import trainer_checkpoints
 from shardwise.integrations.prepared import autocast_forward, mark_prepared

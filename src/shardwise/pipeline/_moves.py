@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardwise.engine.messages import broadcast_json
 from shardwise.errors import ShardwiseError
+from shardwise.wire.messages import broadcast_json
 
 State = dict[str, dict[str, Any]]  # parameter name -> that parameter's optimizer state
 
@@ -69,7 +69,7 @@ def broadcast_entries(
     `src` to every rank of `group`; write the values into `params` and return the state.
 
     The state's layout (which keys, shapes, dtypes) travels first as JSON (Note [no pickle on the
-    wire] in engine/messages.py: a pickle from the wire would run the sender's code here), then
+    wire] in wire/messages.py: a pickle from the wire would run the sender's code here), then
     the tensors as one flat buffer per dtype.
     """
     me = dist.get_rank()

@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
 from shardwise.engine import engine_of
-from shardwise.engine.messages import all_gather_json
 from shardwise.engine.protocol import attach_slicing, slicing_of
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
@@ -33,6 +32,7 @@ from shardwise.parallel.slicing.hf_loss import use_sliced_loss
 from shardwise.parallel.slicing.layers import slice_module
 from shardwise.parallel.slicing.plan import Slice, resolve
 from shardwise.parallel.slicing.view import UnslicedView
+from shardwise.wire.messages import all_gather_json
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine import engine_of
-from shardwise.engine.grads import tensor_norms
+from shardwise.engine.optim.grads import tensor_norms
 
 
 def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardwise.engine import engine_of
-from shardwise.engine.info import ShardInfo
-from shardwise.engine.mesh_info import MeshInfo
+from shardwise.engine.layout.mesh_info import MeshInfo
 from shardwise.engine.protocol import Engine, attach_engine, slicing_of
+from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.full import unslice
 

@@ -1,6 +1,6 @@
 """Ranks agree on the model at `shard()`: the same parameters (and which are trainable) and the same
 starting values. What they agree on during training rides the traffic (agreement.py).
-Uses: flat_unit, messages.
+Uses: flat_unit.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.flat_unit import FlatUnit
-from shardwise.engine.messages import all_gather_json
+from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
+from shardwise.wire.messages import all_gather_json
 
 
 def check_same_model_on_every_rank(model: nn.Module, group) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 from shardwise.errors import ShardwiseError
 
 

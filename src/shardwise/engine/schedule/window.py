@@ -50,8 +50,8 @@ import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
 from shardwise.engine.compat import Reach, graph_task_id, in_reentrant_backward, reach
-from shardwise.engine.flat_unit import FlatUnit
-from shardwise.engine.shard_param import run_grad_hooks
+from shardwise.engine.unit.flat_unit import FlatUnit
+from shardwise.engine.unit.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
 
 

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.compat import set_data, set_grad
-from shardwise.engine.owner_traffic import (
+from shardwise.engine.optim.owner_traffic import (
     Piece,
     broadcast_from_owners,
     broadcasts_whole,

@@ -48,16 +48,16 @@ import enum
 import torch
 from torch import Tensor, nn
 
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 from shardwise.config import MixedPrecision
 from shardwise.engine.compat import preserve_version_counter
-from shardwise.engine.mesh_info import MeshInfo
-from shardwise.engine.param_layout import ParamLayout, lay_out
-from shardwise.engine.phase import Clock
-from shardwise.engine.shard_param import make_shard
-from shardwise.engine.stage import Stage
-from shardwise.engine.unit_grads import UnitGrads
-from shardwise.engine.units import UnitPlan
+from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.param_layout import ParamLayout, lay_out
+from shardwise.engine.schedule.phase import Clock
+from shardwise.engine.schedule.stage import Stage
+from shardwise.engine.unit.shard_param import make_shard
+from shardwise.engine.unit.unit_grads import UnitGrads
+from shardwise.engine.unit.units import UnitPlan
 from shardwise.errors import ShardwiseError
 
 

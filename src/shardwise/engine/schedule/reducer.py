@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import collections
 
-from shardwise.engine.collectives import any_rank
-from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.comm.collectives import any_rank
+from shardwise.engine.unit.flat_unit import FlatUnit
 
 # Reduce-scatters allowed in flight during backward. One overlaps the previous unit's
 # reduce with this unit's backward compute, as FSDP2 does; a second kept one more packed

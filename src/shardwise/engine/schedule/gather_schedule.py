@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.unit.flat_unit import FlatUnit
 
 
 class GatherScheduler:

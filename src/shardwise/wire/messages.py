@@ -1,5 +1,5 @@
 """Small reports between ranks (an error, a file's record, a host name) as JSON in uint8 tensors.
-Uses: nothing of the engine.
+Uses: nothing of the engine (it sits below it).
 
 Note [no pickle on the wire]: torch's object collectives (`broadcast_object_list`,
 `all_gather_object`, `gather_object`) pickle what they send and unpickle what they receive, so a

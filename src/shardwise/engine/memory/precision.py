@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from shardwise.engine.compat import plain_tensors
+from shardwise.engine.optim.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.engine.protocol import engine_of, slicing_of
-from shardwise.engine.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.errors import ShardwiseError
 
 

@@ -23,7 +23,7 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.engine.compat import guard_step, on_step_error
-from shardwise.engine.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
+from shardwise.engine.optim.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
 
 _WHOLE_STEPS: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.engine.host_param import is_host_shared
+from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.engine.protocol import ShardInfo, engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 

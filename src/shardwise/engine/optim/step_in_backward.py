@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.engine.optim.whole_step import StepShape, step_shape
 from shardwise.engine.protocol import engine_of
-from shardwise.engine.whole_step import StepShape, step_shape
 from shardwise.errors import ShardwiseError
 
 NO_SCALING = ("sw.optimizer_in_backward with a loss scaler: each unit is stepped during backward, before "

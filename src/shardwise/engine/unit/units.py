@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from shardwise.engine.host_param import is_host_shared
-from shardwise.engine.unit_choice import UnitSpec, unit_predicate
+from shardwise.engine.memory.host_param import is_host_shared
+from shardwise.engine.unit.unit_choice import UnitSpec, unit_predicate
 
 
 @dataclass

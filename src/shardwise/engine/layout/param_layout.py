@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.engine.mesh_info import MeshInfo
-from shardwise.engine.units import OwnedParam
+from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.unit.units import OwnedParam
 
 
 @dataclass

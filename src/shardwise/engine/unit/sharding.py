@@ -11,14 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config import ShardConfig
-from shardwise.engine.consistency import broadcast_from_rank0
-from shardwise.engine.deferred import is_deferred, meta_buffers, record, replay, set_buffer
-from shardwise.engine.flat_unit import FlatUnit, Residents
-from shardwise.engine.mesh_info import MeshInfo
-from shardwise.engine.offload import DiskStore, register_offloaded
-from shardwise.engine.phase import Clock
-from shardwise.engine.stage import Stage
-from shardwise.engine.units import UnitPlan
+from shardwise.engine.init.deferred import is_deferred, meta_buffers, record, replay, set_buffer
+from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.memory.offload import DiskStore, register_offloaded
+from shardwise.engine.schedule.consistency import broadcast_from_rank0
+from shardwise.engine.schedule.phase import Clock
+from shardwise.engine.schedule.stage import Stage
+from shardwise.engine.unit.flat_unit import FlatUnit, Residents
+from shardwise.engine.unit.units import UnitPlan
 
 
 def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, mesh: MeshInfo,

@@ -54,9 +54,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.collectives import named_failure, new_host_group
-from shardwise.engine.consistency import digest
-from shardwise.engine.flat_unit import FlatUnit
+from shardwise.engine.comm.collectives import named_failure, new_host_group
+from shardwise.engine.schedule.consistency import digest
+from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
 FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD = 0, 1, 2

@@ -1,5 +1,5 @@
 """`shard(..., frozen="host")`: one read-only copy of the frozen weights per host, mapped by every local rank.
-Uses: host_file, host_param, messages, st_header.
+Uses: host_file, host_param.
 
 Note [host copy]: fine-tuning a large frozen base with a small trainable part is the common
 case; DDP keeps a full copy of the base on every rank and FSDP2 / zero3 all-gather it every
@@ -53,17 +53,17 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import HostFrozen
-from shardwise.engine.host_file import (
+from shardwise.engine.memory.host_file import (
     PREFIX,
     create_private_file,
     new_private_directory,
     new_token,
     remove,
 )
-from shardwise.engine.host_param import HostParameter, is_host_shared
-from shardwise.engine.messages import all_gather_json, broadcast_json
-from shardwise.engine.st_header import CODE_OF_DTYPE, parse_header
+from shardwise.engine.memory.host_param import HostParameter, is_host_shared
 from shardwise.errors import ShardwiseError
+from shardwise.wire.messages import all_gather_json, broadcast_json
+from shardwise.wire.st_header import CODE_OF_DTYPE, parse_header
 
 _FILE_NAME = "frozen.safetensors"
 

@@ -38,7 +38,7 @@ import enum
 import torch
 from torch import Tensor
 
-import shardwise.engine.collectives as coll
+import shardwise.engine.comm.collectives as coll
 
 
 class GradPhase(enum.Enum):

@@ -1,5 +1,5 @@
 """A safetensors file's header, parsed and checked against the file before any of its data is used.
-Uses: nothing of the engine.
+Uses: nothing of the engine (it sits below it).
 
 The one parser of safetensors headers in shardwise: the checkpoint reader (checkpoint/files.py)
 and the host copy (host_copy.py, Note [host copy]) both use it. Both trust nothing a header

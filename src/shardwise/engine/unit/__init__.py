@@ -1,0 +1,7 @@
+"""A unit: the grain of communication, its parameters as flat shards and its lifecycle.
+
+Read in this order: units.py (who owns a shared parameter) → unit_choice.py (which modules are
+units by default) → flat_unit.py (one unit's shards, full views and residency) → shard_param.py
+(what a registered shard is) → unit_grads.py (its gradients) → sharding.py (how a model's units
+are built, deferred init included) → info.py (what `sw.shard_info` reports).
+"""
