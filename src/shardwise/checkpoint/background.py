@@ -27,9 +27,10 @@ from torch import nn
 
 from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
+from shardwise.engine.layout.groups import new_group
 from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError
-from shardwise.teardown import at_exit, close_group_at_exit, log
+from shardwise.teardown import at_exit, log
 
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
 
@@ -131,6 +132,5 @@ def _checkpoint_group(model: nn.Module):
         except (KeyError, ValueError, RuntimeError):
             cached = None
     if cached is None:  # every rank of the model's group gets here at the same save
-        cached = _groups[ranks] = close_group_at_exit(  # Note [exit teardown]
-            dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True), "a checkpoint group")
+        cached = _groups[ranks] = new_group(ranks, backend="gloo", local=True, what="a checkpoint group")
     return cached

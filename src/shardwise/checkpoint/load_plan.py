@@ -14,6 +14,7 @@ from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.schema import OptimizerRecord
 from shardwise.checkpoint.sources import Source, SourceTensor
 from shardwise.checkpoint.values import check_like, check_rng, from_json, like_current
+from shardwise.engine.optim.whole_step import owners_layout
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
@@ -189,14 +190,14 @@ def _check_groups(saved: OptimizerRecord, optim, infos, pairs, report: LoadRepor
 def _check_owners(where: str, saved: OptimizerRecord, optim, names, pairs, where_state) -> None:
     """Note [recorded owners] (optim_state.py): under a shard group of the recorded size, the owner map
     must be the recorded one; under another size each whole state simply goes to its new owner."""
-    now, world = {}, 0
+    now = {}
     for group in optim.param_groups:
         for param in group["params"]:
             owner = where_state[id(param)].owner
             if owner is not None:
                 name = names[id(param)]
                 now[pairs[name].name if name in pairs else name] = owner
-                world = param._sw_unit.mesh.shard_world
+    world = owners_layout(optim).shard_world if now else 0
     if not saved.owners or world != saved.owner_world:
         return
     differ = [name for name, owner in saved.owners.items() if name in now and now[name] != owner]

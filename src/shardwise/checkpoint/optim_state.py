@@ -33,7 +33,7 @@ from torch import Tensor
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
 from shardwise.engine.memory.host_param import is_host_shared
-from shardwise.engine.optim.whole_step import owner_map, unwrapped
+from shardwise.engine.optim.whole_step import owner_map, owners_layout, unwrapped
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 
@@ -112,12 +112,12 @@ class Placement:
 
 def placements(optim, infos: dict[str, ShardInfo]) -> dict[int, Placement]:
     """id(param) -> its Placement, for every param the optimizer holds."""
-    owners = owner_map(optim)
+    owners, layout = owner_map(optim), owners_layout(optim)
     out = {}
     for group in optim.param_groups:
         for param in held_params(group):
             owner = owners.get(id(param))
-            out[id(param)] = Placement(owner, param._sw_unit.mesh.shard_rank if owner is not None else 0)
+            out[id(param)] = Placement(owner, layout.shard_rank if owner is not None else 0)
     return out
 
 
@@ -128,8 +128,7 @@ def recorded_owners(optim, names: dict[int, str], where: dict[int, Placement]) -
               if where[id(p)].owner is not None}
     if not owners:
         return None
-    first = next(p for group in optim.param_groups for p in group["params"] if where[id(p)].owner is not None)
-    return {"shard_world": first._sw_unit.mesh.shard_world, "map": owners}
+    return {"shard_world": owners_layout(optim).shard_world, "map": owners}
 
 
 def full_info(info: ShardInfo) -> ShardInfo:

@@ -260,7 +260,7 @@ def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank:
                 continue  # no state yet, or an owner rank's (Note [whole-tensor step])
             info = info_of[id(param)]
             if place.owner is not None:
-                if param._sw_unit.mesh.replicate_rank != 0:
+                if info.mesh.replicate_rank != 0:
                     continue  # each replica's owner holds the same state: replica 0's writes it (Note [mesh info])
                 info = full_info(info)
                 lo, hi = info.row_start, info.row_end

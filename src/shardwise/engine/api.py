@@ -1,5 +1,5 @@
 """`shard(model, strategy=...)`: the one entry point that applies a strategy in place.
-Uses: compat, ddp, deferred, guards, host_copy, mesh_info, protocol, units, zero.
+Uses: compat, ddp, deferred, guards, host_copy, parallel_layout, protocol, units, zero.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.init.deferred import is_deferred, materialize
-from shardwise.engine.layout.mesh_info import check_mesh, data_mesh
+from shardwise.engine.layout.parallel_layout import check_mesh, data_mesh
 from shardwise.engine.memory.host_copy import place_frozen_on_host
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
 from shardwise.engine.unit.units import UnitSpec
@@ -68,7 +68,7 @@ def shard(
     `mesh` (zero strategies) is a 2-D `DeviceMesh` named ("replicate", "shard") for hybrid sharding
     (FSDP2's HSDP): each parameter is sharded over the shard dimension only, whose ranks run the
     gathers and reduce-scatters, and the gradients are then averaged across the replicas; the
-    result is still one process's. Note [mesh info] in mesh_info.py. A model sliced first with
+    result is still one process's. Note [mesh info] in parallel_layout.py. A model sliced first with
     `sw.slice(model, group=mesh)` over a 3-D mesh named ("replicate", "shard", "tensor") takes the
     same mesh here: each tensor rank's slices are sharded over the other two (Note [sliced mesh]).
     The option rules live in `shardwise.config.ShardConfig`.

@@ -1,5 +1,5 @@
 """`sw.describe(model)`: the unit plan as a table, the same wherever a plan is shown.
-Uses: protocol, units.
+Uses: protocol, rows, units.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.protocol import engine_of
 from shardwise.engine.unit.units import UnitSpec, build_units
 
@@ -63,11 +64,9 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
         numel = full = per_rank = 0
         for entry in owned:
             shape, itemsize = sizes[entry.name]
-            rows_ = shape[0] if len(shape) else 1
-            row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-            numel += rows_ * row_numel
-            full += rows_ * row_numel * itemsize
-            per_rank += math.ceil(rows_ / world_size) * row_numel * itemsize
+            numel += math.prod(shape)
+            full += math.prod(shape) * itemsize
+            per_rank += shard_numel(shape, world_size) * itemsize
         shared = tuple(entry.name for entry in owned if len(entry.holders) > 1)
         rows.append(UnitRow(path, type(module).__name__, numel, full, per_rank, shared))
     return UnitTable(tuple(rows), world_size)

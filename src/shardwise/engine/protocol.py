@@ -37,7 +37,7 @@ class ShardInfo:
     `rows_per_rank` rows; a 0-D scalar is a 1-row chunk). Rows `row_start:row_end` of
     the full tensor are `param[: row_end - row_start]`; the rest is padding.
     `aliases` are every other name the same parameter is registered under (ties).
-    `mesh` (a sharded parameter's) is its unit's mesh_info.MeshInfo: its placements, and which of
+    `mesh` (a sharded parameter's) is its unit's parallel_layout.ParallelLayout: its placements, and which of
     its rows a checkpoint writes (Note [mesh info]); None for a whole tensor.
     """
 
@@ -65,7 +65,7 @@ class Engine(NoCopies):
     group: dist.ProcessGroup  # the data-parallel group its collectives run on
     shards_rows: bool = False  # True: each rank holds only its rows of each parameter (zero)
     units: tuple = ()  # zero: its units (flat_unit.FlatUnit), root first; ddp: none
-    mesh = None  # zero: its mesh_info.MeshInfo (rows, shard and replicate groups: Note [mesh info]); ddp: none
+    mesh = None  # zero: its ParallelLayout (rows, shard and replicate groups: Note [mesh info]); ddp: none
     store = None  # zero3 with offload="disk:...": the offload.DiskStore holding the master shards
 
     def no_sync(self) -> AbstractContextManager:

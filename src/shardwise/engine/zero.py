@@ -1,7 +1,7 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: agreement, collectives, compat, consistency, flat_unit, gather_schedule, info, mesh_info, offload,
-optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict, unit_choice,
-units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
+(flat_unit.py). Uses: agreement, compat, consistency, flat_unit, gather_schedule, groups, info,
+parallel_layout, offload, optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage,
+state_dict, unit_choice, units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
 optimizers (whole_step.py).
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
@@ -60,9 +60,9 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.config import ShardConfig
-from shardwise.engine.comm.collectives import host_group_of, new_reduce_group
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
-from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.groups import host_group_of, new_reduce_group
+from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import watch_units
@@ -100,7 +100,7 @@ class ZeroEngine(Engine):
         self.stage, self.precision, self.clock = Stage.of(config), config.precision, Clock()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
-        self.mesh = MeshInfo.of_mesh(mesh, group) if mesh is not None else MeshInfo.flat(group)
+        self.mesh = ParallelLayout.of_mesh(mesh, group) if mesh is not None else ParallelLayout.flat(group)
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)

@@ -70,13 +70,13 @@ for one process without a group): torch 2.13 CPU, fitted on bench/max_model.py's
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
+from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker
@@ -272,10 +272,7 @@ def _units_of_model(model: nn.Module, units: UnitSpec, world_size: int) -> list[
     for plan in build_units(model, units):
         shard = full = t_shard = t_full = num_trainable = largest = 0
         for owned in plan.params:
-            shape = owned.param.shape
-            rows = shape[0] if len(shape) else 1
-            row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
-            s = math.ceil(rows / world_size) * row_numel
+            s = shard_numel(owned.param.shape, world_size)
             shard, full = shard + s, full + world_size * s
             largest = max(largest, owned.param.numel())
             if owned.param.requires_grad:
@@ -297,7 +294,7 @@ def _units_of_count(num_params: int, world_size: int, unit_params: int | None, n
         sizes = [num_params - unit_params * (num_params // unit_params)] + [unit_params] * (num_params // unit_params)
 
     def unit(n: int) -> _Unit:
-        s = math.ceil(n / world_size)
+        s = shard_numel((n,), world_size)
         # One tensor per unit: the `step` counters and flags are per tensor and are small.
         return _Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n)
 

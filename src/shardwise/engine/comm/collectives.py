@@ -24,7 +24,6 @@ from torch import Tensor
 
 from shardwise.engine.compat import chunk_cat
 from shardwise.errors import ShardwiseError
-from shardwise.teardown import close_group_at_exit
 
 
 @dataclass
@@ -68,43 +67,6 @@ def named_failure(what: str):
             "ran a different sequence of steps (a forward or backward this rank did not run); its own error, "
             "if any, says why. The wait is bounded by sw.init(timeout=...)."
         ) from error
-
-
-def new_reduce_group(group) -> dist.ProcessGroup:
-    """A second group of `group`'s ranks, for the reduce-scatters alone (Note [collective order]).
-
-    Only `group`'s members call this (local synchronization), so a user's subgroup gets its own
-    reduce group as the world does; it keeps `group`'s timeout."""
-    reduce_group = dist.new_group(dist.get_process_group_ranks(group), timeout=_timeout_of(group),
-                                  backend=dist.get_backend(group), use_local_synchronization=True)
-    return close_group_at_exit(reduce_group, "a reduce group")  # Note [exit teardown]
-
-
-def _timeout_of(group):
-    """`group`'s timeout (the bound sw.init(timeout=...) sets), for a group made beside it; None (torch's
-    default) for a backend that does not say."""
-    try:
-        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        return group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
-
-
-# Note [host values]: some decisions of a step are made on host values: whether the ranks agree on a
-# forward or backward (agreement.py) and which parameters any rank used (unit_grads.py, Note [unused
-# params]). Reading a device tensor for them would stall a GPU's stream, so they travel on a CPU
-# group: the gloo group itself on CPU, a gloo group of the same ranks beside an NCCL one.
-def host_group_of(group) -> dist.ProcessGroup:
-    """A group of `group`'s ranks whose collectives take CPU tensors (Note [host values])."""
-    return group if dist.get_backend(group) != "nccl" else new_host_group(group)
-
-
-def new_host_group(group) -> dist.ProcessGroup:
-    """A new gloo group of `group`'s ranks (Note [host values]): a channel of its own, whose collectives
-    pair only with each other (Note [agreement rides the traffic], agreement.py)."""
-    host = dist.new_group(dist.get_process_group_ranks(group), timeout=_timeout_of(group), backend="gloo",
-                          use_local_synchronization=True)
-    return close_group_at_exit(host, "a host group")  # Note [exit teardown]
 
 
 def any_rank(flags: list[bool], host_group) -> list[bool]:

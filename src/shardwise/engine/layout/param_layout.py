@@ -1,5 +1,5 @@
 """Where one owned parameter lives in its unit's flat buffers: dim-0 chunks, padded per rank.
-Uses: mesh_info, units.
+Uses: parallel_layout, rows, units.
 
 A parameter of `rows` rows (a 0-D scalar counts as one) is cut into chunks of
 `rows_per_rank = ceil(rows / shard_world)` rows (the mesh's answer: Note [mesh info]); shard rank r's
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.parallel_layout import ParallelLayout
+from shardwise.engine.layout.rows import num_rows
+from shardwise.engine.layout.rows import row_numel as row_numel_of
 from shardwise.engine.unit.units import OwnedParam
 
 
@@ -37,12 +39,11 @@ class ParamLayout:
         return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
 
 
-def lay_out(owned: list[OwnedParam], mesh: MeshInfo) -> tuple[list[ParamLayout], int]:
+def lay_out(owned: list[OwnedParam], mesh: ParallelLayout) -> tuple[list[ParamLayout], int]:
     layouts, offset = [], 0
     for entry in owned:
         shape = entry.param.shape
-        rows = shape[0] if len(shape) else 1
-        row_numel = shape[1:].numel()
+        rows, row_numel = num_rows(shape), row_numel_of(shape)
         rows_per_rank = mesh.rows_per_rank(rows)
         layouts.append(ParamLayout(entry, shape, rows, row_numel, rows_per_rank, offset))
         offset += rows_per_rank * row_numel

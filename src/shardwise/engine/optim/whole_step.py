@@ -185,6 +185,14 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
+def owners_layout(optimizer):
+    """The layout whose shard ranks `owner_map(optimizer)` names (the sharded parameters' shard group: one
+    engine's), for checkpoints that record and place whole state; None when the optimizer holds no sharded
+    parameter. What they ask instead of reading a parameter's unit."""
+    params = sharded_params(unwrapped(optimizer))
+    return params[0]._sw_unit.mesh if params else None
+
+
 def _name(param) -> str:
     return param._sw_layout.owned.name
 

@@ -1,5 +1,5 @@
 """Ranks agree on what each communicating phase does, on traffic that happens anyway, not in a
-barrier before every forward. Uses: collectives, consistency, flat_unit.
+barrier before every forward. Uses: collectives, consistency, flat_unit, groups.
 
 Note [agreement rides the traffic]: gloo and NCCL pair collectives by their order of issue (Note
 [collective order], zero.py), so ranks must agree, before the collectives of a forward or a backward
@@ -54,7 +54,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.engine.comm.collectives import named_failure, new_host_group
+from shardwise.engine.comm.collectives import named_failure
+from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.consistency import digest
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError

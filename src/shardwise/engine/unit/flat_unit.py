@@ -1,5 +1,5 @@
 """The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
-mesh_info, param_layout, phase, shard_param, stage, unit_grads, units.
+parallel_layout, param_layout, phase, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
@@ -51,7 +51,7 @@ from torch import Tensor, nn
 import shardwise.engine.comm.collectives as coll
 from shardwise.config import MixedPrecision
 from shardwise.engine.compat import preserve_version_counter
-from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
 from shardwise.engine.schedule.phase import Clock
 from shardwise.engine.schedule.stage import Stage
@@ -93,7 +93,7 @@ class Residents:
 class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
-    def __init__(self, plan: UnitPlan, *, mesh: MeshInfo, stage: Stage, precision: MixedPrecision,
+    def __init__(self, plan: UnitPlan, *, mesh: ParallelLayout, stage: Stage, precision: MixedPrecision,
                  store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None):
         self.module, self.path = plan.module, plan.path
         self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])

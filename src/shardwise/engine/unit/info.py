@@ -1,5 +1,5 @@
 """What a sharded model tells the layers above it: which rows this rank holds, full values.
-Uses: host_param, protocol.
+Uses: host_param, protocol, rows.
 
 Checkpoints, exports and tests reach the engine through these functions only; they work
 on an unsharded model too (every rank then holds every row).
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.engine.protocol import ShardInfo, engine_of, slicing_of
 from shardwise.errors import ShardwiseError
@@ -53,8 +54,7 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
     for name, param in model.named_parameters():
         if is_host_shared(param):
             continue
-        rows = param.shape[0] if param.dim() else 1
-        info[name] = ShardInfo(param, param.shape, 0, rows, tuple(names_by_param[id(param)][1:]))
+        info[name] = ShardInfo(param, param.shape, 0, num_rows(param.shape), tuple(names_by_param[id(param)][1:]))
     return info
 
 

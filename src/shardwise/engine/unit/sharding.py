@@ -1,5 +1,5 @@
 """Turning a model's parameters into units of shards, one unit at a time (zero strategies' set-up).
-Uses: consistency, deferred, flat_unit, mesh_info, offload, phase, stage, units.
+Uses: consistency, deferred, flat_unit, parallel_layout, offload, phase, stage, units.
 
 The peak during set-up is one unit's full values: each unit takes its rows and frees the
 rest before the next is built. Eager models start from rank 0's values (as DDP does); a
@@ -12,7 +12,7 @@ from torch import nn
 
 from shardwise.config import ShardConfig
 from shardwise.engine.init.deferred import is_deferred, meta_buffers, record, replay, set_buffer
-from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import DiskStore, register_offloaded
 from shardwise.engine.schedule.consistency import broadcast_from_rank0
 from shardwise.engine.schedule.phase import Clock
@@ -21,7 +21,7 @@ from shardwise.engine.unit.flat_unit import FlatUnit, Residents
 from shardwise.engine.unit.units import UnitPlan
 
 
-def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, mesh: MeshInfo,
+def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, mesh: ParallelLayout,
                 store: DiskStore | None, init_fn=None, *, reduce_group=None,
                 clock: Clock | None = None, residents: Residents | None = None) -> list[FlatUnit]:
     """Every unit of `plans` holding only this rank's rows, in registration order (root first). `group`

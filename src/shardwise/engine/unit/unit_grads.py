@@ -152,7 +152,9 @@ class UnitGrads:
         agreement on which parameters any rank used decides (Note [unused params])."""
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()  # the average over the shard group; then over the replicas (Note [mesh info])
-        unit.mesh.average_replicas(reduced, f"the gradient average across replicas of unit {unit.label} ({unit.where})")
+        if unit.mesh.hybrid:
+            coll.all_reduce_avg(reduced, unit.mesh.replicate_group,
+                                f"the gradient average across replicas of unit {unit.label} ({unit.where})")
         in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         self.into_full = None
         offset = 0

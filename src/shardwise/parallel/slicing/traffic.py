@@ -26,7 +26,6 @@ all-reduce's: `wire_bytes`. The two small agreement collectives the engine issue
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from shardwise.collective_watch import watch_collectives
+from shardwise.engine.layout.rows import padded_numel
 
 
 @dataclass
@@ -56,8 +56,7 @@ _CHECK_BYTES = 4 * 8  # Note [same inputs]: four float64 numbers per forward
 
 
 def _padded(shape: tuple[int, ...], world: int) -> int:
-    rows = shape[0] if shape else 1
-    return math.ceil(rows / world) * world * math.prod(shape[1:])
+    return padded_numel(shape, world)
 
 
 def _split(n: int, world: int, rank: int = 0) -> int:

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardwise.engine import engine_of
-from shardwise.engine.layout.mesh_info import MeshInfo
+from shardwise.engine.layout.parallel_layout import ParallelLayout
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.protocol import Engine, attach_engine, slicing_of
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
@@ -57,7 +58,7 @@ class UnslicedView:
         self.real, self.real_optim = model, optim
         self.group = dist.group.WORLD
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = MeshInfo.flat(self.group)  # the view's rows: a flat layout over the whole world (Note [mesh info])
+        self.mesh = ParallelLayout.flat(self.group)  # its rows: flat over the world (Note [mesh info])
         engine = engine_of(model)
         data = dist.get_world_size(engine.group) if engine is not None else 1
         tensor_ranks = slicing_of(model).world_size
@@ -96,12 +97,12 @@ class UnslicedView:
             world = dist.get_world_size(self.data_group)
             gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
             dist.all_gather_single(gathered, local.contiguous(), group=self.data_group)
-            local = gathered[: (info.full_shape[0] if len(info.full_shape) else 1)].reshape(info.full_shape)
+            local = gathered[: num_rows(info.full_shape)].reshape(info.full_shape)
         record = getattr(param, "_sw_slice", None)
         return unslice(local, record) if record is not None else local.clone()
 
     def _rows(self, full: Tensor, full_shape) -> Tensor:
-        rows = full_shape[0] if len(full_shape) else 1
+        rows = num_rows(full_shape)
         per_rank = self.mesh.rows_per_rank(rows)
         start, _ = self.mesh.row_range(rows)
         flat = full.reshape(rows, *full_shape[1:])
@@ -110,10 +111,9 @@ class UnslicedView:
         return out
 
     def _info(self, value, full_shape, dtype, aliases) -> tuple[ShardInfo, Tensor]:
-        rows = full_shape[0] if len(full_shape) else 1
         if value is None:
-            value = torch.zeros((self.mesh.rows_per_rank(rows), *full_shape[1:]), dtype=dtype)
-        return ShardInfo(value, full_shape, *self.mesh.row_range(rows), tuple(aliases), self.mesh), value
+            value = torch.zeros((self.mesh.rows_per_rank(num_rows(full_shape)), *full_shape[1:]), dtype=dtype)
+        return ShardInfo(value, full_shape, *self.mesh.rows_of(full_shape), tuple(aliases), self.mesh), value
 
     def _view_optimizer(self, rows_of: dict[int, Tensor], fill: bool) -> _ViewOptimizer:
         real = self.real_optim
@@ -164,7 +164,7 @@ class UnslicedView:
         full_shape = self.infos[name].full_shape
         gathered = rows.new_empty((self.world * rows.shape[0], *rows.shape[1:]))
         dist.all_gather_single(gathered, rows.contiguous(), group=self.group)
-        full = gathered[: (full_shape[0] if len(full_shape) else 1)].reshape(full_shape)
+        full = gathered[: num_rows(full_shape)].reshape(full_shape)
         record = getattr(param, "_sw_slice", None)
         local = record.take(full) if record is not None else full
         if self.engine_infos is None:

@@ -1,29 +1,52 @@
-"""Which rows this rank holds and with whom it talks: one object every engine module asks.
-Uses: collectives.
+"""The parallel layout: which ranks exist along which dimension, which rows of any tensor each rank
+holds, and who writes what. One object every package asks. Uses: rows.
 
 Note [mesh info]: a zero engine's ranks form a `replicate x shard` mesh (FSDP2's names; its
-`FSDPMeshInfo` / `HSDPMeshInfo`). Parameters are cut into dim-0 chunks over the *shard* group
-only: `rows_per_rank = ceil(rows / shard_world)`, shard rank r holding rows
-`r * rows_per_rank : (r + 1) * rows_per_rank` (the last ranks zero padding), so the units'
-gathers and reduce-scatters stay inside the shard group. Every replica holds the same rows;
-after a unit's reduce-scatter (an average over the shard group) its rows are averaged over
-the *replicate* group (an all-reduce), which makes the mean over every rank of the mesh.
-The flat layout of `strategy="zero*"` without a mesh is the 1 x N mesh: one replica, every rank
-in the shard group; nothing is all-reduced and the arithmetic is the one it always was.
+`FSDPParallelLayout` / `HSDPParallelLayout`, torchtitan's `ParallelDims`). Parameters are cut into dim-0 chunks
+over the *shard* group only (Note [rows], rows.py), so the units' gathers and reduce-scatters stay
+inside the shard group. Every replica holds the same rows; after a unit's reduce-scatter (an average
+over the shard group) its rows are averaged over the *replicate* group (an all-reduce), which makes
+the mean over every rank of the mesh. The flat layout of `strategy="zero*"` without a mesh is the
+1 x N mesh: one replica, every rank in the shard group; nothing is all-reduced and the arithmetic is
+the one it always was. A sliced model's "tensor" dimension (Note [sliced mesh]) is recorded beside
+them; the groups themselves are made in groups.py (Note [one maker of groups]).
 
 What follows from it, asked here and nowhere else:
-- this rank's rows of a parameter (`row_range`) and of a flat chunked buffer (`own_start`,
+- this rank's rows of a parameter (`row_range`, `rows_of`) and of a flat chunked buffer (`own_start`,
   `own_chunk`); the engine's units, their gradients, the whole-tensor owners, `shard_info` and
   the checkpoints' row ranges all come from these.
 - the gradient norm (`norm_group`): every replica holds the same averaged rows, so the norm
   is summed over the shard group alone; over every rank it would count each row once per replica.
 - which rows a checkpoint writes (`rows_to_write`): replica 0's ranks write their rows, the
   other replicas write none (they hold the same values), so a file holds each row once.
+
+Note [where the next capabilities land]: the shape is meant to take each of the next three
+features in one subpackage; the issues that build them are held to this page.
+
+(a) A quantized parameter all-gather (ZeRO++'s qwZ: int8 blocks with per-block scales). The unit
+    asks comm/ for its full values and waits on the handle (`coll.gather_into` -> `Pending`);
+    the fp32 master rows never change. It lands in engine/comm/: a gather strategy that quantizes
+    this rank's parts before the all-gather and dequantizes in `Pending.finish` into the same
+    `full_flat` regions, chosen by a `comm=` option the layout carries to every unit. Files:
+    comm/quantized.py (new), comm/collectives.py (pick the strategy). Nothing in unit/,
+    schedule/ or zero.py changes: they see a `Pending` whose `wait()` leaves full values in place.
+(b) Pipeline stages running on the engine. A stage's module is `sw.shard`ed over the stage's
+    data-parallel ranks of the same layout: this object gains the "pipe" dimension (its group is
+    made in groups.py like every other) and each stage's `replicate x shard` sub-layout is
+    `ParallelLayout.of_mesh(mesh["replicate", "shard"], ...)` of the stage's ranks. The switches a
+    schedule flips per micro-batch (keep gathered across micro-batches, reduce once per step) are
+    the stage policy's (schedule/stage.py) and the step driver's `no_sync`; pipeline/ keeps its
+    schedules, freezing, cache and re-packing and calls `shard()`. Lands in pipeline/ (stage
+    construction) with the policy switch in engine/schedule/; no data-parallel code in pipeline/.
+(c) A stream-overlapped prefetch on a GPU. The gather scheduler (schedule/gather_schedule.py)
+    already issues the next unit's gather ahead of use and waits on its `Pending`; on CUDA the
+    gather runs on a comm stream and `Pending.wait` makes the compute stream wait on its event,
+    copy-outs included. Lands in engine/comm/ (a stream and event per handle, buffers reused by a
+    comm context); the scheduler's order and the unit's residency machine are unchanged.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,12 +55,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-import shardwise.engine.comm.collectives as coll
+from shardwise.engine.layout.rows import num_rows, row_range, rows_per_rank
 from shardwise.errors import ShardwiseError
 
 
 @dataclass(frozen=True, eq=False)
-class MeshInfo:
+class ParallelLayout:
     """This rank's place in the `replicate x shard` mesh (Note [mesh info])."""
 
     group: dist.ProcessGroup | None  # every rank of the mesh: the data-parallel group (checkpoints, agreements)
@@ -51,12 +74,12 @@ class MeshInfo:
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
-    def flat(cls, group) -> MeshInfo:
+    def flat(cls, group) -> ParallelLayout:
         """The 1 x N mesh: every rank of `group` holds a chunk."""
         return cls(group, group, dist.get_rank(group), dist.get_world_size(group))
 
     @classmethod
-    def of_mesh(cls, mesh, group) -> MeshInfo:
+    def of_mesh(cls, mesh, group) -> ParallelLayout:
         """A 2-D `DeviceMesh` named ("replicate", "shard") (`check_mesh` says so first)."""
         shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
         return cls(group, shard, dist.get_rank(shard), dist.get_world_size(shard), replicate, dist.get_rank(replicate),
@@ -71,14 +94,15 @@ class MeshInfo:
 
     def rows_per_rank(self, rows: int) -> int:
         """Rows each shard rank holds of a parameter of `rows` rows, padding included."""
-        return math.ceil(rows / self.shard_world)
+        return rows_per_rank(rows, self.shard_world)
 
     def row_range(self, rows: int, shard_rank: int | None = None) -> tuple[int, int]:
         """The real rows `lo:hi` of the full tensor that `shard_rank` (this rank's by default) holds."""
-        shard_rank = self.shard_rank if shard_rank is None else shard_rank
-        per_rank = self.rows_per_rank(rows)
-        start = min(shard_rank * per_rank, rows)
-        return start, min(start + per_rank, rows)
+        return row_range(rows, self.shard_world, self.shard_rank if shard_rank is None else shard_rank)
+
+    def rows_of(self, shape, shard_rank: int | None = None) -> tuple[int, int]:
+        """The real rows `lo:hi` of a tensor of `shape` that `shard_rank` holds (a 0-D one: Note [rows])."""
+        return self.row_range(num_rows(shape), shard_rank)
 
     def own_start(self, chunk_numel: int) -> int:
         """Where this rank's chunk starts in a buffer of `shard_world` chunks of `chunk_numel` each."""
@@ -111,12 +135,6 @@ class MeshInfo:
     def norm_group(self):
         """Where a gradient norm's per-rank parts are summed: the shard group (Note [mesh info])."""
         return self.shard_group
-
-    def average_replicas(self, rows: Tensor, what: str) -> Tensor:
-        """`rows` (this rank's reduced gradient rows) averaged in place over the replicas."""
-        if self.hybrid:
-            coll.all_reduce_avg(rows, self.replicate_group, what)
-        return rows
 
     def dtensor_placements(self, device_type: str):
         """The `DeviceMesh` and placements a shard is exposed with in `state_dict()` (Note [state dict]):
