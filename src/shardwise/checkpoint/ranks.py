@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.engine.layout.rows import num_rows, row_range
 from shardwise.engine.unit.info import ShardInfo, engine_of, unit_of_any_param
 from shardwise.wire.messages import all_gather_json, broadcast_json, gather_json
 
@@ -54,7 +55,4 @@ def rows_to_write(info: ShardInfo, rank: int, world: int, sharded: bool) -> tupl
     [mesh info]), or an equal split of a replica."""
     if sharded:
         return info.mesh.rows_to_write(info.row_start, info.row_end)
-    rows = info.full_shape[0] if len(info.full_shape) else 1
-    per_rank = -(-rows // world)
-    start = min(rank * per_rank, rows)
-    return start, min(start + per_rank, rows)
+    return row_range(num_rows(info.full_shape), world, rank)
