@@ -14,8 +14,9 @@ deepspeed is not installed.
 
 Without `--worker` the script is the launcher: every (config, world size) runs as
 fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own, then
-the launcher writes bench/results/strategies.{json,md,png}. With `--worker` it is one
-rank (or the single-process reference) and writes its numbers to `--out-dir`.
+the launcher writes bench/results/strategies.{json,md,png} (`--name NAME`: NAME.{json,md,png}; which
+file answers which question: bench/README.md). With `--worker` it is one rank (or the single-process
+reference) and writes its numbers to `--out-dir`.
 
 Note [two RSS runs]: glibc keeps freed heap blocks resident, so on CPU a sharded
 strategy's savings hardly show in RSS. Each config therefore runs twice: the timed
@@ -107,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--no-mmap-run", action="store_true", help="skip the MALLOC_MMAP_THRESHOLD_ RSS runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one run is killed")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/results)")
+    p.add_argument("--name", default="strategies",
+                   help="file name stem: writes OUT/NAME.{json,md,png}; one name per question, bench/README.md")
     # Set by the launcher only.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -565,11 +568,11 @@ def run_launcher(args) -> None:
     meta = {"torch": torch.__version__, "deepspeed": ds.version(), "deepspeed_skipped": skipped,
             "python": sys.version.split()[0], "cpus": os.cpu_count(), "total_steps": total_steps,
             "wall_s": time.time() - started}
-    (out / "strategies.json").write_text(json.dumps(
+    (out / f"{args.name}.json").write_text(json.dumps(
         {"settings": settings, "meta": meta, "reference": references, "rows": rows}, indent=1))
     table = markdown(rows, world_sizes, args, mmap_run)
-    (out / "strategies.md").write_text(table)
-    plot(rows, world_sizes, out / "strategies.png")
+    (out / f"{args.name}.md").write_text(table)
+    plot(rows, world_sizes, out / f"{args.name}.png")
     print(table)
 
 

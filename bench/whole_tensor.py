@@ -18,7 +18,9 @@ rank's CPU seconds in the step over one process's (ws 4: four ranks on two cores
 receiving rank gets per training step (counted at torch.distributed's calls: shardwise.testing.count_received)
 over AdamW zero2's. A parity job compares 3 steps on fixed gradients with one process on whole tensors.
 The arms, one rank's side, are in bench/whole_tensor_arms.py.
-Writes bench/results/whole_tensor.{json,md,png}; `--worker` (set by the launcher) makes it one rank.
+Writes bench/results/whole_tensor.{json,md,png} (`--name NAME`: NAME.{json,md,png}, as whole_tensor_d1024 and
+whole_tensor_all2d; bench/README.md says which file answers which question); `--worker` (set by the launcher)
+makes it one rank.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "parameter, the tied embedding/head and pos_emb included")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one launch is killed")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/results)")
+    p.add_argument("--name", default="whole_tensor",
+                   help="file name stem: writes OUT/NAME.{json,md,png}; one name per question, bench/README.md")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # "timing" or "parity"
     p.add_argument("--arms", help=argparse.SUPPRESS)
     p.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -313,11 +317,11 @@ def run_launcher(args) -> None:
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
             "wall_s": time.time() - started}
     raw = {f"ws{ws}_round{r}": res["ranks"] for (r, ws), res in results.items() if r >= 0}
-    (out / "whole_tensor.json").write_text(json.dumps({"settings": settings, "meta": meta, "parity": parity,
+    (out / f"{args.name}.json").write_text(json.dumps({"settings": settings, "meta": meta, "parity": parity,
                                                        "rows": rows, "raw": raw}, indent=1))
     table = markdown(args, rows, parity, world_sizes)
-    (out / "whole_tensor.md").write_text(table)
-    plot(rows, world_sizes, out / "whole_tensor.png")
+    (out / f"{args.name}.md").write_text(table)
+    plot(rows, world_sizes, out / f"{args.name}.png")
     print(table)
 
 

@@ -22,14 +22,14 @@ preconditioners). Run on rows they train a different model without a word. The p
   need), and the result is one process's.
 
 The alternative shape, `Shard(0)` DTensor parameters between steps (FSDP2), was measured on the
-bench GPT (bench/results/whole_tensor_prev_host.md, 3 interleaved rounds, a loaded machine): it makes
+bench GPT (e4a0bc2:bench/results/whole_tensor.md, 3 interleaved rounds, a loaded machine): it makes
 `p.norm()` global by construction, but Muon there ends 3.7e-4 from one process after 3 steps
 (its Newton-Schulz runs in bf16 and distributed matmuls round differently), `torch.optim.Adafactor`
 raises (`aten.pow_`: in-place op needing a placement change), and its Muon step took 23.7x an
 AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The owner step is bitwise
 for Muon and Adafactor at ws 2 and 4. With the standard recipe (Muon on the blocks' matrices) on a host
 whose bf16 matmul was slow (compute-bound), its step took 0.51x one process's at ws 2 and the busiest
-rank's CPU 0.31x at ws 4 (bench/results/whole_tensor_prev_host.md); where bf16 matmul is fast the step
+rank's CPU 0.31x at ws 4 (0d8f929:bench/results/whole_tensor_prev_host.md); where bf16 matmul is fast the step
 is bound by the owner traffic on loopback (bench/results/whole_tensor.md, owner_bound.md: 1.18x, bound
 0.81x). With one owner per matrix the largest matrix's share of the work is the floor (bench/owner_cost.py).
 
