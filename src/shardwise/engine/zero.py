@@ -65,7 +65,7 @@ from shardwise.engine.layout.groups import host_group_of, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
-from shardwise.engine.optim.optim_hooks import watch_units
+from shardwise.engine.optim.optim_hooks import StepWatch
 from shardwise.engine.protocol import Engine
 from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.schedule.consistency import check_same_model_on_every_rank
@@ -112,7 +112,7 @@ class ZeroEngine(Engine):
         self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn,
                                  reduce_group=reduce_group, clock=self.clock, residents=self.residents)
         self.root = self.units[0]
-        watch_units(self.units)
+        self.step_watch = StepWatch(self.units)  # Note [one step hook]
         install_state_dict_hooks(model, self)  # Note [state dict]
         self.agreement = Agreement(self.units, group)  # Note [agreement rides the traffic]
         self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight, self.agreement.confirm)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.config import DiskOffload
 from shardwise.engine.compat import undecorated_step
@@ -85,23 +84,19 @@ def open_store(offload: DiskOffload | None, rank: int) -> DiskStore | None:
 
 
 _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
-_HOOKS_INSTALLED = []
 
 
 def register_offloaded(store: DiskStore, chunks: list[list[torch.nn.Parameter]]) -> None:
-    """Mark each chunk's shards (one unit's) for chunked, on-disk optimizer steps."""
+    """Mark each chunk's shards (one unit's) for chunked, on-disk optimizer steps: the step hook
+    (optim_hooks.py, Note [one step hook]) calls `chunked_step` and `restore_groups` around each step."""
     for index, chunk in enumerate(chunks):
         for param in chunk:
-            param._sw_offload = (store, index)  # read by the step hook
-    if not _HOOKS_INSTALLED:
-        # torch's global optimizer hooks: the user's optimizer is built after shard(), so
-        # this is the one place that sees it without an extra call to remember.
-        register_optimizer_step_pre_hook(_chunked_step)
-        register_optimizer_step_post_hook(_restore_groups)
-        _HOOKS_INSTALLED.append(True)
+            param._sw_offload = (store, index)  # read by chunked_step
 
 
-def _chunked_step(optimizer, args, kwargs):
+def chunked_step(optimizer, args, kwargs) -> None:
+    """Before the optimizer's own step: step its offloaded shards one unit at a time, each unit's state
+    mapped from disk, and leave the rest to the real call (`restore_groups` puts the groups back)."""
     chunks: dict[int, list] = {}
     for group_index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
@@ -134,7 +129,8 @@ def _chunked_step(optimizer, args, kwargs):
     return None
 
 
-def _restore_groups(optimizer, args, kwargs):
+def restore_groups(optimizer) -> None:
+    """After the step: the param groups `chunked_step` narrowed, whole again."""
     full_groups = getattr(optimizer, "_sw_full_groups", None)
     if full_groups is not None:
         for group, params in zip(optimizer.param_groups, full_groups):

@@ -1,19 +1,25 @@
-"""What the engine learns from the user's optimizer, through torch's global step hooks.
-Uses: compat, whole_step.
+"""What the engine learns from the user's optimizer: one hook on torch's optimizer steps, dispatching
+to the engine of each parameter the optimizer steps. Uses: compat, offload, whole_step.
 
-The user builds an ordinary torch optimizer (before or after `shard()`), so torch's global
-optimizer hooks are the one place that sees every step without an extra call to remember:
+Note [one step hook]: the user builds an ordinary torch optimizer (before or after `shard()`), so
+torch's global optimizer hooks are the one place that sees every step without an extra call to
+remember. They are installed once (`install`), and hold no state of their own: each sharded
+parameter points at its engine's `StepWatch`, which keeps that engine's units and its whole-tensor
+steps in progress; the hooks find the watches through the optimizer's parameters, in a fixed order:
 - before a step: an optimizer still holding a parameter that `shard()` had to replace
   (deferred init, Note [kept parameter objects]) is refused, since it would step tensors
-  the model no longer uses and train nothing;
-- before and after a step: an optimizer that reads parameters as whole tensors is stepped on
-  whole tensors, and one that couples tensors is refused (Note [whole-tensor step]); when such a
-  step raises on one rank, every rank stops it (Note [raising step]);
+  the model no longer uses and train nothing; so is one holding nothing of any live engine's;
 - before a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]); before, not after, so that a step that raised midway, on
   some ranks or all (Note [raising step]), still marks the same units on every rank, as the
-  re-gather needs (Note [agreement rides the traffic], agreement.py).
+  re-gather needs (Note [agreement rides the traffic], agreement.py);
+- offloaded shards step one unit at a time from their mapped files (offload.py), inside the step;
+- before and after a step: an optimizer that reads parameters as whole tensors is stepped on
+  whole tensors, and one that couples tensors is refused (Note [whole-tensor step]); when such a
+  step raises on one rank, every rank stops it (Note [raising step]).
+The one process-wide fact is which watches are alive (`_LIVE`, weak), because torch's hooks are
+process-wide: an optimizer that steps nothing is refused only while some sharded model exists.
 """
 
 from __future__ import annotations
@@ -23,38 +29,108 @@ import weakref
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.engine.compat import guard_step, on_step_error
+from shardwise.engine.memory.offload import chunked_step, restore_groups
 from shardwise.engine.optim.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
 from shardwise.errors import ShardwiseError
 
-_WHOLE_STEPS: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
-_LIVE_UNITS: weakref.WeakSet = weakref.WeakSet()  # every sharded unit in this process
-
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the StepWatch of every live engine (Note [one step hook])
 _INSTALLED: list[bool] = []
 
 
-def watch_units(units) -> None:
-    """Tie each unit's shards to the unit and install the global hooks once per process."""
-    for unit in units:
-        _LIVE_UNITS.add(unit)
-        for shard, layout in zip(unit.shard_params, unit.layouts):
-            shard._sw_unit, shard._sw_layout = unit, layout
+class StepWatch:
+    """One engine's side of its optimizers' steps (Note [one step hook]): its units, and the whole-tensor
+    steps in progress over its parameters."""
+
+    def __init__(self, units) -> None:
+        self.whole_steps: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
+        for unit in units:
+            for shard, layout in zip(unit.shard_params, unit.layouts):
+                shard._sw_unit, shard._sw_layout, shard._sw_watch = unit, layout, self
+        _LIVE.add(self)
+        install()
+
+    def mark_stepped(self, params) -> None:
+        """Before a step: the units whose shards among `params` are about to be written."""
+        for unit, indices in _stepped_units(params, self).values():  # once each: a unit's mark records whether
+            unit.mark_stepped(indices)  # it was current (FlatUnit.mark_stepped)
+
+    def after_step(self, params) -> None:
+        """The step ended (or was undone): its writes are accounted for (Note [stepped parameters])."""
+        for unit, _indices in _stepped_units(params, self).values():
+            unit.after_step()
+
+
+def install() -> None:
+    """Register the hooks on torch's optimizer steps, once per process."""
     if not _INSTALLED:
-        register_optimizer_step_pre_hook(_mark_stepped_units_stale)
-        register_optimizer_step_pre_hook(_refuse_replaced_params)
-        register_optimizer_step_pre_hook(_refuse_optimizer_of_nothing)
-        register_optimizer_step_pre_hook(_begin_whole_step)
-        register_optimizer_step_post_hook(_end_whole_step)
-        on_step_error(_abort_whole_step)
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
+        on_step_error(_step_failed)
         _INSTALLED.append(True)
 
 
-def _params(optimizer):
-    for group in optimizer.param_groups:
-        yield from group["params"]
+def _params(optimizer) -> list:
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def _refuse_replaced_params(optimizer, args, kwargs) -> None:
-    if any(getattr(param, "_sw_replaced", False) for param in _params(optimizer)):
+def _watches(params) -> list[StepWatch]:
+    """The watches of the engines whose shards are among `params`, in the parameters' order, once each."""
+    found = {}
+    for param in params:
+        watch = getattr(param, "_sw_watch", None)
+        if watch is not None:
+            found.setdefault(id(watch), watch)
+    return list(found.values())
+
+
+def _stepped_units(params, watch: StepWatch) -> dict:
+    """{id(unit): (unit, the layout indices of its shards among `params`)} for `watch`'s engine."""
+    units = {}
+    for param in params:
+        if getattr(param, "_sw_watch", None) is watch:
+            unit = param._sw_unit
+            units.setdefault(id(unit), (unit, set()))[1].add(unit.index_of[id(param._sw_layout)])
+    return units
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    params = _params(optimizer)
+    _refuse_replaced_params(optimizer, params)
+    _refuse_optimizer_of_nothing(optimizer, params)
+    for watch in _watches(params):
+        watch.mark_stepped(params)
+    chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)
+    _begin_whole_step(optimizer)
+
+
+def _after_step(optimizer, args, kwargs) -> None:
+    restore_groups(optimizer)
+    watch, step = _whole_step_of(optimizer)
+    try:
+        if step is not None:
+            step.end()
+    finally:  # ended or undone on every rank (Note [raising step]): the rows' writes so far are the step's
+        _settle(optimizer)
+
+
+def _step_failed(optimizer, error) -> None:
+    """The step of `optimizer` raised on this rank (Note [raising step]): every rank is told, and the
+    rows come back; the ShardwiseError naming the failed rank replaces the error."""
+    watch, step = _whole_step_of(optimizer)
+    if step is not None:
+        failure = step.abort(error)
+        _settle(optimizer)
+        raise failure from error
+
+
+def _settle(optimizer) -> None:
+    params = _params(optimizer)
+    for watch in _watches(params):
+        watch.after_step(params)
+
+
+def _refuse_replaced_params(optimizer, params) -> None:
+    if any(getattr(param, "_sw_replaced", False) for param in params):
         raise ShardwiseError(
             f"this {type(optimizer).__name__} holds parameters of a model that sw.shard(...) has since sharded: "
             "the model was built under sw.deferred_init(), so its parameters are new objects and this optimizer "
@@ -63,12 +139,11 @@ def _refuse_replaced_params(optimizer, args, kwargs) -> None:
         )
 
 
-def _refuse_optimizer_of_nothing(optimizer, args, kwargs) -> None:
+def _refuse_optimizer_of_nothing(optimizer, params) -> None:
     """At an optimizer's first step: one that holds none of a sharded model's parameters and no
     gradient at all (built over another model, or over a copy) would step nothing, silently."""
-    if getattr(optimizer, "_sw_checked", False) or not _LIVE_UNITS:
+    if getattr(optimizer, "_sw_checked", False) or not _LIVE:
         return
-    params = list(_params(optimizer))
     if params and not any(getattr(p, "_sw_unit", None) is not None or p.grad is not None for p in params):
         raise ShardwiseError(
             f"this {type(optimizer).__name__} holds {len(params)} parameters, none of them a parameter of the "
@@ -78,24 +153,11 @@ def _refuse_optimizer_of_nothing(optimizer, args, kwargs) -> None:
     optimizer._sw_checked = True
 
 
-def _stepped_units(optimizer) -> dict:
-    """{id(unit): (unit, the layout indices of its shards this optimizer holds)}."""
-    units = {}
-    for param in _params(optimizer):
-        unit = getattr(param, "_sw_unit", None)
-        if unit is not None:
-            units.setdefault(id(unit), (unit, set()))[1].add(unit.index_of[id(param._sw_layout)])
-    return units
-
-
-def _mark_stepped_units_stale(optimizer, args, kwargs) -> None:
-    for unit, indices in _stepped_units(optimizer).values():  # once each: a unit's mark records whether it
-        unit.mark_stepped(indices)  # was current (FlatUnit.mark_stepped)
-
-
-def _begin_whole_step(optimizer, args, kwargs) -> None:
-    """Note [whole-tensor step]: only optimizers holding rows of a tensor sharded over ranks."""
-    if not sharded_params(optimizer):
+def _begin_whole_step(optimizer) -> None:
+    """Note [whole-tensor step]: only optimizers holding rows of a tensor sharded over ranks. The step in
+    progress is kept by the watch of its first sharded parameter's engine."""
+    sharded = sharded_params(optimizer)
+    if not sharded:
         return
     shape = step_shape(optimizer)
     if shape is StepShape.REFUSE:
@@ -104,28 +166,13 @@ def _begin_whole_step(optimizer, args, kwargs) -> None:
         guard_step(optimizer)  # a class torch wrapped before on_step_error (Note [raising step])
         step = WholeStep(optimizer)
         step.begin()
-        _WHOLE_STEPS[id(optimizer)] = step
+        sharded[0]._sw_watch.whole_steps[id(optimizer)] = step
 
 
-def _end_whole_step(optimizer, args, kwargs) -> None:
-    step = _WHOLE_STEPS.pop(id(optimizer), None)
-    try:
+def _whole_step_of(optimizer) -> tuple[StepWatch | None, WholeStep | None]:
+    """The whole-tensor step in progress of `optimizer` (taken out of its watch), if any."""
+    for watch in _watches(_params(optimizer)):
+        step = watch.whole_steps.pop(id(optimizer), None)
         if step is not None:
-            step.end()
-    finally:  # ended or undone on every rank (Note [raising step]): the rows' writes so far are the step's
-        _after_step(optimizer)
-
-
-def _after_step(optimizer) -> None:
-    for unit, _indices in _stepped_units(optimizer).values():  # (Note [stepped parameters], flat_unit.py)
-        unit.after_step()
-
-
-def _abort_whole_step(optimizer, error) -> None:
-    """The step of `optimizer` raised on this rank (Note [raising step]): every rank is told, and the
-    rows come back; the ShardwiseError naming the failed rank replaces the error."""
-    step = _WHOLE_STEPS.pop(id(optimizer), None)
-    if step is not None:
-        failure = step.abort(error)
-        _after_step(optimizer)
-        raise failure from error
+            return watch, step
+    return None, None
