@@ -235,3 +235,50 @@ def test_the_uses_checker_sees_a_wrong_list(tmp_path):
     (engine / "b.py").write_text('"""B.\nUses: nothing of the engine.\n"""\n')
     assert engine_uses_problems(tmp_path) == [
         "shardwise.engine.a: docstring says it uses [], it imports ['b']"]
+
+
+# Issue 43: the shape's own rules, counted on the tree (Note [one maker of groups], Note [rows], Note [one step hook]).
+GROUP_MAKER = "shardwise.engine.layout.groups"
+STAMP_OWNERS = {"shardwise.engine": "_sw_", "shardwise.parallel.slicing": ("_sw_slice", "_sw_vocab")}
+MAX_MODULES_PER_FOLDER = 12
+
+
+def shape_problems(root: Path = SRC) -> list[str]:
+    """A process group made outside the layout's maker, a `_sw_` stamp read outside the package that
+    writes it, or an engine folder with more than 12 modules."""
+    problems = []
+    for name, path in module_files(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Attribute) and node.attr == "new_group" and name != GROUP_MAKER:
+                problems.append(f"{where} makes a process group: ask engine/layout/groups.new_group")
+            stamp = node.attr if isinstance(node, ast.Attribute) else node.value if (
+                isinstance(node, ast.Constant) and isinstance(node.value, str)) else ""
+            if stamp.startswith("_sw_") and not any(
+                    name.startswith(owner) and stamp.startswith(prefix) for owner, prefix in STAMP_OWNERS.items()):
+                problems.append(f"{where} reads the stamp {stamp}: ask the package that writes it")
+    folders: dict[Path, int] = {}
+    for path in (root / "shardwise" / "engine").rglob("*.py"):
+        if path.name != "__init__.py":
+            folders[path.parent] = folders.get(path.parent, 0) + 1
+    problems += [f"{folder}: {count} modules in one folder (at most {MAX_MODULES_PER_FOLDER}: split by concept)"
+                 for folder, count in folders.items() if count > MAX_MODULES_PER_FOLDER]
+    return problems
+
+
+def test_groups_stamps_and_folders_keep_their_places():
+    """Catches a `dist.new_group` outside the layout (a group made where its timeout and teardown are
+    not), a package reading another's `param._sw_*` stamp instead of asking it (checkpoint/ reading
+    `_sw_unit`), and engine/ growing back into one flat room."""
+    assert shape_problems() == []
+
+
+@pytest.mark.parametrize("source", ["import torch.distributed as dist\ng = dist.new_group([0, 1])\n",
+                                    "def f(p):\n    return p._sw_unit\n", 'x = getattr(p, "_sw_layout", None)\n'])
+def test_the_shape_checker_sees_each_problem(tmp_path, source):
+    """Catches a shape checker that cannot fail."""
+    (tmp_path / "shardwise" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "shardwise" / "engine").mkdir(parents=True)
+    (tmp_path / "shardwise" / "__init__.py").write_text("")
+    (tmp_path / "shardwise" / "checkpoint" / "__init__.py").write_text(source)
+    assert shape_problems(tmp_path)

@@ -116,5 +116,10 @@ def slicing_of(model: nn.Module) -> Sliced | None:
     return model.__dict__.get(_SLICING_ATTRIBUTE)
 
 
+def is_sliced_param(param) -> bool:
+    """Whether `sw.slice` cut `param` across a tensor group (its record, `SlicedParam`, is slicing's own)."""
+    return getattr(param, "_sw_slice", None) is not None
+
+
 def attach_slicing(model: nn.Module, slicing: Sliced) -> None:
     object.__setattr__(model, _SLICING_ATTRIBUTE, slicing)

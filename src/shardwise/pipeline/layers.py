@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.engine.protocol import is_sliced_param
 from shardwise.errors import ShardwiseError
 from shardwise.interfaces import LayeredModel
 
@@ -81,7 +82,7 @@ def chain_layers(model: nn.Module | list[nn.Module]) -> LayerChain:
         )
     if not layers:
         raise ShardwiseError("the model has no layers to put in a pipeline")
-    if any(getattr(p, "_sw_slice", None) is not None for layer in layers for p in layer.parameters()):
+    if any(is_sliced_param(p) for layer in layers for p in layer.parameters()):
         raise ShardwiseError("this model is sliced (sw.slice): a pipeline stage runs whole layers on one rank and "
                              "moves them between ranks, which a layer sliced across a tensor group cannot do. "
                              "Build the pipeline from an unsliced model (docs/slicing.md)")
