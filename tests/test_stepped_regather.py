@@ -1,5 +1,5 @@
 """zero1/zero2 re-gather after a step only what an optimizer wrote by rows (Note [stepped parameters],
-flat_unit.py; Note [owner broadcast], owner_traffic.py). Each test checks the forward after a step
+freshness.py; Note [owner broadcast], owner_traffic.py). Each test checks the forward after a step
 against one process's forward with the same full parameters: a parameter left out of the re-gather
 while some rank's rows of it changed shows as a different loss."""
 

@@ -1,10 +1,10 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
 (flat_unit.py). Uses: agreement, compat, consistency, flat_unit, gather_schedule, groups, info,
-parallel_layout, offload, optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage,
-state_dict, unit_choice, units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
-optimizers (whole_step.py).
+offload, optim_hooks, parallel_layout, phase, precision, protocol, recompute, reducer, residency,
+sharding, stage, state_dict, unit_choice, units, window. Optimizer state is always sharded: by rows,
+or by parameter for whole-tensor optimizers (whole_step.py).
 
-The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
+The hooks, in FSDP2's verbs (a unit's states are residency.py's Note [unit lifecycle]):
 
 - pre_forward: `_make_pre_forward` → `_begin_forward` (outermost) and `_enter_unit`: unshard
   (gather the unit, or wait for its prefetch) and install the full views (on every use:
@@ -73,7 +73,7 @@ from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
-from shardwise.engine.schedule.stage import Stage
+from shardwise.engine.schedule.stage import policy_of
 from shardwise.engine.schedule.window import (
     GatherUnit,
     StepState,
@@ -83,8 +83,9 @@ from shardwise.engine.schedule.window import (
     refuse_nested_backward,
 )
 from shardwise.engine.state_dict import install_state_dict_hooks
-from shardwise.engine.unit.flat_unit import FlatUnit, Residents
+from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.engine.unit.info import ShardInfo, module_paths, units_shard_info
+from shardwise.engine.unit.residency import Residents
 from shardwise.engine.unit.sharding import shard_units
 from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
 from shardwise.engine.unit.units import UnitSpec, build_units, root_scope_modules
@@ -97,7 +98,7 @@ class ZeroEngine(Engine):
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None, mesh=None):
         self.config, self.strategy, self.group = config, config.strategy, group  # group: every rank of the mesh
-        self.stage, self.precision, self.clock = Stage.of(config), config.precision, Clock()
+        self.policy, self.precision, self.clock = policy_of(config.strategy), config.precision, Clock()
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
         self.mesh = ParallelLayout.of_mesh(mesh, group) if mesh is not None else ParallelLayout.flat(group)
@@ -109,13 +110,13 @@ class ZeroEngine(Engine):
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]
         self.residents = Residents()  # zero3's units holding full values: counted by the units themselves
-        self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn,
+        self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn, policy=self.policy,
                                  reduce_group=reduce_group, clock=self.clock, residents=self.residents)
         self.root = self.units[0]
         self.step_watch = StepWatch(self.units)  # Note [one step hook]
         install_state_dict_hooks(model, self)  # Note [state dict]
         self.agreement = Agreement(self.units, group)  # Note [agreement rides the traffic]
-        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight, self.agreement.confirm)
+        self.gathers = GatherScheduler(self.units, self.policy.gathers_in_flight, self.agreement.confirm)
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
         # hybrid mesh the flags span every replica (a parameter used on one replica has a gradient on all)
@@ -189,7 +190,7 @@ class ZeroEngine(Engine):
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
-            if not unit.trainable() and not self.stage.keeps_full_params and unit is not self.root:
+            if not unit.trainable() and self.policy.reshards and unit is not self.root:
                 # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
                 # gradients are computed once its backward is done.
                 inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -224,10 +225,7 @@ class ZeroEngine(Engine):
         self.num_forwards += 1
         # zero3 prefetches in the last forward's order once every rank's header reported it (registration
         # order otherwise): forward gathers in that order, backward gathers in its reverse.
-        self.prefetch_order = list(self.units)
-        if not self.stage.keeps_full_params and self.agreement.agreed_order:
-            position = {key: i for i, key in enumerate(self.agreement.agreed_order)}
-            self.prefetch_order.sort(key=lambda u: position.get(id(u), len(position)))
+        self.prefetch_order = self.policy.prefetch_order(self.units, self.agreement.agreed_order)
         position = {id(u): i for i, u in enumerate(self.prefetch_order)}
         # zero3: the units not gathered; zero1/2: those whose rows changed. The same on every rank, or the
         # header says otherwise before any of them is used (Note [agreement rides the traffic]).
@@ -262,7 +260,7 @@ class ZeroEngine(Engine):
             unit.install_full(list(self.step.fulls[id(unit)]))
         else:  # nothing to differentiate (frozen, or no grad): plain fresh views
             unit.install_full([view.view(view.shape) for view in unit.full_views])
-        if not self.stage.keeps_full_params:
+        if self.policy.reshards:
             self.gathers.free_idle({id(unit)}, self.step.open_units)
         self.gathers.issue(self.gathers.forward_queue)
 
@@ -270,13 +268,13 @@ class ZeroEngine(Engine):
         self.gathers.drain(self.gathers.forward_queue)  # units this rank did not run still take their gather
         self.agreement.confirm()
         for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
-            if id(unit) in self.step.fulls and (self.stage.keeps_full_params or unit.resident):
+            if id(unit) in self.step.fulls and self.policy.holds_full(unit):
                 unit.install_full(list(self.step.fulls[id(unit)]))
         self.step.pass_uses = {}  # only this pass's graph may keep its Use nodes alive
         backward_possible = self._backward_possible()
         if self.step.order:
             self.forward_order = self.step.order
-        if not self.stage.keeps_full_params:
+        if self.policy.reshards:
             # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
             # its root), one gather fewer per step. "Last" by registration, not by this
             # rank's forward, so every rank keeps the same one (Note [collective order]).
@@ -297,7 +295,7 @@ class ZeroEngine(Engine):
             self.step.callback_queued = True
             self.step.graph_task = graph_task_id()
             self.clock.enter(Phase.BACKWARD)
-            if self.sync_grads or not self.stage.keeps_full_params:  # it reduces or re-gathers: a header first
+            if self.sync_grads or self.policy.reshards:  # it reduces or re-gathers: a header first
                 self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 
@@ -321,10 +319,10 @@ class ZeroEngine(Engine):
         """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
         self._queue_finalize()  # also for a graph that reached no unit output hook
         refuse_nested_backward(self.step)
-        if not self.stage.keeps_full_params and unit is not self.root:
+        if unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
-            # worth less at the backward peak; bench/max_model.py).
+            # worth less at the backward peak; bench/max_model.py). zero1/zero2 keep theirs (policy.free).
             unit.free()
         self.agreement.confirm()  # before the first reduce: a rank that froze a parameter reduces another size
         if not self.sync_grads:
@@ -332,7 +330,7 @@ class ZeroEngine(Engine):
             return
         # zero1 keeps its full grads; zero2/zero3 have some only after no_sync micro-batches.
         # Either way the reduce starts now, overlapping the rest of backward.
-        if self.stage.keeps_full_grads or unit.grads.holds_full():
+        if self.policy.reduces_kept_grads(unit):
             unit.grads.accumulate(grads)
             grads = None  # the kept ones
         self.reducer.add(unit, grads)

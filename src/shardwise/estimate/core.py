@@ -77,6 +77,7 @@ from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
 from shardwise.engine.layout.rows import shard_numel
+from shardwise.engine.schedule.stage import policy_of
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker
@@ -232,13 +233,14 @@ def estimate(
         parameters, gradients = master * real, master * trainable
         optimizer_state = state_per_elem * master * trainable + state_per_tensor * num_tensors
         gather = 0 if probed else master * max(u.largest for u in plan_units)  # Note [transient buffers]
-        offloaded = 0
+        offloaded, gradients_kept = 0, True
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
+        gradients_kept = not policy_of(strategy).reduce_during_backward  # zero1 keeps its full gradients
     if gather:
-        notes.append(_gather_note(strategy, probed, batch is None, shard_config.keeps_full_grads))
+        notes.append(_gather_note(strategy, probed, batch is None, gradients_kept))
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -258,7 +260,7 @@ def estimate(
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes), gradients_kept=shard_config.keeps_full_grads)
+                          offloaded, tuple(notes), gradients_kept=gradients_kept)
 
 
 def _master_bytes(model: nn.Module) -> int:
@@ -303,19 +305,16 @@ def _units_of_count(num_params: int, world_size: int, unit_params: int | None, n
 
 def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
     """(parameters, gradients, optimizer state, offloaded) for zero1/2/3 (module docstring table)."""
-    keep_full, offload = config.keeps_full_params, config.offload is not None
+    stage, offload = policy_of(config.strategy), config.offload is not None
     parameters = gradients = optimizer_state = offloaded = 0
     for u in plan_units:
-        masters = m * u.shard
-        # zero1/2 at c == m: the shards are views of the kept full buffer (flat_unit.aliased).
-        aliased = keep_full and c == m
-        if keep_full:
-            parameters += c * u.full
-        if not aliased:
-            if offload:
-                offloaded += masters
-            else:
-                parameters += masters
+        # zero1/2 at c == m: the shards are views of the kept full buffer (shard_storage.AliasedShards).
+        kept, masters = stage.parameter_bytes(u.full, u.shard, c, m)
+        parameters += kept
+        if offload:
+            offloaded += masters
+        else:
+            parameters += masters
         # Param-sized state goes to the files; Adam's `step` counters stay in memory.
         state = state_per_elem * m * u.trainable_shard
         optimizer_state += state_per_tensor * u.num_trainable
@@ -328,11 +327,7 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
         # The reduce-scatter output: this rank's rows plus one "used" flag per tensor. The shard
         # grads are views of it when r == m, else fp32 copies and the output is freed.
         reduced = r * (u.trainable_shard + u.num_trainable) if r == m else m * u.trainable_shard
-        if config.keeps_full_grads:
-            # Full grads kept (over the whole unit); shard grads are views of them when r == m.
-            gradients += r * u.full + (0 if r == m else reduced)
-        else:
-            gradients += reduced
+        gradients += stage.gradient_bytes(u.full, reduced, r, m)  # zero1: its kept full grads
     return parameters, gradients, optimizer_state, offloaded
 
 
@@ -355,13 +350,11 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool =
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
+    stage = policy_of(config.strategy)
     # unit grads, root grads, the reduce in flight: the packed input and its receive buffer (gloo's
     # all-to-all form, Note [gloo collectives]); zero1's input is its kept gradients (counted in its state)
-    reduce = (1 if config.keeps_full_grads else 2) * r * biggest
-    backward = c * biggest + c * root.full + reduce if with_backward else 0
-    if not config.keeps_full_params:  # zero3
-        return c * root.full + 3 * c * biggest + backward
-    return 2 * c * biggest + backward  # zero1/2: two re-gathers in flight
+    backward = c * biggest + c * root.full + stage.reduce_bytes(r, biggest) if with_backward else 0
+    return stage.gathered_bytes(c, root.full, biggest) + backward  # zero3: the root and 3 units; zero1/2: 2
 
 
 def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs,

@@ -47,7 +47,7 @@ def can_copy_whole(param) -> bool:
     zero1/zero2 keep the unit's full values, which are bit copies of every rank's rows when they are the
     master dtype (aliased) and current (no rows written since their gather). The same on every rank."""
     unit = param._sw_unit
-    return unit.stage.keeps_full_params and unit.aliased and unit.resident and unit.current_in_step()
+    return unit.storage.whole_in_full_view and unit.resident and unit.current_in_step()
 
 
 def broadcasts_whole(param) -> bool:
@@ -55,7 +55,7 @@ def broadcasts_whole(param) -> bool:
     (Note [owner broadcast]) rather than as rows: zero1/zero2 units at the master dtype, whose rows are
     views of those full values. The same on every rank."""
     unit = param._sw_unit
-    return unit.stage.keeps_full_params and unit.aliased
+    return unit.storage.whole_in_full_view
 
 
 def full_view(param) -> Tensor:

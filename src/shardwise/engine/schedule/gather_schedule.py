@@ -4,7 +4,7 @@
 The forward queue holds the units to gather before this forward (zero3: all of them; zero1/2:
 those whose rows changed), the backward queue zero3's re-gathers in the reverse order. A unit is
 gathered by issuing every queued unit before it (a unit this rank skips is still gathered, and
-dropped, so every rank issues the same sequence); at most `stage.gathers_in_flight` are issued
+dropped, so every rank issues the same sequence); at most `policy.gathers_in_flight` are issued
 ahead of use (zero3 prefetches the next unit while this one computes). `before_landing` runs before
 any gather is waited for: the engine confirms its phase's header there (Note [agreement rides the
 traffic], agreement.py).
@@ -54,9 +54,9 @@ class GatherScheduler:
                 other.finish_gather()
                 if other is unit:
                     break
-                if not other.stage.keeps_full_params and not any(other is u for u in running):
-                    other.free()
-        elif not unit.stage.keeps_full_params and unit.needs_gather():
+                if not any(other is u for u in running):
+                    other.free()  # zero3 (zero1/zero2 keep their full values: StagePolicy.free)
+        elif unit.policy.gathers_on_use(unit):
             # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
             unit.start_gather(async_op=True)
             self.before_landing()

@@ -1,5 +1,7 @@
-"""What a zero stage keeps between uses: the one object the units and the engine ask, in place of
-flags tested in each method. Uses: nothing of the engine.
+"""The zero stages as policies: when a unit's full values exist, when its gradient is reduced, what a
+step leaves behind. The step driver (zero.py), the units (flat_unit.py, unit_grads.py), the gather
+schedule, the owners and the estimator ask a policy, in place of flags tested in each method.
+Uses: freshness, residency, shard_storage.
 
 Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under three policies:
 
@@ -8,39 +10,175 @@ Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under 
 | zero1 | yes              | yes (reduced at the end)       | 1 (re-gathers after a step) |
 | zero2 | yes              | no: reduce-scattered per unit  | 1 |
 | zero3 | no: per use      | no                             | 2 (the current unit and one prefetched) |
+
+Each stage is a class: the base answers for zero1/zero2 (full values kept), `Zero3` overrides what
+zero3 does differently (when the full values exist: `needs_gather`, `free`, `storage`, `freshness`),
+as zero2 vs zero3 is one branch in FSDP2's `FSDPParamGroup.reshard`; `Zero1` overrides when the gradient
+is reduced (`reduce_during_backward`, `reduces_kept_grads`). The same answers size the estimator's rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from shardwise.config import ShardConfig
+from shardwise.engine.unit.freshness import NoKeptValues, StepFreshness
+from shardwise.engine.unit.residency import Residency
+from shardwise.engine.unit.shard_storage import AliasedShards, OwnShards, OwnShardsKeptFull
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A zero stage's policy (Note [stages])."""
+class StagePolicy:
+    """What every zero stage answers (Note [stages]); this base answers for zero1/zero2, which keep every
+    unit's full values between uses. Stateless: one per engine, shared by its units."""
 
-    name: str
-    keeps_full_params: bool
-    keeps_full_grads: bool
+    name = ""
+    # Whether a unit's full values go after each use (zero3; FSDP2's reshard_after_forward): the step
+    # driver then frees idle units and queues backward's re-gathers.
+    reshards = False
+    # Whether each unit's gradients are reduce-scattered as its backward ends and no full gradients outlive
+    # the reduce (zero2/zero3); zero1 keeps them, rank-major, as its reduce input and the home of its
+    # shards' gradients (Note [kept gradients rank-major], unit_grads.py), and reduces at the end.
+    reduce_during_backward = True
+    # All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2 one as
+    # well, though their full buffers exist anyway (Note [eager re-gathers]).
+    gathers_in_flight = 1
 
-    @classmethod
-    def of(cls, config: ShardConfig) -> Stage:
-        return cls(config.strategy, config.keeps_full_params, config.keeps_full_grads)
+    # ---- when the full values exist ----------------------------------------------------
 
-    @property
-    def gathers_in_flight(self) -> int:
-        """All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2
-        one as well, though their full buffers exist anyway (Note [eager re-gathers])."""
-        return 1 if self.keeps_full_params else 2
+    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
+        """Where the unit's master rows live (shard_storage.py): at full precision a shard *is* its rows of
+        the kept full buffer; with a lower compute dtype the fp32 master rows need storage of their own."""
+        return AliasedShards() if compute_dtype == master_dtype else OwnShardsKeptFull()
 
-    def aliases_shards(self, compute_dtype: torch.dtype, master_dtype: torch.dtype) -> bool:
-        """Whether a shard *is* its rows of the kept full buffer (zero1/zero2 at full precision);
-        with a lower compute dtype the fp32 master rows need storage of their own."""
-        return self.keeps_full_params and compute_dtype == master_dtype
+    def freshness(self, stamp, num_params: int):
+        """What tracks whether the kept full values are current (Note [stepped parameters], freshness.py)."""
+        return StepFreshness(stamp, num_params)
+
+    def needs_gather(self, unit) -> bool:
+        """Whether `unit` must be gathered before its next use: the rows of a parameter changed since the
+        last gather."""
+        return unit.freshness.needs_gather()
+
+    def gathers_on_use(self, unit) -> bool:
+        """Whether a unit no queue holds is gathered where it is used: zero1/zero2 re-gather only from the
+        forward's queue."""
+        return False
+
+    def holds_full(self, unit) -> bool:
+        """Whether `unit`'s full values exist now: always."""
+        return True
+
+    def free(self, unit) -> None:
+        """After a use: the full values are kept."""
+
+    def prefetch_order(self, units: list, agreed_order: list[int]) -> list:
+        """The order of this forward's gathers: re-gathers in registration order (Note [collective order],
+        zero.py)."""
+        return list(units)
+
+    # ---- when the gradient is reduced --------------------------------------------------
+
+    def reduces_kept_grads(self, unit) -> bool:
+        """Whether this backward's gradients join the unit's kept full gradients before the reduce (after
+        no_sync micro-batches) rather than being reduced as they come."""
+        return unit.grads.holds_full()
+
+    # ---- what the estimator counts (estimate/core.py) ------------------------------------
+
+    def parameter_bytes(self, full: int, shard: int, c: int, m: int) -> tuple[int, int]:
+        """(kept full values, master rows held apart) of one unit of `full` padded elements, `shard` of them
+        this rank's, in compute bytes `c` and master bytes `m`: the shards are views of the kept full
+        buffer at c == m."""
+        return c * full, 0 if c == m else m * shard
+
+    def gradient_bytes(self, full: int, reduced: int, r: int, m: int) -> int:
+        """One unit's gradient bytes after the step: `reduced`, the reduce-scatter's output."""
+        return reduced
+
+    def reduce_bytes(self, r: int, biggest: int) -> int:
+        """The reduce in flight: its packed input and its receive buffer (gloo's all-to-all form, Note [gloo
+        collectives])."""
+        return 2 * r * biggest
+
+    def gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        """Full values a step holds besides the kept ones (Note [transient buffers], estimate/core.py): two
+        re-gathers in flight."""
+        return 2 * c * biggest
+
+
+class Zero1(StagePolicy):
+    """Full parameters and full gradients kept; the gradients reduced once, at the end of backward."""
+
+    name = "zero1"
+    reduce_during_backward = False
+
+    def reduces_kept_grads(self, unit) -> bool:
+        return True
+
+    def gradient_bytes(self, full: int, reduced: int, r: int, m: int) -> int:
+        """The kept full gradients (over the whole unit); the shard grads view their rows when r == m."""
+        return r * full + (0 if r == m else reduced)
+
+    def reduce_bytes(self, r: int, biggest: int) -> int:
+        """The receive buffer alone: the reduce's input is the kept gradients (counted in the state)."""
+        return r * biggest
+
+
+class Zero2(StagePolicy):
+    """Full parameters kept; each unit's gradients reduce-scattered as its backward ends."""
+
+    name = "zero2"
+
+
+class Zero3(StagePolicy):
+    """Full parameters only while used: gathered before, released after (`free`), two gathers in flight."""
+
+    name = "zero3"
+    reshards = True
+    gathers_in_flight = 2
+
+    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
+        return OwnShards()  # the all-gather's input, rank-major
+
+    def freshness(self, stamp, num_params: int):
+        return NoKeptValues(stamp, num_params)
+
+    def needs_gather(self, unit) -> bool:
+        """The full values are gone (a gather in flight is not a missing one)."""
+        return unit.residence.state is Residency.SHARDED
+
+    def gathers_on_use(self, unit) -> bool:
+        """A unit freed since its last use (A, B, A; a later forward or backward)."""
+        return unit.needs_gather()
+
+    def holds_full(self, unit) -> bool:
+        return unit.resident
+
+    def free(self, unit) -> None:
+        unit.release()
+
+    def prefetch_order(self, units: list, agreed_order: list[int]) -> list:
+        """The last forward's unit order once every rank's header reported it, registration order
+        otherwise: forward gathers in that order, backward gathers in its reverse."""
+        order = list(units)
+        if agreed_order:
+            position = {key: i for i, key in enumerate(agreed_order)}
+            order.sort(key=lambda u: position.get(id(u), len(position)))
+        return order
+
+    def parameter_bytes(self, full: int, shard: int, c: int, m: int) -> tuple[int, int]:
+        return 0, m * shard
+
+    def gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        """The root (gathered for the whole forward), up to two other units and one more in flight."""
+        return c * root + 3 * c * biggest
+
+
+_POLICIES = {policy.name: policy for policy in (Zero1, Zero2, Zero3)}
+
+
+def policy_of(strategy: str) -> StagePolicy:
+    """The policy of a zero strategy ("zero1" | "zero2" | "zero3")."""
+    return _POLICIES[strategy]()
 
 
 # Note [eager re-gathers]: zero1/zero2 could issue every re-gather at once, or from the optimizer's

@@ -1,5 +1,5 @@
 """Turning a model's parameters into units of shards, one unit at a time (zero strategies' set-up).
-Uses: consistency, deferred, flat_unit, parallel_layout, offload, phase, stage, units.
+Uses: consistency, deferred, flat_unit, parallel_layout, offload, phase, residency, stage, units.
 
 The peak during set-up is one unit's full values: each unit takes its rows and frees the
 rest before the next is built. Eager models start from rank 0's values (as DDP does); a
@@ -16,16 +16,18 @@ from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import DiskStore, register_offloaded
 from shardwise.engine.schedule.consistency import broadcast_from_rank0
 from shardwise.engine.schedule.phase import Clock
-from shardwise.engine.schedule.stage import Stage
-from shardwise.engine.unit.flat_unit import FlatUnit, Residents
+from shardwise.engine.schedule.stage import StagePolicy
+from shardwise.engine.unit.flat_unit import FlatUnit
+from shardwise.engine.unit.residency import Residents
 from shardwise.engine.unit.units import UnitPlan
 
 
 def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, mesh: ParallelLayout,
-                store: DiskStore | None, init_fn=None, *, reduce_group=None,
+                store: DiskStore | None, init_fn=None, *, policy: StagePolicy, reduce_group=None,
                 clock: Clock | None = None, residents: Residents | None = None) -> list[FlatUnit]:
     """Every unit of `plans` holding only this rank's rows, in registration order (root first). `group`
-    holds every rank of the mesh: eager values come from its rank 0."""
+    holds every rank of the mesh: eager values come from its rank 0. `policy`: the engine's stage policy
+    (Note [stages]), shared by every unit."""
     # Deferred: meta aliases of the parameters, by name, for the init replay below.
     # Host-shared frozen parameters (already mapped, Note [host copy]) are not replayed.
     deferred = {n: p.detach() for n, p in model.named_parameters() if p.device.type == "meta"} \
@@ -33,7 +35,7 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
     extra_log = record(lambda: init_fn(model)) if deferred is not None and init_fn is not None else None
     units = []
     for plan in plans:
-        unit = FlatUnit(plan, mesh=mesh, stage=Stage.of(config),
+        unit = FlatUnit(plan, mesh=mesh, policy=policy,
                         precision=config.precision, store=store, reduce_group=reduce_group, clock=clock,
                         residents=residents)
         if deferred is None:
