@@ -3,7 +3,7 @@
     python bench/mutations.py            # every mutation: copy src/, apply it, run its tests
 
 Each mutation is (name, function, text, replacement, tests to run). The function is named by
-its qualified name (`FlatUnit.needs_gather`, `ZeroEngine._make_pre_forward.hook`, `any_rank`)
+its qualified name (`FlatUnit.needs_gather`, `StepDriver.pre_forward`, `any_rank`)
 and found wherever it lives under src/shardwise, and the text must occur exactly once in it: a
 refactor that moves code between files keeps every mutation; one that rewrites the marked line
 says which mutation and function to update. A mutation no test catches is a missing test.
