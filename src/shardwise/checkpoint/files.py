@@ -9,10 +9,11 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
   written one at a time (an export gathers one full parameter, writes it, frees it)
   instead of all being alive at once, and every byte is checksummed while it is hot
   in cache (Note [chunk checksums]).
-- Reading: `pread` into the destination tensor reads exactly the bytes of the rows
-  a rank needs, straight into its shard. A memory-mapped read (`safe_open`) would
-  count every touched page of the file in the process's RSS while the file stays
-  open: a zero3 load would then look like it holds the whole shard twice.
+- Reading: a load checks the chunks holding the rows a rank needs over a map of the
+  file and copies exactly those rows from it into its shard, each window's pages
+  leaving the process's RSS once used (Note [proved unchanged] in mapped.py); a plain
+  `safe_open` map would count every touched page in RSS while the file stays open.
+  Other reads `pread` straight into the destination tensor.
 - Errors: a truncated file, a header that does not parse, a missing tensor, or a
   checksum mismatch each become a `ShardwiseError` that names the file and the fix.
   The header is parsed and checked against the file by engine/st_header.py, the one
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shardwise.checkpoint.mapped import MappedFile
 from shardwise.checkpoint.sparse_crc import crc_of_range
 from shardwise.engine.st_header import CODE_OF_DTYPE, Entry, read_header
 from shardwise.errors import ShardwiseError
@@ -206,6 +208,7 @@ class FileReader:
                     "verifies one)."
                 )
             self.entries, self.metadata, self.header_bytes = self._parse(size)
+            self.nbytes, self._mapped = size, None
         except BaseException:
             os.close(self._fd)
             raise
@@ -239,15 +242,25 @@ class FileReader:
                                  "(its header bytes or its tensors' offsets). Load an earlier checkpoint.")
 
     def verify_rows(self, key: str, lo: int, hi: int, *, crcs, chunk: int) -> None:
-        """Check the crcs of every chunk holding rows lo:hi of `key`, one chunk in memory at a time."""
+        """Check the crcs of every chunk holding rows lo:hi of `key`, a window in memory at a time: over
+        a map of the file, from which `read_rows` then copies them unread (Note [proved unchanged])."""
         entry = self.entry(key)
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
+        if self._mapped is None:
+            self._mapped = MappedFile(self._fd, self.nbytes, self.path)  # Note [proved unchanged] in mapped.py
+        mapped = self._mapped if self._mapped.usable else None
         step = chunk * entry.row_bytes
         for position in range(lo // chunk, -(-hi // chunk) if step else 0):
+            if mapped is not None and (key, chunk, position) in mapped.checked:
+                continue
             start = entry.begin + position * step
-            if position >= len(crcs) or self.crc_of(start, min(step, entry.end - start)) != crcs[position]:
+            size = min(step, entry.end - start)
+            crc = mapped.crc(start, size) if mapped is not None else self.crc_of(start, size)
+            if position >= len(crcs) or crc != crcs[position]:
                 self._mismatch(key, position, chunk, entry)
+            if mapped is not None:
+                mapped.checked.add((key, chunk, position))
 
     def crc_of(self, start: int, size: int) -> int:
         """The crc32 of bytes start:start+size of the file, read 4 MiB at a time (a chunk of one huge
@@ -264,13 +277,17 @@ class FileReader:
         """Rows `lo:hi` of tensor `key`, shaped `(hi - lo, *shape[1:])` (a 0-D tensor: `(hi - lo,)`).
 
         With `crcs` (and `chunk`, rows per chunk) every chunk holding those rows is read and
-        verified. `out`, when it is a contiguous CPU tensor of the right size and dtype and
-        the rows are chunk-aligned, is filled in place and returned (no copy).
+        verified, unless `verify_rows` checked them all through the file's map: then they are copied
+        from it, the file proved unchanged since (Note [proved unchanged] in mapped.py). `out`, when it
+        is a contiguous CPU tensor of the right size and dtype (and, read again, the rows are
+        chunk-aligned), is filled in place and returned (no copy).
         """
         entry = self.entry(key)
         row_shape = entry.shape[1:]
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
+        if crcs is not None and self._checked(key, lo, hi, chunk):
+            return self._copy_checked(entry, lo, hi, out)
         span_lo, span_hi = lo, hi
         if crcs is not None:
             span_lo = lo // chunk * chunk
@@ -289,6 +306,21 @@ class FileReader:
             return out
         rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
         return rows[lo - span_lo : hi - span_lo]
+
+    def _checked(self, key: str, lo: int, hi: int, chunk: int) -> bool:
+        """Whether every chunk holding rows lo:hi of `key` was checked through the map."""
+        mapped = self._mapped
+        return (mapped is not None and mapped.usable
+                and all((key, chunk, position) in mapped.checked for position in range(lo // chunk, -(-hi // chunk))))
+
+    def _copy_checked(self, entry: HeaderEntry, lo: int, hi: int, out: Tensor | None) -> Tensor:
+        row_shape = entry.shape[1:] if entry.shape else ()
+        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
+                  and out.numel() * entry.dtype.itemsize == (hi - lo) * entry.row_bytes)
+        rows = out if direct else torch.empty((hi - lo, *row_shape), dtype=entry.dtype)
+        if rows.numel():
+            self._mapped.copy_into(entry.begin + lo * entry.row_bytes, as_bytes(rows))
+        return rows
 
     def read_span(self, key: str, start: int, stop: int) -> Tensor:
         """Elements `start:stop` of tensor `key`, flattened: part of one huge row (`ckpt diff --values`
@@ -327,6 +359,9 @@ class FileReader:
         )
 
     def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

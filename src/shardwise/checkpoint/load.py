@@ -9,11 +9,13 @@ every row this rank will read (its crc, `Source.verify`). Only when every rank's
 does any rank apply it: keyword objects and the scheduler first (their own `load_state_dict`
 may still refuse; another agreement follows), then the model's rows, the optimizer state and
 the RNGs, whose every byte was checked. So a refused load leaves the model and the optimizer as
-they were, on every rank. The rows are read twice (checked, then read into place) rather than
-held twice in memory; the second read usually comes from the page cache, and checks every
-chunk's crc again: a file rewritten in place between the phases (`cp` over it) is an error
-naming it, never its new bytes loaded silently (the model then holds part of the load, and the
-error says so).
+they were, on every rank. The rows are read once and not held twice in memory: the checks run
+over a map of each file and the apply copies from the same map, the file proved unchanged since
+(Note [proved unchanged] in mapped.py), so a file rewritten in place between the phases (`cp`
+over it) is an error naming it, before its first row is copied, never its new bytes loaded
+silently. Where the proof is not to be had (a file written within the last few ms that does not
+settle), the apply reads the rows again and checks every chunk's crc again (the model then
+holds part of the load when one fails, and the error says so).
 """
 
 from __future__ import annotations
