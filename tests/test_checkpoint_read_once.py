@@ -1,8 +1,10 @@
-"""One read per byte (issue 45): a load checks its rows over a map of each file and applies from the same
-map, the file proved unchanged in between (Note [proved unchanged] in checkpoint/mapped.py)."""
+"""Checkpoints at the disk's speed (issue 45): a load checks its rows over a map of each file and applies
+from the same map, the file proved unchanged in between (Note [proved unchanged] in checkpoint/mapped.py);
+a durable save starts the disk's writeback as it writes (Note [early writeback] in checkpoint/disk.py)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from torch import nn
 
 import shardwise as sw
 from helpers.damage import load_small, same, snapshot, trained
+from shardwise.checkpoint.disk import WRITEBACK_BYTES
 from shardwise.checkpoint.files import FileReader, FileWriter, TensorSpec, chunk_rows
 from shardwise.checkpoint.mapped import SETTLE_NS, settled_stamp
 
@@ -103,3 +106,24 @@ def test_a_checked_load_equals_the_saved_values(small):
     """Catches a copy from the map at the wrong offset or of the wrong length: everything a load writes
     equals what was saved."""
     assert same(snapshot(trained(seed=0)), snapshot(load_small(small)))
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_durable_save_starts_writeback_as_it_writes(tmp_path, monkeypatch, durable):
+    """Catches a durable save leaving every byte to its final fsync (the disk idle while the save
+    checksums: Note [early writeback]), a non-durable one asking for writeback at all, and phase times
+    not recorded (Note [save phases])."""
+    files = importlib.import_module("shardwise.checkpoint.files")
+    ranges = []
+    monkeypatch.setattr(files, "start_writeback", lambda fd, offset, nbytes: ranges.append((offset, nbytes)))
+    spec = TensorSpec("x", torch.float32, (80, 2**18))  # 80 MiB: two writeback ranges of 32 MiB
+    writer = FileWriter(tmp_path / "f.safetensors", [spec], {}, durable=durable)
+    writer.write_next(torch.zeros(80, 2**18))
+    writer.close()
+    if durable:
+        assert len(ranges) == 2 and ranges[0][0] == 0 and ranges[1][0] == sum(ranges[0]), ranges
+        assert all(nbytes >= WRITEBACK_BYTES for _, nbytes in ranges)
+    else:
+        assert ranges == []
+    phases = writer.phases
+    assert phases.checksum > 0 and phases.write > 0 and (phases.fsync > 0) == durable, phases

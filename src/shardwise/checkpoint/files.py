@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from shardwise.checkpoint.disk import WRITEBACK_BYTES, SavePhases, start_writeback
 from shardwise.checkpoint.mapped import MappedFile
 from shardwise.checkpoint.sparse_crc import crc_of_range
 from shardwise.engine.st_header import CODE_OF_DTYPE, Entry, read_header
@@ -112,19 +113,15 @@ class FileWriter:
     at its name (a shared directory) is refused, never written through.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True,
+                 phases: SavePhases | None = None):
         self.path, self.specs, self.durable = Path(path), specs, durable
-        header: dict = {"__metadata__": dict(metadata)}
-        offset = 0
-        for spec in specs:
-            header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
-                                "data_offsets": [offset, offset + spec.nbytes]}
-            offset += spec.nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
-        self.nbytes = 8 + len(encoded) + offset
+        self.phases = phases = phases if phases is not None else SavePhases()
+        with phases.timed("serialize"):
+            encoded = _encode_header(specs, metadata)
+        self.nbytes = 8 + len(encoded) + sum(spec.nbytes for spec in specs)
         self._digest = hashlib.sha256(encoded)
-        self._next = 0
+        self._next = self._written = self._kicked = 0
         self.crcs: dict[str, list[int]] = {}
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -133,7 +130,7 @@ class FileWriter:
                                  "write through it. Remove it, or write elsewhere.") from None
         self._file = os.fdopen(fd, "wb")
         try:
-            _write_chunk(self._file, memoryview(struct.pack("<Q", len(encoded)) + encoded))
+            self._write(memoryview(struct.pack("<Q", len(encoded)) + encoded))
         except BaseException:
             self._file.close()
             raise
@@ -144,33 +141,57 @@ class FileWriter:
         if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
             raise ShardwiseError(f"internal: {spec.key} is {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"the header says {spec.shape} {spec.dtype}")
-        tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
+        with self.phases.timed("gather"):
+            tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
         data = as_bytes(tensor)
         step = chunk_rows(spec.shape, spec.dtype) * (spec.nbytes // max(1, spec.shape[0] if spec.shape else 1))
         crcs = []
         for start in range(0, len(data), max(step, 1)):
             chunk = data[start : start + step]
-            crcs.append(zlib.crc32(chunk))
-            _write_chunk(self._file, chunk)
+            with self.phases.timed("checksum"):
+                crcs.append(zlib.crc32(chunk))
+            self._write(chunk)
         self.crcs[spec.key] = crcs
         for crc in crcs:
             self._digest.update(crc.to_bytes(4, "little"))
         self._next += 1
+
+    def _write(self, data: memoryview) -> None:
+        with self.phases.timed("write"):
+            _write_chunk(self._file, data)
+            self._written += len(data)
+            if self.durable and self._written - self._kicked >= WRITEBACK_BYTES:  # Note [early writeback]
+                self._file.flush()
+                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
+                self._kicked = self._written
 
     def close(self) -> WrittenFile:
         if self._next != len(self.specs):
             self.abort()
             raise ShardwiseError(f"internal: {self.path.name} closed after {self._next} of {len(self.specs)} tensors")
         try:
-            self._file.flush()
+            with self.phases.timed("write"):
+                self._file.flush()
             if self.durable:
-                os.fsync(self._file.fileno())
+                with self.phases.timed("fsync"):
+                    os.fsync(self._file.fileno())
         finally:
             self._file.close()
         return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
 
     def abort(self) -> None:
         self._file.close()
+
+
+def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for spec in specs:
+        header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return encoded + b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
 
 
 HeaderEntry = Entry  # one tensor of a file as its header says (st_header.py)
@@ -286,7 +307,7 @@ class FileReader:
         row_shape = entry.shape[1:]
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
-        if crcs is not None and self._checked(key, lo, hi, chunk):
+        if crcs is not None and self._mapped is not None and self._mapped.covers(key, chunk, lo, hi):
             return self._copy_checked(entry, lo, hi, out)
         span_lo, span_hi = lo, hi
         if crcs is not None:
@@ -306,12 +327,6 @@ class FileReader:
             return out
         rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
         return rows[lo - span_lo : hi - span_lo]
-
-    def _checked(self, key: str, lo: int, hi: int, chunk: int) -> bool:
-        """Whether every chunk holding rows lo:hi of `key` was checked through the map."""
-        mapped = self._mapped
-        return (mapped is not None and mapped.usable
-                and all((key, chunk, position) in mapped.checked for position in range(lo // chunk, -(-hi // chunk))))
 
     def _copy_checked(self, entry: HeaderEntry, lo: int, hi: int, out: Tensor | None) -> Tensor:
         row_shape = entry.shape[1:] if entry.shape else ()

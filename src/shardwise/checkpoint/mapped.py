@@ -74,6 +74,11 @@ class MappedFile:
     def usable(self) -> bool:
         return self._map is not None
 
+    def covers(self, key: str, chunk: int, lo: int, hi: int) -> bool:
+        """Whether every chunk holding rows lo:hi of `key` was checked through the map."""
+        positions = range(lo // chunk, -(-hi // chunk))
+        return self.usable and all((key, chunk, position) in self.checked for position in positions)
+
     def crc(self, start: int, size: int) -> int:
         """crc32 of bytes start:start+size, computed over the map a window at a time."""
         crc = 0
