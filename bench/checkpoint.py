@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per training step")
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temp dir)")
+    p.add_argument("--no-early-writeback", action="store_true",
+                   help="leave every byte to sw.save's last fsync (A/B of Note [early writeback])")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -157,6 +159,10 @@ def run_worker(args) -> None:
     from shardwise.models.gpt import GPT, Block, GPTConfig
 
     torch.set_num_threads(1)
+    if args.no_early_writeback:
+        import shardwise.checkpoint.files as files
+
+        files.start_writeback = lambda fd, offset, nbytes: None
     sw.init()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -381,6 +387,7 @@ def run_launcher(args) -> None:
         for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats",
                      "save_every", "rounds", "warmup_rounds", "batch"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argv += ["--no-early-writeback"] if args.no_early_writeback else []
         env = dict(os.environ, OMP_NUM_THREADS="1")
         started = time.time()
         done = subprocess.run(argv, env=env, timeout=args.timeout)

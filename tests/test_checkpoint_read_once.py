@@ -127,3 +127,38 @@ def test_a_durable_save_starts_writeback_as_it_writes(tmp_path, monkeypatch, dur
         assert ranges == []
     phases = writer.phases
     assert phases.checksum > 0 and phases.write > 0 and (phases.fsync > 0) == durable, phases
+
+
+def test_a_load_fills_the_optimizers_state_in_place(small):
+    """Catches a load allocating a fresh tensor for every optimizer state it reads when the optimizer holds
+    one of the same shape (each fresh buffer page-faults all its memory: the largest cost of a warm load
+    before issue 45), and a state filled in place that ends up other than the checkpoint's."""
+    parts = trained(seed=1)
+
+    def pointers():
+        return [v.data_ptr() for state in parts[1].state.values() for v in state.values()
+                if torch.is_tensor(v) and v.dim()]
+
+    before = pointers()
+    load_small(small, parts)
+    assert before and pointers() == before
+    assert same(snapshot(trained(seed=0)), snapshot(parts))
+
+
+def test_the_fast_crc32_is_zlibs_function():
+    """Catches a crc32 other than zlib's (another polynomial, a running value that does not chain):
+    checkpoints written with ISA-L's crc32 must read where only zlib is installed, and the other way
+    round (Note [fast crc32]); and ISA-L installed but not used."""
+    import zlib
+
+    from shardwise.checkpoint import crc
+
+    data = os.urandom(3 * 2**20 + 17)
+    assert crc.crc32(data) == zlib.crc32(data)
+    assert crc.crc32(data[1000:], crc.crc32(data[:1000])) == zlib.crc32(data)
+    assert crc.crc32(b"") == 0 and crc.crc32(memoryview(data)[5:9], 7) == zlib.crc32(data[5:9], 7)
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:
+        pytest.skip("isal is not installed (pip install shardwise[fast])")
+    assert crc.crc32 is isal_crc32

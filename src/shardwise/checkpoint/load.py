@@ -150,12 +150,25 @@ def _write_tensors(plan: LoadPlan) -> None:
                     load.optim.state.pop(param, None)  # none in the checkpoint, or another rank's: as fresh
                     continue
                 new = {key: from_json(value, device) for key, value in scalars.items()}
+                current = load.optim.state.get(param, {})
                 for read in reads:
-                    buffer = torch.zeros(read.shape, dtype=read.dtype, device=param.device)
                     lo, hi = read.info.row_start, read.info.row_end
+                    buffer = _state_buffer(current.get(read.key), read, param.device)
                     _read_into(read.source, lo, hi, row_view(buffer, read.info, lo, hi))
                     new[read.key] = buffer
                 load.optim.state[param] = new
+
+
+def _state_buffer(current, read, device) -> torch.Tensor:
+    """The tensor an optimizer state read fills: the state tensor the optimizer holds when it has the
+    same shape, dtype and device (loaded in place, as the parameters are: a fresh buffer page-faults
+    all of its memory, which cost a load more than its reads), else a new one; zeros outside the rows."""
+    if (isinstance(current, torch.Tensor) and current.shape == read.shape and current.dtype == read.dtype
+            and current.device == torch.device(device) and current.is_contiguous()):
+        if row_view(current, read.info, read.info.row_start, read.info.row_end).numel() != current.numel():
+            current.zero_()  # padding rows: as a new buffer would have them
+        return current
+    return torch.zeros(read.shape, dtype=read.dtype, device=device)
 
 
 def _read_into(tensor, lo: int, hi: int, dest: torch.Tensor) -> None:

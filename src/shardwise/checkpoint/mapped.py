@@ -29,8 +29,8 @@ from __future__ import annotations
 import mmap
 import os
 import time
-import zlib
 
+from shardwise.checkpoint.crc import crc32
 from shardwise.errors import ShardwiseError
 
 WINDOW_BYTES = 4 * 2**20  # mapped and touched at a time; dropped from RSS after
@@ -84,7 +84,7 @@ class MappedFile:
         crc = 0
         for begin, end in self._windows(start, size):
             with memoryview(self._map) as whole, whole[begin:end] as piece:
-                crc = zlib.crc32(piece, crc)
+                crc = crc32(piece, crc)
             self._drop(begin, end)
         return crc
 
