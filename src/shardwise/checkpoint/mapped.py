@@ -68,7 +68,12 @@ class MappedFile:
         self.path, self.checked = path, set()
         self.stamp = settled_stamp(fd)
         self._fd = fd
-        self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if self.stamp is not None and size else None
+        self._map = None
+        if self.stamp is not None and size:
+            try:
+                self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            except (OSError, ValueError):
+                pass  # a filesystem that cannot map files: read twice, as before (Note [proved unchanged])
 
     @property
     def usable(self) -> bool:
