@@ -10,7 +10,7 @@ STRATEGY ?=
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,hf,integrations,docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -13,7 +13,13 @@ their files (DCP's FileSystemWriter default, sw.save's `durable=True`). Throughp
 model-state bytes (parameters and AdamW moments, all ranks) per second of the slowest
 rank; peak RSS growth is the kernel's high-water mark during the call minus RSS before.
 The ceiling beside them: every rank writes and fsyncs as many bytes as its shardwise file,
-all in parallel, in the same rounds (the raw write speed of this disk).
+all in parallel, in the same rounds (the raw write speed of this disk), its write and fsync
+timed apart; sw.save's own time split into phases (Note [save phases] in checkpoint/disk.py).
+Bytes read: after the timed repeats, one more load each from a cold page cache (the files'
+pages dropped with posix_fadvise), counting every rank's /proc/self/io: read_bytes (fetched
+from the disk) and rchar (moved by read syscalls), against the checkpoint's bytes on disk.
+
+`--no-early-writeback` turns off the save's early writeback (Note [early writeback]) for an A/B.
 
 Then the same ranks train with a checkpoint every N steps (Note [training arms] in
 bench/checkpoint_training.py). Results: bench/results/checkpoint.{json,md,png}.
@@ -55,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-rounds", type=int, default=1)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per training step")
     p.add_argument("--scratch", default=None, help="where checkpoints are written (default: a temp dir)")
+    p.add_argument("--no-early-writeback", action="store_true",
+                   help="leave every byte to sw.save's last fsync (A/B of Note [early writeback])")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -92,14 +100,57 @@ def _timed(fn) -> tuple[float, int]:
     return elapsed.item(), rss_bytes("VmHWM") - before
 
 
-def write_and_fsync(path: Path, payload: torch.Tensor) -> None:
+def write_and_fsync(path: Path, payload: torch.Tensor, phases: dict) -> None:
     """The disk's ceiling for one rank: `payload`'s bytes into a fresh file, in 4 MiB writes, fsynced."""
     view, step = memoryview(payload.numpy()), 4 * MIB
+    start_s = time.perf_counter()
     with open(path, "wb") as f:
         for start in range(0, len(view), step):
             f.write(view[start : start + step])
         f.flush()
+        written_s = time.perf_counter()
         os.fsync(f.fileno())
+    phases.update(write=written_s - start_s, fsync=time.perf_counter() - written_s)
+
+
+def save_with_phases(path: Path, model, optim, phases: dict) -> None:
+    """`sw.save`, keeping its phase times (Note [save phases])."""
+    from shardwise.checkpoint.ranks import group_of
+    from shardwise.checkpoint.save import complete, prepare
+
+    job = prepare(path, model, optim, None, None, True, {})
+    complete(job, group_of(job.model)[0])
+    phases.update(job.phases.as_dict())
+
+
+def io_counts() -> list[int]:
+    """This process's [read_bytes, rchar] from /proc/self/io; zeros where there is none."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f if line.strip())
+        return [int(fields["read_bytes"]), int(fields["rchar"])]
+    except (OSError, KeyError):
+        return [0, 0]
+
+
+def evict(directory: Path) -> None:
+    """Drop a checkpoint's (clean, fsynced) pages from the page cache: the next read meets the disk."""
+    for file in directory.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def slowest(values: dict) -> dict:
+    """Each value's maximum over the ranks (a collective)."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor(list(values.values()), dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return dict(zip(values, tensor.tolist()))
 
 
 def run_worker(args) -> None:
@@ -110,6 +161,10 @@ def run_worker(args) -> None:
     from shardwise.models.gpt import GPT, Block, GPTConfig
 
     torch.set_num_threads(1)
+    if args.no_early_writeback:
+        import shardwise.checkpoint.files as files
+
+        files.start_writeback = lambda fd, offset, nbytes: None
     sw.init()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -146,13 +201,15 @@ def run_worker(args) -> None:
 
     samples = {key: [] for key in ("sw_save", "dcp_save", "raw_save", "sw_load", "dcp_load")}
     rss = {key: [] for key in samples}
+    phases = {"sw": [], "raw": []}  # per repeat: each phase's seconds on the slowest rank
     for repeat in range(args.repeats):
+        sw_phases, raw_phases = {}, {}
         kinds = ["sw", "dcp", "raw"][repeat % 3:] + ["sw", "dcp", "raw"][:repeat % 3]
         paths = {"sw": root / f"sw-{repeat}", "dcp": root / f"dcp-{repeat}"}
         ops = {
-            "sw_save": lambda: sw.save(paths["sw"], model, optim),
+            "sw_save": lambda: save_with_phases(paths["sw"], model, optim, sw_phases),
             "dcp_save": lambda: dcp.save(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
-            "raw_save": lambda: write_and_fsync(root / f"raw-{rank}.bin", payload),
+            "raw_save": lambda: write_and_fsync(root / f"raw-{rank}.bin", payload, raw_phases),
             "sw_load": lambda: sw.load(paths["sw"], model, optim),
             "dcp_load": lambda: dcp.load(sw.dcp_state_dict(model, optim), checkpoint_id=str(paths["dcp"])),
         }
@@ -162,6 +219,10 @@ def run_worker(args) -> None:
                     seconds, growth = _timed(ops[f"{kind}_{phase}"])
                     samples[f"{kind}_{phase}"].append(seconds)
                     rss[f"{kind}_{phase}"].append(growth)
+        phases["sw"].append(slowest(sw_phases))
+        phases["raw"].append(slowest(raw_phases))
+        if repeat == args.repeats - 1:
+            reads = {kind: cold_read(paths[kind], ops[f"{kind}_load"], rank) for kind in ("sw", "dcp")}
         dist.barrier()
         (root / f"raw-{rank}.bin").unlink()
         if rank == 0:
@@ -176,11 +237,27 @@ def run_worker(args) -> None:
     if rank == 0:
         num_params = sum(torch.Size(i.full_shape).numel() for i in infos.values())
         record = {"state_bytes": state_bytes, "num_params": num_params, "seconds": samples,
+                  "phases": phases, "cold_reads": reads,
                   "peak_rss_growth_bytes": dict(zip(rss, peak.tolist())), "disk_bytes": disk,
                   "raw_bytes": raw_total.item(), "training": training}
         Path(args.out_file).write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def cold_read(path: Path, load, rank: int) -> dict:
+    """Every rank's bytes read (read_bytes, rchar) by one `load()` of `path` from a cold page cache, and its
+    seconds (slowest rank)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        evict(path)
+    before = io_counts()
+    seconds, _ = _timed(load)
+    counts = torch.tensor([a - b for a, b in zip(io_counts(), before)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return {"read_bytes": counts[0].item(), "rchar": counts[1].item(), "seconds": seconds}
 
 
 # ---- launcher ----------------------------------------------------------------------
@@ -211,9 +288,57 @@ def markdown(args, record: dict) -> str:
               f"({record['raw_bytes'] / MB:.0f} MB in all), in parallel: {raw:.3f} s, "
               f"{record['raw_bytes'] / MB / raw:.0f} MB/s. shardwise's save takes {med['sw_save'] / raw:.2f}× the "
               f"ceiling's time, DCP's {med['dcp_save'] / raw:.2f}×."]
+    lines += ["", *phase_table(record), "", *read_lines(record)]
     if record.get("training"):
-        lines += ["", *training_table(args, record["training"])]
+        lines += ["", *training_table(args, record["training"]), "", *async_verdict(args, record["training"])]
     return "\n".join(lines) + "\n"
+
+
+PHASES = ("gather", "serialize", "checksum", "write", "fsync", "publish")
+
+
+def phase_table(record: dict) -> list[str]:
+    """Where sw.save's time goes (Note [save phases]), beside the ceiling's write and fsync."""
+    sw_med = {k: statistics.median(p[k] for p in record["phases"]["sw"]) for k in PHASES}
+    raw_med = {k: statistics.median(p[k] for p in record["phases"]["raw"]) for k in ("write", "fsync")}
+    total = statistics.median(record["seconds"]["sw_save"])
+    lines = ["sw.save by phase (each phase's seconds on the slowest rank, median over the repeats; the phases of "
+             "one rank need not add up to the save's wall time, which is the slowest rank's whole call), beside "
+             "the ceiling's own write and fsync:", "",
+             "| phase | sw.save s | % of the save | ceiling s |", "|---|---:|---:|---:|"]
+    for key in PHASES:
+        ceiling = f"{raw_med[key]:.3f}" if key in raw_med else "—"
+        lines.append(f"| {key} | {sw_med[key]:.3f} | {100 * sw_med[key] / total:.0f}% | {ceiling} |")
+    lines.append(f"| whole call | {total:.3f} | 100% | {statistics.median(record['seconds']['raw_save']):.3f} |")
+    return lines
+
+
+def read_lines(record: dict) -> list[str]:
+    """Bytes a load reads, counted (issue 45: each byte once)."""
+    out = []
+    for kind, label in (("sw", "sw.load"), ("dcp", "DCP load")):
+        reads, size = record["cold_reads"][kind], record["disk_bytes"][kind]
+        out.append(f"{label} from a cold page cache: {reads['seconds']:.3f} s; read from the disk "
+                   f"{reads['read_bytes'] / MB:.0f} MB ({reads['read_bytes'] / size:.2f}× the checkpoint's "
+                   f"{size / MB:.0f} MB), through read syscalls {reads['rchar'] / MB:.0f} MB "
+                   f"({reads['rchar'] / size:.2f}×).")
+    return ["Bytes read, counted (/proc/self/io of every rank, one load after the repeats with the files' pages "
+            "dropped from the page cache): " + " ".join(out) + " sw.load checks and applies over a map of each file "
+            "(Note [proved unchanged] in checkpoint/mapped.py), so its rows do not pass through read syscalls."]
+
+
+def async_verdict(args, training: dict) -> list[str]:
+    over = overheads(training)
+    a, b = statistics.median(over["sw_async"]), statistics.median(over["sw_sync"])
+    noise = max(abs(v) for v in over["none"]) if over["none"] else 0.0
+    spare = (os.cpu_count() or 1) > args.world_size
+    return [f"sw.save_async {a:+.1f}% against blocking sw.save {b:+.1f}% of a step (targets: ≤ the blocking "
+            f"save's, ≤ 2%): {'met' if a <= b and a <= 2 else 'not met'}, with the noise row at most "
+            f"{noise:.1f}% from zero ({'resolved' if noise < abs(a - b) else 'unresolved: rerun quieter or longer'}). "
+            f"This host has {os.cpu_count()} cores for {args.world_size} ranks: "
+            + ("a core to spare for the background write." if spare else
+               "no core to spare, so the background write takes its CPU from training; it runs at nice 19 into "
+               "a staging copy reused across saves (Note [cheap background save] in checkpoint/background.py).")]
 
 
 def plot(args, record: dict, path: Path) -> None:
@@ -266,6 +391,7 @@ def run_launcher(args) -> None:
         for flag in ("vocab", "d_model", "layers", "heads", "seq", "strategy", "world_size", "repeats",
                      "save_every", "rounds", "warmup_rounds", "batch"):
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        argv += ["--no-early-writeback"] if args.no_early_writeback else []
         env = dict(os.environ, OMP_NUM_THREADS="1")
         started = time.time()
         done = subprocess.run(argv, env=env, timeout=args.timeout)

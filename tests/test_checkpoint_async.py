@@ -71,3 +71,25 @@ def test_background_save_copies_only_the_rows_this_rank_writes(ranks, tmp_path, 
     on every rank, when each rank writes only its 1/N share (Note [background save])."""
     for held, whole in ranks.run(_host_copy_bytes, 2, str(tmp_path), strategy, timeout=120):
         assert held <= 0.6 * whole, (held, whole)  # half the rows, plus the rounding of odd row counts
+
+
+def test_the_staging_copy_is_reused_and_refilled(tmp_path):
+    """Catches a background save that allocates a fresh host copy each time (each save page-faults its
+    whole share again: Note [cheap background save]), and a reused staging copy not refilled (the second
+    checkpoint holding the first's values)."""
+    background = importlib.import_module("shardwise.checkpoint.background")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    saved, pointers = [], []
+    for step in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        optim.step()
+        saved.append({key: value.clone() for key, value in model.state_dict().items()})
+        sw.save_async(tmp_path / f"step-{step}", model, optim).wait()
+        pointers.append(sorted(t.data_ptr() for t in background._staging[model].values()))
+    assert pointers[0] == pointers[1]
+    for step in range(2):
+        fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        sw.load(tmp_path / f"step-{step}", fresh)
+        assert all(torch.equal(fresh.state_dict()[key], value) for key, value in saved[step].items())

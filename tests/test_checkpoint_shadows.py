@@ -69,8 +69,10 @@ def test_two_source_names_that_become_one_are_refused(tmp_path, keys, rename):
 
 
 def test_a_file_rewritten_between_verify_and_apply_is_refused(small, tmp_path, monkeypatch):
-    """Catches the apply phase re-reading verified rows without their checksums: a rank file rewritten
-    in place between the two phases (what `cp` over it does) loaded its new bytes silently."""
+    """Catches the apply phase re-reading verified rows without their checksums, or copying them from the
+    file's map without proving the file unchanged (issue 45): a rank file rewritten in place between the
+    two phases (what `cp` over it does) loaded its new bytes silently. The refusal names the file and
+    comes before the first row is copied."""
     import importlib
 
     load = importlib.import_module("shardwise.checkpoint.load")  # the module, not sw.load
@@ -87,8 +89,11 @@ def test_a_file_rewritten_between_verify_and_apply_is_refused(small, tmp_path, m
         apply_states(plan)
 
     monkeypatch.setattr(load, "_apply_states", rewrite_then_apply)
-    with pytest.raises(sw.ShardwiseError, match="changed after the load verified it"):
-        load_small(checkpoint)
+    parts = trained(seed=1)
+    before = {key: value.clone() for key, value in parts[0].state_dict().items()}
+    with pytest.raises(sw.ShardwiseError, match=f"{RANK_FILE} was written to .* changed after the load verified it"):
+        load_small(checkpoint, parts)
+    assert all(torch.equal(value, before[key]) for key, value in parts[0].state_dict().items())
 
 
 @pytest.mark.parametrize("change, words", [

@@ -13,10 +13,23 @@ raises its error, if any, on every rank; `pending.wait()` does the same. Call `w
 the process group ends (the end of training); a script that exits without it still has its
 save finished (Python joins the thread before the groups close, Note [exit teardown]), and a
 failure nobody waited for is logged.
+
+Note [cheap background save]: on a host with no core to spare (every core runs a rank's training)
+the background write takes its CPU time (crc32, the copy into the page cache) from training, so
+it must cost less of it than a blocking save: (1) the host copy goes into a staging copy kept per
+model and reused by the next save (a fresh 100 MB buffer page-faults each save: several times the
+cost of a copy into memory already mapped); on a GPU that staging copy is pinned, so the
+device-to-host copy runs at full speed (stated, not measured here); (2) the writer thread runs at
+the lowest priority (nice 19, Linux sets it per thread), so the scheduler gives training the core
+whenever both want it and the write fills the gaps (collectives, data loading); (3) it writes
+4 MiB chunks and fsyncs once per file, its writeback started early (Note [early writeback] in
+disk.py). The price of (1): the staging copy stays allocated between saves (one copy of this
+rank's share of the checkpoint), where before it was freed after each write.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from dataclasses import replace
@@ -33,6 +46,8 @@ from shardwise.errors import ShardwiseError
 from shardwise.teardown import at_exit, log
 
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
+_staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {what: host copy}, reused
+LOW_PRIORITY = 19  # the writer thread's nice value (Note [cheap background save])
 
 
 class PendingSave:
@@ -46,6 +61,10 @@ class PendingSave:
         self._thread.start()
 
     def _run(self, job: SaveJob, group) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)  # this thread only
+        except (AttributeError, OSError):
+            pass  # not Linux, or not allowed: the write runs at training's priority
         try:
             complete(job, group)
         except BaseException as error:  # noqa: BLE001 - handed to wait(), on every rank
@@ -94,30 +113,54 @@ def _host_copy(job: SaveJob) -> SaveJob:
     rows this rank writes are copied (`rows_to_write`): each copy stands for a ShardInfo of
     exactly those rows, which the writer then takes whole."""
     sharded = is_sharded(job.model)
+    staging = _staging.setdefault(job.model, {})
+    copier = _Copier(staging)
     infos = {}
     for name, info in job.infos.items():
         lo, hi = rows_to_write(info, job.rank, job.world, sharded)
-        infos[name] = replace(info, param=_copy(row_view(info.param, info, lo, hi), info.param),
+        infos[name] = replace(info, param=copier(("param", name), row_view(info.param, info, lo, hi), info.param),
                               row_start=lo, row_end=hi)
-    plans = [{**plan, "state": {name: _copy_state(entry) for name, entry in plan["state"].items()}}
-             for plan in job.plans]
-    buffers = {name: _copy(b) for name, b in job.buffers.items()}
+    plans = [{**plan, "state": {name: _copy_state(copier, number, name, entry)
+                                for name, entry in plan["state"].items()}} for number, plan in enumerate(job.plans)]
+    buffers = {name: copier(("buffer", name), b) for name, b in job.buffers.items()}
+    copier.finish()
     return replace(job, infos=infos, plans=plans, buffers=buffers)
 
 
-def _copy_state(entry: dict) -> dict:
+def _copy_state(copier, number: int, name: str, entry: dict) -> dict:
     """One param's optimizer state as save._optimizer_plan gives it, with copies of the rows this rank
     writes of its param-shaped tensors and of the whole tensors it writes."""
     info, lo, hi = entry["info"], entry["lo"], entry["hi"]
-    rows = {key: _copy(row_view(t, info, lo, hi)) for key, t in entry["rows"].items()}
-    return {**entry, "rows": rows, "whole": {key: _copy(t) for key, t in entry["whole"].items()},
-            "info": replace(info, row_start=lo, row_end=hi)}
+    rows = {key: copier(("rows", number, name, key), row_view(t, info, lo, hi)) for key, t in entry["rows"].items()}
+    whole = {key: copier(("whole", number, name, key), t) for key, t in entry["whole"].items()}
+    return {**entry, "rows": rows, "whole": whole, "info": replace(info, row_start=lo, row_end=hi)}
 
 
-def _copy(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    copy = tensor.detach().to("cpu", copy=True)
-    requires_grad = (tensor if like is None else like).requires_grad
-    return copy.requires_grad_(requires_grad) if copy.is_floating_point() else copy
+class _Copier:
+    """Copies into the model's staging tensors, reused when the shape and dtype still fit (Note [cheap
+    background save]); the previous background save has finished (prepare waited for it)."""
+
+    def __init__(self, staging: dict) -> None:
+        self.staging, self.used, self.device = staging, set(), False
+
+    def __call__(self, what, tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = tensor.detach()
+        copy = self.staging.get(what)
+        if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+            pinned = tensor.device.type == "cuda"  # a pinned buffer: the device-to-host copy at full speed
+            copy = self.staging[what] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+        with torch.no_grad():  # the staging copy may require grad since the last save
+            copy.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        self.device |= tensor.device.type == "cuda"
+        self.used.add(what)
+        requires_grad = (tensor if like is None else like).requires_grad
+        return copy.requires_grad_(requires_grad) if copy.is_floating_point() else copy
+
+    def finish(self) -> None:
+        if self.device:
+            torch.cuda.synchronize()  # every non_blocking copy landed before training changes the originals
+        for what in set(self.staging) - self.used:
+            del self.staging[what]  # a tensor this save did not have (a param frozen since): freed
 
 
 def _checkpoint_group(model: nn.Module):

@@ -9,10 +9,11 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
   written one at a time (an export gathers one full parameter, writes it, frees it)
   instead of all being alive at once, and every byte is checksummed while it is hot
   in cache (Note [chunk checksums]).
-- Reading: `pread` into the destination tensor reads exactly the bytes of the rows
-  a rank needs, straight into its shard. A memory-mapped read (`safe_open`) would
-  count every touched page of the file in the process's RSS while the file stays
-  open: a zero3 load would then look like it holds the whole shard twice.
+- Reading: a load checks the chunks holding the rows a rank needs over a map of the
+  file and copies exactly those rows from it into its shard, each window's pages
+  leaving the process's RSS once used (Note [proved unchanged] in mapped.py); a plain
+  `safe_open` map would count every touched page in RSS while the file stays open.
+  Other reads `pread` straight into the destination tensor.
 - Errors: a truncated file, a header that does not parse, a missing tensor, or a
   checksum mismatch each become a `ShardwiseError` that names the file and the fix.
   The header is parsed and checked against the file by wire/st_header.py, the one
@@ -21,8 +22,8 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
 Files written here are ordinary safetensors files: `safetensors.safe_open` and
 `safetensors.torch.load_file` read them.
 
-Note [chunk checksums]: each tensor's bytes are checksummed (zlib's crc32, about
-1.5 GB/s here, against 1.0 GB/s for sha256) in chunks of whole rows of about
+Note [chunk checksums]: each tensor's bytes are checksummed (crc32: 1.5 GB/s, ten times that
+with ISA-L, Note [fast crc32] in crc.py; sha256 1.0 GB/s) in chunks of whole rows of about
 CHUNK_BYTES. A rank that loads rows a..b of a slice reads and verifies only the
 chunks that hold them, so a reshard load never reads whole files to check them,
 and a verified read costs at most two chunks more than the rows themselves. The
@@ -38,13 +39,15 @@ import math
 import os
 import stat
 import struct
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from shardwise.checkpoint.crc import crc32
+from shardwise.checkpoint.disk import WRITEBACK_BYTES, SavePhases, start_writeback
+from shardwise.checkpoint.mapped import MappedFile
 from shardwise.checkpoint.sparse_crc import crc_of_range
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import CODE_OF_DTYPE, Entry, read_header
@@ -110,19 +113,15 @@ class FileWriter:
     at its name (a shared directory) is refused, never written through.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True):
+    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True,
+                 phases: SavePhases | None = None):
         self.path, self.specs, self.durable = Path(path), specs, durable
-        header: dict = {"__metadata__": dict(metadata)}
-        offset = 0
-        for spec in specs:
-            header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
-                                "data_offsets": [offset, offset + spec.nbytes]}
-            offset += spec.nbytes
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
-        self.nbytes = 8 + len(encoded) + offset
+        self.phases = phases = phases if phases is not None else SavePhases()
+        with phases.timed("serialize"):
+            encoded = _encode_header(specs, metadata)
+        self.nbytes = 8 + len(encoded) + sum(spec.nbytes for spec in specs)
         self._digest = hashlib.sha256(encoded)
-        self._next = 0
+        self._next = self._written = self._kicked = 0
         self.crcs: dict[str, list[int]] = {}
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -131,7 +130,7 @@ class FileWriter:
                                  "write through it. Remove it, or write elsewhere.") from None
         self._file = os.fdopen(fd, "wb")
         try:
-            _write_chunk(self._file, memoryview(struct.pack("<Q", len(encoded)) + encoded))
+            self._write(memoryview(struct.pack("<Q", len(encoded)) + encoded))
         except BaseException:
             self._file.close()
             raise
@@ -142,33 +141,57 @@ class FileWriter:
         if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
             raise ShardwiseError(f"internal: {spec.key} is {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"the header says {spec.shape} {spec.dtype}")
-        tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
+        with self.phases.timed("gather"):
+            tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
         data = as_bytes(tensor)
         step = chunk_rows(spec.shape, spec.dtype) * (spec.nbytes // max(1, spec.shape[0] if spec.shape else 1))
         crcs = []
         for start in range(0, len(data), max(step, 1)):
             chunk = data[start : start + step]
-            crcs.append(zlib.crc32(chunk))
-            _write_chunk(self._file, chunk)
+            with self.phases.timed("checksum"):
+                crcs.append(crc32(chunk))
+            self._write(chunk)
         self.crcs[spec.key] = crcs
         for crc in crcs:
             self._digest.update(crc.to_bytes(4, "little"))
         self._next += 1
+
+    def _write(self, data: memoryview) -> None:
+        with self.phases.timed("write"):
+            _write_chunk(self._file, data)
+            self._written += len(data)
+            if self.durable and self._written - self._kicked >= WRITEBACK_BYTES:  # Note [early writeback]
+                self._file.flush()
+                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
+                self._kicked = self._written
 
     def close(self) -> WrittenFile:
         if self._next != len(self.specs):
             self.abort()
             raise ShardwiseError(f"internal: {self.path.name} closed after {self._next} of {len(self.specs)} tensors")
         try:
-            self._file.flush()
+            with self.phases.timed("write"):
+                self._file.flush()
             if self.durable:
-                os.fsync(self._file.fileno())
+                with self.phases.timed("fsync"):
+                    os.fsync(self._file.fileno())
         finally:
             self._file.close()
         return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
 
     def abort(self) -> None:
         self._file.close()
+
+
+def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for spec in specs:
+        header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return encoded + b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
 
 
 HeaderEntry = Entry  # one tensor of a file as its header says (st_header.py)
@@ -206,6 +229,7 @@ class FileReader:
                     "verifies one)."
                 )
             self.entries, self.metadata, self.header_bytes = self._parse(size)
+            self.nbytes, self._mapped = size, None
         except BaseException:
             os.close(self._fd)
             raise
@@ -239,15 +263,25 @@ class FileReader:
                                  "(its header bytes or its tensors' offsets). Load an earlier checkpoint.")
 
     def verify_rows(self, key: str, lo: int, hi: int, *, crcs, chunk: int) -> None:
-        """Check the crcs of every chunk holding rows lo:hi of `key`, one chunk in memory at a time."""
+        """Check the crcs of every chunk holding rows lo:hi of `key`, a window in memory at a time: over
+        a map of the file, from which `read_rows` then copies them unread (Note [proved unchanged])."""
         entry = self.entry(key)
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
+        if self._mapped is None:
+            self._mapped = MappedFile(self._fd, self.nbytes, self.path)  # Note [proved unchanged] in mapped.py
+        mapped = self._mapped if self._mapped.usable else None
         step = chunk * entry.row_bytes
         for position in range(lo // chunk, -(-hi // chunk) if step else 0):
+            if mapped is not None and (key, chunk, position) in mapped.checked:
+                continue
             start = entry.begin + position * step
-            if position >= len(crcs) or self.crc_of(start, min(step, entry.end - start)) != crcs[position]:
+            size = min(step, entry.end - start)
+            crc = mapped.crc(start, size) if mapped is not None else self.crc_of(start, size)
+            if position >= len(crcs) or crc != crcs[position]:
                 self._mismatch(key, position, chunk, entry)
+            if mapped is not None:
+                mapped.checked.add((key, chunk, position))
 
     def crc_of(self, start: int, size: int) -> int:
         """The crc32 of bytes start:start+size of the file, read 4 MiB at a time (a chunk of one huge
@@ -264,13 +298,17 @@ class FileReader:
         """Rows `lo:hi` of tensor `key`, shaped `(hi - lo, *shape[1:])` (a 0-D tensor: `(hi - lo,)`).
 
         With `crcs` (and `chunk`, rows per chunk) every chunk holding those rows is read and
-        verified. `out`, when it is a contiguous CPU tensor of the right size and dtype and
-        the rows are chunk-aligned, is filled in place and returned (no copy).
+        verified, unless `verify_rows` checked them all through the file's map: then they are copied
+        from it, the file proved unchanged since (Note [proved unchanged] in mapped.py). `out`, when it
+        is a contiguous CPU tensor of the right size and dtype (and, read again, the rows are
+        chunk-aligned), is filled in place and returned (no copy).
         """
         entry = self.entry(key)
         row_shape = entry.shape[1:]
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
+        if crcs is not None and self._mapped is not None and self._mapped.covers(key, chunk, lo, hi):
+            return self._copy_checked(entry, lo, hi, out)
         span_lo, span_hi = lo, hi
         if crcs is not None:
             span_lo = lo // chunk * chunk
@@ -289,6 +327,15 @@ class FileReader:
             return out
         rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
         return rows[lo - span_lo : hi - span_lo]
+
+    def _copy_checked(self, entry: HeaderEntry, lo: int, hi: int, out: Tensor | None) -> Tensor:
+        row_shape = entry.shape[1:] if entry.shape else ()
+        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
+                  and out.numel() * entry.dtype.itemsize == (hi - lo) * entry.row_bytes)
+        rows = out if direct else torch.empty((hi - lo, *row_shape), dtype=entry.dtype)
+        if rows.numel():
+            self._mapped.copy_into(entry.begin + lo * entry.row_bytes, as_bytes(rows))
+        return rows
 
     def read_span(self, key: str, start: int, stop: int) -> Tensor:
         """Elements `start:stop` of tensor `key`, flattened: part of one huge row (`ckpt diff --values`
@@ -315,7 +362,7 @@ class FileReader:
         first = span_lo // chunk
         for index, start in enumerate(range(0, len(data), max(step, 1))):
             position = first + index
-            if position >= len(crcs) or zlib.crc32(data[start : start + step]) != crcs[position]:
+            if position >= len(crcs) or crc32(data[start : start + step]) != crcs[position]:
                 self._mismatch(key, position, chunk, entry)
 
     def _mismatch(self, key, position, chunk, entry):
@@ -327,6 +374,9 @@ class FileReader:
         )
 
     def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -9,11 +9,13 @@ every row this rank will read (its crc, `Source.verify`). Only when every rank's
 does any rank apply it: keyword objects and the scheduler first (their own `load_state_dict`
 may still refuse; another agreement follows), then the model's rows, the optimizer state and
 the RNGs, whose every byte was checked. So a refused load leaves the model and the optimizer as
-they were, on every rank. The rows are read twice (checked, then read into place) rather than
-held twice in memory; the second read usually comes from the page cache, and checks every
-chunk's crc again: a file rewritten in place between the phases (`cp` over it) is an error
-naming it, never its new bytes loaded silently (the model then holds part of the load, and the
-error says so).
+they were, on every rank. The rows are read once and not held twice in memory: the checks run
+over a map of each file and the apply copies from the same map, the file proved unchanged since
+(Note [proved unchanged] in mapped.py), so a file rewritten in place between the phases (`cp`
+over it) is an error naming it, before its first row is copied, never its new bytes loaded
+silently. Where the proof is not to be had (a file written within the last few ms that does not
+settle), the apply reads the rows again and checks every chunk's crc again (the model then
+holds part of the load when one fails, and the error says so).
 """
 
 from __future__ import annotations
@@ -148,12 +150,25 @@ def _write_tensors(plan: LoadPlan) -> None:
                     load.optim.state.pop(param, None)  # none in the checkpoint, or another rank's: as fresh
                     continue
                 new = {key: from_json(value, device) for key, value in scalars.items()}
+                current = load.optim.state.get(param, {})
                 for read in reads:
-                    buffer = torch.zeros(read.shape, dtype=read.dtype, device=param.device)
                     lo, hi = read.info.row_start, read.info.row_end
+                    buffer = _state_buffer(current.get(read.key), read, param.device)
                     _read_into(read.source, lo, hi, row_view(buffer, read.info, lo, hi))
                     new[read.key] = buffer
                 load.optim.state[param] = new
+
+
+def _state_buffer(current, read, device) -> torch.Tensor:
+    """The tensor an optimizer state read fills: the state tensor the optimizer holds when it has the
+    same shape, dtype and device (loaded in place, as the parameters are: a fresh buffer page-faults
+    all of its memory, which cost a load more than its reads), else a new one; zeros outside the rows."""
+    if (isinstance(current, torch.Tensor) and current.shape == read.shape and current.dtype == read.dtype
+            and current.device == torch.device(device) and current.is_contiguous()):
+        if row_view(current, read.info, read.info.row_start, read.info.row_end).numel() != current.numel():
+            current.zero_()  # padding rows: as a new buffer would have them
+        return current
+    return torch.zeros(read.shape, dtype=read.dtype, device=device)
 
 
 def _read_into(tensor, lo: int, hi: int, dest: torch.Tensor) -> None:

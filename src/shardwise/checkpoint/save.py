@@ -49,12 +49,13 @@ import json
 import os
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from shardwise.checkpoint.disk import SavePhases
 from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
 from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints, next_order
 from shardwise.checkpoint.model_config import model_config
@@ -103,6 +104,7 @@ class SaveJob:
     lock: SaveLock | None = None  # rank 0's hold on `partial` (Note [save ownership] in owner.py)
     order: tuple[int, int] | None = None  # rank 0: (step, save counter), Note [newest] in index.py
     model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config] in model_config.py)
+    phases: SavePhases = field(default_factory=SavePhases)  # where this rank's time went (Note [save phases])
 
 
 def save(path, model: nn.Module, optim=None, scheduler=None, *,
@@ -184,9 +186,10 @@ def complete(job: SaveJob, group) -> None:
             record, error = _write_rank_file(job), None
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
             record, error = None, f"{type(exc).__name__}: {exc}"
-        records = gather_object((record, error), group, job.rank, job.world)
-        outcome = _finish(job, records) if job.rank == 0 else None
-        outcome = broadcast_object(outcome, group, job.rank, job.world)
+        with job.phases.timed("publish"):
+            records = gather_object((record, error), group, job.rank, job.world)
+            outcome = _finish(job, records) if job.rank == 0 else None
+            outcome = broadcast_object(outcome, group, job.rank, job.world)
     finally:
         if job.lock is not None:
             job.lock.release()  # the save is over, however it ended (Note [save ownership])
@@ -321,7 +324,7 @@ def _write_rank_file(job: SaveJob) -> dict:
         producers.append(lambda tensor=tensor: tensor)
     file = f"rank-{rank:05d}-of-{world:05d}.safetensors"
     writer = FileWriter(job.partial / file, specs, {"checkpoint_id": job.checkpoint_id, "rank": str(rank)},
-                        durable=job.durable)
+                        durable=job.durable, phases=job.phases)
     try:
         for produce in producers:
             writer.write_next(produce())

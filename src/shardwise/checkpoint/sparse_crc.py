@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
+
+from shardwise.checkpoint.crc import crc32
 
 PIECE_BYTES = 4 * 2**20  # read at a time
 MIN_HOLE_BYTES = 2**20  # shorter holes are read (as zeros) rather than skipped
@@ -90,6 +91,6 @@ def crc_of_range(fd: int, start: int, size: int, pread_into) -> int:
         for offset in range(data, data_end, PIECE_BYTES):
             piece = scratch[: min(PIECE_BYTES, data_end - offset)]
             pread_into(piece, offset)
-            crc = zlib.crc32(piece, crc)
+            crc = crc32(piece, crc)
         position = data_end
     return crc
