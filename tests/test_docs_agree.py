@@ -38,3 +38,17 @@ def test_the_demo_says_what_its_losses_depend_on(capsys):
            "median_step_s": 0.1}
     demo.print_summary([row], 2)
     assert f"Python {sys.version_info.major}.{sys.version_info.minor} standard library" in capsys.readouterr().out
+
+
+def test_no_page_refuses_what_works():
+    """Catches examples/accelerate_lm.py, examples/README.md and docs/migrate/accelerate.md saying
+    `accelerator.save_state` is refused on a sharded model (it writes a shardwise checkpoint, bitwise),
+    and the Lightning pages saying "one optimizer per module" (Muon + AdamW under manual optimization
+    are saved and loaded together: tests/test_lightning.py)."""
+    texts = {**_pages(), **{str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "examples").iterdir())
+                            if p.suffix in (".py", ".md")}}
+    wrong = ("save_state` is refused", "save_state: refused", "not save_state",
+             "save_state` / `load_state` are refused", "one optimizer per")
+    said = [(name, phrase) for name, text in texts.items() for phrase in wrong
+            if phrase in " ".join(text.split()).lower().replace("accelerator.", "")]
+    assert said == [], said
