@@ -198,15 +198,15 @@ def test_code_references_are_left_out_of_the_exported_config(tmp_path, capsys):
 
 def test_export_does_not_replace_another_config_json(tmp_path, capsys):
     """Catches an export into a folder that already holds the user's own config.json replacing it
-    (exporting `dir/extra.safetensors`). One that agrees (save_pretrained's, non-default values only)
-    is fine; a different one needs --replace-config / replace_config=True."""
+    (exporting `dir/extra.safetensors`). One that agrees (save_pretrained's, non-default values only,
+    `architectures` filled in) is fine; a different one needs --replace-config / replace_config=True."""
     import json
 
     model = _llama()
     sw.save(tmp_path / "ckpt", model)
     folder = tmp_path / "dir"
     folder.mkdir()
-    model.config.save_pretrained(folder)  # the same model's: agrees
+    model.save_pretrained(folder)  # the same model's (architectures filled in after the save recorded none): agrees
     assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(folder / "model.safetensors")]) == 0
     theirs = {"model_type": "bert", "hidden_size": 768}
     (folder / "config.json").write_text(json.dumps(theirs))

@@ -102,12 +102,11 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False, replace_conf
 
 def _warn_held_config(model: nn.Module) -> None:
     """Say why an export of a model holding a Hugging Face model writes no config.json (Note [model config])."""
-    inner = held_config(model)
-    if inner is not None:
-        warnings.warn(f"sw.export: no config.json written: {type(model).__name__} holds its Hugging Face model as "
-                      f"{inner}, so the tensors are named {inner}.…, which from_pretrained does not load. Export the "
-                      "Hugging Face model itself (a PeftModel: merge_and_unload() first) for a from_pretrained "
-                      "directory", stacklevel=3)
+    why = held_config(model)
+    if why is not None:
+        warnings.warn(f"sw.export: no config.json written: {type(model).__name__} {why}, which from_pretrained "
+                      "would not load. Export the Hugging Face model itself (a PeftModel: merge_and_unload() first) "
+                      "for a from_pretrained directory", stacklevel=3)
 
 
 def partial_name(path: Path) -> Path:
@@ -208,10 +207,10 @@ def save_pretrained(model: nn.Module, directory) -> Path:
     if not hasattr(config, "save_pretrained"):
         raise ShardwiseError(f"{type(model).__name__} has no Hugging Face config (model.config.save_pretrained): "
                              "use sw.export(model, path) for a plain safetensors file")
-    inner = held_config(model)
-    if inner is not None:  # Note [model config]: from_pretrained would load none of the tensors
-        raise ShardwiseError(f"{type(model).__name__} holds its Hugging Face model as {inner}: its tensors are named "
-                             f"{inner}.…, which from_pretrained does not load. Save the Hugging Face model itself")
+    why = held_config(model)
+    if why is not None:  # Note [model config]: from_pretrained would load none of the tensors
+        raise ShardwiseError(f"{type(model).__name__} {why}, which from_pretrained would not load. Save the "
+                             "Hugging Face model itself")
     directory = Path(directory).absolute()
     export(model, directory / "model.safetensors", replace_config=True)  # as save_pretrained does
     _, rank, _ = group_of(model)

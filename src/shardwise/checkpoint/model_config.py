@@ -48,17 +48,20 @@ def model_config(model: nn.Module) -> dict | None:
 
 
 def held_config(model: nn.Module) -> str | None:
-    """Where `model` holds the Hugging Face model its `config` belongs to, when that is not the model
-    itself up to dropped wrapper components (Note [model config]): that module's name (a PeftModel's
-    "base_model.model", a wrapper's "net"); None when the model is it, or has no such config."""
+    """Why `model`'s state-dict names are not those of the Hugging Face model its `config` belongs to
+    (Note [model config]), as words that follow the model's class name: "holds its Hugging Face model as
+    base_model.model (...)" for a PeftModel; None when the model is that Hugging Face model (up to dropped
+    wrapper components), or has no Hugging Face config."""
     config = getattr(model, "config", None)
     if not hasattr(config, "to_json_string"):
         return None
     for name, module in model.named_modules():
         # a PreTrainedModel: its class names its config class (PeftModel and wrappers only forward `config`)
         if getattr(module, "config", None) is config and hasattr(type(module), "config_class"):
-            return None if not name or clean_name(f"{name}.x") == "x" else name
-    return "(a module holding its config)"  # a config no PreTrainedModel inside owns: no names to trust
+            if not name or clean_name(f"{name}.x") == "x":
+                return None
+            return f"holds its Hugging Face model as {name}: its tensors are named {name}.…"
+    return "is not a Hugging Face PreTrainedModel, though it has a Hugging Face config: its names are its own"
 
 
 CONFIG = "config.json"  # what `from_pretrained` reads beside model.safetensors
@@ -114,7 +117,8 @@ def without_code(config: dict, at: str = "") -> tuple[dict, list[str]]:
 
 def check_replace(config: dict, directory: Path, replace: bool) -> None:
     """Refuse to replace a config.json in `directory` that says something else than `config` unless
-    `replace` (Note [model config]): one `save_pretrained` wrote (non-default values only) agrees."""
+    `replace` (Note [model config]): one `save_pretrained` wrote (non-default values only, `architectures`
+    filled in) agrees."""
     existing = directory / CONFIG
     if replace or not existing.exists():
         return
@@ -122,8 +126,9 @@ def check_replace(config: dict, directory: Path, replace: bool) -> None:
         old = json.loads(existing.read_text())
     except (OSError, ValueError):
         old = None
-    if isinstance(old, dict):
-        differ = sorted(key for key in old if key != "transformers_version" and config.get(key) != old[key])
+    if isinstance(old, dict):  # a value the export does not know (None: `architectures` before from_pretrained) agrees
+        differ = sorted(key for key in old if key != "transformers_version" and config.get(key) is not None
+                        and config.get(key) != old[key])
         if not differ:
             return
     else:

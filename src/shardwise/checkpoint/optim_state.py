@@ -54,9 +54,10 @@ def class_name(optim) -> str:
 # and torch's share a name and nothing else (other group keys, other state). Two names are the same
 # class when their top-level package and their qualified class name agree, so a class moved between
 # modules of one package (torch.optim._adafactor -> torch.optim.adafactor) still loads; a name recorded
-# bare (before this rule) matches by the bare name. Whatever the name, the saved param groups may
-# hold no setting the loading optimizer's groups lack (`check_group_keys`), and a whole-tensor
-# optimizer's state must have the shapes the loading class gives it (`StateShapes`).
+# bare (before this rule), or a class of a script (`__main__`, imported under its file's name elsewhere),
+# matches by the bare name. Whatever the name, the saved param groups may hold no setting the loading
+# optimizer's groups lack (`check_group_keys`), and a whole-tensor optimizer's state must have the
+# shapes the loading class gives it (`StateShapes`).
 
 
 def same_class(recorded: str, optim) -> bool:
@@ -64,8 +65,9 @@ def same_class(recorded: str, optim) -> bool:
     def key(name: str) -> tuple[str, str]:  # (top-level package, class name)
         return name.split(".")[0], name.rsplit(".", 1)[-1]
     names = {class_name(optim), f"{type(optim).__module__}.{type(optim).__qualname__}"}  # or the wrapper's own
-    if "." not in recorded:
-        return recorded in {name.rsplit(".", 1)[-1] for name in names}
+    bare = {name.rsplit(".", 1)[-1] for name in names}
+    if "." not in recorded or recorded.startswith("__main__.") or any(n.startswith("__main__.") for n in names):
+        return recorded.rsplit(".", 1)[-1] in bare  # bare (saved before), or a script's class imported elsewhere
     return key(recorded) in {key(name) for name in names}
 
 
