@@ -52,3 +52,20 @@ def test_no_page_refuses_what_works():
     said = [(name, phrase) for name, text in texts.items() for phrase in wrong
             if phrase in " ".join(text.split()).lower().replace("accelerator.", "")]
     assert said == [], said
+
+
+def test_the_readme_is_a_front_page():
+    """Catches the README growing back into a copy of docs/ (1,013 lines repeating checkpoints, restarts,
+    precision, the planner, speed tables: issue 44 item 15), its tree calling parallel/ "Hogwild" only,
+    a docs page the capabilities table does not link, and engine/ internals described there (the engine's
+    files move: docs/index.md's "Reading the code" names them)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, len(readme.splitlines())
+    tree = next(line for line in readme.splitlines() if line.strip().startswith("parallel/"))
+    assert "slicing" in tree and "Hogwild" in tree, tree
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert pages <= linked, sorted(pages - linked)
+    assert not re.search(r"engine/\w+\.py", readme), re.findall(r"engine/\w+\.py", readme)
