@@ -267,8 +267,11 @@ def test_whole_state_of_other_shapes_is_refused(tmp_path):
     model, optim = _stepped(_LookalikeAdafactor)
     sw.save(tmp_path / "ckpt", model, optim)
     fresh, torch_adafactor = _stepped(lambda params: torch.optim.Adafactor(params, lr=1e-2))
+    torch.optim.lr_scheduler.StepLR(torch_adafactor, 10)  # patches torch_adafactor.step on the instance
+    before = fresh.weight.detach().clone()
     with pytest.raises(sw.ShardwiseError) as caught:
         sw.load(tmp_path / "ckpt", fresh, torch_adafactor)
+    assert torch.equal(fresh.weight, before), "the dry step stepped the real parameters"
     message = str(caught.value)
     assert "'row_var' [5, 3] where a torch.optim.Adafactor has [5, 1]" in message, message
     assert "'col_var' [3, 3] where a torch.optim.Adafactor has [1, 3]" in message, message

@@ -254,8 +254,11 @@ class StateShapes:
 
     def _dry_step(self, group: dict, shape: tuple, dtype: torch.dtype) -> dict[str, tuple] | None:
         for device in ("meta", "cpu"):
-            clone = object.__new__(type(self.optim))
-            clone.__dict__.update(self.optim.__dict__)
+            kind = type(self.optim)
+            clone = object.__new__(kind)
+            # the instance's own attributes, but never one that reaches the original (a `step` patched on the
+            # instance is bound to it: calling it stepped the real parameters)
+            clone.__dict__.update({k: v for k, v in self.optim.__dict__.items() if not callable(v)})
             param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
             param.grad = torch.zeros_like(param)
             clone.state = collections.defaultdict(dict)
@@ -263,7 +266,7 @@ class StateShapes:
             clone._optimizer_step_pre_hooks, clone._optimizer_step_post_hooks = {}, {}  # not the original's
             try:
                 with torch.no_grad():
-                    clone.step()
+                    kind.step(clone)  # the class's step: an instance-level patch is the original's
             except Exception:  # noqa: BLE001 - meta has no .item(); a closure-only step cannot run dry
                 continue
             return {k: tuple(v.shape) for k, v in clone.state[param].items() if isinstance(v, Tensor)}

@@ -38,6 +38,7 @@ PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 SHARDWISE = "shardwise"  # the optimizer, scheduler and model rows, written by sw.save
 MODEL = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME: the whole model, save_only_model=True's only part
+OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME: the plain Trainer's (pickled) optimizer state
 _NAME = re.compile(rf"{PREFIX}-(\d+)")
 
 
@@ -75,7 +76,8 @@ def abandon(staging: str, group) -> None:
 
 def weights_only(path: Path) -> bool:
     """Whether Trainer checkpoint `path` holds the model alone (Note [weights-only checkpoints])."""
-    return (path / STATE).is_file() and (path / MODEL).is_file() and not os.path.lexists(path / SHARDWISE)
+    return ((path / STATE).is_file() and (path / MODEL).is_file() and not os.path.lexists(path / SHARDWISE)
+            and not os.path.lexists(path / OPTIMIZER))  # the plain Trainer's, with an optimizer.pt: not this kind
 
 
 def why_not_whole(path: Path, weights_only_ok: bool = False) -> str | None:
