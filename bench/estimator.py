@@ -171,11 +171,15 @@ def measured(args, arch: str, batch: int) -> dict:
                                            "--steps", str(args.steps)], args.timeout)
 
 
-def measure_ranks(world: int, worker_args: list[str], timeout: float) -> dict:
-    """Run this file's worker on `world` fresh gloo ranks under torchrun; each rank's record and the peak."""
+def measure_ranks(world: int, worker_args: list[str], timeout: float, *, mmap_threshold: bool = True) -> dict:
+    """Run this file's worker on `world` fresh gloo ranks under torchrun; each rank's record and the peak.
+    `mmap_threshold`: the ranks run with MALLOC_MMAP_THRESHOLD_=65536 (what the estimate assumes); False:
+    glibc's default, which keeps freed blocks resident (the variable removed if the shell set it)."""
     from strategies import run_logged  # sibling script: bench/ is on sys.path when run as a script
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    if not mmap_threshold:
+        del env["MALLOC_MMAP_THRESHOLD_"]
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                __file__, "--worker", *worker_args, "--out-dir", out_dir]

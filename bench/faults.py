@@ -60,7 +60,7 @@ ELASTIC_STEPS, ELASTIC_SLEEP = 24, 0.8  # long enough for an agent to join while
 # Torch's elastic agents share one TCPStore across rounds by default, and an agent that joins a
 # later round never gets its address (dynamic_rendezvous.py: only a node without bootstrap info,
 # or a new rank 0, publishes MASTER_ADDR/PORT): the round hangs. This opt-out makes each round's
-# rank 0 host a fresh store, which is what the scale-up needs (README, "Restarts").
+# rank 0 host a fresh store, which is what the scale-up needs (docs/checkpoints.md, "Restarts").
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5"
 ELASTIC_ATOL = 1e-5  # the bar for a run that changed world size (the reduction order changes)

@@ -6,9 +6,10 @@
 The lines marked `# shardwise` (and `import shardwise as sw`) are the whole change from the
 loop Accelerate's docs write (`prepare`, `accumulate`, `backward`, `clip_grad_norm_`,
 `save_model`): `sw.init()`, `sw.shard(model, ...)` before Accelerate sees the model,
-`ShardwiseAccelerator` instead of `Accelerator`, and `sw.save` for checkpoints
-(`accelerator.save_state` is refused on a sharded model: it would keep rank 0's optimizer
-rows only). Mixed precision is `sw.shard(..., precision="bf16")` (`--precision`);
+`ShardwiseAccelerator` instead of `Accelerator`, and `sw.save` for checkpoints, for its
+`step=` and `keep_last=` (`accelerator.save_state(dir)` works too: it writes the same shardwise
+checkpoint, every rank its rows, and `load_state(dir)` reads it back). Mixed precision is
+`sw.shard(..., precision="bf16")` (`--precision`);
 `ShardwiseAccelerator(mixed_precision="bf16")` would autocast instead, as the plain Accelerator
 does (`"fp16"` is refused: use precision="fp16"). GPT-2 is built from a small config over a
 byte-level vocabulary of 256: nothing is downloaded. Every `--save-every` optimizer steps, and at
@@ -107,7 +108,7 @@ def main() -> None:
             accelerator.print(f"step {step} loss {mean.item():.4f}")
             if not math.isfinite(mean.item()):
                 raise SystemExit(f"loss is {mean.item()} at step {step}")
-            if step % args.save_every == 0 or step == args.max_steps:  # not accelerator.save_state: refused
+            if step % args.save_every == 0 or step == args.max_steps:  # or accelerator.save_state(dir): the same
                 sw.save(Path(args.out) / f"step-{step:06d}", model, optim, step=step, keep_last=2)  # shardwise
             if step == args.max_steps:
                 break

@@ -261,3 +261,36 @@ def test_symlinks_are_refused(small, tmp_path):
     (index / "index.json").unlink()
     (index / "index.json").symlink_to(elsewhere / "index.json")
     _refused(index, "symlink")
+
+
+def _many_params_checkpoint(path: Path, count: int) -> list[str]:
+    model = torch.nn.ModuleList(torch.nn.Linear(1, 1, bias=False) for _ in range(count))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    sw.save(path, model, optim)
+    return [name for name, _ in model.named_parameters()]
+
+
+def test_inspect_costs_one_pass_over_a_forged_owner_map(tmp_path, capsys):
+    """Catches `ckpt inspect` counting each recorded owner once per rank of the shard group: a forged
+    `shard_world` of 2^20 (the schema's cap) over 1000 parameters took 102 s and printed a 23 MB line.
+    Only the ranks that own a parameter are listed (a bounded number of them), and a shard group larger
+    than the world size that saved is refused."""
+    from shardwise.cli.main import main
+
+    names = _many_params_checkpoint(tmp_path / "ckpt", 400)
+
+    def forge(world):
+        def change(index):
+            index["world_size"], index["rng"] = 2**20, []
+            index["optimizer"]["owners"] = {"shard_world": world,
+                                            "map": {name: (i * 2621) % world for i, name in enumerate(names)}}
+        return change
+
+    edit_index(tmp_path / "ckpt", forge(2**20))
+    lines, _ = tools.inspect(tmp_path / "ckpt", verify=False)
+    owners = next(line for line in lines if "whole-tensor owners" in line)
+    assert len(owners) < 1000, len(owners)
+    assert "shard group of 1048576" in owners and "rank 0 1 params" in owners and "more ranks" in owners
+    edit_index(tmp_path / "ckpt", lambda index: index.update(world_size=8))
+    assert main(["ckpt", "inspect", "--no-verify", str(tmp_path / "ckpt")]) == 2
+    assert "more than the world size 8" in capsys.readouterr().err

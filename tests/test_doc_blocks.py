@@ -166,3 +166,16 @@ def test_doc_blocks_print_no_avoidable_warning(launches):
         warned = [line for line in output.splitlines() if any(text in line for text in AVOIDABLE)]
         assert warned == [], f"launch {key}:\n" + "\n".join(warned) + "\n" + "\n".join(
             why for text, why in AVOIDABLE.items() if any(text in line for line in warned))
+
+
+def test_the_snippets_issue_44_found_broken_run_as_their_pages_say():
+    """Catches a snippet tested another way than its page says to run it: docs/your-own-model.md's
+    Accelerate loop passed as one process while it failed under torchrun on CPU (no `cpu=True`), and
+    docs/several-machines.md's mesh read os.environ["WORLD_SIZE"], which `python train.py` has not."""
+    accelerate = [s for s in SESSIONS if s.name.startswith("docs/your-own-model.md")
+                  and "ShardwiseAccelerator(" in s.blocks[0].code]
+    assert accelerate and all(s.torchrun >= 2 for s in accelerate), [s.name for s in accelerate]
+    mesh = [s for s in SESSIONS if s.name.startswith("docs/several-machines.md")
+            and "init_device_mesh(" in s.blocks[0].code]
+    assert sorted(s.torchrun for s in mesh) == [0, 4], [s.name for s in mesh]
+    assert 'os.environ["WORLD_SIZE"]' not in mesh[0].blocks[0].code

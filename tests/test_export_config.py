@@ -104,3 +104,119 @@ def test_the_config_is_in_the_index_only_for_hugging_face_models(tmp_path, hf):
     assert (recorded is not None) == hf
     if hf:
         assert recorded["model_type"] == "llama" and recorded["hidden_size"] == 16
+
+
+class _Wrapper(torch.nn.Module):
+    """A user's wrapper that exposes its Hugging Face model's config, as training scripts often do."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.config = net, net.config
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _wrapped(kind: str):
+    if kind == "wrapper":
+        return _Wrapper(_llama())
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"], lora_dropout=0.0))
+
+
+@pytest.mark.parametrize("kind", ["wrapper", "peft"])
+def test_a_model_holding_a_hugging_face_model_exports_no_config(tmp_path, capsys, kind):
+    """Catches an export that from_pretrained loads as a random model: a PeftModel or a wrapper with
+    `self.config = hf_model.config` recorded its config, the export wrote config.json beside tensors named
+    `base_model.model.model...` / `net.model...`, from_pretrained loaded 0 of them, and the CLI said it
+    "wrote config.json". Neither the checkpoint nor sw.export writes a config for them, and both say why."""
+    from shardwise.checkpoint.schema import read_index
+
+    model = _wrapped(kind)
+    sw.save(tmp_path / "ckpt", model)
+    assert read_index(tmp_path / "ckpt").model_config is None
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 0
+    said = capsys.readouterr().out
+    assert "no config.json" in said and "wrote" not in said.split("\n", 2)[-1], said
+    assert not (out.parent / "config.json").exists()
+    with pytest.warns(UserWarning, match="no config.json written"):
+        sw.export(model, tmp_path / "direct" / "model.safetensors")
+    assert not (tmp_path / "direct" / "config.json").exists()
+    if kind == "wrapper":  # a PeftModel's save_pretrained writes its adapters, as PEFT does
+        with pytest.raises(sw.ShardwiseError, match="Save the Hugging Face model itself"):
+            sw.save_pretrained(model, tmp_path / "pretrained")
+
+
+def test_a_compiled_hugging_face_model_still_records_its_config(tmp_path):
+    """Catches the rule above dropping the config of a model whose names only gain `_orig_mod.`."""
+    from shardwise.checkpoint.schema import read_index
+
+    sw.save(tmp_path / "ckpt", torch.compile(_llama()))
+    assert read_index(tmp_path / "ckpt").model_config["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("field,value,message", [("num_hidden_layers", 3, "says the model has 3 layers"),
+                                                 ("hidden_size", 32, "says the hidden size is 32")])
+def test_an_edited_config_is_checked_against_the_tensors(tmp_path, capsys, field, value, message):
+    """Catches a config edited in the index (3 layers where 2 are stored) exported without complaint:
+    from_pretrained built 3 layers, one of them random. The export refuses and writes nothing."""
+    from helpers.damage import edit_index
+
+    sw.save(tmp_path / "ckpt", _llama())
+    edit_index(tmp_path / "ckpt", lambda index: index["model_config"].update({field: value}))
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not (out.parent / "config.json").exists()
+    model = _llama()
+    model.config.num_hidden_layers = 3
+    with pytest.raises(sw.ShardwiseError, match="says the model has 3 layers"):
+        sw.export(model, tmp_path / "direct" / "model.safetensors")
+    assert not (tmp_path / "direct" / "model.safetensors").exists()
+
+
+def test_code_references_are_left_out_of_the_exported_config(tmp_path, capsys):
+    """Catches a crafted `auto_map` (and `custom_pipelines`, at any depth) written into config.json as-is:
+    with trust_remote_code=True, from_pretrained fetches and runs the named repository's code."""
+    import json
+
+    from helpers.damage import edit_index
+
+    sw.save(tmp_path / "ckpt", _llama())
+    code = {"AutoModelForCausalLM": "attacker/repo--modeling.Evil"}
+    edit_index(tmp_path / "ckpt", lambda index: index["model_config"].update(
+        auto_map=code, custom_pipelines={"x": {"impl": "evil.Pipe"}}, rope_scaling={"auto_map": code}))
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 0
+    said = capsys.readouterr().out
+    assert "left out of it: auto_map, custom_pipelines, rope_scaling.auto_map" in said, said
+    written = (out.parent / "config.json").read_text()
+    assert "auto_map" not in written and "custom_pipelines" not in written
+    assert json.loads(written)["model_type"] == "llama"
+
+
+def test_export_does_not_replace_another_config_json(tmp_path, capsys):
+    """Catches an export into a folder that already holds the user's own config.json replacing it
+    (exporting `dir/extra.safetensors`). One that agrees (save_pretrained's, non-default values only,
+    `architectures` filled in) is fine; a different one needs --replace-config / replace_config=True."""
+    import json
+
+    model = _llama()
+    sw.save(tmp_path / "ckpt", model)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    model.save_pretrained(folder)  # the same model's (architectures filled in after the save recorded none): agrees
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(folder / "model.safetensors")]) == 0
+    theirs = {"model_type": "bert", "hidden_size": 768}
+    (folder / "config.json").write_text(json.dumps(theirs))
+    command = ["ckpt", "export", str(tmp_path / "ckpt"), str(folder / "extra.safetensors")]
+    capsys.readouterr()
+    assert cli.main(command) == 2
+    assert "already exists and says another model (hidden_size, model_type differ)" in capsys.readouterr().err
+    assert json.loads((folder / "config.json").read_text()) == theirs and not (folder / "extra.safetensors").exists()
+    with pytest.raises(sw.ShardwiseError, match="replace_config=True"):
+        sw.export(model, folder / "extra.safetensors")
+    assert json.loads((folder / "config.json").read_text()) == theirs
+    assert cli.main([*command, "--replace-config"]) == 0
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"

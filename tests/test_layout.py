@@ -1,7 +1,7 @@
 """The package's layout is its architecture: layers point down, no import cycles, small modules.
 
 Parses every module under src/ with `ast` (imports inside functions count too) and checks
-the layer table below, which README's "Read in this order" follows.
+the layer table below, which docs/index.md's "Reading the code" follows.
 """
 
 from __future__ import annotations

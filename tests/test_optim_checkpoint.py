@@ -90,14 +90,16 @@ def test_another_optimizer_class_is_refused_naming_both(ranks, saved):
     """Catches one class's state loaded into another (Adafactor's factors read as BlockQuant's)."""
     path, _ = saved("hf_adafactor", "zero2")
     for message in ranks.run(load_into, 2, path, "zero2", "blockq", timeout=120):
-        assert "saved from Adafactor" in message and "into BlockQuant" in message, message
+        assert "saved from transformers.optimization.Adafactor" in message, message
+        assert "into helpers.optim_ckpt.BlockQuant" in message, message
 
 
 def test_another_number_of_optimizers_is_refused(ranks, saved):
     """Catches a checkpoint of Muon + AdamW loaded into one optimizer (or one into two)."""
     path, _ = saved("muon", "zero2")
     for message in ranks.run(load_into, 2, path, "zero2", "hf_adafactor", timeout=120):
-        assert "holds the state of 2 optimizer(s) [muon: Muon, adamw: AdamW]" in message, message
+        assert "holds the state of 2 optimizer(s) [muon: torch.optim.Muon, adamw: torch.optim.adamw.AdamW]" \
+            in message, message
         assert "was given 1" in message, message
 
 
@@ -175,11 +177,12 @@ def test_several_optimizers_save_async_keep_last_and_cli(tmp_path):
     assert _equal(_states(muon, factored), _states(muon2, factored2))
     lines, ok = tools.inspect(tmp_path / "step-2")
     text = "\n".join(lines)
-    assert ok and "optimizer 'muon' Muon" in text and "optimizer 'factored' Adafactor" in text, text
+    assert ok and "optimizer 'muon' torch.optim.Muon" in text and "optimizer 'factored' torch.optim.Adafactor" in text
     assert "whole state tensors" in text, text
     sw.save(tmp_path / "one", model, factored)
     lines, same = tools.diff(tmp_path / "step-2", tmp_path / "one")
-    assert "optimizer state: muon: Muon, factored: Adafactor vs Adafactor" in "\n".join(lines), lines
+    assert "optimizer state: muon: torch.optim.Muon, factored: torch.optim.Adafactor vs torch.optim.Adafactor" \
+        in "\n".join(lines), lines
 
 
 def test_optimizer_as_keyword_says_how_to_save_several(tmp_path):
@@ -218,3 +221,91 @@ def test_a_forged_owner_map_is_refused_naming_the_field(tmp_path, owners, proble
     with pytest.raises(sw.ShardwiseError, match="owners") as error:
         read_index(path)
     assert problem in str(error.value), str(error.value)
+
+
+# ---- the optimizer a state belongs to (Note [optimizer class] in optim_state.py) ------------------
+
+
+class _LookalikeAdafactor(torch.optim.Optimizer):
+    """Saves under torch's Adafactor's module, name, group keys and state keys, with other shapes:
+    `row_var` [R, C] and `col_var` [C, C] where torch's are [R, 1] and [1, C]."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0,
+                                  "weight_decay": 0.0, "foreach": None, "maximize": False})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), row_var=torch.zeros_like(p),
+                                 col_var=p.new_zeros(p.shape[1], p.shape[1]))
+                state["step"] += 1
+                state["row_var"].add_(p.grad.square())
+                state["col_var"].add_(p.grad.T @ p.grad)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+_LookalikeAdafactor.__module__, _LookalikeAdafactor.__qualname__ = "torch.optim", "Adafactor"
+
+
+def _stepped(make):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 5, bias=False)
+    optim = make(model.parameters())
+    model(torch.randn(4, 3)).square().sum().backward()
+    optim.step()
+    return model, optim
+
+
+def test_whole_state_of_other_shapes_is_refused(tmp_path):
+    """Catches a look-alike Adafactor's state (row_var [R, C], col_var [C, C]) loaded into torch's
+    Adafactor because the names matched: its next step broadcast the wrong factors silently. The shapes
+    are checked against the ones torch's class makes (a dry step), naming the key and both shapes."""
+    model, optim = _stepped(_LookalikeAdafactor)
+    sw.save(tmp_path / "ckpt", model, optim)
+    fresh, torch_adafactor = _stepped(lambda params: torch.optim.Adafactor(params, lr=1e-2))
+    torch.optim.lr_scheduler.StepLR(torch_adafactor, 10)  # patches torch_adafactor.step on the instance
+    before = fresh.weight.detach().clone()
+    with pytest.raises(sw.ShardwiseError) as caught:
+        sw.load(tmp_path / "ckpt", fresh, torch_adafactor)
+    assert torch.equal(fresh.weight, before), "the dry step stepped the real parameters"
+    message = str(caught.value)
+    assert "'row_var' [5, 3] where a torch.optim.Adafactor has [5, 1]" in message, message
+    assert "'col_var' [3, 3] where a torch.optim.Adafactor has [1, 3]" in message, message
+    sw.save(tmp_path / "good", fresh, torch_adafactor)  # torch's own shapes still load
+    sw.load(tmp_path / "good", *_stepped(lambda params: torch.optim.Adafactor(params, lr=1e-2)))
+
+
+def _hf_adafactor(params):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=1e-2, relative_step=False, scale_parameter=False, warmup_init=False)
+
+
+def _torch_adafactor(params):
+    return torch.optim.Adafactor(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("saved_with,loaded_with", [(_hf_adafactor, _torch_adafactor),
+                                                    (_torch_adafactor, _hf_adafactor)])
+def test_a_class_of_the_same_name_from_elsewhere_is_refused(tmp_path, saved_with, loaded_with):
+    """Catches transformers' Adafactor state loaded into torch.optim.Adafactor because the bare names
+    matched (its `clip_threshold`, `relative_step`... were added to torch's groups and the next step raised
+    "state_steps argument must contain a list of singleton tensors"), and the other direction refused as
+    "edited or damaged". The qualified class is recorded and compared; a checkpoint that records a bare
+    name (an earlier shardwise) is refused on the group settings the loading optimizer lacks, named."""
+    from helpers.damage import edit_index
+
+    model, optim = _stepped(saved_with)
+    sw.save(tmp_path / "ckpt", model, optim)
+    fresh, other = _stepped(loaded_with)
+    with pytest.raises(sw.ShardwiseError, match="one optimizer class's state means nothing to another") as caught:
+        sw.load(tmp_path / "ckpt", fresh, other)
+    assert "transformers.optimization.Adafactor" in str(caught.value), caught.value
+    edit_index(tmp_path / "ckpt", lambda index: index["optimizer"].update({"class": "Adafactor"}))
+    unknown = "beta1, clip_threshold, decay_rate" if saved_with is _hf_adafactor else "beta2_decay, d, foreach"
+    with pytest.raises(sw.ShardwiseError, match=f"settings a .* does not have \\({unknown}"):
+        sw.load(tmp_path / "ckpt", fresh, other)

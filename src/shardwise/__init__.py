@@ -1,6 +1,6 @@
 """shardwise: sharded data-parallel training that keeps parameter sharing exact.
 
-Public API only; see README.md for the files to read in order. The tree is the
+Public API only; see docs/index.md ("Reading the code") for the files to read in order. The tree is the
 architecture: config.py (the options, each rule once) → engine/ (shard() and what it
 drives) → checkpoint/, estimate/, pipeline/ (built on the engine) → cli/ and demo.py.
 """

@@ -202,7 +202,7 @@ def rank_argv(args: argparse.Namespace, strategy: str) -> list[str]:
 
 
 def bytes_per_param(strategy: str, world_size: int) -> float:
-    """fp32 AdamW model state per parameter per rank, as the ZeRO paper counts it (README's table)."""
+    """fp32 AdamW model state per parameter per rank, as the ZeRO paper counts it (docs/measured.md's memory table)."""
     n = world_size
     return {"ddp": 16, "zero1": 8 + 8 / n, "zero2": 4 + 12 / n, "zero3": 16 / n}.get(strategy, 16)
 

@@ -8,6 +8,8 @@ the rendered page and on GitHub) may say how:
     -->
 
 - `torchrun=N`: the block starts a session run by N ranks under torchrun (else: one process);
+- `one-process-too`: a torchrun session that the page also says runs as `python train.py`: it runs
+  both ways (the one-process run is not held to the output shown, which is the ranks');
 - `alone`: the session gets a launch of its own (else it shares one with the sessions of its
   world size: a second Lightning `fit` in the same ranks hangs);
 - `continue`: the block runs in the previous block's session, after it, in the same namespace;
@@ -24,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,10 +48,12 @@ class Block:
     continues: bool = False
     skip: str = ""
     expected: str | None = None
+    one_process_too: bool = False
+    variant: str = ""  # " as python": the one-process run of a `one-process-too` block
 
     @property
     def name(self) -> str:
-        return f"{self.page}:{self.line}"
+        return f"{self.page}:{self.line}{self.variant}"
 
 
 @dataclass
@@ -121,6 +125,8 @@ def apply_marker(block: Block, before: str) -> None:
             block.continues = True
         elif word == "alone":
             block.alone = True
+        elif word == "one-process-too":
+            block.one_process_too = True
         elif word.startswith("torchrun="):
             block.torchrun = int(word.split("=", 1)[1])
         elif word.startswith("skip="):
@@ -144,6 +150,9 @@ def sessions() -> list[Session]:
                 page.append(Session([block]))
         for session in page:
             unique.setdefault(session.key, session)
+            if session.blocks[0].one_process_too:  # the same code as `python train.py`
+                alone = Session([replace(b, torchrun=0, expected=None, variant=" as python") for b in session.blocks])
+                unique.setdefault(alone.key, alone)
     return list(unique.values())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.files import FileWriter, TensorSpec
-from shardwise.checkpoint.model_config import model_config, write_config
+from shardwise.checkpoint.model_config import held_config, model_config, prepare_config, write_config
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
 from shardwise.engine.protocol import slicing_of
@@ -19,7 +20,7 @@ from shardwise.engine.unit.info import ShardInfo, shard_info
 from shardwise.errors import ShardwiseError
 
 
-def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
+def export(model: nn.Module, path, *, duplicate_tied: bool = False, replace_config: bool = False) -> Path:
     """Write the model's full parameters and buffers to one plain `model.safetensors`; every rank calls it.
 
     Streams one parameter at a time (a sharded model gathers each to rank 0, writes it
@@ -30,8 +31,11 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     name to it (safetensors' own convention), and loading into a model that ties them
     re-ties them. `duplicate_tied=True` stores every name (the tied bytes once per
     name), for a plain strict `load_state_dict`. A Hugging Face model's `config.json` is written
-    beside `path` too (export to `DIR/model.safetensors` and `from_pretrained(DIR)` loads it).
-    Returns `path`.
+    beside `path` too (export to `DIR/model.safetensors` and `from_pretrained(DIR)` loads it), after
+    its layer count and hidden size are checked against the tensors, without code references
+    (`auto_map`), and never over a different config.json unless `replace_config=True` (Note [model
+    config]); a model that only holds a Hugging Face model (a PeftModel, a wrapper) gets none, with a
+    warning. Returns `path`.
     """
     slicing = slicing_of(model)  # sliced by sw.slice: whole tensors (Note [unsliced view])
     if slicing is not None:
@@ -54,9 +58,16 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
         specs.append(TensorSpec(name, buffer.dtype, tuple(buffer.shape)))
         producers.append(lambda buffer=buffer: buffer)
     partial = partial_name(path)
-    writer, error = None, None
+    writer, error, config = None, None, None
     if rank == 0:
         try:
+            _warn_held_config(model)
+            shapes = {spec.key: spec.shape for spec in specs}
+            config, dropped = prepare_config(model_config(model), shapes, path.parent, replace=replace_config,
+                                             where=f"{type(model).__name__}.config")
+            if dropped:
+                warnings.warn(f"sw.export: {path.parent / 'config.json'} is written without {', '.join(dropped)} "
+                              "(code references: Note [model config])", stacklevel=2)
             path.parent.mkdir(parents=True, exist_ok=True)
             writer = FileWriter(partial, specs, metadata)
         except Exception as exc:  # noqa: BLE001
@@ -75,7 +86,6 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
             if error is None:
                 writer.close()
                 os.replace(partial, path)
-                config = model_config(model)
                 if config is not None:
                     write_config(config, path.parent)
         except Exception as exc:  # noqa: BLE001
@@ -88,6 +98,15 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False) -> Path:
     if error is not None:
         raise ShardwiseError(f"exporting to {path} failed: {error}")
     return path
+
+
+def _warn_held_config(model: nn.Module) -> None:
+    """Say why an export of a model holding a Hugging Face model writes no config.json (Note [model config])."""
+    why = held_config(model)
+    if why is not None:
+        warnings.warn(f"sw.export: no config.json written: {type(model).__name__} {why}, which from_pretrained "
+                      "would not load. Export the Hugging Face model itself (a PeftModel: merge_and_unload() first) "
+                      "for a from_pretrained directory", stacklevel=3)
 
 
 def partial_name(path: Path) -> Path:
@@ -188,8 +207,12 @@ def save_pretrained(model: nn.Module, directory) -> Path:
     if not hasattr(config, "save_pretrained"):
         raise ShardwiseError(f"{type(model).__name__} has no Hugging Face config (model.config.save_pretrained): "
                              "use sw.export(model, path) for a plain safetensors file")
+    why = held_config(model)
+    if why is not None:  # Note [model config]: from_pretrained would load none of the tensors
+        raise ShardwiseError(f"{type(model).__name__} {why}, which from_pretrained would not load. Save the "
+                             "Hugging Face model itself")
     directory = Path(directory).absolute()
-    export(model, directory / "model.safetensors")
+    export(model, directory / "model.safetensors", replace_config=True)  # as save_pretrained does
     _, rank, _ = group_of(model)
     if rank == 0:
         config.save_pretrained(directory)

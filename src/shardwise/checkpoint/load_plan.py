@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import class_name, full_info, held_params, optimizer_names, placements
+from shardwise.checkpoint.optim_state import (
+    StateShapes,
+    check_group_keys,
+    class_name,
+    full_info,
+    held_params,
+    optimizer_names,
+    placements,
+    same_class,
+)
 from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.schema import OptimizerRecord
 from shardwise.checkpoint.sources import Source, SourceTensor
@@ -161,13 +170,14 @@ def _pair_optimizers(source: Source, job: LoadJob, report: LoadReport) -> list[t
     paired = []
     for number, (_, optim) in zip(order, given):
         record = saved[number]
-        if record.class_name not in (class_name(optim), type(optim).__name__):
+        if not same_class(record.class_name, optim):  # Note [optimizer class] in optim_state.py
             label = f" ({record.name!r})" if record.name else f" (number {number})" if len(saved) > 1 else ""
             raise ShardwiseError(
                 f"{where}: the optimizer state{label} was saved from {record.class_name} and would load into "
                 f"{class_name(optim)}: one optimizer class's state means nothing to another. Build the "
                 f"{record.class_name} the checkpoint was saved with, or load the model alone (sw.load(path, model)) "
                 "and start the new optimizer fresh")
+        check_group_keys(record.groups, optim, where)
         paired.append((number, record, optim))
     return paired
 
@@ -218,6 +228,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
     names = optimizer_names(optim, infos)
     where_state = placements(optim, infos)
     _check_owners(source.values_file or source.description, saved, optim, names, pairs, where_state)
+    shapes = StateShapes(optim)  # Note [optimizer class] in optim_state.py
     same_groups = len(saved.groups) == len(optim.param_groups)
     if same_groups:
         load.settings = []
@@ -242,6 +253,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
             if state is None or not place.mine:
                 load.states.append((param, None, None, None))  # none saved, or another rank owns it
                 continue
+            shapes.check(name, index, tuple(infos[name].full_shape), param.dtype, state, source.values_file)
             for key, value in state.scalars.items():
                 where = f"{source.values_file}: optimizer state {key!r} of {name!r}"
                 _check_scalar(from_json(value, where=where), where)

@@ -185,6 +185,10 @@ def parse_index(path: Path, index) -> Index:
     buffers = {f.name(n, "buffers"): _tensor(f, e, f"buffers[{n!r}]", files, "buffer/")
                for n, e in f.dict(index, "buffers").items()}
     optimizers = () if index.get("optimizer") is None else (_optimizer(f, index["optimizer"], params, files),)
+    for number, optim in enumerate(optimizers):  # a shard group lies within the ranks that saved
+        if optim.owner_world > world:
+            raise f.fail(f"optimizers[{number}].owners" if len(optimizers) > 1 else "optimizer.owners",
+                         f"has a shard group of {optim.owner_world} ranks, more than the world size {world}")
     several = index.get("optimizers") is not None
     if several:
         if optimizers:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.checkpoint.export import partial_name
 from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise.checkpoint.model_config import write_config
+from shardwise.checkpoint.model_config import prepare_config, write_config
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
 from shardwise.errors import ShardwiseError
@@ -52,9 +54,7 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
         lines.append(f"  optimizer{label} {_clip(optim.class_name)}: {len(optim.state)} params with state{extra}; "
                      f"groups {groups}")
         if optim.owners:  # Note [recorded owners]
-            held = [sum(owner == rank for owner in optim.owners.values()) for rank in range(optim.owner_world)]
-            lines.append(f"    whole-tensor owners (shard group of {optim.owner_world}): "
-                         + ", ".join(f"rank {rank} {count} params" for rank, count in enumerate(held)))
+            lines.append(_owner_line(optim.owners, optim.owner_world))
     if not index.optimizers:
         lines.append("  optimizer: none saved")
     lines.append(f"  scheduler: {'saved' if index.scheduler is not None else 'none saved'}; "
@@ -93,6 +93,22 @@ def inspect(path, *, verify: bool = True) -> tuple[list[str], bool]:
     return lines, ok
 
 
+_OWNING_RANKS_SHOWN = 16  # ranks listed by name on the owners' line; the rest are counted
+
+
+def _owner_line(owners: dict[str, int], world: int) -> str:
+    """The owners' load per rank, in one pass over the map: only the ranks that own something are
+    listed (at most `_OWNING_RANKS_SHOWN`, then a count), so a forged shard group size costs nothing."""
+    held = collections.Counter(owners.values())
+    ranks = sorted(held)
+    shown = ", ".join(f"rank {rank} {held[rank]} params" for rank in ranks[:_OWNING_RANKS_SHOWN])
+    more = len(ranks) - _OWNING_RANKS_SHOWN
+    rest = f", and {more} more ranks ({sum(held[r] for r in ranks[_OWNING_RANKS_SHOWN:])} params)" if more > 0 else ""
+    idle = world - len(ranks)
+    return (f"    whole-tensor owners (shard group of {world}): {shown}{rest}"
+            + (f"; {idle} ranks own none" if idle else ""))
+
+
 def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -102,12 +118,23 @@ def _foreign_files(path: Path, files) -> list[str]:
     return sorted(name for name in os.listdir(path) if name != INDEX and name not in files)
 
 
-def export_checkpoint(path, out) -> Path:
+@dataclass(frozen=True)
+class Exported:
+    """What `export_checkpoint` wrote: the safetensors file, the config.json beside it (None: none was
+    written) and the code references dropped from that config (Note [model config] in model_config.py)."""
+
+    path: Path
+    config: Path | None
+    dropped: tuple[str, ...] = ()
+
+
+def export_checkpoint(path, out, *, replace_config: bool = False) -> Exported:
     """Write checkpoint directory `path`'s parameters and buffers to one plain safetensors
     file `out` (as `sw.export` writes from a model), one tensor in memory at a time; and,
     when the checkpoint recorded a Hugging Face config (Note [model config] in model_config.py), its
-    `config.json` beside `out` (`config_written(out)` says whether it did). An `out` inside the
-    checkpoint directory is refused (it would overwrite what it reads)."""
+    `config.json` beside `out`: checked against the tensors, without code references, and never over
+    a different config.json there unless `replace_config`. Every check runs before anything is
+    written. An `out` inside the checkpoint directory is refused (it would overwrite what it reads)."""
     out = Path(out).absolute()
     inside = Path(os.path.realpath(path))
     if os.path.commonpath([inside, os.path.realpath(out.parent)]) == str(inside) or \
@@ -115,13 +142,16 @@ def export_checkpoint(path, out) -> Path:
         raise ShardwiseError(f"{out} is inside the checkpoint {path} that the export reads: write it elsewhere")
     source = CheckpointDir(Path(path), lambda name: name)
     try:
-        config = source.index.model_config
         metadata, specs, tensors = {"format": "pt"}, [], []
         for tensor in source.tensors.values():
             specs.append(TensorSpec(tensor.name, tensor.dtype, tensor.shape))
             tensors.append(tensor)
             for alias in tensor.aliases:
                 metadata[alias] = tensor.name
+        shapes = {spec.key: spec.shape for spec in specs}
+        shapes.update({alias: shapes[name] for alias, name in metadata.items() if name in shapes})
+        config, dropped = prepare_config(source.index.model_config, shapes, out.parent, replace=replace_config,
+                                         where=f"{Path(path) / INDEX}: its model_config")
         partial = partial_name(out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)  # as sw.export does
@@ -138,11 +168,10 @@ def export_checkpoint(path, out) -> Path:
             partial.unlink(missing_ok=True)
             raise
         os.replace(partial, out)
-        if config is not None:
-            write_config(config, out.parent)
+        written = write_config(config, out.parent) if config is not None else None
     finally:
         source.close()
-    return out
+    return Exported(out, written, tuple(dropped))
 
 
 _BLOCK_BYTES = 16 * _MIB  # rows compared at a time by `diff --values`

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from shardwise.checkpoint import tools
-from shardwise.checkpoint.model_config import CONFIG
 from shardwise.errors import ShardwiseError
 
 
@@ -33,11 +32,16 @@ def add_commands(commands) -> None:
                     "stored once). One tensor is in memory at a time. When DIR was saved from a Hugging "
                     "Face model (its config is recorded at save), config.json is written beside OUT too, so "
                     "`from_pretrained(OUT's directory)` loads it (name OUT model.safetensors); otherwise the "
-                    "command says that the checkpoint does not know its model's config.",
+                    "command says that the checkpoint does not know its model's config. The config's layer count "
+                    "and hidden size are checked against the tensors first, code references (auto_map, "
+                    "custom_pipelines) are left out, and a different config.json already there is not replaced "
+                    "unless --replace-config.",
     )
     export.add_argument("dir", metavar="DIR", help="a checkpoint directory")
     export.add_argument("out", metavar="OUT.safetensors", help="the file to write")
     export.add_argument("--mkdir", action="store_true", help="create OUT's directory when it does not exist")
+    export.add_argument("--replace-config", action="store_true",
+                        help="replace a config.json beside OUT that describes another model")
     diff = actions.add_parser(
         "diff", help="keys, shapes and dtypes that differ between two checkpoints",
         description="Compare DIR and OTHER (checkpoint directories, .safetensors files or torch.save'd "
@@ -94,8 +98,8 @@ def _run(args) -> int:
         created = not folder.is_dir()
         if created and not args.mkdir:
             raise ShardwiseError(f"directory {folder} does not exist: create it, or pass --mkdir")
-        written = tools.export_checkpoint(args.dir, args.out)
-        _say([f"created {folder}/"] * created + [f"wrote {written}", _config_line(Path(args.dir), written)])
+        exported = tools.export_checkpoint(args.dir, args.out, replace_config=args.replace_config)
+        _say([f"created {folder}/"] * created + [f"wrote {exported.path}", *_config_lines(exported)])
         return 0
     if args.action == "diff":
         lines, same = tools.diff(args.dir, args.other, values=args.values)
@@ -105,13 +109,18 @@ def _run(args) -> int:
     return 0
 
 
-def _config_line(checkpoint: Path, written: Path) -> str:
+def _config_lines(exported: tools.Exported) -> list[str]:
     """What the export did about config.json (Note [model config] in checkpoint/model_config.py)."""
-    if tools.read_index(checkpoint).model_config is None:
-        return ("no config.json: this checkpoint does not record a Hugging Face config (it was saved from a model "
-                "without one, or by an earlier shardwise). For from_pretrained, write the model's config "
-                f"beside it: model.config.save_pretrained({str(written.parent)!r})")
-    line = f"wrote {written.parent / CONFIG} (the config recorded at save)"
+    written = exported.path
+    if exported.config is None:
+        return [("no config.json: this checkpoint does not record a Hugging Face config (it was saved from a model "
+                 "without one, from a model that holds one under names of its own such as a PeftModel or a wrapper, "
+                 "or by an earlier shardwise). For from_pretrained, save or export the Hugging Face model itself, or "
+                 f"write its config beside it: model.config.save_pretrained({str(written.parent)!r})")]
+    lines = [f"wrote {exported.config} (the config recorded at save, checked against the tensors)"]
+    if exported.dropped:
+        lines.append(f"left out of it: {', '.join(exported.dropped)} (references to code that from_pretrained "
+                     "would import with trust_remote_code=True; add them back only from a source you trust)")
     if written.name != "model.safetensors":
-        line += f"; from_pretrained({str(written.parent)!r}) reads model.safetensors: name OUT so to load it there"
-    return line
+        lines[0] += f"; from_pretrained({str(written.parent)!r}) reads model.safetensors: name OUT so to load it there"
+    return lines

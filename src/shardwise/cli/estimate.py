@@ -181,6 +181,9 @@ def _units_argument(units) -> str:
     return f", units={list(units)!r}"
 
 
+ALLOCATOR = "MALLOC_MMAP_THRESHOLD_=65536"  # the environment the estimate is calibrated in (Note [allocator])
+
+
 def _print_plan(model, extra: dict, args) -> int:
     memory, units = parse_bytes(args.memory), extra["units"]
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
@@ -215,6 +218,9 @@ def _print_plan(model, extra: dict, args) -> int:
     print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
           f'{offload}{recompute})')
     print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
+    print(f"run: {ALLOCATOR} torchrun ... (on CPU: the estimate is peak RSS with it set, as "
+          "bench/plan_followed.py measures; glibc's default keeps freed blocks resident and can exceed the plan "
+          "by 16-30%: Note [allocator] in estimate/core.py)")
     return 0
 
 

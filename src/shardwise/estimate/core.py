@@ -66,6 +66,16 @@ measured peaks (within 5% at every probe of its 2 GiB run, offload included).
 right after `sw.init()`, and about 60 MiB more once steps run (malloc arenas of small
 blocks, oneDNN scratch, gloo's buffers, autograd's graph), so 330 MiB per rank (224 MiB
 for one process without a group): torch 2.13 CPU, fitted on bench/max_model.py's probes.
+
+Note [allocator]: every figure above is peak RSS with MALLOC_MMAP_THRESHOLD_=65536, the environment
+the estimate was fitted in: glibc's malloc then returns each freed block of 64 KiB or more to the
+system at once. Under glibc's default threshold (which grows with the blocks freed) freed blocks stay
+resident (zero3's gathered units, the step's temporaries), and the same run peaked 16-30% above the
+plan (bench/plan_followed.py --malloc both: zero2 planned 704 MiB, 698 measured with the setting, 912
+without; issue 44: zero3+bf16+offload planned 957 MiB, measured 1111; zero2 1216, measured 1450). That
+retention depends on the order of frees, not on the model's sizes, so it is not modelled: `shardwise
+plan` prints the environment its promise holds in on its `run:` line, and bench/plan_followed.py
+`--malloc both` measures the chosen row both ways.
 """
 
 from __future__ import annotations

@@ -11,6 +11,13 @@ see whole checkpoints. A save that fails removes what it wrote. Resuming with
 `resume_from_checkpoint=True` takes the newest `checkpoint-N` that is whole (trainer_state.json
 and a readable `shardwise/` checkpoint), and says in one log line per checkpoint it skips why
 (one written before this rule, or by the plain Trainer).
+
+Note [weights-only checkpoints]: with `save_only_model=True` the Trainer writes the model alone
+(`model.safetensors`, whole: ShardwiseTrainer.save_model gathers it) and no `shardwise/` part. The
+plain Trainer resumes from such a checkpoint with the weights loaded and the optimizer and scheduler
+started afresh; ShardwiseTrainer does the same, and says so in one log line. Under
+`resume_from_checkpoint=True` such a checkpoint counts as whole only when the run saves that way too
+(`save_only_model=True`): otherwise a missing `shardwise/` part means a save that failed.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ log = logging.getLogger("shardwise.integrations")
 PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
 STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME
 SHARDWISE = "shardwise"  # the optimizer, scheduler and model rows, written by sw.save
+MODEL = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME: the whole model, save_only_model=True's only part
+OPTIMIZER = "optimizer.pt"  # transformers' OPTIMIZER_NAME: the plain Trainer's (pickled) optimizer state
 _NAME = re.compile(rf"{PREFIX}-(\d+)")
 
 
@@ -65,10 +74,19 @@ def abandon(staging: str, group) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def why_not_whole(path: Path) -> str | None:
-    """Why Trainer checkpoint `path` cannot be resumed from; None when it is whole."""
+def weights_only(path: Path) -> bool:
+    """Whether Trainer checkpoint `path` holds the model alone (Note [weights-only checkpoints])."""
+    return ((path / STATE).is_file() and (path / MODEL).is_file() and not os.path.lexists(path / SHARDWISE)
+            and not os.path.lexists(path / OPTIMIZER))  # the plain Trainer's, with an optimizer.pt: not this kind
+
+
+def why_not_whole(path: Path, weights_only_ok: bool = False) -> str | None:
+    """Why Trainer checkpoint `path` cannot be resumed from; None when it is whole (a weights-only one
+    when `weights_only_ok`: Note [weights-only checkpoints])."""
     if not (path / STATE).is_file():
         return f"it has no {STATE}"
+    if weights_only_ok and weights_only(path):
+        return None
     if not (path / SHARDWISE).is_dir():
         return (f"it has no {SHARDWISE}/ part (a save that failed before this version, one saved with "
                 "save_only_model=True, or one the plain Trainer wrote)")
@@ -79,14 +97,14 @@ def why_not_whole(path: Path) -> str | None:
     return None
 
 
-def last_whole(output_dir: str, report: bool = True) -> str | None:
-    """The newest whole `checkpoint-N` in `output_dir`; one log line for each newer one skipped
-    (when `report`: rank 0 reports, the others look quietly)."""
+def last_whole(output_dir: str, report: bool = True, weights_only_ok: bool = False) -> str | None:
+    """The newest whole `checkpoint-N` in `output_dir` (`weights_only_ok`: Note [weights-only checkpoints]);
+    one log line for each newer one skipped (when `report`: rank 0 reports, the others look quietly)."""
     directory = Path(output_dir)
     found = sorted(((int(m.group(1)), child) for child in directory.iterdir() if child.is_dir()
                     and (m := _NAME.fullmatch(child.name))), reverse=True) if directory.is_dir() else []
     for _, path in found:
-        reason = why_not_whole(path)
+        reason = why_not_whole(path, weights_only_ok)
         if reason is None:
             return str(path)
         if report:

@@ -27,6 +27,7 @@ Trainer's does) or refused when the trainer is built (Note [trainer arguments] i
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import transformers
 
@@ -61,8 +62,8 @@ class ShardwiseTrainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is True:  # the newest whole checkpoint (Note [whole trainer checkpoints])
-            resume_from_checkpoint = trainer_checkpoints.last_whole(self.args.output_dir,
-                                                                    report=group_of(self.model)[1] == 0)
+            resume_from_checkpoint = trainer_checkpoints.last_whole(
+                self.args.output_dir, report=group_of(self.model)[1] == 0, weights_only_ok=self.args.save_only_model)
             if resume_from_checkpoint is None:
                 raise ShardwiseError(f"resume_from_checkpoint=True: no whole checkpoint-N in {self.args.output_dir} "
                                      "to resume from (see the log for the ones skipped)")
@@ -124,15 +125,24 @@ class ShardwiseTrainer(transformers.Trainer):
                 "No checkpoint was written; earlier ones are untouched.") from None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if trainer_checkpoints.weights_only(Path(resume_from_checkpoint)):  # Note [weights-only checkpoints]
+            load(os.path.join(resume_from_checkpoint, trainer_checkpoints.MODEL), self.model)
+            return
         load(os.path.join(resume_from_checkpoint, "shardwise"), self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
+        if trainer_checkpoints.weights_only(Path(checkpoint)):  # Note [weights-only checkpoints]
+            if group_of(self.model)[1] == 0:
+                trainer_checkpoints.log.warning(
+                    "ShardwiseTrainer: %s holds the model alone (saved with save_only_model=True): its weights are "
+                    "loaded, the optimizer and scheduler start afresh, as the Trainer does", checkpoint)
+            return
         path = os.path.join(checkpoint, "shardwise")
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # saved under the user's class
         saved = next(iter(read_index(path).optimizers), None)
-        if saved is not None and saved.class_name == type(self.optimizer).__name__:
+        if saved is not None and saved.class_name == type(self.optimizer).__name__:  # a bare name
             optimizer = self.optimizer  # saved before shardwise named the user's class (AcceleratedOptimizer)
         load(path, self.model, optimizer, self.lr_scheduler)
 
