@@ -15,6 +15,7 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec
 from shardwise.checkpoint.model_config import held_config, model_config, prepare_config, write_config
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import ShardInfo, shard_info
 from shardwise.errors import ShardwiseError
@@ -127,7 +128,7 @@ _SENT: list[torch.Tensor] = []
 
 def _gather_full(info: ShardInfo, rank: int) -> torch.Tensor | None:
     """The full value of one sharded parameter on rank 0 of the model's group (None elsewhere): a collective."""
-    rows = info.full_shape[0] if len(info.full_shape) else 1
+    rows = num_rows(info.full_shape)
     # Rows are chunked over the shard group (the whole group of a flat layout): each replica gathers its
     # own, and only the model group's rank 0, shard rank 0 of replica 0, keeps the result (Note [mesh info]).
     group, world, shard_rank = info.mesh.shard_group, info.mesh.shard_world, info.mesh.shard_rank
@@ -184,7 +185,7 @@ def _all_gather_full(info: ShardInfo) -> torch.Tensor:
     shard = info.param.detach().contiguous()
     gathered = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     torch.distributed.all_gather_single(gathered, shard, group=group)
-    rows = info.full_shape[0] if len(info.full_shape) else 1
+    rows = num_rows(info.full_shape)
     return gathered[:rows].reshape(info.full_shape)
 
 

@@ -19,8 +19,7 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
   The header is parsed and checked against the file by wire/st_header.py, the one
   safetensors header parser, which the host copy of frozen weights uses too.
 
-Files written here are ordinary safetensors files: `safetensors.safe_open` and
-`safetensors.torch.load_file` read them.
+Files written here are ordinary safetensors files: `safetensors.safe_open` and `load_file` read them.
 
 Note [chunk checksums]: each tensor's bytes are checksummed (crc32: 1.5 GB/s, ten times that
 with ISA-L, Note [fast crc32] in crc.py; sha256 1.0 GB/s) in chunks of whole rows of about
@@ -49,6 +48,7 @@ from shardwise.checkpoint.crc import crc32
 from shardwise.checkpoint.disk import WRITEBACK_BYTES, SavePhases, start_writeback
 from shardwise.checkpoint.mapped import MappedFile
 from shardwise.checkpoint.sparse_crc import crc_of_range
+from shardwise.engine.layout.rows import num_rows, row_numel
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import CODE_OF_DTYPE, Entry, read_header
 
@@ -66,8 +66,8 @@ def dtype_code(dtype: torch.dtype) -> str:
 
 def chunk_rows(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Rows per checksum chunk for a tensor of `shape` (Note [chunk checksums])."""
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize if len(shape) else dtype.itemsize
-    return max(1, CHUNK_BYTES // row_bytes) if row_bytes else max(1, shape[0] if shape else 1)
+    row_bytes = row_numel(shape) * dtype.itemsize
+    return max(1, CHUNK_BYTES // row_bytes) if row_bytes else max(1, num_rows(shape))
 
 
 def as_bytes(tensor: Tensor) -> memoryview:
@@ -144,7 +144,7 @@ class FileWriter:
         with self.phases.timed("gather"):
             tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
         data = as_bytes(tensor)
-        step = chunk_rows(spec.shape, spec.dtype) * (spec.nbytes // max(1, spec.shape[0] if spec.shape else 1))
+        step = chunk_rows(spec.shape, spec.dtype) * (spec.nbytes // max(1, num_rows(spec.shape)))
         crcs = []
         for start in range(0, len(data), max(step, 1)):
             chunk = data[start : start + step]

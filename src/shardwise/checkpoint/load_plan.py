@@ -23,6 +23,7 @@ from shardwise.checkpoint.report import LoadReport, match
 from shardwise.checkpoint.schema import OptimizerRecord
 from shardwise.checkpoint.sources import Source, SourceTensor
 from shardwise.checkpoint.values import check_like, check_rng, from_json, like_current
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.optim.whole_step import owners_layout
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
@@ -116,7 +117,7 @@ def plan_load(job: LoadJob) -> LoadPlan:
             dest = row_view(info.param, info, lo, hi)
         else:
             buffer = buffers[name]
-            lo, hi = 0, buffer.shape[0] if buffer.dim() else 1
+            lo, hi = 0, num_rows(buffer.shape)
             dest = buffer.reshape(-1) if buffer.dim() == 0 else buffer
         plan.reads.append((name, tensor, lo, hi, dest))
     for number, saved, optim in paired:
@@ -266,7 +267,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
                 reads.append(StateRead(key, tensor, info, shape, param.dtype if floating else tensor.dtype))
             for key, record in state.whole.items():
                 tensor = source.optimizer_tensor(number, pairs[name].name, key, whole=True)
-                rows = record.shape[0] if record.shape else 1
+                rows = num_rows(record.shape)
                 reads.append(StateRead(key, tensor, ShardInfo(param, record.shape, 0, rows, ()), record.shape,
                                        record.dtype))
             load.states.append((param, state.scalars, reads, param.device if on_device else "cpu"))

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.values import to_json
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.engine.optim.whole_step import StepShape, owner_map, owners_layout, step_shape, unwrapped
 from shardwise.engine.unit.info import ShardInfo
@@ -176,7 +177,7 @@ def recorded_owners(optim, names: dict[int, str], where: dict[int, Placement]) -
 
 def full_info(info: ShardInfo) -> ShardInfo:
     """`info` for a tensor holding every row of the parameter (an owner's whole state)."""
-    rows = info.full_shape[0] if len(info.full_shape) else 1
+    rows = num_rows(info.full_shape)
     return ShardInfo(info.param, info.full_shape, 0, rows, info.aliases)
 
 

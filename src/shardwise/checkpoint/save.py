@@ -76,6 +76,7 @@ from shardwise.checkpoint.owner import SaveLock, claim_partial
 from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
+from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
@@ -316,7 +317,7 @@ def _write_rank_file(job: SaveJob) -> dict:
                        "tensors": tensors, "whole": whole})
     if rank == 0:  # buffers are replicated and small: rank 0 writes them whole
         for name, buffer in job.buffers.items():
-            info = ShardInfo(buffer, buffer.shape, 0, buffer.shape[0] if buffer.dim() else 1, ())
+            info = ShardInfo(buffer, buffer.shape, 0, num_rows(buffer.shape), ())
             add("buffer", name, f"buffer/{name}", buffer, info, 0, info.row_end)
     rng_tensors, rng = job.rng[0], dict(job.rng[1])
     for key, tensor in rng_tensors.items():

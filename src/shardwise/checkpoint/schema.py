@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from shardwise.checkpoint.bounded_json import Fields, parse_json, read_bounded
+from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import DTYPE_OF_CODE
 
@@ -79,7 +80,7 @@ class TensorRecord:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
+        return num_rows(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -234,7 +235,7 @@ def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool
     dtype = DTYPE_OF_CODE[code]
     if math.prod(got) * dtype.itemsize > 2**62:
         raise f.fail(f"{where}.shape", f"{list(got)} is larger than any file")
-    rows = got[0] if got else 1
+    rows = num_rows(got)
     row_bytes = math.prod(got[1:]) * dtype.itemsize
     slices = []
     for i, raw in enumerate(f.list(entry, "slices", where)):

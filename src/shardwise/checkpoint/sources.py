@@ -22,6 +22,7 @@ from torch import Tensor
 from shardwise.checkpoint.files import FileReader
 from shardwise.checkpoint.names import clean_name
 from shardwise.checkpoint.schema import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord, read_index
+from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 
 
@@ -188,7 +189,7 @@ class CheckpointDir(Source):
 
     def _read_flat(self, name, record: TensorRecord, start: int, stop: int) -> Tensor:
         row = math.prod(record.shape[1:])  # elements per row
-        rows = record.shape[0] if record.shape else 1
+        rows = num_rows(record.shape)
         parts = self._parts(name, record.slices, start // max(row, 1), min(rows, -(-stop // max(row, 1))))
         pieces = [self.reader(piece.file).read_span(piece.key, max(start, a * row) - piece.lo * row,
                                                     min(stop, b * row) - piece.lo * row) for piece, a, b in parts]

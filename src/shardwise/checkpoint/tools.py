@@ -14,6 +14,7 @@ from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_
 from shardwise.checkpoint.model_config import prepare_config, write_config
 from shardwise.checkpoint.schema import INDEX, read_index
 from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
+from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 
 _MIB = 2**20  # MiB, as the estimator and sw.describe print
@@ -160,7 +161,7 @@ def export_checkpoint(path, out, *, replace_config: bool = False) -> Exported:
         writer = FileWriter(partial, specs, metadata)
         try:
             for spec, tensor in zip(specs, tensors):
-                rows = spec.shape[0] if spec.shape else 1
+                rows = num_rows(spec.shape)
                 writer.write_next(tensor.read(0, rows, None).reshape(spec.shape))
             writer.close()
         except BaseException:
@@ -180,7 +181,7 @@ _BLOCK_BYTES = 16 * _MIB  # rows compared at a time by `diff --values`
 def _blocks(source, tensor: SourceTensor, row_bytes: int, flat: bool):
     """`tensor`'s elements in order, flat, about _BLOCK_BYTES at a time: whole rows, or parts of a
     row larger than that (its chunks' crcs checked first, streaming, by `source.verify`)."""
-    rows = tensor.shape[0] if tensor.shape else 1
+    rows = num_rows(tensor.shape)
     if not flat:
         step = max(1, _BLOCK_BYTES // max(1, row_bytes))
         for lo in range(0, rows, step):
@@ -195,7 +196,7 @@ def _blocks(source, tensor: SourceTensor, row_bytes: int, flat: bool):
 def _largest_difference(first, second, x: SourceTensor, y: SourceTensor) -> float:
     """max |x - y| over two tensors of one shape, read _BLOCK_BYTES at a time (never whole, nor a
     whole row larger than that) and compared 2^20 elements at a time in float64."""
-    rows = x.shape[0] if x.shape else 1
+    rows = num_rows(x.shape)
     row_bytes = _nbytes(x) // max(rows, 1)
     largest = 0.0
     flat = row_bytes > _BLOCK_BYTES and x.read_flat is not None and y.read_flat is not None  # the same blocks
