@@ -1,7 +1,7 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: agreement, collectives, compat, consistency, flat_unit, gather_schedule, info, mesh_info, offload,
-optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict, unit_choice,
-units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
+(flat_unit.py). Uses: agreement, collectives, compat, consistency, flat_unit, gather_schedule, gather_tags, info,
+mesh_info, offload, optim_hooks, phase, precision, protocol, recompute, reducer, sharding, stage, state_dict,
+unit_choice, units, window. Optimizer state is always sharded: by rows, or by parameter for whole-tensor
 optimizers (whole_step.py).
 
 The hooks, in FSDP2's verbs (a unit's states are flat_unit.py's Note [unit lifecycle]):
@@ -44,7 +44,8 @@ whose turn comes before it is ready holds back the ones after it, never reorders
 them. Reduce-scatters run on a group of their own, so they never interleave with
 gathers. zero3's forward gathers follow the forward itself (prefetched in the last
 forward's unit order once every rank's header agrees, else registration order), so zero3
-requires every rank to run the same units in each step (as FSDP does); parameters
+requires every rank to run the same units in each step (as FSDP does; a rank that does not is
+refused on every rank at the first gather that differs: Note [gather tags]); parameters
 unused by every rank and branches inside a unit may still differ.
 """
 
@@ -63,9 +64,10 @@ from shardwise.config import ShardConfig
 from shardwise.engine.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.collectives import host_group_of, new_reduce_group
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
-from shardwise.engine.consistency import check_same_model_on_every_rank
+from shardwise.engine.consistency import check_same_model_on_every_rank, layout_words
 from shardwise.engine.flat_unit import FlatUnit, Residents
 from shardwise.engine.gather_schedule import GatherScheduler
+from shardwise.engine.gather_tags import GatherTags
 from shardwise.engine.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.mesh_info import MeshInfo
 from shardwise.engine.offload import open_store
@@ -97,7 +99,7 @@ class ZeroEngine(Engine):
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
-        check_same_model_on_every_rank(model, group)
+        check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]
@@ -108,7 +110,9 @@ class ZeroEngine(Engine):
         watch_units(self.units)
         install_state_dict_hooks(model, self)  # Note [state dict]
         self.agreement = Agreement(self.units, group)  # Note [agreement rides the traffic]
-        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight, self.agreement.confirm)
+        tags = None if self.stage.keeps_full_params else GatherTags(self.units, self.mesh.shard_group,
+                                                                    self._where_now, self.agreement)
+        self.gathers = GatherScheduler(self.units, self.stage.gathers_in_flight, self.agreement.confirm, tags)
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
         # hybrid mesh the flags span every replica (a parameter used on one replica has a gradient on all)
@@ -132,6 +136,10 @@ class ZeroEngine(Engine):
         for module in root_scope_modules(model, [unit.module for unit in self.units[1:]]):
             module.register_forward_pre_hook(outside_graph(self.root_scope_pre_forward))
             module.register_forward_hook(outside_graph(self.root_scope_post_forward))
+
+    def _where_now(self) -> tuple[int, int, list[int]]:
+        """For zero3's gather tags (Note [gather tags]): forwards so far, forward (0) or backward (1), units run."""
+        return self.num_forwards, int(self.clock.phase is Phase.BACKWARD), self.step.order
 
     # ---- forward -----------------------------------------------------------------
 
