@@ -24,7 +24,7 @@ from shardwise.ema import EMA
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.deferred import deferred_init
 from shardwise.engine.describe import UnitTable, describe
-from shardwise.engine.grads import clip_grad_norm_, no_sync
+from shardwise.engine.grads import clip_grad_norm_, grad_norms, no_sync, param_norms
 from shardwise.engine.precision import LossScaler
 from shardwise.engine.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
@@ -61,6 +61,7 @@ __all__ = [
     "full_parameters",
     "full_state_dict",
     "gather_logits",
+    "grad_norms",
     "get_rank",
     "get_world_size",
     "hogwild",
@@ -70,6 +71,7 @@ __all__ = [
     "load",
     "no_sync",
     "optimizer_in_backward",
+    "param_norms",
     "plan",
     "save",
     "save_async",
