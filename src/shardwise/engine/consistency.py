@@ -54,6 +54,29 @@ def check_same_model_on_every_rank(model: nn.Module, group, layout: str = "") ->
                 )
 
 
+def differs_across_ranks(tensors: list[torch.Tensor], group) -> bool:
+    """Whether the ranks of `group` hold different `tensors` (inputs that must be the same everywhere: a
+    tensor group's batch, Note [same inputs] in parallel/slicing; a pipeline's dataset): one all-reduce of
+    four float64 numbers, the max and the negated min of two sums, plain and position-weighted (equal
+    tensors give equal bits). Read in chunks, so a large dataset is never copied whole."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    weighted = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in tensors:
+        flat = tensor.detach().flatten()
+        for start in range(0, flat.numel(), _CHUNK):
+            piece = flat[start:start + _CHUNK].double().nan_to_num()
+            total += piece.sum()
+            positions = torch.arange(start + 1, start + piece.numel() + 1, dtype=torch.float64, device=device)
+            weighted += piece.mul(positions).sum()
+    both = torch.stack([total, -total, weighted, -weighted])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return not (both[0] == -both[1] and both[2] == -both[3])
+
+
+_CHUNK = 1 << 20
+
+
 def layout_words(mesh) -> str:
     """The layout `shard(mesh=...)` was given, in words every rank computes alike from the same mesh: the
     flat layout (no mesh=) or the mesh's dimensions and its grid of ranks."""
