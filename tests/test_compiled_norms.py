@@ -94,6 +94,7 @@ def test_estimate_and_describe_take_the_compiled_handle():
     a = sw.estimate(compiled, "zero3", 2, units=ZOO[MODEL].unit_class)
     b = sw.estimate(model, "zero3", 2, units=ZOO[MODEL].unit_class)
     assert a == b
+    assert list(sw.EMA(compiled).average) == list(sw.EMA(model).average)  # the module's names, no _orig_mod.
 
 
 def _norms_and_refusals(strategy: str) -> dict:
