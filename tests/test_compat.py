@@ -230,3 +230,18 @@ def test_no_torch_distributed_call_is_a_deprecated_one():
     deprecated = {name: str(where) for name, where in called.items()
                   if getattr(getattr(dist, name, None), "__deprecated__", None)}
     assert deprecated == {}, f"deprecated torch.distributed calls (use the *_single forms): {deprecated}"
+
+
+def test_unwrap_compiled_finds_the_module_torch_compile_wrapped():
+    """Catches a torch release that renames OptimizedModule or its module, or stops keeping the module as
+    `_orig_mod`: every sw.* function would then take the compiled handle for an unsharded model."""
+    from torch import nn
+
+    from shardwise.engine.compat import unwrap_compiled
+
+    module = nn.Linear(2, 2)
+    assert unwrap_compiled(torch.compile(module, backend="eager")) is module
+    assert unwrap_compiled(module) is module
+    lookalike = nn.Module()
+    lookalike._orig_mod = module  # a user attribute of that name is not a compiled handle
+    assert unwrap_compiled(lookalike) is lookalike

@@ -289,3 +289,13 @@ def test_the_plans_advice_is_one_each_row_can_follow():
         assert "a zero strategy with checkpoint_activations=True" in options["ddp"].reason
         zero3 = options["zero3"].reason
         assert ("checkpoint activations" in zero3) != checkpointing, zero3
+
+
+def test_the_plan_without_a_batch_never_says_lower_the_batch(capsys):
+    """Catches issue 44 item 16: `shardwise plan` with no --batch (no activations counted) advised "lower
+    the batch" on every row and in its last line, when the runtime alone is over the budget."""
+    options = plan(GPT(CONFIG), 2**20, 2)
+    assert all("batch" not in o.reason and "give each rank more memory" in o.reason for o in options), options
+    assert cli.main(["plan", "--memory", "100MiB", "--world-size", "2", "gpt"]) == 1
+    out = capsys.readouterr().out
+    assert "batch," not in out and "lower the batch" not in out, out

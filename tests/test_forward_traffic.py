@@ -32,13 +32,15 @@ class _Reads(collections.Counter):
 
 
 @contextlib.contextmanager
-def _traffic(header_group):
-    """A log of every collective (("header" | "payload", name)) and every engine host read (("read",
-    where)) in the block, in order."""
+def _traffic(header_group, tag_group=None):
+    """A log of every collective (("header" | "tag" | "payload", name)) and every engine host read (("read",
+    where)) in the block, in order. Tags: zero3's gather tags (Note [gather tags], gather_tags.py)."""
     log = []
 
     def record(name: str, arguments: dict) -> None:
-        log.append(("header" if arguments.get("group") is header_group else "payload", name))
+        group = arguments.get("group")
+        log.append(("header" if group is header_group else "tag" if tag_group is not None and group is tag_group
+                    else "payload", name))
 
     with watch_collectives(record), count_host_reads(_Reads(log)):
         yield log
@@ -53,13 +55,15 @@ def _forwards(strategy: str):
     model = build("gpt")
     sw.shard(model, strategy=strategy, units=spec.unit_class)
     header_group = engine_of(model).agreement.group
+    tags = engine_of(model).gathers.tags
+    tag_group = tags.group if tags is not None else None
     optim = torch.optim.AdamW(model.parameters(), foreach=True)
     x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
     for _ in range(2):  # set-up and first-call work done
         model(x, y).backward()
         optim.step()
         optim.zero_grad()
-    with _traffic(header_group) as train:  # a steady-state training forward, after a step
+    with _traffic(header_group, tag_group) as train:  # a steady-state training forward, after a step
         loss = model(x, y)
     loss.backward()
     optim.step()
@@ -69,7 +73,7 @@ def _forwards(strategy: str):
     with torch.no_grad():
         model(x, y)  # the first evaluation after the step re-gathers (zero1/zero2)
         for _ in range(2):
-            with _traffic(header_group) as log:
+            with _traffic(header_group, tag_group) as log:
                 model(x, y)
             evals.append(log)
     return train, evals
@@ -81,12 +85,16 @@ def test_steady_state_forwards_wait_for_no_barrier(ranks, strategy):
     step, evaluation batch and generate() token waited for every rank before its first collective): a
     training forward now issues its re-gathers or gathers before the engine reads anything, and
     reads no device value; a zero1/zero2 evaluation forward with nothing to re-gather issues no
-    collective at all (as DDP's), zero3's only its gathers and one header."""
+    collective at all (as DDP's), zero3's only its gathers (each with its tag) and one header."""
     for train, evals in ranks.run(_forwards, 2, strategy):
         assert _device_reads(train) == [], train
         first_payload = next(i for i, (kind, _) in enumerate(train) if kind == "payload")
         assert not any(kind == "read" for kind, _ in train[:first_payload]), train
         assert [name for kind, name in train if kind == "header"] == ["all_gather_single"], train
+        # zero3: one small tag beside each unit's gather (the 3 units not kept from the last backward);
+        # zero1/zero2 gather in one fixed order, untagged
+        assert [name for kind, name in train if kind == "tag"] == ["all_gather_single"] * (
+            3 if strategy == "zero3" else 0), train
         for log in evals:
             if strategy == "zero3":
                 assert [entry for entry in log if entry[0] == "header"] == [("header", "all_gather_single")], log
@@ -108,7 +116,7 @@ def _generate_traffic():
     prompt = torch.tensor([[1 + sw.get_rank(), 2, 3]])
     model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # first-call work
     before = engine.num_forwards
-    with _traffic(engine.agreement.group) as log:
+    with _traffic(engine.agreement.group, engine.gathers.tags.group) as log:
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
     return log, engine.num_forwards - before
 

@@ -5,8 +5,10 @@ Adafactor (row and column factors: not parameter-shaped) and BlockQuant (tests/h
 int8 codes and a scale per block) were refused by sw.save on a sharded model, and Adafactor's
 factors under ddp and at world size 1 too: a resume rebuilt them from zero, another run. Each is
 saved at step 3 by 2 ranks, loaded into a fresh model (another seed) in a new process group, and
-trained 3 more steps: bitwise the uninterrupted run at the same strategy and world size, within
-the fp32 parity bound (1e-5 / 1e-6) at world size 1 and 4 and under another strategy.
+trained 3 more steps: bitwise the uninterrupted run at the same strategy and world size (the code is
+deterministic there), and at world size 1 and 4 and under another strategy within the fp32 parity bound
+(1e-5 / 1e-6), or for Muon, whose Newton-Schulz runs in bf16, within what DDP achieves across world sizes
+(Note [bf16 bound], helpers/bounds.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from helpers.bounds import bound_for
 from helpers.optim_ckpt import load_into, load_then_continue, save_then_continue
 from shardwise.testing import RunResult, assert_close_runs
 
@@ -68,12 +71,14 @@ RESHARDS = [
 def test_load_at_another_world_size(ranks, saved, name, a, b, m):
     """Catches whole state read by the old owner map instead of the new one (a rank stepping a
     matrix with no momentum), factors or per-block scales not found at another world size, and
-    parameter-shaped state (Muon's momentum, BlockQuant's int8 codes) read from the wrong rows."""
+    parameter-shaped state (Muon's momentum, BlockQuant's int8 codes) read from the wrong rows. Every
+    route changes the world size: Muon is held to Note [bf16 bound] (its Newton-Schulz's bf16 roundings
+    flip with the gradient's summation order: 1.17e-4 on some hosts' kernels), the others to fp32's."""
     path, expected = saved(name, a)
     for rank, got in enumerate(ranks.run(load_then_continue, m, name, b, path, timeout=180)):
         try:
             assert_close_runs(RunResult(expected["losses"], [], expected["final"]),
-                              RunResult(got["losses"], [], got["final"]))
+                              RunResult(got["losses"], [], got["final"]), **bound_for(name))
         except AssertionError as error:
             raise AssertionError(f"{name}: saved by {a} on 2 ranks, loaded by {b} on {m} (rank {rank})\n{error}")
 

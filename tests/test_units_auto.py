@@ -162,3 +162,25 @@ def test_auto_units_pick_blocks_not_the_linears_of_a_tied_gpt():
     assert [p.path for p in build_units(build("gpt"), "auto")] == ["", "blocks.0", "blocks.1"]
     frozen = [p.path for p in build_units(ZOO["frozen"].build(), "auto")]
     assert frozen == ["", "layers.0", "layers.1", "layers.2"]
+
+
+class _Untied(nn.Module):
+    """An embedding and an untied head of its shape around two small blocks: the root holds 98%."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 1000, bias=False)
+
+
+def test_no_warning_that_units_cannot_act_on():
+    """Catches issue 44 item 16: units="auto" on a model with untied embeddings warned that the root holds
+    most of the parameters and to pass units=, which cannot split an embedding and its head."""
+    from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
+
+    model = _Untied()
+    root = build_units(model, model.blocks)[0].params
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sw.ShardwiseWarning)
+        warn_if_root_holds_most(model, [o.param for o in root])

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from helpers.bounds import bound_for
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import RunResult, assert_close_runs, global_batch, rank_slice
 
@@ -125,5 +126,5 @@ def test_reordered_param_groups_keep_their_owners(ranks):
     """Catches owners reassigned when param groups are reordered after the first step: the new
     owner steps with no momentum, the old one keeps it for nothing (the state orphaned)."""
     reference = _reordered(None)
-    for got in ranks.run(_reordered, 2, "zero3", timeout=90):
-        assert_close_runs(reference, got)
+    for got in ranks.run(_reordered, 2, "zero3", timeout=90):  # Muon at another world size: Note [bf16 bound]
+        assert_close_runs(reference, got, **bound_for("muon"))

@@ -25,7 +25,7 @@ from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
 from shardwise.engine.describe import UnitTable, describe
 from shardwise.engine.init.deferred import deferred_init
 from shardwise.engine.memory.precision import LossScaler
-from shardwise.engine.optim.grads import clip_grad_norm_, no_sync
+from shardwise.engine.optim.grads import clip_grad_norm_, grad_norms, no_sync, param_norms
 from shardwise.engine.optim.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
 from shardwise.estimate import MemoryEstimate, estimate, plan
@@ -61,6 +61,7 @@ __all__ = [
     "full_parameters",
     "full_state_dict",
     "gather_logits",
+    "grad_norms",
     "get_rank",
     "get_world_size",
     "hogwild",
@@ -70,6 +71,7 @@ __all__ = [
     "load",
     "no_sync",
     "optimizer_in_backward",
+    "param_norms",
     "plan",
     "save",
     "save_async",

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from shardwise.engine.compat import unwrap_compiled
+
 
 class EMA:
     """`average = decay * average + (1 - decay) * weights` at each `update()`, kept as rows.
@@ -26,6 +28,7 @@ class EMA:
     def __init__(self, model: nn.Module, decay: float = 0.999):
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
+        model = unwrap_compiled(model)  # the compiled handle too: the module's own names
         self.model, self.decay, self.num_updates = model, decay, 0
         with torch.no_grad():
             self.average = {name: p.detach().clone() for name, p in model.named_parameters()}

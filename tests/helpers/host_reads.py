@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # read in a step is a device synchronisation.
 HOST_VALUES = {
     "engine/schedule/agreement.py:confirm",  # a phase's header (Note [agreement rides the traffic])
+    "engine/schedule/gather_tags.py:check",  # zero3's gather tags (Note [gather tags])
     "engine/comm/collectives.py:any_rank",  # which parameters any rank used, once per step
 }
 

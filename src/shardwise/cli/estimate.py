@@ -209,7 +209,7 @@ def _print_plan(model, extra: dict, args) -> int:
                   f"({rescue.estimate.total / MIB:,.0f} MiB): run `shardwise plan` again with "
                   "--checkpoint-activations for the whole table")
         else:
-            print("nothing fits: add ranks, lower the batch, "
+            print("nothing fits: add ranks, " + ("lower the batch, " if args.batch else "")  # no batch: none to lower
                   + ("" if args.checkpoint_activations or not args.batch else "checkpoint activations, ")
                   + "or raise the budget")
         return 1

@@ -58,6 +58,18 @@ DDP_IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 # the compiled graph from the views it saved; zero3 refills their storage before that backward.
 outside_graph = torch.compiler.disable
 
+
+def unwrap_compiled(model):
+    """The module `torch.compile(module)` wrapped (its `OptimizedModule` keeps it as `_orig_mod`), else
+    `model`: every sw.* function that takes a model takes the compiled handle too (`model =
+    torch.compile(model)`, torchtitan's and the HF docs' reassignment), and asks about the module the
+    engine was attached to. Judged by the class torch defines, so a user module with an `_orig_mod`
+    attribute is left alone."""
+    kind = type(model)
+    if kind.__name__ == "OptimizedModule" and kind.__module__ == "torch._dynamo.eval_frame":
+        return model._orig_mod
+    return model
+
 # Inside a tensor subclass's __torch_function__ (ShardParameter, RowsGrad, the host copy's
 # parameters): run torch's own behaviour, plain tensors out.
 plain_tensors = torch._C.DisableTorchFunctionSubclass

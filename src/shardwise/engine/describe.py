@@ -1,5 +1,5 @@
 """`sw.describe(model)`: the unit plan as a table, the same wherever a plan is shown.
-Uses: protocol, rows, units.
+Uses: compat, protocol, rows, units.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.protocol import engine_of
 from shardwise.engine.unit.units import UnitSpec, build_units
@@ -48,7 +49,9 @@ class UnitTable:
 
 def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None = None) -> UnitTable:
     """The units `shard(model, units=units)` makes (or made, for a sharded model) at `world_size`
-    (default: the model's, else 1). Works on a model built under `torch.device("meta")`."""
+    (default: the model's, else 1). Works on a model built under `torch.device("meta")`, and on the
+    handle `torch.compile(model)` returns."""
+    model = unwrap_compiled(model)
     engine = engine_of(model)
     if engine is not None and engine.shards_rows:
         plans = [(unit.module, unit.path, [layout.owned for layout in unit.layouts]) for unit in engine.units]

@@ -22,7 +22,7 @@ from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import StepWatch
 from shardwise.engine.protocol import Engine
-from shardwise.engine.schedule.consistency import check_same_model_on_every_rank
+from shardwise.engine.schedule.consistency import check_same_model_on_every_rank, layout_words
 from shardwise.engine.schedule.driver import StepDriver
 from shardwise.engine.schedule.phase import Clock
 from shardwise.engine.schedule.stage import policy_of
@@ -48,7 +48,7 @@ class ZeroEngine(Engine):
         plans = build_units(model, units)
         warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
-        check_same_model_on_every_rank(model, group)
+        check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]

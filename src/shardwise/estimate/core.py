@@ -86,6 +86,7 @@ import torch
 from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
+from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.schedule.stage import policy_of
 from shardwise.engine.unit.units import UnitSpec, build_units
@@ -221,7 +222,7 @@ def estimate(
     notes: list[str] = []
     layout_size = 1 if strategy == "ddp" else world_size  # ddp holds whole, unpadded tensors
     if isinstance(model_or_num_params, nn.Module):
-        model = model_or_num_params
+        model = model_or_num_params = unwrap_compiled(model_or_num_params)  # the compiled handle too
         plan_units = _units_of_model(model, units, layout_size)
         num_params = sum(p.numel() for p in model.parameters())
         master = _master_bytes(model)

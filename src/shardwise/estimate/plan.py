@@ -61,7 +61,9 @@ def _why_not(est: MemoryEstimate, memory: int, checkpointing: bool) -> str:
         total, budget = f"{est.total / 2**20:,.1f} MiB", f"{memory / 2**20:,.1f} MiB"
     text = f"{total} > {budget} by {_gib(over)}; largest: {name} {_gib(largest)}"
     floor = est.activations + est.runtime
-    if floor > memory:  # advice this row can follow: ddp has no units to recompute
+    if floor > memory and est.activations == 0:  # no batch given: the runtime alone, nothing to lower
+        text += f" (a rank's Python and torch runtime alone needs {_gib(est.runtime)}: give each rank more memory)"
+    elif floor > memory:  # advice this row can follow: ddp has no units to recompute
         fix = ("lower the batch, or a zero strategy with checkpoint_activations=True" if est.strategy == "ddp" else
                "lower the batch or the sequence length" if checkpointing else
                "lower the batch or checkpoint activations")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from shardwise.engine.schedule.consistency import differs_across_ranks
 from shardwise.errors import ShardwiseError
 from shardwise.pipeline._moves import State, broadcast_entries, reduce_gradients
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
@@ -141,6 +142,12 @@ class PipeTrainer:
             )
         if config.num_stages > chain.num_layers:
             raise ShardwiseError(f"{chain.num_layers} layers cannot fill {config.num_stages} stages")
+        if differs_across_ranks([inputs, targets], self.group):  # each stage reads its own rank's copy
+            raise ShardwiseError(
+                "the ranks were given different datasets (inputs or targets differ): each stage reads its own "
+                "rank's copy, so the first stage would train on one rank's inputs while the last scores another's "
+                "targets. Pass the same inputs and targets on every rank (draw them after the same "
+                "torch.manual_seed, or load the same files); the trainer's sampler gives each replica its samples.")
         self.sampler = StickySampler(len(inputs), global_batch_size, num_homes=self.world_size, seed=seed)
         self.cache = (ActivationCache(self.sampler, memory_bytes=config.cache_memory_bytes,
                                       directory=config.cache_dir) if config.cache else None)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from shardwise.engine.compat import plain_tensors
+from shardwise.engine.compat import plain_tensors, unwrap_compiled
 from shardwise.engine.optim.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
@@ -51,6 +51,7 @@ class LossScaler:
 
     def __init__(self, model: nn.Module, *, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
+        model = unwrap_compiled(model)  # the compiled handle too
         engine = engine_of(model)
         self.group = engine.group if engine is not None else None
         if slicing_of(model) is not None:  # sliced (sw.slice): tensor ranks hold other

@@ -1,4 +1,4 @@
-"""Gradient helpers that work on any model, sharded or not: accumulation and clipping.
+"""Gradient helpers that work on any model, sharded or not: accumulation, clipping and per-parameter norms.
 Uses: compat, protocol.
 """
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.engine.compat import plain_tensors
+from shardwise.engine.compat import plain_tensors, unwrap_compiled
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 
@@ -22,7 +22,7 @@ def no_sync(model: nn.Module):
     Use it for every micro-batch but the last of a step. On an unsharded model it does
     nothing. Memory: ddp keeps its usual full gradients, so accumulation costs nothing extra.
     """
-    engine = engine_of(model)
+    engine = engine_of(unwrap_compiled(model))
     with engine.no_sync() if engine is not None else nullcontext():
         yield
 
@@ -34,6 +34,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     per tensor in the gradients' dtype, then the norm of those norms (Note [clip arithmetic]);
     at one rank it equals `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` bitwise.
     """
+    model = unwrap_compiled(model)  # the compiled handle too
     engine = engine_of(model)
     if engine is not None and engine.steps_in_backward():
         raise ShardwiseError(
@@ -53,6 +54,45 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     # Unsharded and ddp: every rank holds the full, already-averaged gradients.
     grads = [p for p in model.parameters() if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
+
+
+def grad_norms(model: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient norm over the whole tensor, by name (parameters without a gradient are left
+    out): per-layer logging. On a sharded model every rank's rows count (one all-reduce: call it on every
+    rank) and every rank gets the same values; `p.grad.norm()` would be this rank's rows' and is refused
+    (Note [rows read whole], shard_param.py)."""
+    return _per_parameter_norms(model, lambda p: p.grad, float(norm_type))
+
+
+def param_norms(model: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+    """Each parameter's norm over the whole tensor, by name, as `grad_norms` (a collective on a sharded model)."""
+    return _per_parameter_norms(model, lambda p: p.detach(), float(norm_type))
+
+
+def _per_parameter_norms(model: nn.Module, read, norm_type: float) -> dict[str, torch.Tensor]:
+    """One norm per tensor with torch's arithmetic (Note [clip arithmetic]): a sharded tensor's is the p-norm
+    of its rows' norms over the shard group (padding rows are zero; replicas hold the same rows)."""
+    model = unwrap_compiled(model)
+    if slicing_of(model) is not None:
+        raise ShardwiseError("per-parameter norms of a sliced model (sw.slice) are not computed yet: read "
+                             "sw.full_parameters(model) for whole values, or sw.clip_grad_norm_ for the global norm")
+    engine = engine_of(model)
+    named = [(name, p, read(p)) for name, p in model.named_parameters()]
+    named = [(name, p, value) for name, p, value in named if value is not None]
+    if not named:
+        return {}
+    norms = tensor_norms([value for _, _, value in named], norm_type)
+    if engine is not None and engine.shards_rows and dist.get_world_size(engine.mesh.norm_group) > 1:
+        rows = torch.tensor([getattr(p, "_sw_unit", None) is not None for _, p, _ in named])  # host-shared: whole
+        if norm_type == float("inf"):
+            summed = torch.where(rows, norms, torch.zeros_like(norms))
+            dist.all_reduce(summed, op=dist.ReduceOp.MAX, group=engine.mesh.norm_group)
+        else:
+            summed = torch.where(rows, norms.pow(norm_type), torch.zeros_like(norms))
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=engine.mesh.norm_group)
+            summed = summed.pow(1.0 / norm_type)
+        norms = torch.where(rows, summed, norms)
+    return {name: norm for (name, _, _), norm in zip(named, norms)}
 
 
 def _clip_sharded(grads: list[torch.Tensor], max_norm: float, norm_type: float, group) -> torch.Tensor:

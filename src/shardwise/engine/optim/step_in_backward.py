@@ -1,6 +1,6 @@
 """`sw.optimizer_in_backward(model, optimizer)`: each unit's shards are stepped as soon as their
 gradient is reduced, and the gradient is dropped at once.
-Uses: protocol, whole_step.
+Uses: compat, protocol, whole_step.
 
 Note [optimizer in backward]: a zero model holds, per parameter and rank, 4/N bytes of values,
 8/N of AdamW moments and 4/N of gradient, and all three live together from the end of backward
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.optim.whole_step import StepShape, step_shape
 from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
@@ -134,7 +135,7 @@ class UnitStepper:
 
 def steps_in_backward(model: nn.Module) -> bool:
     """Whether sw.optimizer_in_backward steps this model's units."""
-    engine = engine_of(model)
+    engine = engine_of(unwrap_compiled(model))
     return engine is not None and engine.steps_in_backward()
 
 
@@ -154,7 +155,7 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     Exact for torch.optim's optimizers, whose update of a parameter reads only that parameter's
     gradient and state; `any_optimizer=True` accepts another one you know to be such (not one
     with group-level counters, global norms, step hooks or a closure)."""
-    engine = engine_of(model)
+    engine = engine_of(unwrap_compiled(model))  # the compiled handle too
     if engine is None or not engine.shards_rows:
         raise ShardwiseError(
             "sw.optimizer_in_backward needs a model sharded with strategy='zero1', 'zero2' or 'zero3': "

@@ -61,11 +61,12 @@ from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
 FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD = 0, 1, 2
+REFUSED = -1  # a rank refused the step (Note [gather tags], gather_tags.py): its last header
 
 _DIFFERENT_PARAMETERS = (
     "train different parameters: requires_grad was changed on some ranks and not on others. Freeze or unfreeze "
     "parameters the same way on every rank, between steps.")
-_DIFFERENT_FORWARDS = (
+DIFFERENT_FORWARDS = (
     "run different forwards of the sharded model (a different number of them, or one with and one without "
     "grad): every rank must run every forward (evaluate on all ranks, or on an unsharded copy), as every rank "
     "takes part in its collectives. Generating different numbers of tokens on each rank: pass "
@@ -82,6 +83,8 @@ class Agreement:
         self.group = new_host_group(group) if self.world > 1 else None
         self.pending = None  # (work, sent, received, order, where) of the header in flight
         self.agreed_order: list[int] | None = None  # unit ids in the last order every rank reported
+        self.on_refused = None  # called when another rank refused, before this rank raises (Note [gather tags])
+        self.refusal = None  # the refusing header in flight (never waited for: this rank is raising)
 
     def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
         """Issue this phase's header (asynchronously); the previous one is confirmed first."""
@@ -111,17 +114,33 @@ class Agreement:
         with named_failure(f"the agreement of a phase ({where})"):
             work.wait()
         rows = received.view(self.world, -1).tolist()
+        refused = [rank for rank, row in enumerate(rows) if row[2] == REFUSED]
+        if refused:
+            if self.on_refused is not None:
+                self.on_refused()  # raises the refusing rank's own words where this rank can name them
+            raise ShardwiseError(f"rank {refused[0]} refused this step (its own error says why): the ranks ran "
+                                 "different sequences of collectives")
         first = rows[0]
         for rank, row in enumerate(rows[1:], start=1):
             if row[0] != first[0]:
                 raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_PARAMETERS}")
             if row[1] != first[1]:
-                raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_FORWARDS}")
+                raise ShardwiseError(f"ranks 0 and {rank} {DIFFERENT_FORWARDS}")
             if row[4:] != first[4:]:
                 raise ShardwiseError(self._different_writes(rank, first[4:], row[4:]))
             if row[2] != first[2]:
-                raise ShardwiseError(f"ranks 0 and {rank} {_DIFFERENT_FORWARDS}")
+                raise ShardwiseError(f"ranks 0 and {rank} {DIFFERENT_FORWARDS}")
         self.agreed_order = order if order and all(row[3] == first[3] for row in rows) else None
+
+    def refuse(self) -> None:
+        """This rank is about to raise where the others may wait for its next header: send them one that
+        says so (Note [gather tags]), paired with theirs whatever their phase."""
+        if self.group is None:
+            return
+        self.pending = None
+        sent = torch.full((4 + len(self.units),), REFUSED, dtype=torch.int64)
+        received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
+        self.refusal = (dist.all_gather_single(received, sent, group=self.group, async_op=True), sent, received)
 
     def _different_writes(self, rank: int, mine: list[int], theirs: list[int]) -> str:
         unit = next(unit for unit, a, b in zip(self.units, mine, theirs) if a != b)

@@ -16,21 +16,30 @@ from shardwise.errors import ShardwiseError
 from shardwise.wire.messages import all_gather_json
 
 
-def check_same_model_on_every_rank(model: nn.Module, group) -> None:
-    """Fail at shard() — not with a hang mid-step — when ranks built different models.
+def check_same_model_on_every_rank(model: nn.Module, group, layout: str = "") -> None:
+    """Fail at shard() — not with a hang mid-step — when ranks built different models, or were given
+    different layouts (`layout`: the mesh= each rank passed, in words; a rank with another mesh would
+    create other groups and pair its collectives with the wrong ranks' until the timeout).
 
-    Ranks first compare a hash of (name, shape, dtype, requires_grad) of every parameter:
+    Ranks first compare a hash of the layout and (name, shape, dtype, requires_grad) of every parameter:
     one small all-gather. Only when the hashes differ are the full lists exchanged, to name the
-    first differing parameter (as JSON: nothing from another rank is unpickled)."""
+    first difference (as JSON: nothing from another rank is unpickled)."""
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     device = _device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(signatures, torch.tensor([digest(repr(mine))], device=device), group=group)
+    dist.all_gather(signatures, torch.tensor([digest(repr((layout, mine)))], device=device), group=group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
-    everyone = all_gather_json([list(entry) for entry in mine], group)  # JSON, never a pickle between ranks
-    reference = everyone[0]
+    # JSON, never a pickle between ranks
+    everyone = all_gather_json({"layout": layout, "params": [list(entry) for entry in mine]}, group)
     for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs["layout"] != everyone[0]["layout"]:
+            raise ShardwiseError(
+                f"ranks 0 and {rank} were given different layouts: rank 0 {everyone[0]['layout']}, rank {rank} "
+                f"{theirs['layout']}. Pass the same mesh= to sw.shard on every rank (built by the same "
+                "init_device_mesh call from the same sizes), or none on any.")
+    reference = everyone[0]["params"]
+    for rank, theirs in enumerate((item["params"] for item in everyone[1:]), start=1):
         if theirs == reference:
             continue
         for index in range(max(len(theirs), len(reference))):
@@ -43,6 +52,38 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
                     "from the same code and config, and freeze the same parameters, on every rank (only the "
                     "data should differ)."
                 )
+
+
+def differs_across_ranks(tensors: list[torch.Tensor], group) -> bool:
+    """Whether the ranks of `group` hold different `tensors` (inputs that must be the same everywhere: a
+    tensor group's batch, Note [same inputs] in parallel/slicing; a pipeline's dataset): one all-reduce of
+    four float64 numbers, the max and the negated min of two sums, plain and position-weighted (equal
+    tensors give equal bits). Read in chunks, so a large dataset is never copied whole."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    weighted = torch.zeros((), dtype=torch.float64, device=device)
+    for tensor in tensors:
+        flat = tensor.detach().flatten()
+        for start in range(0, flat.numel(), _CHUNK):
+            piece = flat[start:start + _CHUNK].double().nan_to_num()
+            total += piece.sum()
+            positions = torch.arange(start + 1, start + piece.numel() + 1, dtype=torch.float64, device=device)
+            weighted += piece.mul(positions).sum()
+    both = torch.stack([total, -total, weighted, -weighted])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return not (both[0] == -both[1] and both[2] == -both[3])
+
+
+_CHUNK = 1 << 20
+
+
+def layout_words(mesh) -> str:
+    """The layout `shard(mesh=...)` was given, in words every rank computes alike from the same mesh: the
+    flat layout (no mesh=) or the mesh's dimensions and its grid of ranks."""
+    if mesh is None:
+        return "no mesh= (every rank holds a shard)"
+    names = " x ".join(mesh.mesh_dim_names or ("?",) * mesh.ndim)
+    return f"a {' x '.join(str(n) for n in mesh.mesh.shape)} mesh ({names}) of ranks {mesh.mesh.tolist()}"
 
 
 def _describe(entry) -> str:

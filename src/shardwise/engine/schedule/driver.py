@@ -1,7 +1,7 @@
 """The step driver: the hooks that run a zero engine's forward and backward, in FSDP2's verbs, over the
 units (unit/), their stage policy (stage.py), the gather schedule, the reducer and the agreement, which it
 owns. Built and installed by zero.py's ZeroEngine. Uses: agreement, compat, flat_unit, gather_schedule,
-phase, recompute, reducer, units, window.
+gather_tags, phase, recompute, reducer, units, window.
 
 The hooks, in FSDP2's verbs (a unit's states are residency.py's Note [unit lifecycle]):
 
@@ -43,7 +43,8 @@ whose turn comes before it is ready holds back the ones after it, never reorders
 them. Reduce-scatters run on a group of their own, so they never interleave with
 gathers. zero3's forward gathers follow the forward itself (prefetched in the last
 forward's unit order once every rank's header agrees, else registration order), so zero3
-requires every rank to run the same units in each step (as FSDP does); parameters
+requires every rank to run the same units in each step (as FSDP does; a rank that does not is
+refused on every rank at the first gather that differs: Note [gather tags]); parameters
 unused by every rank and branches inside a unit may still differ.
 """
 
@@ -61,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
 from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
+from shardwise.engine.schedule.gather_tags import GatherTags
 from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
@@ -83,13 +85,21 @@ class StepDriver:
     def __init__(self, units: list[FlatUnit], policy, group, flags_group, clock: Clock) -> None:
         self.units, self.root, self.policy, self.clock = units, units[0], policy, clock
         self.agreement = Agreement(units, group)  # Note [agreement rides the traffic]
-        self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm)
+        # zero3's gathers follow each rank's own forward: tagged, so a rank that ran other units is refused
+        # before a gathered value is used (Note [gather tags]); zero1/zero2 re-gather in a fixed order.
+        tags = GatherTags(units, units[0].mesh.shard_group, self._where_now, self.agreement) if policy.reshards \
+            else None
+        self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
         self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
         self.sync_grads = True
         self.num_forwards = 0  # root forwards, counted in every header
         self.forward_order: list[int] = []  # units in the order the last forward used them
         self.prefetch_order: list[FlatUnit] = list(units)  # alike on every rank (_begin_forward)
         self.step = StepState()
+
+    def _where_now(self) -> tuple[int, int, list[int]]:
+        """For zero3's gather tags (Note [gather tags]): forwards so far, forward (0) or backward (1), units run."""
+        return self.num_forwards, int(self.clock.phase is Phase.BACKWARD), self.step.order
 
     def install(self, model: nn.Module, checkpoint_activations: bool) -> None:
         """Register the hooks on the units' modules and on the root unit's own modules (Note [outer calls])."""

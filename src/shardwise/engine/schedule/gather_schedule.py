@@ -1,5 +1,5 @@
 """Which units' all-gathers are in flight and which come next, in one fixed order on every rank
-(Note [collective order], zero.py). Uses: flat_unit.
+(Note [collective order], zero.py). Uses: flat_unit, gather_tags.
 
 The forward queue holds the units to gather before this forward (zero3: all of them; zero1/2:
 those whose rows changed), the backward queue zero3's re-gathers in the reverse order. A unit is
@@ -7,22 +7,37 @@ gathered by issuing every queued unit before it (a unit this rank skips is still
 dropped, so every rank issues the same sequence); at most `policy.gathers_in_flight` are issued
 ahead of use (zero3 prefetches the next unit while this one computes). `before_landing` runs before
 any gather is waited for: the engine confirms its phase's header there (Note [agreement rides the
-traffic], agreement.py).
+traffic], agreement.py). zero3's gathers carry tags checked before that (Note [gather tags], gather_tags.py).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from shardwise.engine.schedule.gather_tags import GatherTags
 from shardwise.engine.unit.flat_unit import FlatUnit
 
 
 class GatherScheduler:
     """The gathers of one window (Note [unit window]); `reset()` when it closes."""
 
-    def __init__(self, units: list[FlatUnit], in_flight: int, before_landing: Callable[[], None]) -> None:
-        self.units, self.in_flight, self.before_landing = units, in_flight, before_landing
+    def __init__(self, units: list[FlatUnit], in_flight: int, before_landing: Callable[[], None],
+                 tags: GatherTags | None = None) -> None:
+        self.units, self.in_flight, self.before_landing, self.tags = units, in_flight, before_landing, tags
         self.reset()
+
+    def _start(self, unit: FlatUnit) -> None:
+        unit.start_gather(async_op=True)
+        if self.tags is not None:
+            self.tags.send(unit)
+
+    def _land(self, landing: list[FlatUnit]) -> None:
+        """Check the tags of the gathers about to land (Note [gather tags]: before the phase's header, which
+        a refused rank may never send), then confirm the header."""
+        if self.tags is not None:
+            for unit in landing:
+                self.tags.check(unit)
+        self.before_landing()
 
     def reset(self) -> None:
         self.prefetching: dict[int, FlatUnit] = {}  # gathers in flight, in issue order
@@ -36,7 +51,7 @@ class GatherScheduler:
             if up_to is None and len(self.prefetching) >= self.in_flight:
                 return
             unit = queue.pop(0)
-            unit.start_gather(async_op=True)
+            self._start(unit)
             self.prefetching[id(unit)] = unit
             if unit is up_to:
                 return
@@ -46,7 +61,8 @@ class GatherScheduler:
         if unit in queue:
             self.issue(queue, up_to=unit)
         if id(unit) in self.prefetching:
-            self.before_landing()
+            landing = list(self.prefetching.values())
+            self._land(landing[:landing.index(unit) + 1])
             # Gathers land in issue order: those queued before this unit first. A zero3 unit
             # among them that is not running is one this rank skipped: drop it again.
             for other in list(self.prefetching.values()):
@@ -58,8 +74,8 @@ class GatherScheduler:
                     other.free()  # zero3 (zero1/zero2 keep their full values: StagePolicy.free)
         elif unit.policy.gathers_on_use(unit):
             # zero3: a unit freed since its last use (A, B, A; a later forward or backward).
-            unit.start_gather(async_op=True)
-            self.before_landing()
+            self._start(unit)
+            self._land([unit])
             unit.finish_gather()
 
     def drain(self, queue: list[FlatUnit]) -> None:
@@ -71,7 +87,7 @@ class GatherScheduler:
     def land_all(self) -> None:
         """Wait for every gather in flight (freed or kept by the caller, the same on every rank)."""
         if self.prefetching:
-            self.before_landing()
+            self._land(list(self.prefetching.values()))
         for unit in list(self.prefetching.values()):
             del self.prefetching[id(unit)]
             unit.finish_gather()

@@ -2,7 +2,7 @@
 Uses: compat.
 
 Note [recompute]: activation checkpointing from outside (`torch.utils.checkpoint` around a
-unit, Hugging Face's `gradient_checkpointing_enable()`, or `checkpoint_activations=True`)
+unit, Hugging Face's `activation_checkpointing_enable()`, or `checkpoint_activations=True`)
 runs a unit's forward again during backward. Its hooks then only gather the unit and
 install the window's views; nothing is freed or prefetched (the backward's own hooks do
 that), so the recompute never frees the root or a unit backward still needs. (A reentrant

@@ -134,8 +134,8 @@ def refuse_nested_backward(step: StepState, recompute: bool = False) -> None:
             "a backward ran inside the model's backward (a reentrant activation checkpoint: "
             "torch.utils.checkpoint(..., use_reentrant=True), torch's default when the flag is not given); "
             "shardwise would not see the gradients it computes. Pass use_reentrant=False to "
-            "torch.utils.checkpoint (Hugging Face: gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': False})), or use sw.shard(..., "
+            "torch.utils.checkpoint (Hugging Face: activation_checkpointing_enable("
+            "activation_checkpointing_kwargs={'use_reentrant': False})), or use sw.shard(..., "
             "checkpoint_activations=True) (Note [one backward at a time])."
         )
 

@@ -1,5 +1,5 @@
 """What a sharded model tells the layers above it: which rows this rank holds, full values.
-Uses: host_param, protocol, rows.
+Uses: compat, host_param, protocol, rows.
 
 Checkpoints, exports and tests reach the engine through these functions only; they work
 on an unsharded model too (every rank then holds every row).
@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.engine.protocol import ShardInfo, engine_of, slicing_of
@@ -24,6 +25,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     call it on every rank. A sliced model's (`sw.slice`) slices are gathered over its tensor
     group too. Meant for tests and small models; checkpoints stream instead.
     """
+    model = unwrap_compiled(model)  # the compiled handle too
     engine = engine_of(model)
     full = engine.full_parameters() if engine is not None else None
     if full is not None:  # the units' parameters; host-shared ones are whole on every rank
@@ -39,6 +41,7 @@ def shard_info(model: nn.Module) -> dict[str, ShardInfo]:
 
     Host-shared frozen weights (`frozen="host"`, Note [host copy]) are left out: checkpoints and
     exports hold what the strategy trains; the frozen base is the file every rank maps."""
+    model = unwrap_compiled(model)  # the compiled handle too
     if slicing_of(model) is not None:
         raise ShardwiseError("this model is sliced (sw.slice): its parameters hold slices, not rows of the full "
                              "tensors. sw.save, sw.load, sw.export and sw.full_state_dict handle sliced models; "

@@ -32,6 +32,16 @@ a walk of the caller's stack frame on every `.grad` read; what remains of it (co
 only under `sw.optimizer_in_backward`, where the gradient is gone and nothing else can carry the
 knowledge that torch's clipping would find nothing to clip.
 
+Note [rows read whole]: a parameter is a whole tensor to everything that reads it (DESIGN.md), so
+a read that would return this rank's rows' value where the whole tensor's was meant raises instead,
+naming `sw.grad_norms` / `sw.param_norms` (per-parameter norms over every rank's rows). Decided by
+the tensors' types, never by walking the stack: a gradient's rows (`RowsGrad`) refuse reductions
+across dim 0 (`sum`, `mean`, `max`, `amax`, `std`, ...: `p.grad.abs().max()`, `p.grad.pow(2).sum()`),
+and the elementwise reads of logging idioms (`pow`, `abs`, `square`, `float`, `detach`, `.data`) keep
+them rows; a parameter's rows refuse norms (`p.norm()`). What remains local on purpose: reductions
+over other dimensions (each row's), and a parameter's own elementwise values (`p.pow(2).sum()` as a
+penalty: its gradient is exact on every row; its value is this rank's part).
+
 Note [rows meet a whole tensor]: a tensor of the parameter's full shape combined with its rows
 (an EMA copy taken before `shard()` updated by `ema.lerp_(p, 0.1)`, `p.copy_(full)`) is a shape
 error from deep inside torch, or, where the first dimension equals the world size, a silent
@@ -64,6 +74,31 @@ from shardwise.errors import ShardwiseError
 _set_data, _get_grad, _set_grad = set_data, get_grad, set_grad  # compat.py
 _ROW_NORMS = {torch.linalg.vector_norm, torch.linalg.norm, torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm,
               torch._foreach_norm}
+# Note [rows read whole]: reductions across rows, refused on a gradient's rows (and what ROW_VALUES make of them).
+_T = torch.Tensor
+_ROW_REDUCTIONS = {torch.sum, _T.sum, torch.mean, _T.mean, torch.max, _T.max, torch.min, _T.min, torch.amax, _T.amax,
+                   torch.amin, _T.amin, torch.aminmax, _T.aminmax, torch.prod, _T.prod, torch.std, _T.std, torch.var,
+                   _T.var, torch.nansum, _T.nansum, torch.nanmean, _T.nanmean, torch.count_nonzero, _T.count_nonzero,
+                   torch.dot, _T.dot, torch.vdot, _T.vdot}
+# Elementwise reads of one tensor that keep it this rank's rows (the idioms of per-layer logging).
+_ROW_VALUES = {torch.pow, _T.pow, _T.__pow__, torch.abs, _T.abs, _T.__abs__, torch.square, _T.square, _T.float,
+               _T.double, _T.detach, torch._C.TensorBase.data.__get__}
+_USE_INSTEAD = ("Use sw.grad_norms(model) / sw.param_norms(model) for per-parameter norms over the whole tensors "
+                "(one collective: every rank calls it), sw.clip_grad_norm_(model, max_norm) for the global norm, "
+                "sw.full_parameters(model) for whole values, or reduce over a dimension other than 0 "
+                "(Note [rows read whole], shard_param.py).")
+
+
+def _reduces_rows(func, args, kwargs) -> bool:
+    """Whether `func` reduces across dim 0 (the rows) of its first argument with nothing else tensor-valued
+    (`torch.max(a, b)` is elementwise)."""
+    if any(isinstance(v, torch.Tensor) for v in list(args[1:]) + list(kwargs.values())):
+        return False
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], (int, tuple, list)) else None)
+    if dim is None:
+        return True
+    ndim = max(args[0].dim(), 1)
+    return any(d % ndim == 0 for d in ([dim] if isinstance(dim, int) else dim))
 
 
 class RowsGrad(torch.Tensor):
@@ -71,15 +106,23 @@ class RowsGrad(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _ROW_NORMS:
             raise ShardwiseError(
                 "a norm of a sharded parameter's gradient (torch.nn.utils.clip_grad_norm_ or get_total_norm, "
                 "p.grad.norm()) sees only this rank's rows: the norm would be this rank's and every rank would "
                 "clip by a different factor. Use sw.clip_grad_norm_(model, max_norm), which computes the global "
-                "norm with torch's arithmetic and clips by it (Note [rank-local clipping])."
-            )
-        with plain_tensors():  # plain results: only the gradient itself is rows
-            return func(*args, **(kwargs or {}))
+                "norm with torch's arithmetic and clips by it; sw.grad_norms(model) gives each parameter's "
+                "(Note [rank-local clipping]).")
+        if func in _ROW_REDUCTIONS and args and type(args[0]) is cls and _reduces_rows(func, args, kwargs):
+            raise ShardwiseError(
+                f"{getattr(func, '__name__', func)}() across the rows of a sharded parameter's gradient would "
+                f"return this rank's rows' value, a different one on every rank. {_USE_INSTEAD}")
+        with plain_tensors():  # plain results, but for the reads that keep the rows (Note [rows read whole])
+            result = func(*args, **kwargs)
+        if func in _ROW_VALUES and type(args[0]) is cls and isinstance(result, torch.Tensor):
+            return result.as_subclass(cls)
+        return result
 
 
 class ShardParameter(nn.Parameter):
@@ -88,6 +131,10 @@ class ShardParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _ROW_NORMS and args and isinstance(args[0], ShardParameter) and _holds_rows(args[0]):
+            raise ShardwiseError(  # Note [rows read whole]
+                f"a norm of a sharded parameter ({getattr(func, '__name__', func)}, p.norm()) sees only this "
+                f"rank's rows: a different value on every rank. {_USE_INSTEAD}")
         with plain_tensors():  # nn.Parameter's own behaviour: plain results
             # One argument alone (an attribute read, `p.sqrt()`, a list's own elements) meets no whole
             # tensor: most calls, which skip the check.
@@ -188,6 +235,12 @@ def _refuse_rows_with_whole(func, args, kwargs) -> None:
                     "only its rows after sw.shard(...). For an average of the weights use sw.EMA(model); for "
                     "whole values, sw.full_parameters(model) (Note [rows meet a whole tensor])."
                 )
+
+
+def _holds_rows(param: ShardParameter) -> bool:
+    """Sharded, and holding rows now (a whole-tensor step swaps the whole tensor in: whole_step.py)."""
+    layout = param.__dict__.get("_sw_layout")
+    return _sharded(param) and layout is not None and param.shape != layout.shape
 
 
 def _sharded(param: ShardParameter) -> bool:

@@ -9,8 +9,10 @@ the root, gathered for the whole step. `"auto"` (the default) takes, in order:
    most parameters (a parameter counts only if every module holding it is inside them), or a
    coarser repeated class holding at least 80% of that (a block of Linears, not the Linears);
 3. else the root only.
-If the root then still holds most of the parameters, a `ShardwiseWarning` names the largest
-root-held modules and the `units=` that would split them.
+If the root then still holds most of the parameters, a `ShardwiseWarning` (rank 0's, once) names the
+largest root-held modules and the `units=` that would split them; unless what makes it most is the
+embeddings and heads (an `nn.Embedding`, and a parameter of an embedding's shape: an untied head),
+which no `units=` splits usefully: then there is nothing to act on, and nothing is said.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Union
 
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ShardwiseError, ShardwiseWarning
@@ -99,10 +102,13 @@ def _repeated_class(model: nn.Module) -> type | None:
 def warn_if_root_holds_most(model: nn.Module, root_params: list[nn.Parameter]) -> None:
     """Note [auto units]: the warning when the root unit keeps most of the parameters."""
     total = sum(p.numel() for p in model.parameters())
-    in_root = sum(p.numel() for p in root_params)
-    if total == 0 or in_root * 2 <= total:
-        return
     root_ids = {id(p) for p in root_params}
+    embedding_shapes = {tuple(p.shape) for module in model.modules() if isinstance(module, nn.Embedding)
+                        for p in module.parameters(recurse=False) if id(p) in root_ids}
+    in_root = sum(p.numel() for p in root_params)
+    splittable = sum(p.numel() for p in root_params if tuple(p.shape) not in embedding_shapes)
+    if total == 0 or splittable * 2 <= total or (dist.is_initialized() and dist.get_rank() != 0):
+        return
     sizes, seen = [], set()
     for name, module in model.named_modules():  # the modules that hold root parameters themselves
         own = [p for p in module.parameters(recurse=False) if id(p) in root_ids and id(p) not in seen]

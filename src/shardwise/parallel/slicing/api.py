@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.engine import engine_of
 from shardwise.engine.protocol import attach_slicing, slicing_of
+from shardwise.engine.schedule.consistency import differs_across_ranks
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.auto import auto_plan
 from shardwise.parallel.slicing.clip import clip_sliced_grad_norm_
@@ -135,16 +136,7 @@ def _same_inputs_check(group):
     each forward compares a fingerprint of the inputs across the group (one all-reduce of four
     float64 numbers: the max and the negated min of two sums; equal inputs give equal bits)."""
     def hook(module, args, kwargs):
-        tensors = [t.detach().double().flatten().nan_to_num() for t in tree_flatten((args, kwargs))[0]
-                   if isinstance(t, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cpu")
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        total = sum((t.sum() for t in tensors), zero)
-        weighted = sum((t.mul(torch.arange(1, t.numel() + 1, dtype=torch.float64, device=device)).sum()
-                        for t in tensors), zero)
-        both = torch.stack([total, -total, weighted, -weighted])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if not (both[0] == -both[1] and both[2] == -both[3]):
+        if differs_across_ranks([t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)], group):
             raise ShardwiseError("the ranks of a tensor group were given different inputs: each holds a slice of "
                                  "the same layers, so all must see the same batch. Split the batch over the data "
                                  "axis only: rows for mesh['data'].get_local_rank(), the same on every tensor rank")
