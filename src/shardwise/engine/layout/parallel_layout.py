@@ -23,26 +23,27 @@ What follows from it, asked here and nowhere else:
 Note [where the next capabilities land]: the shape is meant to take each of the next three
 features in one subpackage; the issues that build them are held to this page.
 
-(a) A quantized parameter all-gather (ZeRO++'s qwZ: int8 blocks with per-block scales). The unit
-    asks comm/ for its full values and waits on the handle (`coll.gather_into` -> `Pending`);
-    the fp32 master rows never change. It lands in engine/comm/: a gather strategy that quantizes
-    this rank's parts before the all-gather and dequantizes in `Pending.finish` into the same
-    `full_flat` regions, chosen by a `comm=` option the layout carries to every unit. Files:
-    comm/quantized.py (new), comm/collectives.py (pick the strategy). Nothing in unit/,
-    schedule/ or zero.py changes: they see a `Pending` whose `wait()` leaves full values in place.
+(a) A quantized parameter all-gather (ZeRO++'s qwZ: int8 blocks, per-block scales; the fp32 master
+    rows never quantized). A unit asks comm/ for its full values (`FlatUnit.start_gather` ->
+    `coll.gather_into`, which returns a `Pending`) and waits on the handle (`finish_gather`). The
+    feature is a gather strategy in engine/comm/ (comm/quantized.py, new: quantize this rank's parts
+    before the all-gather, dequantize into the same `full_flat` regions in `Pending.finish`), picked in
+    comm/collectives.py from an option the layout carries. unit/, schedule/ and zero.py do not change:
+    they see a `Pending` whose `wait()` leaves full values in place.
 (b) Pipeline stages running on the engine. A stage's module is `sw.shard`ed over the stage's
-    data-parallel ranks of the same layout: this object gains the "pipe" dimension (its group is
-    made in groups.py like every other) and each stage's `replicate x shard` sub-layout is
-    `ParallelLayout.of_mesh(mesh["replicate", "shard"], ...)` of the stage's ranks. The switches a
-    schedule flips per micro-batch (keep gathered across micro-batches, reduce once per step) are
-    the stage policy's (schedule/stage.py) and the step driver's `no_sync`; pipeline/ keeps its
-    schedules, freezing, cache and re-packing and calls `shard()`. Lands in pipeline/ (stage
-    construction) with the policy switch in engine/schedule/; no data-parallel code in pipeline/.
-(c) A stream-overlapped prefetch on a GPU. The gather scheduler (schedule/gather_schedule.py)
-    already issues the next unit's gather ahead of use and waits on its `Pending`; on CUDA the
-    gather runs on a comm stream and `Pending.wait` makes the compute stream wait on its event,
-    copy-outs included. Lands in engine/comm/ (a stream and event per handle, buffers reused by a
-    comm context); the scheduler's order and the unit's residency machine are unchanged.
+    data-parallel ranks: this object gains the "pipe" dimension (its group made in groups.py like
+    every other), and each stage's `replicate x shard` part is `ParallelLayout.of_mesh(mesh["replicate",
+    "shard"], ...)` over the stage's ranks. What a schedule flips per micro-batch (keep full values across
+    the micro-batches of a step, reduce once per step) is a stage policy's answer (schedule/stage.py:
+    `free`, `reduce_during_backward`) and the step driver's `no_sync` (schedule/driver.py). The feature
+    lands in pipeline/ (stage construction, schedules, freezing, cache, re-packing), with the
+    micro-batch switch as a policy in engine/schedule/; pipeline/ keeps no data-parallel code.
+(c) A stream-overlapped prefetch on a GPU. The gather scheduler (schedule/gather_schedule.py) already
+    issues the next unit's gather ahead of use and lands it before use; on CUDA the collective and its
+    copy-outs run on a comm stream, and `Pending.wait` makes the compute stream wait on the handle's
+    event instead of the host. It lands in engine/comm/ (a stream and an event per handle, buffers
+    reused by a comm context within a stated bound); the scheduler's order and the residency machine
+    (unit/residency.py) are unchanged.
 """
 
 from __future__ import annotations
