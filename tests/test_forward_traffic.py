@@ -55,7 +55,7 @@ def _forwards(strategy: str):
     model = build("gpt")
     sw.shard(model, strategy=strategy, units=spec.unit_class)
     header_group = engine_of(model).agreement.group
-    tags = engine_of(model).gathers.tags
+    tags = engine_of(model).driver.gathers.tags  # zero3's (Note [gather tags]); None for zero1/zero2
     tag_group = tags.group if tags is not None else None
     optim = torch.optim.AdamW(model.parameters(), foreach=True)
     x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())

@@ -40,7 +40,9 @@ def test_engine_host_reads_per_step(ranks, strategy):
         engine = {where: n for where, n in counts.items() if where != "torch or the test"}
         device_reads = {where: n for where, n in engine.items() if where not in HOST_VALUES}
         assert device_reads == {}, counts
-        assert set(engine) == HOST_VALUES, counts  # both still run (the test sees them)
+        # each still runs (the test sees them); zero3's gather tags are zero3's alone (Note [gather tags])
+        expected = HOST_VALUES if strategy == "zero3" else HOST_VALUES - {"engine/schedule/gather_tags.py:check"}
+        assert set(engine) == expected, counts
 
 
 def _count_scaled():

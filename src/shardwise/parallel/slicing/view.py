@@ -132,7 +132,9 @@ class UnslicedView:
                 else:
                     view[key] = value
             state[rows_of[id(param)]] = view
-        cls = type(type(real).__name__, (_ViewOptimizer,), {})  # the checkpoint records the class name
+        # The checkpoint records the real optimizer's class, qualified (Note [optimizer class], checkpoint/).
+        kind = type(real)
+        cls = type(kind.__name__, (_ViewOptimizer,), {"__module__": kind.__module__, "__qualname__": kind.__qualname__})
         return cls(groups, state)
 
     # ---- after a load: the rows back into slices and shards -------------------------------
