@@ -251,7 +251,7 @@ def shape_problems(root: Path = SRC) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             where = f"{name}:{getattr(node, 'lineno', '?')}"
             if isinstance(node, ast.Attribute) and node.attr == "new_group" and name != GROUP_MAKER:
-                problems.append(f"{where} makes a process group: ask engine/layout/groups.new_group")
+                problems.append(f"{where} makes a process group: ask engine/layout/groups.make_group")
             stamp = node.attr if isinstance(node, ast.Attribute) else node.value if (
                 isinstance(node, ast.Constant) and isinstance(node.value, str)) else ""
             if stamp.startswith("_sw_") and not any(

@@ -40,7 +40,7 @@ from torch import nn
 
 from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
-from shardwise.engine.layout.groups import new_group
+from shardwise.engine.layout.groups import make_group
 from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import at_exit, log
@@ -175,5 +175,5 @@ def _checkpoint_group(model: nn.Module):
         except (KeyError, ValueError, RuntimeError):
             cached = None
     if cached is None:  # every rank of the model's group gets here at the same save
-        cached = _groups[ranks] = new_group(ranks, backend="gloo", local=True, what="a checkpoint group")
+        cached = _groups[ranks] = make_group(ranks, backend="gloo", local=True, what="a checkpoint group")
     return cached

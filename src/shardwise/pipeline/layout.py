@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from shardwise.engine.layout.groups import new_group
+from shardwise.engine.layout.groups import make_group
 from shardwise.errors import ShardwiseError
 from shardwise.pipeline.balance import partition, stage_costs
 from shardwise.pipeline.layers import LayerChain
@@ -128,19 +128,19 @@ def build_groups(layout: Layout, tie_stage_sets: Sequence[tuple[int, ...]], glob
     mine: dict = {"tie": {}}
     for r in range(num_replicas):
         ranks = [global_ranks[layout.rank_of(r, s)] for s in range(num_stages)]
-        group = new_group(ranks)
+        group = make_group(ranks)
         if r == replica:
             mine["pipe"], mine["pipe_ranks"] = group, ranks
     mine["data"], mine["data_ranks"] = None, [global_ranks[my_rank]]
     if num_replicas > 1:
         for s in range(num_stages):
             ranks = [global_ranks[layout.rank_of(r, s)] for r in range(num_replicas)]
-            group = new_group(ranks)
+            group = make_group(ranks)
             if s == stage:
                 mine["data"], mine["data_ranks"] = group, ranks
     for stages in sorted(set(tie_stage_sets)):
         ranks = sorted(global_ranks[layout.rank_of(r, s)] for r in range(num_replicas) for s in stages)
-        group = new_group(ranks)
+        group = make_group(ranks)
         if stage in stages:
             mine["tie"][stages] = group
     return LayoutGroups(**mine)

@@ -3,8 +3,9 @@ pipeline's stage and replica groups, the checkpoint's own group. Uses: nothing o
 
 Note [one maker of groups]: a process group is a collective to create (every member calls
 `new_group` in the same order) and a resource to close (Note [exit teardown]); making them in one
-place keeps both rules in one place, and gives a group made beside another the other's timeout
-(the bound `sw.init(timeout=...)` set), so a hang anywhere is bounded alike.
+place (`make_group`, the one caller of torch's `new_group`) keeps both rules in one place, and
+gives a group made beside another the other's timeout (the bound `sw.init(timeout=...)` set), so a
+hang anywhere is bounded alike.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from shardwise.teardown import close_group_at_exit
 
 
-def new_group(ranks: Sequence[int], *, like=None, backend: str | None = None, local: bool = False,
+def make_group(ranks: Sequence[int], *, like=None, backend: str | None = None, local: bool = False,
               what: str | None = None) -> dist.ProcessGroup:
     """A new group of global `ranks`. `like`: a group whose timeout it keeps; `local`: only the members
     call this (torch's `use_local_synchronization`), else every rank of the world does; `what`: names the
@@ -42,7 +43,7 @@ def new_reduce_group(group) -> dist.ProcessGroup:
 
     Only `group`'s members call this (local synchronization), so a user's subgroup gets its own
     reduce group as the world does; it keeps `group`'s timeout."""
-    return new_group(dist.get_process_group_ranks(group), like=group, backend=dist.get_backend(group), local=True,
+    return make_group(dist.get_process_group_ranks(group), like=group, backend=dist.get_backend(group), local=True,
                      what="a reduce group")
 
 
@@ -58,5 +59,5 @@ def host_group_of(group) -> dist.ProcessGroup:
 def new_host_group(group) -> dist.ProcessGroup:
     """A new gloo group of `group`'s ranks (Note [host values]): a channel of its own, whose collectives
     pair only with each other (Note [agreement rides the traffic], agreement.py)."""
-    return new_group(dist.get_process_group_ranks(group), like=group, backend="gloo", local=True,
+    return make_group(dist.get_process_group_ranks(group), like=group, backend="gloo", local=True,
                      what="a host group")
