@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise.config import DiskOffload, ShardConfig
+from shardwise.config import ZERO_STRATEGIES, DiskOffload, ShardConfig
+from shardwise.engine.schedule.stage import policy_of
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 
@@ -65,5 +66,6 @@ def test_string_shortcuts_map_onto_the_policies():
     assert config.precision == sw.MixedPrecision(param_dtype=torch.bfloat16)
     assert config.offload == DiskOffload("/scratch") and config.offload.spec == "disk:/scratch"
     assert config.label == "zero3+bf16+offload"
-    assert [ShardConfig(s).keeps_full_params for s in sw.STRATEGIES] == [True, True, True, False]
-    assert [ShardConfig(s).keeps_full_grads for s in sw.STRATEGIES] == [True, True, False, False]
+    # What each zero stage keeps is its policy's answer (Note [stages]), not a flag on the config.
+    assert [policy_of(s).reshards for s in ZERO_STRATEGIES] == [False, False, True]
+    assert [policy_of(s).reduce_during_backward for s in ZERO_STRATEGIES] == [False, True, True]

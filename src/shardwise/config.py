@@ -166,16 +166,6 @@ class ShardConfig:
                    bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen))
 
     @property
-    def keeps_full_params(self) -> bool:
-        """zero1/zero2 (and ddp) keep every full parameter between steps; zero3 gathers per window."""
-        return self.strategy != "zero3"
-
-    @property
-    def keeps_full_grads(self) -> bool:
-        """zero1 (and ddp) keep full gradients until the step; zero2/zero3 reduce them per unit."""
-        return self.strategy in ("ddp", "zero1")
-
-    @property
     def label(self) -> str:
         """A short name, e.g. "zero3+bf16+offload"."""
         return config_label(self.strategy, self.precision.label, self.offload is not None)
