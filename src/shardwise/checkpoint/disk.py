@@ -13,8 +13,9 @@ Note [early writeback]: a durable save's last fsync waits for every byte the ker
 written, so a save that leaves all of it to that fsync pays crc + write + the whole disk time one
 after the other. Every WRITEBACK_BYTES written, `start_writeback` asks the kernel to start writing
 that range now (Linux's sync_file_range(SYNC_FILE_RANGE_WRITE): it does not wait), so the disk
-works while the save checksums and writes the next chunks, and the final fsync waits only for the
-tail. Where the call does not exist it does nothing: the fsync still makes the file durable.
+works while the save checksums and writes the next chunks; the tail is started once the file is
+written, so the disk writes it while the ranks gather their records, and the final fsync waits for
+what is still in flight. Where the call does not exist it does nothing: the fsync still makes the file durable.
 """
 
 from __future__ import annotations

@@ -72,8 +72,7 @@ def as_bytes(tensor: Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_chunk(file, data: memoryview) -> None:
-    """Write one chunk; the one place bytes reach the disk (tests patch it to fail)."""
+def _write_chunk(file, data: memoryview) -> None:  # the one place bytes reach the disk (tests patch it)
     file.write(data)
 
 
@@ -162,8 +161,7 @@ class FileWriter:
 
     def close(self) -> WrittenFile:
         """`finish()`, then `sync()`."""
-        written, _ = self.finish(), self.sync()
-        return written
+        return (self.finish(), self.sync())[0]
 
     def finish(self) -> WrittenFile:
         """Every byte handed to the kernel; the file left open for `sync()` (Note [one wait for the disk])."""
@@ -172,6 +170,8 @@ class FileWriter:
             raise ShardwiseError(f"internal: {self.path.name} closed after {self._next} of {len(self.specs)} tensors")
         with self.phases.timed("write"):
             self._file.flush()  # the caller aborts on a failure, as after any write
+            if self.durable:  # the tail too: the disk writes it while the ranks gather (Note [early writeback])
+                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
         return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
 
     def sync(self) -> None:
