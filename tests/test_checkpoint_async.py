@@ -76,7 +76,7 @@ def test_background_save_copies_only_the_rows_this_rank_writes(ranks, tmp_path, 
 def test_the_staging_copy_is_reused_and_refilled(tmp_path):
     """Catches a background save that allocates a fresh host copy each time (each save page-faults its
     whole share again: Note [cheap background save]), and a reused staging copy not refilled (the second
-    checkpoint holding the first's values)."""
+    checkpoint holding the first's values), and a writer whose CPU time is not recorded."""
     background = importlib.import_module("shardwise.checkpoint.background")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -86,7 +86,9 @@ def test_the_staging_copy_is_reused_and_refilled(tmp_path):
         model(torch.randn(3, 8)).sum().backward()
         optim.step()
         saved.append({key: value.clone() for key, value in model.state_dict().items()})
-        sw.save_async(tmp_path / f"step-{step}", model, optim).wait()
+        pending = sw.save_async(tmp_path / f"step-{step}", model, optim)
+        pending.wait()
+        assert 0 < pending.cpu_s < 60  # the writer thread's own CPU time (Note [cheap background save])
         pointers.append(sorted(t.data_ptr() for t in background._staging[model].values()))
     assert pointers[0] == pointers[1]
     for step in range(2):

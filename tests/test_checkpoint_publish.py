@@ -96,3 +96,52 @@ def test_next_save_removes_leftovers(tmp_path):
         os.close(fd)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache", ".x.partial", "notes", "step-4"]
     assert load_small(tmp_path / "step-4")
+
+
+def _disk_order(tmp: str, slow_index: bool) -> list:
+    """Every fsync this rank makes during one sw.save (what it synced, when it ended) and every rename
+    (when), on the machine's monotonic clock (shared by the ranks of one host). `slow_index`: the index's
+    fsync takes 0.2 s longer, so a rename that does not wait for it comes first."""
+    import time
+
+    from helpers.ckpt_ranks import build_model, run_steps
+
+    model, optim = build_model("gpt", "zero3")
+    run_steps(model, optim, "gpt", "zero3", 0, 1)
+    events, fsync, rename = [], os.fsync, os.rename
+
+    def recording_fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if slow_index and path.endswith("index.json"):
+            time.sleep(0.2)
+        fsync(fd)
+        events.append(("fsync", path, time.monotonic_ns()))
+
+    def recording_rename(src, dst):
+        events.append(("rename", os.fspath(dst), time.monotonic_ns()))
+        rename(src, dst)
+
+    os.fsync, os.rename = recording_fsync, recording_rename
+    try:
+        sw.save(f"{tmp}/step-1", model, optim)
+    finally:
+        os.fsync, os.rename = fsync, rename
+    return events
+
+
+@pytest.mark.parametrize("slow_index", [False, True])
+def test_every_fsync_lands_before_the_rename_and_the_parent_after(ranks, tmp_path, slow_index):
+    """Catches the publish of Note [one wait for the disk] (commit.py) reordering what the disk sees: a rank
+    file, index.json or the partial directory synced after the rename (or never: a crash could then publish
+    a checkpoint missing bytes), or the parent directory synced before it (the rename not durable when
+    sw.save returns)."""
+    events = [e for rank_events in ranks.run(_disk_order, 2, str(tmp_path), slow_index, timeout=120)
+              for e in rank_events]
+    renames = [at for kind, _, at in events if kind == "rename"]
+    assert len(renames) == 1, events
+    synced = {os.path.basename(path.rstrip("/")): at for kind, path, at in events if kind == "fsync"}
+    before = ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors", "index.json",
+              ".step-1.partial"]
+    for name in before:
+        assert name in synced and synced[name] < renames[0], (name, events)
+    assert synced[tmp_path.name] > renames[0], events

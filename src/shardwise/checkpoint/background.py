@@ -23,14 +23,18 @@ device-to-host copy runs at full speed (stated, not measured here); (2) the writ
 the lowest priority (nice 19, Linux sets it per thread), so the scheduler gives training the core
 whenever both want it and the write fills the gaps (collectives, data loading); (3) it writes
 4 MiB chunks and fsyncs once per file, its writeback started early (Note [early writeback] in
-disk.py). The price of (1): the staging copy stays allocated between saves (one copy of this
-rank's share of the checkpoint), where before it was freed after each write.
+disk.py), and its index and directory fsyncs overlap the files' (Note [one wait for the disk] in
+commit.py). The price of (1): the staging copy stays allocated between saves (one copy of this
+rank's share of the checkpoint), where before it was freed after each write. `pending.cpu_s` is
+the writer thread's CPU time: with no core to spare, what the background write can take from
+training at most (bench/checkpoint.py prints it beside the blocking save's time).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from dataclasses import replace
 
@@ -56,6 +60,7 @@ class PendingSave:
     def __init__(self, job: SaveJob, group) -> None:
         self.path = job.path
         self.error: BaseException | None = None
+        self.cpu_s = 0.0  # the writer thread's CPU seconds, once done (Note [cheap background save])
         self._waited = False
         self._thread = threading.Thread(target=self._run, args=(job, group), name=f"shardwise save {job.path.name}")
         self._thread.start()
@@ -65,10 +70,13 @@ class PendingSave:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)  # this thread only
         except (AttributeError, OSError):
             pass  # not Linux, or not allowed: the write runs at training's priority
+        began = time.thread_time()
         try:
             complete(job, group)
         except BaseException as error:  # noqa: BLE001 - handed to wait(), on every rank
             self.error = error
+        finally:
+            self.cpu_s = time.thread_time() - began
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -93,7 +101,7 @@ def save_async(path, model: nn.Module, optim=None, scheduler=None, *,
                keep_last: int | None = None, durable: bool = True, **extra) -> PendingSave:
     """`sw.save` that returns once this rank's state is copied to host memory; the files are
     written while training goes on (Note [background save]). Same arguments as `sw.save`;
-    returns a `PendingSave` (`.wait()`, `.done()`, `.path`)."""
+    returns a `PendingSave` (`.wait()`, `.done()`, `.path`, and `.cpu_s`: the writer's CPU seconds)."""
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
     try:
         copied, group = _host_copy(job), _checkpoint_group(job.model)  # job.model: a sliced model's view

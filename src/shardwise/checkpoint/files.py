@@ -5,29 +5,26 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
 {str: str}}`, then the raw bytes. We write and read it here rather than through
 `safetensors.torch`, for three reasons:
 
-- Writing: the header needs only shapes and dtypes, so tensors can be produced and
-  written one at a time (an export gathers one full parameter, writes it, frees it)
-  instead of all being alive at once, and every byte is checksummed while it is hot
-  in cache (Note [chunk checksums]).
-- Reading: a load checks the chunks holding the rows a rank needs over a map of the
-  file and copies exactly those rows from it into its shard, each window's pages
-  leaving the process's RSS once used (Note [proved unchanged] in mapped.py); a plain
-  `safe_open` map would count every touched page in RSS while the file stays open.
-  Other reads `pread` straight into the destination tensor.
-- Errors: a truncated file, a header that does not parse, a missing tensor, or a
-  checksum mismatch each become a `ShardwiseError` that names the file and the fix.
-  The header is parsed and checked against the file by wire/st_header.py, the one
-  safetensors header parser, which the host copy of frozen weights uses too.
+- Writing: the header needs only shapes and dtypes, so tensors can be produced and written one at
+  a time (an export gathers one full parameter, writes it, frees it) instead of all being alive at
+  once, and every byte is checksummed while it is hot in cache (Note [chunk checksums]).
+- Reading: a load checks the chunks holding the rows a rank needs over a map of the file and copies
+  exactly those rows from it into its shard, each window's pages leaving the process's RSS once used
+  (Note [proved unchanged] in mapped.py); a plain `safe_open` map would count every touched page in
+  RSS while the file stays open. Other reads `pread` straight into the destination tensor.
+- Errors: a truncated file, a header that does not parse, a missing tensor, or a checksum mismatch
+  each become a `ShardwiseError` that names the file and the fix. The header is parsed and checked
+  against the file by wire/st_header.py, the one safetensors header parser (the host copy of frozen
+  weights uses it too).
 
 Files written here are ordinary safetensors files: `safetensors.safe_open` and `load_file` read them.
 
-Note [chunk checksums]: each tensor's bytes are checksummed (crc32: 1.5 GB/s, ten times that
-with ISA-L, Note [fast crc32] in crc.py; sha256 1.0 GB/s) in chunks of whole rows of about
-CHUNK_BYTES. A rank that loads rows a..b of a slice reads and verifies only the
-chunks that hold them, so a reshard load never reads whole files to check them,
-and a verified read costs at most two chunks more than the rows themselves. The
-file's own digest (in the index, checked by `shardwise ckpt inspect`) is sha256
-over the header bytes and every chunk's crc32, so it changes with any byte.
+Note [chunk checksums]: each tensor's bytes are checksummed (crc32: 1.5 GB/s, ten times that with
+ISA-L, Note [fast crc32] in crc.py; sha256 1.0 GB/s) in chunks of whole rows of about CHUNK_BYTES.
+A rank that loads rows a..b of a slice reads and verifies only the chunks that hold them, so a
+reshard load never reads whole files to check them, and a verified read costs at most two chunks
+more than the rows themselves. The file's own digest (in the index, checked by `shardwise ckpt
+inspect`) is sha256 over the header bytes and every chunk's crc32, so it changes with any byte.
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ def as_bytes(tensor: Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_chunk(file, data: memoryview) -> None:
-    """Write one chunk; the one place bytes reach the disk (tests patch it to fail)."""
+def _write_chunk(file, data: memoryview) -> None:  # the one place bytes reach the disk (tests patch it)
     file.write(data)
 
 
@@ -106,12 +102,10 @@ class WrittenFile:
 class FileWriter:
     """Write a safetensors file tensor by tensor, in the order of `specs`.
 
-    `write_next(tensor)` takes the next tensor (any device, contiguous or not); the
-    file is complete after `close()`. `durable=True` fsyncs it, so that a machine
-    crash cannot leave an index pointing at bytes that never reached the disk. The file
-    must not exist: it is created with O_EXCL | O_NOFOLLOW, so a symlink or a file planted
-    at its name (a shared directory) is refused, never written through.
-    """
+    `write_next(tensor)` takes the next tensor (any device, contiguous or not); the file is complete
+    after `close()`. `durable=True` fsyncs it, so that a machine crash cannot leave an index pointing
+    at bytes that never reached the disk. The file must not exist: it is created with O_EXCL |
+    O_NOFOLLOW, so a symlink or a file planted at its name (a shared directory) is refused."""
 
     def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True,
                  phases: SavePhases | None = None):
@@ -166,35 +160,41 @@ class FileWriter:
                 self._kicked = self._written
 
     def close(self) -> WrittenFile:
+        """`finish()`, then `sync()`."""
+        return (self.finish(), self.sync())[0]
+
+    def finish(self) -> WrittenFile:
+        """Every byte handed to the kernel; the file left open for `sync()` (Note [one wait for the disk])."""
         if self._next != len(self.specs):
             self.abort()
             raise ShardwiseError(f"internal: {self.path.name} closed after {self._next} of {len(self.specs)} tensors")
+        with self.phases.timed("write"):
+            self._file.flush()  # the caller aborts on a failure, as after any write
+            if self.durable:  # the tail too: the disk writes it while the ranks gather (Note [early writeback])
+                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
+        return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
+
+    def sync(self) -> None:
+        """fsync the finished file when durable, and close it."""
         try:
-            with self.phases.timed("write"):
-                self._file.flush()
             if self.durable:
                 with self.phases.timed("fsync"):
                     os.fsync(self._file.fileno())
         finally:
             self._file.close()
-        return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
 
     def abort(self) -> None:
-        self._file.close()
+        self._file.close()  # closing twice is a no-op: abort after a sync is safe
 
 
 def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
-    header: dict = {"__metadata__": dict(metadata)}
-    offset = 0
+    header, offset = {"__metadata__": dict(metadata)}, 0
     for spec in specs:
         header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
                             "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     return encoded + b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
-
-
-HeaderEntry = Entry  # one tensor of a file as its header says (st_header.py)
 
 
 class FileReader:
@@ -288,7 +288,7 @@ class FileReader:
         row is never held whole) and without reading its holes (Note [sparse files] in sparse_crc.py)."""
         return crc_of_range(self._fd, start, size, self._pread_into)
 
-    def entry(self, key: str) -> HeaderEntry:
+    def entry(self, key: str) -> Entry:
         if key not in self.entries:
             raise ShardwiseError(f"{self.path} has no tensor {key!r}: the file does not belong to this index")
         return self.entries[key]
@@ -328,7 +328,7 @@ class FileReader:
         rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
         return rows[lo - span_lo : hi - span_lo]
 
-    def _copy_checked(self, entry: HeaderEntry, lo: int, hi: int, out: Tensor | None) -> Tensor:
+    def _copy_checked(self, entry: Entry, lo: int, hi: int, out: Tensor | None) -> Tensor:
         row_shape = entry.shape[1:] if entry.shape else ()
         direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
                   and out.numel() * entry.dtype.itemsize == (hi - lo) * entry.row_bytes)

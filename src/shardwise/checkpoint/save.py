@@ -19,7 +19,8 @@ strategy loads any checkpoint, optimizer state included.
 Note [atomic save]: every rank writes into `.NAME.partial` next to the target (rank 0 creates it
 and owns it for the save's life, Note [save ownership] in owner.py: a second save to the same
 name refuses rather than deletes it); once
-every rank has reported its file (a gather on rank 0), rank 0 writes index.json and
+every rank has reported its file (a gather on rank 0), rank 0 writes index.json, and once
+every file and the index are on the disk (Note [one wait for the disk] in commit.py) it
 renames the directory to NAME. A directory without index.json is never a checkpoint,
 and `.NAME.partial` never looks like one, so a crash, a full disk or a killed rank
 at any point leaves the previous checkpoint as the latest and whole. Saving over an
@@ -45,9 +46,7 @@ those positions cannot be dealt to another number of ranks).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,9 +54,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise.checkpoint.commit import SHARED_MARKER, finish_commit, start_commit
 from shardwise.checkpoint.disk import SavePhases
 from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
-from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints, next_order
+from shardwise.checkpoint.index import INDEX, next_order
 from shardwise.checkpoint.model_config import model_config
 from shardwise.checkpoint.names import clean_name, persistent_buffers
 from shardwise.checkpoint.optim_state import (
@@ -73,7 +73,6 @@ from shardwise.checkpoint.optim_state import (
     split_state,
 )
 from shardwise.checkpoint.owner import SaveLock, claim_partial
-from shardwise.checkpoint.publish import clean_leftovers, publish
 from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
 from shardwise.checkpoint.values import capture_rng, to_json
 from shardwise.engine.layout.rows import num_rows
@@ -137,6 +136,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here)."""
     wait_for_background_save()
+    began = time.perf_counter()  # the "start" phase (Note [save phases] in disk.py)
     for key, value in extra.items():
         if hasattr(value, "param_groups") and hasattr(value, "state"):
             raise ShardwiseError(f"{key}= is an optimizer: keyword values are JSON or small objects. Save several "
@@ -174,24 +174,34 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plans, form, scheduler_state, objects, values,
                    persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
-                   lock, order, model_config(model) if rank == 0 else None)
+                   lock, order, model_config(model) if rank == 0 else None,
+                   SavePhases(start=time.perf_counter() - began))
 
 
 def complete(job: SaveJob, group) -> None:
     """Write this rank's file, then (rank 0) the index, and publish; a ShardwiseError on every
     rank if any rank failed. `group` carries the gather: the model's, or a checkpoint group of
     the same ranks when the save runs in the background (background.py)."""
+    writer = None
     try:
         try:
             _check_shared(job)
-            record, error = _write_rank_file(job), None
+            writer, record = _write_rank_file(job)  # its bytes written, not yet synced
+            error = None
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
             record, error = None, f"{type(exc).__name__}: {exc}"
+        # Note [one wait for the disk] in commit.py: rank 0's index syncs while every rank syncs its file.
         with job.phases.timed("publish"):
             records = gather_object((record, error), group, job.rank, job.world)
-            outcome = _finish(job, records) if job.rank == 0 else None
+            started = start_commit(job, records) if job.rank == 0 else None
+        synced = _sync(writer) if error is None else error
+        with job.phases.timed("publish"):
+            synced = gather_object(synced, group, job.rank, job.world)
+            outcome = finish_commit(job, started, synced) if job.rank == 0 else None
             outcome = broadcast_object(outcome, group, job.rank, job.world)
     finally:
+        if writer is not None:
+            writer.abort()  # closed already, unless this save failed on the way
         if job.lock is not None:
             job.lock.release()  # the save is over, however it ended (Note [save ownership])
     if outcome is not None:
@@ -199,7 +209,6 @@ def complete(job: SaveJob, group) -> None:
                              "checkpoints are untouched.")
 
 
-SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory]
 _background: list = []  # this process's background save still running (background.py), at most one
 
 
@@ -207,6 +216,15 @@ def wait_for_background_save() -> None:
     """Wait for this process's background save, if any; raise its error on every rank."""
     while _background:
         _background.pop().wait()
+
+
+def _sync(writer: FileWriter) -> str | None:
+    """This rank's file on the disk (FileWriter.sync): None, or why not, for rank 0 to hear."""
+    try:
+        writer.sync()
+        return None
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather after it
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _is_stateful(value) -> bool:
@@ -280,8 +298,9 @@ def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank:
             "owners": recorded_owners(optim, names, where)}
 
 
-def _write_rank_file(job: SaveJob) -> dict:
-    """Write this rank's rows, optimizer rows and RNG states; return what the index needs."""
+def _write_rank_file(job: SaveJob) -> tuple[FileWriter, dict]:
+    """Write this rank's rows, optimizer rows and RNG states; return the writer, its file written but not
+    yet synced (`FileWriter.sync`, Note [one wait for the disk] in commit.py), and what the index needs."""
     infos, rank, world = job.infos, job.rank, job.world
     sharded = is_sharded(job.model)
     specs, producers, slices = [], [], []
@@ -329,7 +348,7 @@ def _write_rank_file(job: SaveJob) -> dict:
     try:
         for produce in producers:
             writer.write_next(produce())
-        written = writer.close()
+        written = writer.finish()
     except BaseException:
         writer.abort()
         raise
@@ -339,62 +358,5 @@ def _write_rank_file(job: SaveJob) -> dict:
     rng["file"] = file
     rng["tensors"] = {key: {"chunk": chunk_rows(tuple(t.shape), t.dtype), "crcs": written.crcs[key]}
                       for key, t in rng_tensors.items()}
-    return {"file": file, "bytes": written.nbytes, "digest": written.digest, "slices": slices, "rng": rng,
+    return writer, {"file": file, "bytes": written.nbytes, "digest": written.digest, "slices": slices, "rng": rng,
             "optims": optims, "objects": job.objects}
-
-
-def _finish(job: SaveJob, records: list) -> str | None:
-    """Rank 0: write the index and publish the directory, or clean up; None on success."""
-    path, partial, durable = job.path, job.partial, job.durable
-    failed = [(r, error) for r, (_, error) in enumerate(records) if error is not None]
-    try:
-        if failed:
-            return "; ".join(f"rank {r} could not write its file: {error}" for r, error in failed)
-        failed = True
-        job.lock.check()  # still the directory this save made: nobody removed or replaced it
-        for record, _ in records:
-            written = partial / record["file"]
-            if not written.is_file() or written.stat().st_size != record["bytes"]:
-                return f"{written} is missing or not the size its rank wrote: another process changed {partial}"
-        (partial / SHARED_MARKER).unlink()  # every rank saw it (Note [one shared directory]); never published
-        index = build_index(job, records)
-        fd = os.open(partial / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(index, f, separators=(",", ":"))
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        job.lock.unmark()  # index.json marks it from here on (Note [save ownership])
-        _fsync_dir(partial, durable)
-        publish(partial, path, job.checkpoint_id)  # Note [atomic publish]
-        _fsync_dir(path.parent, durable)
-        failed = False
-    except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
-        return f"{type(error).__name__}: {error}"
-    finally:
-        if failed:
-            _discard(job)
-    if job.keep_last is not None:
-        for old in list_checkpoints(path.parent)[:-job.keep_last]:
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
-    clean_leftovers(path.parent)  # Note [leftovers]
-    return None
-
-
-def _discard(job: SaveJob) -> None:
-    """Remove a failed save's partial directory, if it is still the one this save made."""
-    try:
-        job.lock.check()
-    except ShardwiseError:
-        return  # another process's now, or already published: not this save's to remove
-    shutil.rmtree(job.partial, ignore_errors=True)
-
-
-def _fsync_dir(path: Path, durable: bool) -> None:
-    if durable:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

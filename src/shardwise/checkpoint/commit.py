@@ -1,0 +1,130 @@
+"""The end of a save: every rank's file made durable, rank 0's index written and synced, the
+directory published (Note [atomic save] in save.py).
+
+Note [one wait for the disk]: each fsync of a file or a directory waits for a journal commit and a
+disk cache flush (about 4 to 8 ms each on the ext4 disk bench/checkpoint.py ran on). The save used
+to pay them one after the other: every rank's file fsync, then rank 0's index fsync, then the partial
+directory's fsync, then the rename and the parent directory's fsync. What a crash may not reorder
+is only this: every file's bytes (the rank files, index.json) and the partial directory's entries
+on the disk before the rename, and the rename on the disk before the save returns. So the ranks
+send their records (crcs, sizes) as soon as their bytes are written, before their fsync; rank 0
+writes index.json and starts syncing it and the partial directory in a thread (`start_commit`),
+while every rank, rank 0 included, fsyncs its own file (`sync_rank_file`); the ranks then report
+their fsync, and only when every one succeeded and the thread finished does rank 0 rename and sync
+the parent (`finish_commit`). The index's and the directory's flushes overlap the rank files'
+instead of following them; the order the disk sees is unchanged (tests/test_checkpoint_publish.py
+checks every fsync happens before the rename, and the parent's after it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
+from shardwise.checkpoint.publish import clean_leftovers, publish
+from shardwise.errors import ShardwiseError
+
+SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory] in save.py
+
+
+class IndexSync:
+    """Rank 0's index.json, written, and its fsync and the partial directory's running in a thread
+    (Note [one wait for the disk])."""
+
+    def __init__(self, job, fd: int) -> None:
+        self.job, self.error = job, None
+        self._thread = threading.Thread(target=self._run, args=(fd,), name=f"shardwise index {job.path.name}")
+        self._thread.start()
+
+    def _run(self, fd: int) -> None:
+        try:
+            try:
+                if self.job.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.job.lock.unmark()  # index.json, on the disk, marks it from here on (Note [save ownership])
+            _fsync_dir(self.job.partial, self.job.durable)
+        except Exception as error:  # noqa: BLE001 - reported by finish_commit
+            self.error = f"{type(error).__name__}: {error}"
+
+    def wait(self) -> str | None:
+        self._thread.join()
+        return self.error
+
+
+def start_commit(job, records: list) -> IndexSync | str:
+    """Rank 0, once every rank's file is written: check them, write index.json and start its sync; or
+    why the save failed. Never raises: every rank waits for rank 0 at the next gather."""
+    failed = [(r, error) for r, (_, error) in enumerate(records) if error is not None]
+    if failed:
+        return "; ".join(f"rank {r} could not write its file: {error}" for r, error in failed)
+    partial = job.partial
+    try:
+        job.lock.check()  # still the directory this save made: nobody removed or replaced it
+        for record, _ in records:
+            written = partial / record["file"]
+            if not written.is_file() or written.stat().st_size != record["bytes"]:
+                return f"{written} is missing or not the size its rank wrote: another process changed {partial}"
+        (partial / SHARED_MARKER).unlink()  # every rank saw it (Note [one shared directory]); never published
+        encoded = json.dumps(build_index(job, records), separators=(",", ":")).encode()
+        fd = os.open(partial / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            view = memoryview(encoded)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            raise
+        return IndexSync(job, fd)
+    except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
+        return f"{type(error).__name__}: {error}"
+
+
+def finish_commit(job, started: IndexSync | str, synced: list) -> str | None:
+    """Rank 0, once every rank reported its file's fsync (`synced`: each rank's error or None): publish
+    the directory and sync its parent (Note [one wait for the disk]), or clean up; None on success."""
+    outcome = started if isinstance(started, str) else None
+    if isinstance(started, IndexSync):  # joined whatever happened: its fd and the marker are its own
+        outcome = started.wait()
+    failed = [(r, error) for r, error in enumerate(synced) if error is not None]
+    if outcome is None and failed:
+        outcome = "; ".join(f"rank {r} could not write its file to the disk: {error}" for r, error in failed)
+    if outcome is not None:
+        _discard(job)
+        return outcome
+    try:
+        publish(job.partial, job.path, job.checkpoint_id)  # Note [atomic publish]
+        _fsync_dir(job.path.parent, job.durable)
+    except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
+        _discard(job)
+        return f"{type(error).__name__}: {error}"
+    if job.keep_last is not None:
+        for old in list_checkpoints(job.path.parent)[:-job.keep_last]:
+            if old != job.path:
+                shutil.rmtree(old, ignore_errors=True)
+    clean_leftovers(job.path.parent)  # Note [leftovers]
+    return None
+
+
+def _discard(job) -> None:
+    """Remove a failed save's partial directory, if it is still the one this save made."""
+    try:
+        job.lock.check()
+    except ShardwiseError:
+        return  # another process's now, or already published: not this save's to remove
+    shutil.rmtree(job.partial, ignore_errors=True)
+
+
+def _fsync_dir(path: Path, durable: bool) -> None:
+    """Make `path`'s entries durable (tests/helpers/restart_job.py kills a save here)."""
+    if durable:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
