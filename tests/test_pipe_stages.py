@@ -5,10 +5,15 @@ last stage kept one value. Real gloo ranks against one process (DESIGN's fp32 1e
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from helpers.pipe import GLOBAL_BATCH, MICRO, TIED, batches_of, dataset, gpt, reference_run, token_loss
+from shardwise.engine import engine_of
 from shardwise.engine.layout.parallel_layout import ParallelLayout
+from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
+from shardwise.testing import RunResult, assert_close_runs
 
 # ---- the layout's "pipe" dimension ---------------------------------------------------------
 
@@ -52,3 +57,96 @@ def test_a_grid_that_misses_a_rank_is_refused_on_every_rank(ranks):
     """Catches a grid that leaves a rank out or is ragged: each rank would make other groups (a hang)."""
     for message in ranks.run(_bad_grid_on_rank, 2, [[[0]], [[0]]]) + ranks.run(_bad_grid_on_rank, 2, [[[0, 1]], [[1]]]):
         assert "pipeline grid" in message, message
+
+
+# ---- sharded stages against one process --------------------------------------------------------
+
+STEPS = 3
+
+
+def _sharded_trainer(strategy: str, schedule: str, keep_gathered: bool = True) -> PipeTrainer:
+    inputs, targets = dataset()
+    config = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule=schedule, cache=False,
+                            strategy=strategy, keep_gathered=keep_gathered)
+    return PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
+                       global_batch_size=GLOBAL_BATCH, config=config)
+
+
+def _sharded_on_rank(strategy: str, schedules: list[str]) -> list[tuple[RunResult, torch.Tensor | None]]:
+    out = []
+    for schedule in schedules:
+        trainer = _sharded_trainer(strategy, schedule)
+        losses = [trainer.step(b) for b in batches_of(trainer.sampler, STEPS)]
+        tie = trainer.local_parameters().get(TIED)  # this rank's rows of the tied weight, on first and last stage
+        out.append((RunResult(losses, [], trainer.full_parameters()), None if tie is None else tie.clone()))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_sharded_stages_match_one_process(ranks, strategy):
+    """Catches a stage whose gradients are not the mean over its shard ranks' samples, a micro-batch's
+    gradient lost or counted twice, and a tied embedding/head whose gradient is not summed across the
+    first and last stage (or summed on one of them only): pipe 2 x shard 2 at ws 4, GPipe and 1F1B with 4
+    micro-batches, 3 AdamW steps of the tied GPT equal one process (fp32 1e-5 / 1e-6), and each stage's
+    rows of the tied weight are bitwise equal to the other stage's rows at the same shard coordinate."""
+    schedules = ["gpipe", "1f1b"]
+    results = ranks.run(_sharded_on_rank, 4, strategy, schedules, timeout=180)
+    reference = reference_run(2, num_homes=4, steps=STEPS)
+    for k, schedule in enumerate(schedules):
+        for rank, r in enumerate(results):
+            try:
+                assert_close_runs(reference, r[k][0])
+            except AssertionError as e:
+                raise AssertionError(f"{strategy} {schedule}, rank {rank}: {e}") from None
+        # rank = shard * 2 + stage: ranks 0/1 hold shard 0 of stage 0/1, ranks 2/3 shard 1
+        for first, last in [(0, 1), (2, 3)]:
+            assert torch.equal(results[first][k][1], results[last][k][1]), f"{strategy} {schedule}: tie drifted"
+
+
+def _per_step_counts_on_rank(cases: list[tuple[str, bool]]) -> list[dict]:
+    """Each unit's gathers and reduces in one step (the second: the first also gathers what init left)."""
+    from shardwise.engine.schedule.reducer import Reducer
+    from shardwise.engine.unit.flat_unit import FlatUnit
+
+    out = []
+    for strategy, keep_gathered in cases:
+        trainer = _sharded_trainer(strategy, "gpipe", keep_gathered)
+        first, second = batches_of(trainer.sampler, 2)
+        trainer.step(first)
+        gathers, reduces = {}, {}
+        start_gather, launch = FlatUnit.start_gather, Reducer._launch
+
+        def counted_gather(unit, *args, **kwargs):
+            gathers[id(unit)] = gathers.get(id(unit), 0) + 1
+            return start_gather(unit, *args, **kwargs)
+
+        def counted_reduce(reducer, unit, grads):
+            if unit.trainable():
+                reduces[id(unit)] = reduces.get(id(unit), 0) + 1
+            return launch(reducer, unit, grads)
+
+        FlatUnit.start_gather, Reducer._launch = counted_gather, counted_reduce
+        try:
+            trainer.step(second)
+        finally:
+            FlatUnit.start_gather, Reducer._launch = start_gather, launch
+        units = [id(u) for u in engine_of(trainer.stage_module).units if u.trainable()]
+        out.append({"reduces": [reduces.get(u, 0) for u in units], "gathers": [gathers.get(u, 0) for u in units]})
+    return out
+
+
+def test_each_unit_is_reduced_once_per_step_and_zero3_gathers_once(ranks):
+    """Catches a micro-batch's gradient reduced on its own (M reduces a step, or a unit reduced twice) and
+    zero3 gathering every unit again for each micro-batch when told to keep them (keep_gathered): at pipe 2 x
+    shard 2, 4 GPipe micro-batches, each unit of each stage is reduced exactly once in a step under zero1,
+    zero2 and zero3; zero3 with keep_gathered gathers each unit once, without it at least once per
+    micro-batch (the forward's gathers; backward's come on top)."""
+    cases = [("zero1", True), ("zero2", True), ("zero3", True), ("zero3", False)]
+    for rank, counts in enumerate(ranks.run(_per_step_counts_on_rank, 4, cases, timeout=180)):
+        for (strategy, keep), got in zip(cases, counts):
+            assert got["reduces"] and all(n == 1 for n in got["reduces"]), f"rank {rank} {strategy}: {got}"
+            if strategy == "zero3":
+                expected = (lambda n: n == 1) if keep else (lambda n: n >= MICRO)
+                assert all(expected(n) for n in got["gathers"]), f"rank {rank} {strategy} keep={keep}: {got}"
+            else:  # zero1/zero2 gather once after the optimizer step changed the rows
+                assert all(n == 1 for n in got["gathers"]), f"rank {rank} {strategy}: {got}"
