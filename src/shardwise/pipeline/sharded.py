@@ -19,6 +19,14 @@ the weight. The weight's gradient is the sum of its uses, so those rows are summ
 (`reduce_tied`: an all-reduce over the ranks at one (replica, shard) coordinate of the stages that
 hold it) before the step: each copy takes the same gradient from the same state, one update, and the
 copies stay bitwise equal under zero1, zero2 and zero3.
+
+Note [frozen shards]: freezing a prefix of sharded stages keeps every layer on its stage (no activation
+cache, no re-pack: those move whole layers, strategy=None's route). Each rank turns `requires_grad` off
+on its shards of the frozen layers (the same on every rank of a stage, which the engine's agreement
+checks) and rebuilds its optimizer from the shards still training, carrying their state: a frozen
+shard gets no gradient (the engine skips frozen parameters: no buffer, no reduce), no optimizer state
+and no update. A tied weight frozen on one stage is frozen on the other (the same model name), and its
+cross-stage sum goes with it.
 """
 
 from __future__ import annotations
@@ -117,6 +125,21 @@ def reduce_tied(tied: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]]
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def freeze_shards(named: list[tuple[str, nn.Parameter]], frozen: set[str], optimizer, make_optimizer):
+    """Freeze the shards named in `frozen` and drop their gradients and optimizer state (Note [frozen
+    shards]); returns the shards still training and their optimizer (None when none trains)."""
+    for name, p in named:
+        if name in frozen:
+            p.requires_grad_(False)
+            p.grad = None
+    training = [(name, p) for name, p in named if name not in frozen]
+    rebuilt = make_optimizer(training) if training else None
+    for _, p in training:
+        if rebuilt is not None and optimizer is not None and p in optimizer.state:
+            rebuilt.state[p] = optimizer.state[p]
+    return training, rebuilt
 
 
 def gather_stage_values(module: nn.Module, local_names: dict[str, str]) -> dict[str, Tensor]:

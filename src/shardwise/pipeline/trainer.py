@@ -39,7 +39,14 @@ from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, P
 from shardwise.pipeline.freeze import FreezePolicy
 from shardwise.pipeline.layers import LayerChain
 from shardwise.pipeline.layout import Layout, LayoutGroups, build_groups, plan_layout
-from shardwise.pipeline.sharded import ShardedStage, gather_stage_values, reduce_tied, shard_stage, tie_groups
+from shardwise.pipeline.sharded import (
+    ShardedStage,
+    freeze_shards,
+    gather_stage_values,
+    reduce_tied,
+    shard_stage,
+    tie_groups,
+)
 
 
 class PipeTrainer:
@@ -97,6 +104,7 @@ class PipeTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self._names = {id(p): name for name, p in chain.params.items()}  # what a sharded stage calls them
         self._specs = {name: (p.shape, p.dtype) for name, p in chain.params.items()}
+        self._frozen_shards = 0  # sharded stages: layers [0, this) frozen in place
         # Every rank starts from rank 0's values: ranks that built different models cannot drift.
         broadcast_entries(chain.params, list(chain.params), None, self.global_ranks[0], self.group, False)
         self.costs = self._layer_costs()
@@ -158,14 +166,12 @@ class PipeTrainer:
     def freeze(self, num_frozen: int) -> Layout:
         """Freeze layers [0, num_frozen) now: they get no gradients, no optimizer state and
         no backward, and (with `repack`) the active layers are re-balanced over fewer stages."""
-        if num_frozen <= self.layout.num_frozen:
+        if num_frozen <= max(self.layout.num_frozen, self._frozen_shards):
             return self.layout
-        if self.config.strategy is not None:
-            raise ShardwiseError("freezing and re-packing sharded stages (PipelineConfig.strategy="
-                                 f"{self.config.strategy!r}) is not built yet: freeze with strategy=None (whole "
-                                 "layers on every rank), or train the sharded stages without freezing")
         if num_frozen >= self.chain.num_layers:
             raise ShardwiseError(f"freeze({num_frozen}) would freeze every layer; the last computes the loss")
+        if self.config.strategy is not None:
+            return self._freeze_shards(num_frozen)
         states = self._gather(with_state=True)
         for i in range(num_frozen):
             for _, p in self.chain.layer_params(i):
@@ -176,6 +182,22 @@ class PipeTrainer:
                              num_stages=self.config.num_stages, repack=self.config.repack, budget=self.budget)
         self._apply_layout(layout, states)
         return layout
+
+    def _freeze_shards(self, num_frozen: int) -> Layout:
+        """Sharded stages: the layers stay where they are (no cache, no re-pack), their shards frozen
+        (Note [frozen shards], sharded.py)."""
+        if num_frozen >= self.layout.bounds[0][1]:
+            raise ShardwiseError(f"freeze({num_frozen}) would freeze the whole first stage of sharded stages, "
+                                 "which then has no backward to run; re-packing sharded stages onto fewer stages "
+                                 f"is not built yet: freeze fewer than {self.layout.bounds[0][1]} layers, or use "
+                                 "strategy=None")
+        frozen = {name for i in range(num_frozen) for name in self.chain.names[i]}
+        self._named, self.optimizer = freeze_shards(self._named, frozen, self.optimizer, self.make_optimizer)
+        self._tied_buckets = [(params, group) for params, group in self._tied_buckets
+                              if all(p.requires_grad for p in params)]
+        self._frozen_shards = num_frozen
+        self.policy.num_frozen = max(self.policy.num_frozen, num_frozen)
+        return self.layout
 
     def full_parameters(self) -> dict[str, Tensor]:
         """Every parameter's current value by model name (a collective: brings all ranks up to date)."""
