@@ -64,18 +64,20 @@ def test_a_grid_that_misses_a_rank_is_refused_on_every_rank(ranks):
 STEPS = 3
 
 
-def _sharded_trainer(strategy: str, schedule: str, keep_gathered: bool = True) -> PipeTrainer:
+def _sharded_trainer(strategy: str, schedule: str, keep_gathered: bool = True, shards: int | None = None
+                     ) -> PipeTrainer:
     inputs, targets = dataset()
     config = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule=schedule, cache=False,
-                            strategy=strategy, keep_gathered=keep_gathered)
+                            strategy=strategy, keep_gathered=keep_gathered, shards=shards)
     return PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
                        global_batch_size=GLOBAL_BATCH, config=config)
 
 
-def _sharded_on_rank(strategy: str, schedules: list[str]) -> list[tuple[RunResult, torch.Tensor | None]]:
+def _sharded_on_rank(strategy: str, schedules: list[str], shards: int | None = None
+                     ) -> list[tuple[RunResult, torch.Tensor | None]]:
     out = []
     for schedule in schedules:
-        trainer = _sharded_trainer(strategy, schedule)
+        trainer = _sharded_trainer(strategy, schedule, shards=shards)
         losses = [trainer.step(b) for b in batches_of(trainer.sampler, STEPS)]
         tie = trainer.local_parameters().get(TIED)  # this rank's rows of the tied weight, on first and last stage
         out.append((RunResult(losses, [], trainer.full_parameters()), None if tie is None else tie.clone()))
@@ -101,6 +103,18 @@ def test_sharded_stages_match_one_process(ranks, strategy):
         # rank = shard * 2 + stage: ranks 0/1 hold shard 0 of stage 0/1, ranks 2/3 shard 1
         for first, last in [(0, 1), (2, 3)]:
             assert torch.equal(results[first][k][1], results[last][k][1]), f"{strategy} {schedule}: tie drifted"
+
+
+def test_sharded_stages_with_replicas_match_one_process(ranks):
+    """Catches a stage whose replicas do not average their gradients (the hybrid route's all-reduce over
+    "replicate") and a tie summed over the wrong ranks when each stage has replicas: pipe 2 x replicate 2 x
+    shard 1 (shards=1) at ws 4, zero3 under 1F1B, 4 micro-batches, equals one process; the tie bitwise equal."""
+    results = ranks.run(_sharded_on_rank, 4, "zero3", ["1f1b"], 1, timeout=180)
+    reference = reference_run(2, num_homes=4, steps=STEPS)
+    for rank, r in enumerate(results):
+        assert_close_runs(reference, r[0][0])
+    for first, last in [(0, 1), (2, 3)]:
+        assert torch.equal(results[first][0][1], results[last][0][1]), "tie drifted"
 
 
 def _per_step_counts_on_rank(cases: list[tuple[str, bool]]) -> list[dict]:

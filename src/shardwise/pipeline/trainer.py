@@ -7,15 +7,17 @@ One step, on every rank:
   2. torch.distributed.pipelining runs the micro-batches through the stages (GPipe or
      1F1B); the last stage computes the loss; gradients come out as the mean over
      micro-batches (the schedule's scale_grads);
-  3. gradients are averaged over replicas and tied copies summed across stages
-     (`_moves.reduce_gradients`), then each rank steps its own optimizer;
+  3. strategy None: gradients are averaged over replicas and tied copies summed across
+     stages (`_moves.reduce_gradients`); a zero strategy: the engine reduced each stage's
+     gradients over its ranks and only a tie's rows are summed across stages
+     (`sharded.reduce_tied`); then each rank steps its own optimizer;
   4. the loss (global mean) is all-reduced, so every rank returns the same number.
 
-Every rank builds the whole model, and every layer's values are brought up to date on
-every rank whenever the layout changes (`freeze`). That makes moving layers to other
-ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
-this pipeline is for speed (PipeTransformer's setting), not for models bigger than one
-rank. Gradients and optimizer state exist only for a rank's own active layers.
+With strategy None every rank builds the whole model, and every layer's values are brought
+up to date on every rank whenever the layout changes (`freeze`). That makes moving layers to
+other ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
+that route is for speed (PipeTransformer's setting). With a zero strategy each stage's layers
+are sharded over the stage's ranks (Note [sharded stages], sharded.py) and freeze in place.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ gathered, is pinned (residency.py) and stays whole across the step's micro-batch
 per step, for zero2's parameter memory during the step (torchtitan keeps FSDP2 units unsharded under
 pipelining for the same reason). The pin goes when the synced backward's window closes (the optimizer
 step that follows changes the rows: a kept full value would then be stale) or when the block ends.
+Inside the block nothing may write the rows between micro-batches (an optimizer step, a `p.data` write):
+zero3 tracks no writes (freshness.NoKeptValues). pipeline.ShardedStage opens the block at a step's first
+forward and closes it after the step's reduce, before the user's optimizer step.
 
 Note [frozen units]: a unit with no trainable parameter has no `GatherUnit`, so zero3
 frees it after its backward from a hook on its inputs' gradients instead.
