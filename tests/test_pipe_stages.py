@@ -174,10 +174,11 @@ def _four_layers() -> list[torch.nn.Module]:
     return [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)]
 
 
-def _users_loop_on_rank(strategy: str, schedule: str) -> float:
-    """pipe 2 x shard 2: this rank's two layers sharded over its stage, ShardedStage under torch's schedule;
-    returns the largest difference of its stage's parameters from one process after 2 SGD steps."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def _users_loop_on_rank(strategy: str, schedule: str, stage_class: str = "sharded") -> float:
+    """pipe 2 x shard 2: this rank's two layers sharded over its stage, ShardedStage (or torch's own
+    PipelineStage) under torch's schedule; returns the largest difference of its stage's parameters from
+    one process after 2 SGD steps."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from shardwise.pipeline import ShardedStage
 
@@ -185,7 +186,8 @@ def _users_loop_on_rank(strategy: str, schedule: str) -> float:
     stage, shard = layout.pipe_rank, layout.shard_rank
     module = torch.nn.Sequential(*_four_layers()[2 * stage: 2 * stage + 2])
     sw.shard(module, strategy=strategy, units=list(module), process_group=layout.group)
-    runner = ShardedStage(module, stage, 2, torch.device("cpu"), group=layout.pipe_group)
+    runner = {"sharded": ShardedStage, "torch": PipelineStage}[stage_class](
+        module, stage, 2, torch.device("cpu"), group=layout.pipe_group)
     steps = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
         runner, MICRO, loss_fn=lambda out, y: ((out - y) ** 2).mean())
     reference = torch.nn.Sequential(*_four_layers())
@@ -211,6 +213,15 @@ def test_a_users_loop_runs_a_sharded_stage_under_torchs_schedules(ranks, schedul
     per micro-batch that loses accumulated rows, zero3 values freed under a pending micro-batch): a
     user's loop at pipe 2 x shard 2, zero3, 4 micro-batches, equals one process after 2 SGD steps."""
     for rank, diff in enumerate(ranks.run(_users_loop_on_rank, 4, "zero3", schedule, timeout=120)):
+        assert diff <= 1e-6, f"rank {rank}: {diff}"
+
+
+def test_torchs_own_stage_trains_a_sharded_module_exactly(ranks):
+    """Catches the engine losing gradients when torch's own PipelineStage (which knows DDP and FSDP2, not
+    shardwise) backwards each micro-batch as a step of its own: each backward is then reduced by itself
+    (M reduces per unit per step, which ShardedStage avoids), and the rows must still sum them all. zero3
+    at pipe 2 x shard 2, 1F1B, equals one process after 2 SGD steps."""
+    for rank, diff in enumerate(ranks.run(_users_loop_on_rank, 4, "zero3", "1f1b", "torch", timeout=120)):
         assert diff <= 1e-6, f"rank {rank}: {diff}"
 
 
