@@ -17,6 +17,7 @@ from shardwise.pipeline import (
     ActivationCache,
     FreezePolicy,
     PipelineConfig,
+    ShardedStage,
     StickySampler,
     chain_layers,
     measure_layer_times,
@@ -140,6 +141,19 @@ def test_pipeline_config_validation():
     with pytest.raises(ShardwiseError, match="schedule"):
         PipelineConfig(num_stages=2, schedule="zigzag")
     PipelineConfig(num_stages=4, num_microbatches=2, schedule="gpipe")
+
+
+def test_sharded_stage_options_are_checked():
+    """Catches a strategy name or a shards= without a zero strategy accepted (sw.shard would be asked for
+    it, or shards= ignored), and ShardedStage handed an unsharded module (no engine reduces its gradients
+    across data-parallel ranks: each rank would step on its own micro-batches' gradients)."""
+    with pytest.raises(ShardwiseError, match="strategy"):
+        PipelineConfig(num_stages=2, strategy="zero4")
+    with pytest.raises(ShardwiseError, match="shards"):
+        PipelineConfig(num_stages=2, shards=2)
+    with pytest.raises(ShardwiseError, match="ShardedStage takes a stage module sharded"):
+        ShardedStage(nn.Linear(2, 2), 0, 2, torch.device("cpu"))
+    PipelineConfig(num_stages=2, strategy="zero3", shards=1)
 
 
 # ---- sampler and cache -----------------------------------------------------------

@@ -11,65 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import shardwise as sw
-from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, StickySampler, chain_layers, grouped_adamw
-from shardwise.testing import RunResult, assert_close_runs, make_optimizer
-
-NUM_SAMPLES = 64
-GLOBAL_BATCH = 16
-MICRO = 4
-TIED = "tok_emb.weight"
-
-
-def _model(n_layers: int) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(seq_len=8, n_layers=n_layers))
-
-
-def _data(vocab: int = 64, seq: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, vocab, (NUM_SAMPLES, seq + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def _batches(sampler: StickySampler, steps: int) -> list[torch.Tensor]:
-    out, epoch = [], 0
-    while len(out) < steps:
-        out += sampler.batches(epoch)
-        epoch += 1
-    return out[:steps]
-
-
-def _reference(n_layers: int, num_homes: int, steps: int, freezes: dict[int, int] | None = None) -> RunResult:
-    """One process, whole global batch per step; from step s on, layers [0, freezes[s]) of
-    the chain stop training (requires_grad=False: AdamW skips them)."""
-    model = _model(n_layers)
-    inputs, targets = _data()
-    optimizer = make_optimizer(model)
-    chain = chain_layers(model)
-    losses = []
-    for step, batch in enumerate(_batches(StickySampler(NUM_SAMPLES, GLOBAL_BATCH, num_homes=num_homes), steps)):
-        for i in range((freezes or {}).get(step, 0)):
-            for _, p in chain.layer_params(i):
-                p.requires_grad_(False)
-        model.zero_grad(set_to_none=True)
-        loss = model(inputs[batch], targets[batch])
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return RunResult(losses, [], {n: p.detach().clone() for n, p in model.named_parameters()})
+from helpers.pipe import GLOBAL_BATCH, MICRO, TIED, batches_of, dataset, gpt, reference_run, token_loss
+from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
+from shardwise.testing import RunResult, assert_close_runs
 
 
 def _trainer(n_layers: int, config: PipelineConfig, policy: FreezePolicy | None = None) -> PipeTrainer:
-    inputs, targets = _data()
-    return PipeTrainer(chain_layers(_model(n_layers)), _loss, grouped_adamw(eps=1e-3), inputs, targets,
+    inputs, targets = dataset()
+    return PipeTrainer(chain_layers(gpt(n_layers)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
                        global_batch_size=GLOBAL_BATCH, config=config, freeze=policy)
 
 
@@ -78,11 +29,11 @@ def _trainer(n_layers: int, config: PipelineConfig, policy: FreezePolicy | None 
 
 def _different_data_on_rank() -> str | None:
     """Rank 1 draws its dataset from another seed (docs/pipeline.md's set-up drew it before the seed)."""
-    inputs, targets = _data()
+    inputs, targets = dataset()
     if dist.get_rank() == 1:
         inputs, targets = torch.randint(0, 64, inputs.shape), torch.randint(0, 64, targets.shape)
     try:
-        PipeTrainer(chain_layers(_model(2)), _loss, grouped_adamw(eps=1e-3), inputs, targets,
+        PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
                     global_batch_size=GLOBAL_BATCH, config=PipelineConfig(num_stages=2, num_microbatches=MICRO))
     except sw.ShardwiseError as error:
         return str(error)
@@ -102,7 +53,7 @@ def _parity_on_rank(num_stages: int, schedules: list[str], steps: int) -> list[t
     for schedule in schedules:
         trainer = _trainer(2, PipelineConfig(num_stages=num_stages, num_microbatches=MICRO, schedule=schedule,
                                              cache=False))
-        losses = [trainer.step(b) for b in _batches(trainer.sampler, steps)]
+        losses = [trainer.step(b) for b in batches_of(trainer.sampler, steps)]
         # This rank's own copy of the tied weight, before full_parameters overwrites it.
         holds_tie = any(TIED in trainer.chain.names[i] for i in range(*trainer.layout.bounds[
             trainer.layout.coords(trainer.rank)[1]]))
@@ -120,7 +71,7 @@ def test_pipeline_matches_single_process(ranks, world_size, num_stages):
     every rank's copy of the tied weight must be bitwise equal to every other's."""
     schedules = ["gpipe", "1f1b"]
     results = ranks.run(_parity_on_rank, world_size, num_stages, schedules, 5, timeout=90)
-    reference = _reference(2, num_homes=world_size, steps=5)
+    reference = reference_run(2, num_homes=world_size, steps=5)
     for k, schedule in enumerate(schedules):
         copies = [r[k][1] for r in results if r[k][1] is not None]
         assert len(copies) == 2 * (world_size // num_stages), f"{schedule}: expected the tie on first and last stages"
@@ -188,7 +139,7 @@ def test_freeze_cache_repack_matches_single_process(ranks, repack):
     process that stops training the same layers (fp32 1e-5/1e-6, with and without
     re-packing, so training after re-packing equals training without it within that bound)."""
     reports = ranks.run(_freeze_on_rank, 4, repack, 16 * 1024, timeout=120)
-    reference = _reference(4, num_homes=4, steps=16, freezes={4 * e: k for e, k in FREEZES.items()})
+    reference = reference_run(4, num_homes=4, steps=16, freezes={4 * e: k for e, k in FREEZES.items()})
     assert reports[0]["layout"] == ((2, 2) if repack else (4, 1))
     for rank, report in enumerate(reports):
         assert report["frozen_unchanged"], f"rank {rank}: a frozen parameter changed"

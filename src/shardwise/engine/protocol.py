@@ -72,6 +72,11 @@ class Engine(NoCopies):
         """A block whose backwards accumulate locally, without the reduce."""
         return nullcontext()
 
+    def keep_gathered(self) -> AbstractContextManager:
+        """A block whose units, once gathered, stay whole until a synced backward ends (zero3 across the
+        micro-batches of a pipeline step; the other strategies keep whole values anyway)."""
+        return nullcontext()
+
     def shard_info(self) -> dict[str, ShardInfo] | None:
         """This rank's rows of every trainable-strategy parameter; None: whole tensors (info.py's
         generic path)."""

@@ -89,6 +89,10 @@ class ZeroEngine(Engine):
         """Skip the reduce: full gradients accumulate locally (StepDriver.no_sync)."""
         return self.driver.no_sync()
 
+    def keep_gathered(self):
+        """zero3: units stay gathered across the micro-batches of a step (StepDriver.keep_gathered)."""
+        return self.driver.keep_gathered()
+
     @property
     def num_steps(self) -> int:
         """Finished backwards."""

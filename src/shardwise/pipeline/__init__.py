@@ -5,15 +5,18 @@ stages with the freed ranks as data-parallel replicas.
 
 Read in this order: layers.py (a model as a chain of layers, tied parameters), layout.py
 (which rank runs what; balance.py cuts the stages), trainer.py (one step; freeze and
-re-pack), _moves.py (the collectives outside the schedule), freeze.py, cache.py.
+re-pack), config.py, sharded.py (stages sharded by the engine), _moves.py (the collectives outside
+the schedule), freeze.py, cache.py.
 """
 
 from shardwise.pipeline.balance import measure_layer_times, param_costs, partition
 from shardwise.pipeline.cache import ActivationCache, StickySampler
+from shardwise.pipeline.config import EpochStats, PipelineConfig, grouped_adamw
 from shardwise.pipeline.freeze import FreezePolicy
 from shardwise.pipeline.layers import LayerChain, chain_layers
 from shardwise.pipeline.layout import Layout, plan_layout
-from shardwise.pipeline.trainer import EpochStats, PipelineConfig, PipeTrainer, grouped_adamw
+from shardwise.pipeline.sharded import ShardedStage
+from shardwise.pipeline.trainer import PipeTrainer
 
 __all__ = [
     "ActivationCache",
@@ -23,6 +26,7 @@ __all__ = [
     "Layout",
     "PipeTrainer",
     "PipelineConfig",
+    "ShardedStage",
     "StickySampler",
     "chain_layers",
     "grouped_adamw",

@@ -96,7 +96,7 @@ def broadcast_entries(
             if me != src:
                 received[key] = torch.empty(spec["shape"], dtype=_dtype(spec["dtype"]))
             tensors.append(received[key])
-    _broadcast_flat(tensors, src, group, me == src)
+    broadcast_flat(tensors, src, group, me == src)
     # Copies: the optimizer that loads them must not share tensors with the one that sent them.
     return {name: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in s.items()}
             for name, s in states.items()}
@@ -120,7 +120,8 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _broadcast_flat(tensors: list[Tensor], src: int, group: dist.ProcessGroup, is_src: bool) -> None:
+def broadcast_flat(tensors: list[Tensor], src: int, group: dist.ProcessGroup, is_src: bool) -> None:
+    """Send `tensors` from global rank `src` into the same-shaped `tensors` of every rank of `group`."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -53,6 +53,13 @@ class Layout:
         """Group rank of `stage` in `replica`."""
         return replica * self.num_stages + stage
 
+    def grid(self, global_ranks: Sequence[int], shards: int) -> list[list[list[int]]]:
+        """`grid[stage][replica][shard]` of global ranks for sharded stages (Note [pipe dimension] in
+        engine/layout/parallel_layout.py): the data coordinate q = replica * shards + shard of a rank is
+        its pipeline copy, so each copy stays a run of consecutive ranks as above."""
+        return [[[global_ranks[self.rank_of(r * shards + k, s)] for k in range(shards)]
+                 for r in range(self.num_replicas // shards)] for s in range(self.num_stages)]
+
     def stage_of_layer(self, layer: int) -> int | None:
         """The stage running `layer`, or None for a frozen layer."""
         for stage, (start, end) in enumerate(self.bounds):

@@ -7,100 +7,48 @@ One step, on every rank:
   2. torch.distributed.pipelining runs the micro-batches through the stages (GPipe or
      1F1B); the last stage computes the loss; gradients come out as the mean over
      micro-batches (the schedule's scale_grads);
-  3. gradients are averaged over replicas and tied copies summed across stages
-     (`_moves.reduce_gradients`), then each rank steps its own optimizer;
+  3. strategy None: gradients are averaged over replicas and tied copies summed across
+     stages (`_moves.reduce_gradients`); a zero strategy: the engine reduced each stage's
+     gradients over its ranks and only a tie's rows are summed across stages
+     (`sharded.reduce_tied`); then each rank steps its own optimizer;
   4. the loss (global mean) is all-reduced, so every rank returns the same number.
 
-Every rank builds the whole model, and every layer's values are brought up to date on
-every rank whenever the layout changes (`freeze`). That makes moving layers to other
-ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
-this pipeline is for speed (PipeTransformer's setting), not for models bigger than one
-rank. Gradients and optimizer state exist only for a rank's own active layers.
+With strategy None every rank builds the whole model, and every layer's values are brought
+up to date on every rank whenever the layout changes (`freeze`). That makes moving layers to
+other ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
+that route is for speed (PipeTransformer's setting). With a zero strategy each stage's layers
+are sharded over the stage's ranks (Note [sharded stages], sharded.py) and freeze in place.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 
+from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.schedule.consistency import differs_across_ranks
 from shardwise.errors import ShardwiseError
-from shardwise.pipeline._moves import State, broadcast_entries, reduce_gradients
+from shardwise.pipeline._moves import State, broadcast_entries, broadcast_flat, reduce_gradients
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
 from shardwise.pipeline.cache import ActivationCache, StickySampler
+from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig
 from shardwise.pipeline.freeze import FreezePolicy
 from shardwise.pipeline.layers import LayerChain
 from shardwise.pipeline.layout import Layout, LayoutGroups, build_groups, plan_layout
-
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-# Builds a rank's optimizer from its trainable parameters, as (model name, parameter).
-OptimizerFactory = Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """How to run the pipeline.
-
-    `num_stages`: pipeline length at the start (must divide the world size; the other
-    factor is the number of data-parallel replicas). `num_microbatches` per replica per
-    step at the start; a re-packed, shorter pipeline keeps the micro-batch size (its
-    bubble shrinks with it), so it runs num_microbatches x new / old stages of them.
-    `schedule`: "gpipe" or "1f1b". `balance`: cut stages by "params" (parameter count),
-    "time" (measured forward + backward per layer), or a list of per-layer costs.
-    `repack`: when the frozen prefix grows, run the active layers on fewer stages and
-    use the freed ranks as replicas. `cache`: keep the frozen prefix's outputs per sample
-    (`cache_memory_bytes` in memory per rank, the rest in a file under `cache_dir`).
-    """
-
-    num_stages: int
-    num_microbatches: int = 4
-    schedule: str = "1f1b"
-    balance: str | tuple[float, ...] = "params"
-    repack: bool = True
-    cache: bool = True
-    cache_memory_bytes: int = 1 << 30
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_stages < 1:
-            raise ShardwiseError(f"PipelineConfig.num_stages must be >= 1, got {self.num_stages}")
-        if self.schedule not in SCHEDULES:
-            raise ShardwiseError(f"PipelineConfig.schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
-        if self.schedule == "1f1b" and self.num_microbatches < self.num_stages:
-            raise ShardwiseError(
-                f"PipelineConfig: 1f1b needs num_microbatches ({self.num_microbatches}) >= num_stages "
-                f"({self.num_stages}); raise num_microbatches or use schedule='gpipe'"
-            )
-        if self.num_microbatches < 1:
-            raise ShardwiseError(f"PipelineConfig.num_microbatches must be >= 1, got {self.num_microbatches}")
-        if isinstance(self.balance, str) and self.balance not in ("params", "time"):
-            raise ShardwiseError(
-                f"PipelineConfig.balance must be 'params', 'time' or per-layer costs, got {self.balance!r}"
-            )
-
-
-@dataclass
-class EpochStats:
-    """One epoch: mean loss over its steps, wall seconds (including any freeze and
-    re-pack at its end), and the layout it ran under."""
-
-    epoch: int
-    loss: float
-    seconds: float
-    num_frozen: int
-    num_stages: int
-    num_replicas: int
-    cache_hits: int = 0
-    cache_misses: int = 0
-    losses: list[float] = field(default_factory=list, repr=False)
+from shardwise.pipeline.sharded import (
+    ShardedStage,
+    freeze_shards,
+    gather_stage_values,
+    reduce_tied,
+    shard_stage,
+    tie_groups,
+)
 
 
 class PipeTrainer:
@@ -140,6 +88,8 @@ class PipeTrainer:
                 f"global_batch_size={global_batch_size} must be a multiple of world size x num_microbatches "
                 f"= {self.world_size * config.num_microbatches} (any re-packed layout splits it evenly)"
             )
+        if config.strategy is not None:
+            _check_sharded(config, freeze, self.world_size, dist.get_world_size())
         if config.num_stages > chain.num_layers:
             raise ShardwiseError(f"{chain.num_layers} layers cannot fill {config.num_stages} stages")
         if differs_across_ranks([inputs, targets], self.group):  # each stage reads its own rank's copy
@@ -154,6 +104,9 @@ class PipeTrainer:
         self.policy = freeze if freeze is not None else FreezePolicy()
         self.device = next(iter(chain.params.values())).device
         self.optimizer: torch.optim.Optimizer | None = None
+        self._names = {id(p): name for name, p in chain.params.items()}  # what a sharded stage calls them
+        self._specs = {name: (p.shape, p.dtype) for name, p in chain.params.items()}
+        self._frozen_shards = 0  # sharded stages: layers [0, this) frozen in place
         # Every rank starts from rank 0's values: ranks that built different models cannot drift.
         broadcast_entries(chain.params, list(chain.params), None, self.global_ranks[0], self.group, False)
         self.costs = self._layer_costs()
@@ -176,7 +129,10 @@ class PipeTrainer:
         args = (self._stage_input(mine),) if first else ()
         kwargs = {"target": self.targets[mine], "losses": losses} if last else {}
         self._schedule.step(*args, **kwargs)
-        reduce_gradients(self._data_params, self.groups.data, self._tied_buckets, self.layout.num_replicas)
+        if self.config.strategy is None:
+            reduce_gradients(self._data_params, self.groups.data, self._tied_buckets, self.layout.num_replicas)
+        else:  # the engine reduced each stage's gradients; a tie's stages sum theirs (Note [ties across stages])
+            reduce_tied(self._tied_buckets)
         self._record_grad_norms()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -212,10 +168,12 @@ class PipeTrainer:
     def freeze(self, num_frozen: int) -> Layout:
         """Freeze layers [0, num_frozen) now: they get no gradients, no optimizer state and
         no backward, and (with `repack`) the active layers are re-balanced over fewer stages."""
-        if num_frozen <= self.layout.num_frozen:
+        if num_frozen <= max(self.layout.num_frozen, self._frozen_shards):
             return self.layout
         if num_frozen >= self.chain.num_layers:
             raise ShardwiseError(f"freeze({num_frozen}) would freeze every layer; the last computes the loss")
+        if self.config.strategy is not None:
+            return self._freeze_shards(num_frozen)
         states = self._gather(with_state=True)
         for i in range(num_frozen):
             for _, p in self.chain.layer_params(i):
@@ -227,10 +185,44 @@ class PipeTrainer:
         self._apply_layout(layout, states)
         return layout
 
+    def _freeze_shards(self, num_frozen: int) -> Layout:
+        """Sharded stages: the layers stay where they are (no cache, no re-pack), their shards frozen
+        (Note [frozen shards], sharded.py)."""
+        if num_frozen >= self.layout.bounds[0][1]:
+            raise ShardwiseError(f"freeze({num_frozen}) would freeze the whole first stage of sharded stages, "
+                                 "which then has no backward to run; re-packing sharded stages onto fewer stages "
+                                 f"is not built yet: freeze fewer than {self.layout.bounds[0][1]} layers, or use "
+                                 "strategy=None")
+        frozen = {name for i in range(num_frozen) for name in self.chain.names[i]}
+        self._named, self.optimizer = freeze_shards(self._named, frozen, self.optimizer, self.make_optimizer)
+        self._tied_buckets = [(params, group) for params, group in self._tied_buckets
+                              if all(p.requires_grad for p in params)]
+        self._frozen_shards = num_frozen
+        self.policy.num_frozen = max(self.policy.num_frozen, num_frozen)
+        return self.layout
+
     def full_parameters(self) -> dict[str, Tensor]:
         """Every parameter's current value by model name (a collective: brings all ranks up to date)."""
+        if self.config.strategy is not None:
+            return self._full_sharded()
         self._gather(with_state=False)
         return {name: p.detach().clone() for name, p in self.chain.params.items()}
+
+    def _full_sharded(self) -> dict[str, Tensor]:
+        """Each stage's full values (gathered over its ranks), sent from its first rank to every rank."""
+        mine, me, full = gather_stage_values(self.stage_module, self._local_names), dist.get_rank(), {}
+        for stage in range(self.layout.num_stages):
+            src = self.global_ranks[self.layout.rank_of(0, stage)]
+            names = [n for n in self.chain.params if self.layout.stage_of_layer(self.chain.owner_layer(n)) == stage]
+            values = [mine[n] if me == src else torch.empty(self._specs[n][0], dtype=self._specs[n][1]) for n in names]
+            broadcast_flat(values, src, self.group, me == src)
+            full.update(zip(names, values))
+        return full
+
+    def local_parameters(self) -> dict[str, Tensor]:
+        """This rank's trainable tensors by model name: its stage's layers whole, or (a zero strategy) its
+        rows of them (no collective)."""
+        return {name: p.detach() for name, p in self._named}
 
     def run_prefix(self, indices: Tensor) -> Tensor:
         """The frozen prefix's outputs for samples `indices`, computed (not from the cache)."""
@@ -244,12 +236,23 @@ class PipeTrainer:
         replica, stage = layout.coords(self.rank)
         holders = {name: layout.stages_holding(chain, name) for name in chain.params}
         tie_sets = sorted({s for name, s in holders.items() if len(s) > 1 and chain.params[name].requires_grad})
-        self.groups: LayoutGroups = build_groups(layout, tie_sets, self.global_ranks, self.rank)
         start, end = layout.bounds[stage]
-        module = nn.Sequential(*chain.layers[start:end])
-        stage_runner = PipelineStage(module, stage, layout.num_stages, self.device, group=self.groups.pipe)
+        if self.config.strategy is None:
+            stage_runner = self._whole_stage(layout, stage, tie_sets, holders, states)
+        else:
+            stage_runner = self._sharded_stage(layout, stage, tie_sets, holders)
         self._schedule = SCHEDULES[self.config.schedule](
             stage_runner, self._num_microbatches(layout), loss_fn=self.loss_fn)
+        owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
+        self._owned_params = [p for _, p in owned]
+        self._owned_layers = torch.tensor([layer for layer, _ in owned], dtype=torch.long)
+        self._reset_grad_norms()
+        self._update_cache(old, layout)
+
+    def _whole_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> PipelineStage:
+        """Strategy None: this rank's layers whole, its own optimizer, copies' gradients reduced by _moves."""
+        chain, (start, end) = self.chain, layout.bounds[stage]
+        self.groups: LayoutGroups = build_groups(layout, tie_sets, self.global_ranks, self.rank)
         named = {n: p for i in range(start, end) for n, p in chain.layer_params(i) if p.requires_grad}
         self._named = list(named.items())
         self.optimizer = self.make_optimizer(self._named) if self._named else None
@@ -259,11 +262,24 @@ class PipeTrainer:
         self._data_params = [p for n, p in self._named if len(holders[n]) == 1]
         self._tied_buckets = [([p for n, p in self._named if holders[n] == stages], group)
                               for stages, group in sorted(self.groups.tie.items())]
-        owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
-        self._owned_params = [p for _, p in owned]
-        self._owned_layers = torch.tensor([layer for layer, _ in owned], dtype=torch.long)
-        self._reset_grad_norms()
-        self._update_cache(old, layout)
+        module = nn.Sequential(*chain.layers[start:end])
+        return PipelineStage(module, stage, layout.num_stages, self.device, group=self.groups.pipe)
+
+    def _sharded_stage(self, layout: Layout, stage: int, tie_sets, holders) -> ShardedStage:
+        """A zero strategy: this rank's stage sharded over the stage's ranks (Note [sharded stages])."""
+        grid = layout.grid(self.global_ranks, self.config.shards or layout.num_replicas)
+        self.mesh = ParallelLayout.pipelined(grid)
+        ties = tie_groups(grid, tie_sets, stage, (self.mesh.replicate_rank, self.mesh.shard_rank))
+        start, end = layout.bounds[stage]
+        self.stage_module, self._local_names = shard_stage(self.chain.layers[start:end], self._names,
+                                                            self.config.strategy, self.mesh)
+        self._named = [(self._local_names[n], p) for n, p in self.stage_module.named_parameters() if p.requires_grad]
+        self.optimizer = self.make_optimizer(self._named) if self._named else None
+        by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
+        self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
+                              for stages, group in sorted(ties.items())]
+        return ShardedStage(self.stage_module, stage, layout.num_stages, self.device, group=self.mesh.pipe_group,
+                            keep_gathered=self.config.keep_gathered)
 
     def _update_cache(self, old: Layout, new: Layout) -> None:
         # Called only when the frozen prefix grew: held outputs are of a shorter prefix. A
@@ -345,23 +361,21 @@ class PipeTrainer:
         self._norm_steps += 1
 
 
+def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_size: int, world: int) -> None:
+    """What sharded stages do not take yet, refused on every rank alike (the arguments are everyone's)."""
+    data = group_size // config.num_stages
+    if group_size != world:
+        raise ShardwiseError(f"sharded stages (strategy={config.strategy!r}) run over every rank of the world "
+                             f"({world}), not a group of {group_size}: drop group=")
+    if data % (config.shards or data) != 0:
+        raise ShardwiseError(f"PipelineConfig.shards={config.shards} must divide the {data} ranks of each stage")
+    if freeze is not None and freeze.threshold is not None:
+        raise ShardwiseError("automatic freezing of sharded stages is not built yet: pass FreezePolicy() without "
+                             "a threshold, or strategy=None")
+
+
 def _run_no_grad(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
     with torch.no_grad():
         for layer in layers:
             x = layer(x)
     return x
-
-
-def grouped_adamw(lr: Sequence[float] = (1e-2, 3e-3), weight_decay: Sequence[float] = (0.1, 0.0),
-                  eps: float = 1e-8) -> OptimizerFactory:
-    """An `OptimizerFactory`: AdamW with matrices (ndim >= 2) in a decayed group and the rest
-    (biases, norms) in an undecayed one, each with its own lr."""
-
-    def make(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
-        decay = [p for _, p in named if p.ndim >= 2]
-        rest = [p for _, p in named if p.ndim < 2]
-        groups = [{"params": decay, "lr": lr[0], "weight_decay": weight_decay[0]},
-                  {"params": rest, "lr": lr[1], "weight_decay": weight_decay[1]}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], eps=eps)
-
-    return make

@@ -1,5 +1,5 @@
 """The parallel layout: which ranks exist along which dimension, which rows of any tensor each rank
-holds, and who writes what. One object every package asks. Uses: rows.
+holds, and who writes what. One object every package asks. Uses: groups, rows.
 
 Note [mesh info]: a zero engine's ranks form a `replicate x shard` mesh (FSDP2's names; its
 `FSDPParallelLayout` / `HSDPParallelLayout`, torchtitan's `ParallelDims`). Parameters are cut into dim-0 chunks
@@ -44,6 +44,15 @@ features in one subpackage; the issues that build them are held to this page.
     event instead of the host. It lands in engine/comm/ (a stream and an event per handle, buffers
     reused by a comm context within a stated bound); the scheduler's order and the residency machine
     (unit/residency.py) are unchanged.
+
+Note [pipe dimension]: a pipelined layout is `pipe x replicate x shard`, given as a grid of global ranks
+`grid[stage][replica][shard]` (`ParallelLayout.pipelined`). A rank's *stage* is its place along "pipe";
+its stage's `replicate x shard` ranks are its data-parallel group, and the fields above describe that
+part alone, exactly as a flat or hybrid layout does: the stage's module is sharded over them and the
+engine never sees the other stages. `pipe_group` holds one rank of every stage at this rank's
+(replica, shard) coordinate: the ranks a micro-batch's activations travel through, and the ranks that
+hold the same rows of a parameter tied across stages (the same shard coordinate of the same shape:
+Note [rows]). Every group is made here, through groups.make_group, by every rank in one order.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from shardwise.engine.layout.groups import make_group
 from shardwise.engine.layout.rows import num_rows, row_range, rows_per_rank
 from shardwise.errors import ShardwiseError
 
@@ -72,6 +82,9 @@ class ParallelLayout:
     replicate_rank: int = 0
     replicate_world: int = 1
     device_mesh: object = None  # the user's 2-D DeviceMesh; None for the flat layout
+    pipe_group: dist.ProcessGroup | None = None  # one rank per stage at this rank's coordinate (Note [pipe dimension])
+    pipe_rank: int = 0  # this rank's stage
+    pipe_world: int = 1  # stages; 1: no pipeline
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
@@ -85,6 +98,47 @@ class ParallelLayout:
         shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
         return cls(group, shard, dist.get_rank(shard), dist.get_world_size(shard), replicate, dist.get_rank(replicate),
                    dist.get_world_size(replicate), mesh)
+
+    @classmethod
+    def pipelined(cls, grid, *, what: str = "a pipeline group") -> ParallelLayout:
+        """This rank's place in the `pipe x replicate x shard` grid of global ranks `grid[stage][replica][shard]`
+        (Note [pipe dimension]). A collective over every rank of the world: each makes every group, in one order."""
+        stages, me = _check_grid(grid), dist.get_rank()
+        where = [(s, r, k) for s, plane in enumerate(stages) for r, row in enumerate(plane) for k, rank in
+                 enumerate(row) if rank == me]
+        if not where:
+            raise ShardwiseError(f"rank {me} is in no stage of the pipeline grid {stages}: every rank of the world "
+                                 "runs a stage (build the grid over range(world_size))")
+        stage, replica, shard = where[0]
+        num_replicas, num_shards = len(stages[0]), len(stages[0][0])
+        def made(ranks: list[int]):  # a non-member gets torch's placeholder: nothing of it to close at exit
+            return make_group(ranks, like=dist.group.WORLD, what=what if me in ranks else None)
+
+        mine: dict = {}
+        for s, plane in enumerate(stages):  # each stage's data-parallel, shard and replicate groups
+            group = made([rank for row in plane for rank in row])
+            shard_groups = [made(row) for row in plane]
+            replicate_groups = [made([row[k] for row in plane]) for k in range(num_shards)]
+            if s == stage:
+                mine.update(group=group, shard_group=shard_groups[replica], replicate_group=replicate_groups[shard])
+        for r in range(num_replicas):  # each coordinate's pipeline, through every stage
+            for k in range(num_shards):
+                pipe = made([plane[r][k] for plane in stages])
+                if (r, k) == (replica, shard):
+                    mine["pipe_group"] = pipe
+        mesh = None
+        if num_replicas > 1:  # the engine's hybrid route takes a 2-D mesh of the stage's own groups
+            device_type = "cuda" if dist.get_backend(mine["group"]) == "nccl" else "cpu"
+            mesh = DeviceMesh.from_group([mine["replicate_group"], mine["shard_group"]], device_type,
+                                         mesh=torch.tensor(stages[stage]), mesh_dim_names=MESH_NAMES)
+        return cls(mine["group"], mine["shard_group"], shard, num_shards,
+                   mine["replicate_group"] if num_replicas > 1 else None, replica, num_replicas, mesh,
+                   mine["pipe_group"], stage, len(stages))
+
+    def shard_arguments(self) -> dict:
+        """What `sw.shard` takes to shard a module over this rank's stage (its data-parallel part):
+        the stage's group, and its `replicate x shard` mesh when it has more than one replica."""
+        return {"process_group": self.group, "mesh": self.device_mesh}
 
     @property
     def hybrid(self) -> bool:
@@ -148,6 +202,21 @@ class ParallelLayout:
 
 
 MESH_NAMES = ("replicate", "shard")
+
+
+def _check_grid(grid) -> list[list[list[int]]]:
+    """`grid` as nested lists, refused unless it is `stages x replicas x shards` of distinct global ranks
+    covering the world once (the same argument on every rank, so every rank raises alike)."""
+    stages = [[[int(rank) for rank in row] for row in plane] for plane in grid]
+    shape = (len(stages), len(stages[0]) if stages else 0, len(stages[0][0]) if stages and stages[0] else 0)
+    flat = [rank for plane in stages for row in plane for rank in row]
+    world = dist.get_world_size()
+    even = all(len(plane) == shape[1] and all(len(row) == shape[2] for row in plane) for plane in stages)
+    if 0 in shape or not even or sorted(flat) != list(range(world)):
+        raise ShardwiseError(f"a pipeline grid is stages x replicas x shards of global ranks, each rank of the "
+                             f"world ({world}) once, every stage alike; got {stages}. Build it as "
+                             "torch.arange(world_size).view(stages, replicas, shards) or its permutation")
+    return stages
 SLICED_MESH_NAMES = ("replicate", "shard", "tensor")
 _BUILD = ('build it with torch.distributed.device_mesh.init_device_mesh("cuda" or "cpu", (num_replicas, '
           'ranks_per_replica), mesh_dim_names=("replicate", "shard"))')

@@ -23,6 +23,18 @@ outermost hooked module called then opens a pass as the model's forward would: t
 and (zero1/2) re-gathers, the root unit's full values in place, the same window, so such a
 call joins a pending backward exactly; it closes the pass when it returns. [recompute]: recompute.py.
 
+Note [micro-batches keep their gathers]: a pipeline stage runs M micro-batches' forwards and backwards
+in one step (GPipe: all forwards, then all backwards; 1F1B: interleaved), every backward but the last
+under no_sync. zero3 frees a unit after each use, so each micro-batch gathers every unit again in
+forward and in backward: about 2M gathers per unit per step. Inside `keep_gathered()` a unit, once
+gathered, is pinned (residency.py) and stays whole across the step's micro-batches, one gather per unit
+per step, for zero2's parameter memory during the step (torchtitan keeps FSDP2 units unsharded under
+pipelining for the same reason). The pin goes when the synced backward's window closes (the optimizer
+step that follows changes the rows: a kept full value would then be stale) or when the block ends.
+Inside the block nothing may write the rows between micro-batches (an optimizer step, a `p.data` write):
+zero3 tracks no writes (freshness.NoKeptValues). pipeline.ShardedStage opens the block at a step's first
+forward and closes it after the step's reduce, before the user's optimizer step.
+
 Note [frozen units]: a unit with no trainable parameter has no `GatherUnit`, so zero3
 frees it after its backward from a hook on its inputs' gradients instead.
 
@@ -92,6 +104,7 @@ class StepDriver:
         self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
         self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
         self.sync_grads = True
+        self.holding = False  # inside keep_gathered(): zero3 keeps each unit's full values until the step's reduce
         self.num_forwards = 0  # root forwards, counted in every header
         self.forward_order: list[int] = []  # units in the order the last forward used them
         self.prefetch_order: list[FlatUnit] = list(units)  # alike on every rank (_begin_forward)
@@ -174,6 +187,8 @@ class StepDriver:
         """Note [recompute]: the unit's full values present and registered, nothing else."""
         refuse_nested_backward(self.step, recompute=True)
         self._ensure_gathered(unit, self.gathers.backward_queue)
+        if self.holding:  # Note [micro-batches keep their gathers]
+            unit.pin()
         fulls = self.step.fulls.get(id(unit))
         if fulls is None:  # the window closed after an earlier backward: leaves that, like the
             # forward's views, require grad, so the recompute saves what the forward saved
@@ -213,6 +228,8 @@ class StepDriver:
 
     def _enter_unit(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
+        if self.holding:  # Note [micro-batches keep their gathers]
+            unit.pin()
         if id(unit) not in self.step.order:
             self.step.order.append(id(unit))
         trainable = [unit.shard_params[i] for i in unit.trainable()]
@@ -276,6 +293,8 @@ class StepDriver:
         self._queue_finalize()
         refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.gathers.backward_queue)
+        if self.holding:  # Note [micro-batches keep their gathers]
+            unit.pin()
         if id(unit) in self.step.fulls:  # free() registered the shards; a recompute inside reads these
             unit.install_full(list(self.step.fulls[id(unit)]))
         self.gathers.issue(self.gathers.backward_queue)  # prefetch the next one
@@ -314,17 +333,32 @@ class StepDriver:
             self.reducer.finish()
         self.reducer.reset()
         self.clock.step_done()
-        self._close_window()
+        self._close_window(release=self.sync_grads)
 
-    def _close_window(self) -> None:
+    def _close_window(self, release: bool = True) -> None:
+        """`release`: the full values go (zero3) even inside keep_gathered(): the step's reduce is done, its
+        optimizer step will change the rows (Note [micro-batches keep their gathers])."""
         self.agreement.confirm()
         self.gathers.land_all()  # a gather in flight must land before its buffers go
         for unit in self.units:
             unit.install_shards()
-            unit.free(unpin=True)
+            unit.free(unpin=release or not self.holding)
         self.step = StepState()
         self.gathers.reset()
         self.clock.enter(Phase.BETWEEN_STEPS)
+
+    @contextmanager
+    def keep_gathered(self):
+        """zero3: a unit gathered inside this block keeps its full values until the block ends or a synced
+        backward ends (Note [micro-batches keep their gathers]); zero1/zero2 keep them anyway."""
+        previous, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = previous
+            if not previous and not self.step.in_window:  # else the window's end releases them
+                for unit in self.units:
+                    unit.free(unpin=True)
 
     @contextmanager
     def no_sync(self):
