@@ -136,6 +136,21 @@ def refuse_coupled(optimizer) -> None:
     )
 
 
+def refuse_compressed(optimizer, sharded: list) -> None:
+    """An optimizer stepped on whole tensors reads each parameter exactly as one process holds it (Note
+    [whole-tensor step]): quantized gathers and gradients (Note [quantized collectives]) would feed its
+    matrix-wide statistics values no rank holds. Refused at its first step, on every rank."""
+    used = next((param._sw_unit.compression for param in sharded if param._sw_unit.compression is not None), None)
+    if used is None:
+        return
+    kind = type(unwrapped(optimizer))
+    raise ShardwiseError(
+        f"{kind.__name__} steps whole tensors exactly (Note [whole-tensor step]) and this model was sharded with "
+        f"compression ({used.label}), whose quantized parameters and gradients it would read as exact. Drop "
+        "compression= from sw.shard(), or use an elementwise optimizer (AdamW, Adam, SGD, ...) with it."
+    )
+
+
 def step_cost(kind: type, shape) -> int:
     """Note [owner cost]: what stepping one whole tensor of `shape` costs an owner, in the optimizer's
     own terms: Newton-Schulz for a Muon (any class named so: torch's, Keller Jordan's, Dion's)

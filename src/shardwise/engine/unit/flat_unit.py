@@ -1,5 +1,5 @@
 """The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
-parallel_layout, param_layout, phase, residency, shard_param, stage, unit_grads, units.
+parallel_layout, param_layout, phase, quantize, residency, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
@@ -31,7 +31,8 @@ import torch
 from torch import Tensor, nn
 
 import shardwise.engine.comm.collectives as coll
-from shardwise.config import MixedPrecision
+from shardwise.config import Compression, MixedPrecision
+from shardwise.engine.comm.quantize import gather_into_quantized
 from shardwise.engine.compat import preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
@@ -48,8 +49,10 @@ class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
     def __init__(self, plan: UnitPlan, *, mesh: ParallelLayout, policy: StagePolicy, precision: MixedPrecision,
-                 store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None):
+                 store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None,
+                 compression: Compression | None = None):
         self.module, self.path = plan.module, plan.path
+        self.compression = compression  # quantized gathers / reduces (Note [quantized collectives]), or None
         self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])
         self.policy = policy  # the stage's answers (Note [stages])
         self.store = store  # offload: the master shards live in a memory-mapped file
@@ -232,12 +235,16 @@ class FlatUnit:
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
         indices = self.to_gather()  # zero1/zero2: the stepped ones (Note [stepped parameters])
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
-            self.residence.pending = coll.gather_into(
-                self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices),
-                self.mesh.shard_world,
-                self.mesh.shard_group,
-                async_op, what=f"the all-gather of unit {self.label} ({self.where})",
-                own_in_place=self.storage.own_in_place)
+            what = f"the all-gather of unit {self.label} ({self.where})"
+            rows, regions = self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices)
+            bits = self.compression.gather_bits if self.compression is not None else None
+            if bits and rows and not self.storage.own_in_place:  # zero3 (ShardConfig): the masters stay apart
+                self.residence.pending = gather_into_quantized(rows, regions, self.mesh.shard_world,
+                                                               self.mesh.shard_group, async_op, bits=bits,
+                                                               block=self.compression.block, what=what)
+            else:
+                self.residence.pending = coll.gather_into(rows, regions, self.mesh.shard_world, self.mesh.shard_group,
+                                                          async_op, what=what, own_in_place=self.storage.own_in_place)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather's rows to land in full_flat (GATHERING -> GATHERED)."""

@@ -37,7 +37,7 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
     for plan in plans:
         unit = FlatUnit(plan, mesh=mesh, policy=policy,
                         precision=config.precision, store=store, reduce_group=reduce_group, clock=clock,
-                        residents=residents)
+                        residents=residents, compression=config.compression)
         if deferred is None:
             broadcast_from_rank0(unit, group)
         unit.take_shards()
