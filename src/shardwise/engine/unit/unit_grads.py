@@ -143,8 +143,10 @@ class UnitGrads:
             grads = [None] * len(unit.layouts) if grads is None else grads
             self.used_here = [grads[i] is not None for i in self.indices]
             packed = self._pack(grads, self.indices)
-        self.pending = coll.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, async_op, what,
-                                               out=self.into_full)
+        self.pending = unit.comm.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, what,
+                                                    out=self.into_full)
+        if not async_op:
+            self.pending.wait()
 
     def land(self) -> None:
         """Wait for the reduce, then hand out at once the rows of every parameter this rank used
@@ -153,8 +155,8 @@ class UnitGrads:
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()  # the average over the shard group; then over the replicas (Note [mesh info])
         if unit.mesh.hybrid:
-            coll.all_reduce_avg(reduced, unit.mesh.replicate_group,
-                                f"the gradient average across replicas of unit {unit.label} ({unit.where})")
+            unit.comm.all_reduce_avg(reduced, unit.mesh.replicate_group,
+                                     f"the gradient average across replicas of unit {unit.label} ({unit.where})").wait()
         in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         self.into_full = None
         offset = 0
