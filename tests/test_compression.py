@@ -184,3 +184,20 @@ def test_compression_with_a_mesh_and_with_bf16(ranks, world_size, shape, precisi
     compressed = ranks.run(_train_variant, world_size, shape, precision, compression, 10, timeout=300)[0]
     assert exact != compressed
     assert all(abs(a - b) <= 0.02 * a for a, b in zip(exact, compressed)), (exact, compressed)
+
+
+def _full_values_exact() -> bool:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    torch.manual_seed(0)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sw.shard(model, strategy="zero3", units=lambda module: isinstance(module, torch.nn.Linear),
+             compression={"gather": "int8", "reduce": "int8"})
+    model(torch.ones(2, 64)).sum().backward()  # the hot path gathers quantized
+    full = sw.full_parameters(model)
+    return all(torch.equal(full[name], value) for name, value in expected.items())
+
+
+def test_full_values_are_never_quantized(ranks):
+    """Catches the masters' own gather (sw.full_parameters, checkpoints, exports) taking the quantized form:
+    the full values equal the unsharded model's bitwise, with compression on."""
+    assert all(ranks.run(_full_values_exact, 2, timeout=120))

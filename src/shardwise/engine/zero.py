@@ -1,5 +1,5 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: consistency, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
+(flat_unit.py). Uses: consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
 precision, protocol, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
 sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import ShardConfig
+from shardwise.engine.comm.context import CommContext
 from shardwise.engine.layout.groups import host_group_of, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
@@ -54,8 +55,10 @@ class ZeroEngine(Engine):
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]
         self.residents = Residents()  # zero3's units holding full values: counted by the units themselves
+        self.comm = CommContext.for_group(group, config.compression)  # every unit's collectives (Note [comm context])
         self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn, policy=self.policy,
-                                 reduce_group=reduce_group, clock=self.clock, residents=self.residents)
+                                 reduce_group=reduce_group, clock=self.clock, residents=self.residents,
+                                 comm=self.comm)
         self.root = self.units[0]
         self.step_watch = StepWatch(self.units)  # Note [one step hook]
         install_state_dict_hooks(model, self)  # Note [state dict]

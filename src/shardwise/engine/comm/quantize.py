@@ -2,8 +2,9 @@
 Uses: collectives.
 
 Opt-in and not exact by design (Note [quantized collectives]). The kernels are pure functions of flat
-tensors; the collectives take the process group(s) they run over and nothing else, so that the comm
-layer can wrap them as gather / reduce strategies.
+tensors; the collectives take the process group(s) they run over and nothing else; `QuantizedForms` is
+the strategy (Note [comm strategies], strategy.py) the engine's comm context picks for a group when
+`shard(..., compression=...)` asks for it.
 
 Note [quantized collectives]: a flat buffer is cut into blocks of `block` elements; each block travels
 as one fp32 scale (its largest magnitude / qmax) and one signed integer code per element
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardwise.engine.comm.collectives import Pending, copy_out, gather_into, named_failure
+from shardwise.engine.comm.collectives import Pending, copy_out, named_failure
 from shardwise.errors import ShardwiseError
 
 QMAX = {8: 127, 4: 7}  # symmetric codes: -qmax..qmax, so 0 is exact and the range is the same both ways
@@ -225,10 +226,7 @@ def gather_into_quantized(rows: list[Tensor], regions: list[Tensor], world_size:
     """qwZ for a zero3 unit: this rank's rows of each parameter (concatenated: blocks run across parameters, as
     the flat shard does) travel block-quantized, and every rank's dequantized rows land in each parameter's
     padded full region (param-major, `collectives.copy_out`). The regions must not hold the master rows
-    (zero3's full values are a buffer of their own): every rank's rows are overwritten, its own too. One rank
-    sends nothing, so nothing is quantized: its rows are copied into place as `collectives.gather_into` does."""
-    if world_size == 1:
-        return gather_into(rows, regions, world_size, group, async_op, what)
+    (zero3's full values are a buffer of their own): every rank's rows are overwritten, its own too."""
     shard_flat = torch.cat(rows) if len(rows) > 1 else rows[0]
     numel, dtype = shard_flat.numel(), regions[0].dtype
     works, received, sent = _start_gather(shard_flat, world_size, group, bits, block, what)
@@ -263,3 +261,36 @@ def reduce_scatter_avg_quantized(packed: Tensor, world_size: int, group, async_o
     if not async_op:
         pending.wait()
     return pending
+
+
+class QuantizedForms:
+    """A group's strategy (Note [comm strategies], strategy.py) with `compression`'s quantized forms: zero3's
+    gather (qwZ) where the regions are not the master rows, the gradient reduce (qgZ); the replicas' average
+    and every form it does not quantize are `base`'s. One rank sends nothing, so nothing is quantized there."""
+
+    def __init__(self, base, compression) -> None:
+        self.base, self.compression = base, compression
+        self.name = f"{base.name} + {compression.label}"
+
+    def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool, what: str,
+                    own_in_place: bool, pool) -> Pending:
+        bits = self.compression.gather_bits
+        if not bits or own_in_place or not rows or world_size == 1:  # own_in_place: the rows are the masters
+            return self.base.gather_into(rows, regions, world_size, group, async_op, what, own_in_place, pool)
+        return gather_into_quantized(rows, regions, world_size, group, async_op, bits=bits,
+                                     block=self.compression.block, what=what)
+
+    def reduce_scatter_avg(self, packed: Tensor, world_size: int, group, async_op: bool, what: str,
+                           out: Tensor | None, pool) -> Pending:
+        bits = self.compression.reduce_bits
+        if not bits or world_size == 1:
+            return self.base.reduce_scatter_avg(packed, world_size, group, async_op, what, out, pool)
+        pending = reduce_scatter_avg_quantized(packed, world_size, group, True, bits=bits,
+                                               block=self.compression.block, what=what, out=out)
+        pending.lend_to(pool, packed)  # a lent `packed` goes back once the all-to-all has landed
+        if not async_op:
+            pending.wait()
+        return pending
+
+    def all_reduce_avg(self, tensor: Tensor, group, what: str) -> Pending:
+        return self.base.all_reduce_avg(tensor, group, what)  # the replicas' average stays exact (fp32)

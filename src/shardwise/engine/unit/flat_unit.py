@@ -1,5 +1,5 @@
-"""The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
-parallel_layout, param_layout, phase, quantize, residency, shard_param, stage, unit_grads, units.
+"""The engine's unit: flat shards, full views, gather and free. Uses: compat, context,
+parallel_layout, param_layout, phase, residency, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import shardwise.engine.comm.collectives as coll
-from shardwise.config import Compression, MixedPrecision
-from shardwise.engine.comm.quantize import gather_into_quantized
+from shardwise.config import MixedPrecision
+from shardwise.engine.comm.context import CommContext
 from shardwise.engine.compat import preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
@@ -50,14 +49,14 @@ class FlatUnit:
 
     def __init__(self, plan: UnitPlan, *, mesh: ParallelLayout, policy: StagePolicy, precision: MixedPrecision,
                  store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None,
-                 compression: Compression | None = None):
+                 comm: CommContext | None = None):
         self.module, self.path = plan.module, plan.path
-        self.compression = compression  # quantized gathers / reduces (Note [quantized collectives]), or None
         self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])
         self.policy = policy  # the stage's answers (Note [stages])
         self.store = store  # offload: the master shards live in a memory-mapped file
         self.reduce_group = reduce_group or mesh.shard_group  # reduce-scatters may have a group of their own
         self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
+        self.comm = comm  # the engine's collectives (Note [comm context]); set below when None
         self.layouts, self.shard_total = lay_out(plan.params, mesh)
         self.index_of = {id(layout): i for i, layout in enumerate(self.layouts)}  # id(layout) -> its index
         dtypes = {entry.param.dtype for entry in plan.params}
@@ -71,6 +70,7 @@ class FlatUnit:
         if self.device.type == "meta":  # deferred init: the shards are born on the compute device
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
+        self.comm = self.comm or CommContext(self.device)
         self.compute_dtype = precision.param_dtype if self.dtype.is_floating_point else self.dtype
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
@@ -235,16 +235,12 @@ class FlatUnit:
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
         indices = self.to_gather()  # zero1/zero2: the stepped ones (Note [stepped parameters])
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
-            what = f"the all-gather of unit {self.label} ({self.where})"
-            rows, regions = self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices)
-            bits = self.compression.gather_bits if self.compression is not None else None
-            if bits and rows and not self.storage.own_in_place:  # zero3 (ShardConfig): the masters stay apart
-                self.residence.pending = gather_into_quantized(rows, regions, self.mesh.shard_world,
-                                                               self.mesh.shard_group, async_op, bits=bits,
-                                                               block=self.compression.block, what=what)
-            else:
-                self.residence.pending = coll.gather_into(rows, regions, self.mesh.shard_world, self.mesh.shard_group,
-                                                          async_op, what=what, own_in_place=self.storage.own_in_place)
+            self.residence.pending = self.comm.gather_into(
+                self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices),
+                self.mesh.shard_world, self.mesh.shard_group, f"the all-gather of unit {self.label} ({self.where})",
+                own_in_place=self.storage.own_in_place)
+            if not async_op:
+                self.residence.pending.wait()
 
     def finish_gather(self) -> None:
         """Wait for the all-gather's rows to land in full_flat (GATHERING -> GATHERED)."""
@@ -273,8 +269,9 @@ class FlatUnit:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():  # the fp32 masters, not the compute copy
-            coll.gather_into(self._own_parts(self.dtype), self._regions(target), self.mesh.shard_world,
-                             self.mesh.shard_group, async_op=False)
+            self.comm.gather_into(self._own_parts(self.dtype), self._regions(target), self.mesh.shard_world,
+                                  self.mesh.shard_group, f"the gather of unit {self.label}'s full values",
+                                  exact=True).wait()  # never quantized (Note [quantized collectives])
         out = {}
         for layout in self.layouts:
             start = self.mesh.shard_world * layout.offset

@@ -1,5 +1,5 @@
 """One unit's gradient side: accumulate full gradients, pack them for the reduce-scatter, hand
-each shard its averaged rows. Uses: collectives, quantize.
+each shard its averaged rows. Uses: collectives.
 
 A unit's gradients have their own phase (`GradPhase`): IDLE until a backward hands the unit
 gradients to keep (zero1, or any stage under no_sync: ACCUMULATING), back to IDLE once the
@@ -39,7 +39,6 @@ import torch
 from torch import Tensor
 
 import shardwise.engine.comm.collectives as coll
-from shardwise.engine.comm.quantize import reduce_scatter_avg_quantized
 
 
 class GradPhase(enum.Enum):
@@ -144,14 +143,10 @@ class UnitGrads:
             grads = [None] * len(unit.layouts) if grads is None else grads
             self.used_here = [grads[i] is not None for i in self.indices]
             packed = self._pack(grads, self.indices)
-        bits = unit.compression.reduce_bits if unit.compression is not None else None
-        if bits:  # qgZ (Note [quantized collectives]): the average of quantized copies, summed in fp32
-            self.pending = reduce_scatter_avg_quantized(packed, unit.mesh.shard_world, unit.reduce_group, async_op,
-                                                        bits=bits, block=unit.compression.block, what=what,
-                                                        out=self.into_full)
-        else:
-            self.pending = coll.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, async_op, what,
-                                                   out=self.into_full)
+        self.pending = unit.comm.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, what,
+                                                    out=self.into_full)
+        if not async_op:
+            self.pending.wait()
 
     def land(self) -> None:
         """Wait for the reduce, then hand out at once the rows of every parameter this rank used
@@ -160,8 +155,8 @@ class UnitGrads:
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()  # the average over the shard group; then over the replicas (Note [mesh info])
         if unit.mesh.hybrid:
-            coll.all_reduce_avg(reduced, unit.mesh.replicate_group,
-                                f"the gradient average across replicas of unit {unit.label} ({unit.where})")
+            unit.comm.all_reduce_avg(reduced, unit.mesh.replicate_group,
+                                     f"the gradient average across replicas of unit {unit.label} ({unit.where})").wait()
         in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         self.into_full = None
         offset = 0
