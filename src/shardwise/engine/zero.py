@@ -1,5 +1,5 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
+(flat_unit.py). Uses: buffers, consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
 precision, protocol, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
 sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import ShardConfig
+from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.comm.context import CommContext
 from shardwise.engine.layout.groups import host_group_of, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
@@ -59,6 +60,7 @@ class ZeroEngine(Engine):
                                  reduce_group=reduce_group, clock=self.clock, residents=self.residents,
                                  comm=self.comm)
         self.root = self.units[0]
+        self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
         self.step_watch = StepWatch(self.units)  # Note [one step hook]
         install_state_dict_hooks(model, self)  # Note [state dict]
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
@@ -71,6 +73,13 @@ class ZeroEngine(Engine):
             self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
                                                        with_kwargs=True)
         self.driver.install(model, config.checkpoint_activations)
+
+    def _comm_bound(self) -> int:
+        """The comm pool's bound: the estimator's formula (comm_buffer_bytes) over this engine's units."""
+        others = self.units[1:] or self.units[:1]
+        c = max(unit.full_flat.element_size() for unit in self.units)
+        r = max(torch.empty(0, dtype=unit.reduce_dtype).element_size() for unit in self.units)
+        return comm_buffer_bytes(self.policy, c, r, self.root.numel_full, max(unit.numel_full for unit in others))
 
     # ---- what the layers above ask (Note [engine protocol]) -----------------------------
 

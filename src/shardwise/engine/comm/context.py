@@ -82,6 +82,25 @@ class CommContext:
         """A buffer for a collective's input (a packed reduce), given back when it lands; None on CUDA."""
         return self.pool.lend(numel, dtype, device) if self.reuse and self.pool.bound else None
 
+    def give_back(self, buffer: Tensor) -> None:
+        """A buffer `lend` gave, no longer read by anything (not a collective's: those go back on landing)."""
+        self.pool.give_back(buffer)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Memory for a freed unit's full values before its gather: reused where the pool keeps some
+        (Note [reused buffers])."""
+        if self.reuse and self.pool.bound:
+            self.pool.fill(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
+    def free(self, storage: torch.UntypedStorage) -> None:
+        """A unit's full values released (zero3): their memory kept for the next gather, within the bound."""
+        if self.reuse and self.pool.bound:
+            self.pool.keep_memory(storage)
+        else:
+            storage.resize_(0)
+
     def _issue(self):
         return self.streams.issue() if self.streams is not None else nullcontext()
 

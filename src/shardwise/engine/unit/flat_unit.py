@@ -230,8 +230,8 @@ class FlatUnit:
         land straight in full_flat (Note [gathered in place], collectives.py): zero3 allocates it here."""
         self.residence.move(Residency.GATHERING)
         storage = self.full_flat.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
+        if storage.nbytes() == 0:  # zero3: memory the comm pool kept from a freed unit, or new (Note [reused buffers])
+            self.comm.fill(storage, self.full_flat.numel() * self.full_flat.element_size())
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
         indices = self.to_gather()  # zero1/zero2: the stepped ones (Note [stepped parameters])
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
@@ -261,7 +261,7 @@ class FlatUnit:
     def release(self) -> None:
         """zero3's free: drop the full values unless pinned or not gathered; the shards are registered again."""
         if not self.residence.pinned and self.residence.resident:
-            self.full_flat.untyped_storage().resize_(0)
+            self.comm.free(self.full_flat.untyped_storage())  # kept by the comm pool for the next gather
             self.residence.move(Residency.SHARDED)
             self.install_shards()
 
