@@ -120,3 +120,81 @@ def test_every_unit_collective_goes_through_the_engine_context(ranks, strategy):
         assert counts["coll"] > 0 and counts["coll"] == counts["context"], counts
         assert forms == ["gloo"]
         assert line.startswith("comm buffers:") and "forms: gloo" in line and "no streams" in line, line
+
+
+def _pool_over_steps(strategy, steps=4):
+    """`steps` zero steps of the zoo GPT at this world size: per step, the pool's fresh allocations and bytes
+    held, its bound, and the parameters at the end."""
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    optimizer = make_optimizer(model)
+    pool = engine_of(model).comm.pool
+    per_step = []
+    for step in range(steps):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        per_step.append((pool.fresh, pool.held, len(pool.lent)))
+    return per_step, pool.bound, pool.lends
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_steady_steps_reuse_every_buffer_within_the_bound(ranks, strategy):
+    """Catches the page-faulting fresh buffers of issue 33's note coming back (a reduce's packed input or receive
+    buffer, zero3's full values allocated anew at each gather): after the first step no lend allocates, nothing
+    stays lent between steps (a buffer never given back), and the pool never holds more than its bound."""
+    for per_step, bound, lends in ranks.run(_pool_over_steps, 2, strategy, timeout=120):
+        fresh = [entry[0] for entry in per_step]
+        assert bound > 0 and lends > fresh[-1], (bound, lends, per_step)
+        assert fresh[1] == fresh[-1], per_step  # steps 2.. allocate nothing new
+        assert all(held <= bound and lent == 0 for _, held, lent in per_step), (bound, per_step)
+
+
+def _replica_reduce_order():
+    """One zero2 backward of the zoo GPT on a 2 x 2 mesh: the order in which unit reduce-scatters were issued and
+    replica averages issued and waited, by unit label."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    sw.shard(model, strategy="zero2", units=spec.unit_class, mesh=mesh)
+    comm = engine_of(model).comm
+    events = []
+    real_reduce, real_replicas = comm.reduce_scatter_avg, comm.all_reduce_avg
+
+    def reduce(packed, world_size, group, what, out=None):
+        events.append(("reduce", what.split(" (")[0].split()[-1]))
+        return real_reduce(packed, world_size, group, what, out)
+
+    def replicas(tensor, group, what):
+        label = what.split(" (")[0].split()[-1]
+        events.append(("replicas issued", label))
+        pending = real_replicas(tensor, group, what)
+        real_wait = pending.wait
+
+        def wait():
+            events.append(("replicas waited", label))
+            return real_wait()
+        pending.wait = wait
+        return pending
+
+    comm.reduce_scatter_avg, comm.all_reduce_avg = reduce, replicas
+    x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
+    model(x, y).backward()
+    return events
+
+
+def test_the_replica_average_is_waited_after_the_next_reduces_are_issued(ranks):
+    """Catches the replica all-reduce of a hybrid mesh waited inside its unit's landing (Note [async replica
+    reduce]): each unit's replica average is issued as its reduce-scatter lands and waited only after the next
+    unit's reduce-scatter was issued, so it overlaps the rest of backward (the last unit's has nothing after it)."""
+    for events in ranks.run(_replica_reduce_order, 4, timeout=120):
+        reduces = [i for i, (kind, _) in enumerate(events) if kind == "reduce"]
+        issued = {label: i for i, (kind, label) in enumerate(events) if kind == "replicas issued"}
+        waited = {label: i for i, (kind, label) in enumerate(events) if kind == "replicas waited"}
+        assert len(reduces) >= 3 and set(issued) == set(waited) and len(issued) == len(reduces), events
+        last = max(issued, key=issued.get)
+        assert all(any(issued[label] < i < waited[label] for i in reduces) for label in issued if label != last), events

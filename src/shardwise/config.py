@@ -193,6 +193,9 @@ class ShardConfig:
     checkpoint_activations: bool = False
     find_unused_parameters: bool = False
     frozen: HostFrozen | None = None
+    # zero3: True reshards to the shard group after forward; an int N keeps a secondary shard over N ranks
+    # (hpZ: Note [secondary shards], engine/unit/secondary.py)
+    reshard_after_forward: bool | int = True
     compression: Compression | None = None
 
     def __post_init__(self):
@@ -219,16 +222,38 @@ class ShardConfig:
             raise ShardwiseError(f"Compression(gather=...) needs strategy='zero3': {self.strategy} keeps full "
                                  "parameters whose own rows are the fp32 masters, which a quantized gather would "
                                  "overwrite; use Compression(reduce=...) alone with it")
+        self._check_reshard_after_forward()
+
+    def _check_reshard_after_forward(self) -> None:
+        value = self.reshard_after_forward
+        if value is True:
+            return
+        if value is False:
+            raise ShardwiseError("reshard_after_forward=False (keep each unit's full parameters from forward to "
+                                 "backward) is strategy='zero2''s memory: use strategy='zero2', or keep "
+                                 "reshard_after_forward=True, or pass the ranks per node (an int) for zero3's hpZ")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ShardwiseError(f"reshard_after_forward={value!r}: pass True (zero3's default) or an int, the ranks "
+                                 "per node that keep a secondary shard after forward (hpZ, DeepSpeed's "
+                                 "zero_hpz_partition_size, FSDP2's reshard_after_forward=int)")
+        if self.strategy != "zero3":
+            raise ShardwiseError(f"reshard_after_forward={value} (hpZ) is a zero3 option: {self.strategy} keeps every "
+                                 "unit's full parameters after forward, so backward gathers nothing. Use "
+                                 "strategy='zero3', or drop reshard_after_forward")
+        if value < 2:
+            raise ShardwiseError(f"reshard_after_forward={value}: the secondary shard spans the ranks of a node, at "
+                                 "least 2 (a node of one rank would keep whole parameters: use strategy='zero2')")
 
     @classmethod
     def of(cls, strategy: str, *, precision: str | MixedPrecision | None = None,
            offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
            find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None,
+           reshard_after_forward: bool | int = True,
            compression: Compression | dict | None = None) -> ShardConfig:
         """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
         return cls(strategy, resolve_precision(precision), resolve_offload(offload),
                    bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen),
-                   resolve_compression(compression))
+                   compression=resolve_compression(compression), reshard_after_forward=reshard_after_forward)
 
     @property
     def keeps_full_params(self) -> bool:

@@ -1,5 +1,5 @@
 """The buffers a collective writes or reads for one use only, reused across units and steps within a
-stated bound. Uses: nothing of the engine.
+stated bound. Uses: compat.
 
 Note [reused buffers]: on CPU a fresh large buffer costs its page faults on first touch (issue 33's
 note: a copy into a fresh 48 MiB buffer 23 ms, into a reused one 7 ms), and every step made the same
@@ -10,10 +10,17 @@ buffer is never lent twice at once, so a reuse cannot read or write rows another
 sends or receives. CUDA's caching allocator already does this on a GPU; there the pool changes no
 bytes, only who keeps them.
 
-The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_bytes`, the reduce in flight
-that the estimator counts (Note [transient buffers], estimate/core.py): a request past it is served
-by a fresh buffer as before, not kept. Kept buffers are released largest-last when a request needs
-room. `sw.describe` shows the bound and what is held.
+zero3 also frees each unit's full values after each use and allocated them again at the next gather
+(twice a step per unit, the largest fresh buffers of all): its freed memory goes to the pool instead
+(`keep_memory`: the storage's memory moves out, compat.swap_storage_memory, the storage object the
+saved views hold stays), and the next gather of a unit of that size takes it back (`fill`).
+
+The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_bytes`: the reduce in flight
+(its packed input and receive buffer), and under zero3 the full values of the units gathered at once,
+the rows the estimator counts (Note [transient buffers], estimate/core.py), so what the pool keeps
+between steps is memory a step held anyway. A request past the bound is served by a fresh buffer as
+before, not kept; kept buffers are released smallest first when a request needs room. `sw.describe`
+shows the bound and what is held.
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardwise.engine.compat import swap_storage_memory
 
-def comm_buffer_bytes(policy, reduce_bytes: int, biggest_full: int) -> int:
-    """The pool's bound for one engine: its stage's reduce in flight over its largest unit of
-    `biggest_full` padded elements in `reduce_bytes`-byte gradients (StagePolicy.reduce_bytes: the packed
-    input and the receive buffer; zero1's input is its kept gradients, so the receive buffer alone)."""
-    return policy.reduce_bytes(reduce_bytes, biggest_full)
+
+def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: int, biggest_full: int) -> int:
+    """The pool's bound for one engine (Note [reused buffers]), of padded element counts: its stage's reduce in
+    flight over its largest non-root unit (StagePolicy.reduce_bytes: the packed input and the receive buffer;
+    zero1's input is its kept gradients, so the receive buffer alone), and under zero3 the full values a step
+    holds at once (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool."""
+    kept_full = policy.gathered_bytes(compute_bytes, root_full, biggest_full) if policy.reshards else 0
+    return policy.reduce_bytes(reduce_bytes, biggest_full) + kept_full
 
 
 class BufferPool:
@@ -65,6 +76,30 @@ class BufferPool:
         if backing is not None:
             self.kept.append(backing)
             self.kept.sort(key=Tensor.numel)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the empty `storage` `nbytes` of memory: a kept buffer's if one is large enough (it leaves the
+        pool), else a new allocation (`resize_`)."""
+        backing = self._take_kept(nbytes, storage.device)
+        self.lends += 1
+        if backing is None:
+            self.fresh += 1
+            storage.resize_(nbytes)
+        else:
+            swap_storage_memory(storage, backing.untyped_storage())
+
+    def keep_memory(self, storage: torch.UntypedStorage) -> None:
+        """`storage`'s memory (freed full values) into the pool if the bound has room, else freed; `storage`
+        is left empty either way."""
+        nbytes = storage.nbytes()
+        self._make_room(nbytes)
+        if self.held + nbytes > self.bound:
+            storage.resize_(0)
+            return
+        spare = torch.UntypedStorage(0, device=storage.device)
+        swap_storage_memory(spare, storage)
+        self.kept.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(spare))
+        self.kept.sort(key=Tensor.numel)
 
     def is_lent(self, buffer: Tensor) -> bool:
         return buffer.data_ptr() in self.lent

@@ -89,6 +89,25 @@ class CommContext:
         """A buffer for a collective's input (a packed reduce), given back when it lands; None on CUDA."""
         return self.pool.lend(numel, dtype, device) if self.reuse and self.pool.bound else None
 
+    def give_back(self, buffer: Tensor) -> None:
+        """A buffer `lend` gave, no longer read by anything (not a collective's: those go back on landing)."""
+        self.pool.give_back(buffer)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Memory for a freed unit's full values before its gather: reused where the pool keeps some
+        (Note [reused buffers])."""
+        if self.reuse and self.pool.bound:
+            self.pool.fill(storage, nbytes)
+        else:
+            storage.resize_(nbytes)
+
+    def free(self, storage: torch.UntypedStorage) -> None:
+        """A unit's full values released (zero3): their memory kept for the next gather, within the bound."""
+        if self.reuse and self.pool.bound:
+            self.pool.keep_memory(storage)
+        else:
+            storage.resize_(0)
+
     def _issue(self):
         return self.streams.issue() if self.streams is not None else nullcontext()
 
@@ -100,7 +119,8 @@ class CommContext:
     def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, what: str,
                     own_in_place: bool = False, exact: bool = False) -> coll.Pending:
         """Issue the gather of every rank's `rows` into `regions` (collectives.gather_into): the handle. `exact`:
-        never quantized (the masters' full values), whatever the compression."""
+        never quantized, whatever the compression: the masters' full values, and hpZ's in-node re-gather of the
+        values forward used (backward computes with exactly the weights forward did)."""
         with self._issue():
             return self._on_wait(self.strategy(group, exact).gather_into(rows, regions, world_size, group, True, what,
                                                                   own_in_place, self._pool()))

@@ -48,7 +48,7 @@ features in one subpackage; the issues that build them are held to this page.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,9 @@ class ParallelLayout:
     replicate_rank: int = 0
     replicate_world: int = 1
     device_mesh: object = None  # the user's 2-D DeviceMesh; None for the flat layout
+    node_group: dist.ProcessGroup | None = None  # hpZ: this rank's node, where backward re-gathers (None: off)
+    node_rank: int = 0
+    node_world: int = 1
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
@@ -85,6 +88,11 @@ class ParallelLayout:
         shard, replicate = mesh.get_group("shard"), mesh.get_group("replicate")
         return cls(group, shard, dist.get_rank(shard), dist.get_world_size(shard), replicate, dist.get_rank(replicate),
                    dist.get_world_size(replicate), mesh)
+
+    def with_node_group(self, node_group) -> ParallelLayout:
+        """This layout with hpZ's in-node group (Note [secondary shards], unit/secondary.py)."""
+        return replace(self, node_group=node_group, node_rank=dist.get_rank(node_group),
+                       node_world=dist.get_world_size(node_group), _flat_mesh=[])
 
     @property
     def hybrid(self) -> bool:

@@ -322,6 +322,7 @@ class StepDriver:
         for unit in self.units:
             unit.install_shards()
             unit.free(unpin=True)
+            unit.drop_secondary()  # hpZ: never read across a step (Note [secondary shards])
         self.step = StepState()
         self.gathers.reset()
         self.clock.enter(Phase.BETWEEN_STEPS)
