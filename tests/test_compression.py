@@ -116,13 +116,13 @@ def test_options_refused_where_they_cannot_apply(strategy, compression, match):
         ShardConfig.of(strategy, compression=compression)
 
 
-def _payload_dtypes(compression: dict | None) -> dict:
-    """The dtypes each kind of collective carried in one zero3 step (after a warm-up step) at ws 2."""
+def _payload_dtypes(compression: dict | None, hpz: int | None = None) -> dict:
+    """The dtypes each kind of collective carried in one zero3 step (after a warm-up step)."""
     from shardwise.testing import watch_collectives
 
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
     sw.shard(model, strategy="zero3", units=lambda module: isinstance(module, torch.nn.Linear),
-             compression=compression)
+             compression=compression, **({} if hpz is None else {"reshard_after_forward": hpz}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen: dict[str, set] = {}
 
@@ -205,3 +205,11 @@ def test_full_values_are_never_quantized(ranks):
     """Catches the masters' own gather (sw.full_parameters, checkpoints, exports) taking the quantized form:
     the full values equal the unsharded model's bitwise, with compression on."""
     assert all(ranks.run(_full_values_exact, 2, timeout=120))
+
+
+def test_hpz_regathers_forwards_values_exactly(ranks):
+    """Catches hpZ's in-node re-gather taking the quantized form (backward would compute with re-quantized
+    weights, not forward's): at 4 ranks as 2 nodes of 2 with compression, forward's gathers are uint8 and
+    backward's in-node ones carry fp32 (gloo's broadcasts)."""
+    seen = ranks.run(_payload_dtypes, 4, {"gather": "int8", "reduce": "int8"}, 2, timeout=120)[0]
+    assert seen["all_gather_single"] == ["torch.uint8"] and seen.get("broadcast") == ["torch.float32"], seen
