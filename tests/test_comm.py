@@ -194,7 +194,10 @@ def test_the_replica_average_is_waited_after_the_next_reduces_are_issued(ranks):
     for events in ranks.run(_replica_reduce_order, 4, timeout=120):
         reduces = [i for i, (kind, _) in enumerate(events) if kind == "reduce"]
         issued = {label: i for i, (kind, label) in enumerate(events) if kind == "replicas issued"}
-        waited = {label: i for i, (kind, label) in enumerate(events) if kind == "replicas waited"}
+        waited = {}
+        for i, (kind, label) in enumerate(events):
+            if kind == "replicas waited":
+                waited.setdefault(label, i)  # the first wait: a second one (the hand-out's) finds it landed
         assert len(reduces) >= 3 and set(issued) == set(waited) and len(issued) == len(reduces), events
         last = max(issued, key=issued.get)
         assert all(any(issued[label] < i < waited[label] for i in reduces) for label in issued if label != last), events

@@ -98,7 +98,9 @@ class CommContext:
         (Note [reused buffers])."""
         if self.reuse and self.pool.bound:
             self.pool.fill(storage, nbytes)
-        else:
+        else:  # counted as a fresh lend, as the pool counts its own
+            self.pool.lends += 1
+            self.pool.fresh += 1
             storage.resize_(nbytes)
 
     def free(self, storage: torch.UntypedStorage) -> None:
