@@ -1,5 +1,5 @@
 """Traffic you can read: the bytes each strategy's collectives move per step, in-node and across nodes,
-counted at ws 4 and modelled over 1-64 nodes of 8 ranks (issue 34 point 5).
+counted at ws 4 and modelled over 1-64 nodes of 8 ranks (issue 34 point 5; issue 47: hpZ, qwZ, qgZ).
 
     python bench/traffic.py                          # count at ws 4 (2 simulated nodes of 2), model, plot
     python bench/traffic.py --steps 1 --vocab 256 --d-model 64 --layers 2     # smoke run
@@ -9,8 +9,10 @@ reduce_scatter*, all_to_all_single, gather, scatter) for the counted steps and r
 its group's ranks and its payload. DDP's C++ reducer calls its process group directly, so the DDP arm
 registers torch's own `allreduce_hook` (default_hooks.py), which issues the same all-reduce of each
 bucket through `dist.all_reduce`. The counted configs: torch DDP, shardwise flat zero3, shardwise zero3
-on a 2 x 2 ("replicate", "shard") mesh, and FSDP2's HSDP (`fully_shard(..., mesh=2-D)`, the builder
-of bench/strategies.py), which runs on gloo.
+on a 2 x 2 ("replicate", "shard") mesh, FSDP2's HSDP (`fully_shard(..., mesh=2-D)`, the builder
+of bench/strategies.py), which runs on gloo, and the compressed options the engine implements
+(`shard(..., compression=...)`: zero3 with int8 gathers, with int4 reduces, with both). hpZ and qgZ's
+two-hop reduce are modelled only: the engine does not run them (the hpZ row is the other half of issue 47).
 
 Note [ring bytes]: bytes are what NCCL's ring algorithms move for the same calls, summed over every
 link of the ring (every rank's sends). A ring runs through the group's ranks in rank order; a link
@@ -23,14 +25,7 @@ all-to-all (Note [gloo collectives], engine/comm/collectives.py): the broadcasts
 all-gather's chunks, and the all-to-all is counted as the reduce-scatter it stands for (pairwise, gloo
 itself sends 2/3 of it across nodes at 2 x 2 instead of a ring's 1/2).
 
-The model (`model_step`) is closed forms over the parameter bytes S (fp32): DDP one all-reduce of S
-over all P = N G ranks; flat zero3 an all-gather of S for forward, one of S - K for backward (K: the
-root unit and the last unit, which zero3 keeps from forward to backward; FSDP2 keeps its root only)
-and a reduce-scatter of S, over P; HSDP zero3 the same three inside each node's G ranks, then an
-all-reduce of each rank's S/G rows over the N replicas. Time per step is the bandwidth term only
-(no latency, no overlap with compute, collectives one after another): a ring moves at its slowest
-link, LINK_IN_NODE (NVLink, 900 GB/s per GPU) inside a node and LINK_ACROSS (50 GB/s per node, a
-400 Gb/s NIC) between nodes; the replicas' all-reduces of one node's G ranks share its LINK_ACROSS.
+The model is bench/traffic_model.py's closed forms (Note [modelled arms] there).
 Results: bench/results/traffic.{md,json,png}.
 """
 
@@ -46,16 +41,31 @@ import torch
 
 from _launch import publish, run_per_world_size
 from shardwise.testing import watch_collectives
+from traffic_model import (
+    BLOCK,
+    GATHER_BITS,
+    LINK_ACROSS,
+    LINK_IN_NODE,
+    NODES,
+    RANKS_PER_NODE,
+    REDUCE_BITS,
+    SCALED,
+    Payload,
+    model_step,
+    scaling,
+)
 
-LINK_IN_NODE = 900e9  # bytes/s per GPU, NVLink (H100/H200 SXM)
-LINK_ACROSS = 50e9  # bytes/s per node, one 400 Gb/s NIC
-RANKS_PER_NODE = 8  # the modelled machines; the counted run uses 2 (a simulated boundary)
 COUNTED_NODE = 2
-CONFIGS = ("ddp", "zero3", "zero3_hsdp", "fsdp2_hsdp")
+CONFIGS = ("ddp", "zero3", "zero3_hsdp", "fsdp2_hsdp", "zero3_qwz", "zero3_qgz", "zero3_qwz_qgz")
 LABELS = {"ddp": "torch DDP", "zero3": "shardwise zero3 (flat)", "zero3_hsdp": "shardwise zero3, HSDP N x G",
-          "fsdp2_hsdp": "FSDP2 HSDP N x G"}
-MODELLED = {"zero3_hsdp": "zero3_hsdp", "fsdp2_hsdp": "zero3_hsdp", "ddp": "ddp", "zero3": "zero3"}
-NODES = (1, 2, 4, 8, 16, 32, 64)
+          "fsdp2_hsdp": "FSDP2 HSDP N x G", "zero3_qwz": "shardwise zero3 + qwZ int8",
+          "zero3_qgz": "shardwise zero3 + qgZ int4 (one hop)", "zero3_qwz_qgz": "shardwise zero3 + qwZ + qgZ"}
+MODELLED = {"zero3_hsdp": "zero3_hsdp", "fsdp2_hsdp": "zero3_hsdp", "ddp": "ddp", "zero3": "zero3",
+            "zero3_qwz": "zero3_qwz", "zero3_qgz": "zero3_qgz", "zero3_qwz_qgz": "zero3_qwz_qgz"}
+COMPRESSION = {"zero3_qwz": {"gather": "int8"}, "zero3_qgz": {"reduce": "int4"},
+               "zero3_qwz_qgz": {"gather": "int8", "reduce": "int4"}}
+SHORT = {"ddp": "DDP", "zero3": "flat zero3", "zero3_hsdp": "HSDP zero3", "zero3_hpz": "zero3+hpZ",
+         "zero3_qwz": "zero3+qwZ", "zero3_qgz": "zero3+qgZ", "zero3_hpz_qwz_qgz": "zero3+hpZ+qwZ+qgZ"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -185,10 +195,15 @@ def run_worker(args) -> None:
         root = num_params - sum(p.numel() for p in model.blocks.parameters())  # the root unit's (and FSDP2's root)
         last = sum(p.numel() for p in model.blocks[-1].parameters())
         try:
-            module, optimizer = apply_config(model, config, args, world)
+            if config in COMPRESSION:
+                module, optimizer = _compressed(model, config, args)
+            else:
+                module, optimizer = apply_config(model, config, args, world)
         except Exception as exc:  # noqa: BLE001 - an arm that does not run on gloo is reported, not fatal
             table[config] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
+        payload = _unit_payload(model, config, world) if config in COMPRESSION else \
+            Payload.of(4 * num_params, 4 * (root + (0 if config.startswith("fsdp2") else last)))
         if config == "ddp":
             module.register_comm_hook(None, allreduce_hook)  # the reducer's all-reduce, through dist.all_reduce
         counter = Counter(COUNTED_NODE, rank)
@@ -208,33 +223,42 @@ def run_worker(args) -> None:
         table[config] = {"in_node": sum(t["in_node"] for t in everyone) / args.steps,
                          "across": sum(t["across"] for t in everyone) / args.steps,
                          "calls_per_step": kinds, "num_params": num_params, "param_bytes": 4 * num_params,
-                         "kept_bytes": 4 * (root + last), "kept_fsdp2_bytes": 4 * root}
+                         "kept_bytes": 4 * (root + last), "kept_fsdp2_bytes": 4 * root,
+                         "payload": vars(payload)}
     if rank == 0:
         args.out.write_text(json.dumps(table))
     dist.barrier()
     sw.shutdown()
 
 
-# ---- the model ---------------------------------------------------------------------
+def _compressed(model, config: str, args):
+    """zero3 with the engine's quantized collectives (`shard(..., compression=...)`), as apply_config shards."""
+    import shardwise as sw
+    from shardwise.models.gpt import Block
 
-def model_step(strategy: str, nodes: int, per_node: int, param_bytes: float, kept_bytes: float = 0.0) -> dict:
-    """Per-step bytes (summed over links, Note [ring bytes]) and bandwidth time of `strategy` over `nodes`
-    nodes of `per_node` ranks, for `param_bytes` of parameters; zero3 does not re-gather `kept_bytes`
-    of them for backward (its root and last unit; FSDP2 its root)."""
-    N, G, S = nodes, per_node, param_bytes
-    P = N * G
-    sharded = 3 * S - kept_bytes  # zero3: all-gather for forward, again for backward but the kept, reduce-scatter
-    if strategy in ("ddp", "zero3"):  # one ring over every rank, nodes contiguous: N links cross
-        per_link = (2 * S if strategy == "ddp" else sharded) * (P - 1) / P  # DDP: one all-reduce
-        crossing = N if N > 1 else 0
-        seconds = per_link / (LINK_ACROSS if N > 1 else LINK_IN_NODE)
-        return {"in_node": (P - crossing) * per_link, "across": crossing * per_link, "seconds": seconds}
-    if strategy == "zero3_hsdp":  # the three inside each node, then the replicas' all-reduce of S/G rows
-        in_node = P * (G - 1) / G * sharded if G > 1 else 0.0
-        across = G * N * 2 * (N - 1) / N * S / G if N > 1 else 0.0
-        seconds = (G - 1) / G * sharded / LINK_IN_NODE + 2 * (N - 1) / N * S / LINK_ACROSS
-        return {"in_node": in_node, "across": across, "seconds": seconds}
-    raise ValueError(f"no model for {strategy!r}")
+    sw.shard(model, strategy="zero3", units=Block, compression={**COMPRESSION[config], "block": BLOCK})
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+def _unit_payload(model, config: str, world: int) -> Payload:
+    """The bytes the engine's compressed collectives carry per step, unit by unit: each unit's rows per rank
+    padded to whole blocks (`wire_bytes`), one copy per rank; backward re-gathers all but the root and the
+    last block (Note [modelled arms], traffic_model.py)."""
+    from shardwise.engine.comm.quantize import wire_bytes
+    from shardwise.engine.protocol import engine_of
+
+    options = COMPRESSION[config]
+    gather_bits = GATHER_BITS if "gather" in options else None
+    reduce_bits = REDUCE_BITS if "reduce" in options else None
+
+    def carried(unit, bits):
+        return world * (wire_bytes(unit.shard_total, bits, BLOCK) if bits else 4 * unit.shard_total)
+
+    units = engine_of(model).units
+    kept = {id(units[0]), *(id(u) for u in units if u.module is model.blocks[-1])}
+    return Payload(sum(carried(u, gather_bits) for u in units),
+                   sum(carried(u, gather_bits) for u in units if id(u) not in kept),
+                   sum(carried(u, reduce_bits) for u in units), 4 * sum(world * u.shard_total for u in units))
 
 
 # ---- the launcher ------------------------------------------------------------------
@@ -253,8 +277,7 @@ def check_table(counted: dict) -> list[str]:
         if "error" in row:
             lines.append(f"| {LABELS[config]} | did not run on gloo: {row['error']} ||||||")
             continue
-        kept = row["kept_fsdp2_bytes" if config.startswith("fsdp2") else "kept_bytes"]
-        model = model_step(MODELLED[config], 2, COUNTED_NODE, row["param_bytes"], kept)
+        model = model_step(MODELLED[config], 2, COUNTED_NODE, Payload(**row["payload"]))
         calls = ", ".join(f"{kind} {n:g}" for kind, n in sorted(row["calls_per_step"].items()))
         lines.append(f"| {LABELS[config]} | {row['in_node'] / MB:.2f} | {model['in_node'] / MB:.2f} | "
                      f"{_ratio(row['in_node'], model['in_node'])} | {row['across'] / MB:.2f} | "
@@ -262,18 +285,27 @@ def check_table(counted: dict) -> list[str]:
     return lines
 
 
-def scaling(param_bytes: float, kept_bytes: float) -> dict:
-    return {s: [{"nodes": n, **model_step(s, n, RANKS_PER_NODE, param_bytes, kept_bytes)} for n in NODES]
-            for s in ("ddp", "zero3", "zero3_hsdp")}
-
-
 def scaling_table(rows: dict) -> list[str]:
-    short = {"ddp": "DDP", "zero3": "flat zero3", "zero3_hsdp": "HSDP zero3"}
-    head = " | ".join(f"{short[s]} {unit}" for s in rows for unit in ("across GB/node", "ms"))
-    lines = [f"| nodes (x{RANKS_PER_NODE} ranks) | {head} |", "|---:|" + "---:|" * (2 * len(rows))]
+    head = " | ".join(f"{SHORT[s]} {unit}" for s in rows for unit in ("GB/node", "ms"))
+    lines = [f"| nodes (x{RANKS_PER_NODE}) | {head} |", "|---:|" + "---:|" * (2 * len(rows))]
     for i, n in enumerate(NODES):
         cells = " | ".join(f"{rows[s][i]['across'] / n / GB:.1f} | {rows[s][i]['seconds'] * 1e3:.0f}" for s in rows)
         lines.append(f"| {n} | {cells} |")
+    return lines
+
+
+def target_lines(rows: dict) -> list[str]:
+    """Issue 47's target at the largest node count: zero3+hpZ+qwZ+qgZ at most a quarter of flat zero3 across."""
+    flat = rows["zero3"][-1]["across"]
+    lines = [f"At {NODES[-1]} nodes, across nodes per node per step, against flat zero3's {flat / NODES[-1] / GB:.1f} "
+             "GB:", ""]
+    for strategy in SCALED:
+        last = rows[strategy][-1]
+        lines.append(f"- {SHORT[strategy]}: {last['across'] / NODES[-1] / GB:.1f} GB, {last['across'] / flat:.3f}x "
+                     f"flat zero3, {last['seconds'] * 1e3:.0f} ms")
+    ratio = rows["zero3_hpz_qwz_qgz"][-1]["across"] / flat
+    lines += ["", f"Target (issue 47: zero3+hpZ+qwZ+qgZ at most 0.25x flat zero3): {ratio:.3f}x, "
+              f"{'met' if ratio <= 0.25 else 'NOT met'}."]
     return lines
 
 
@@ -283,8 +315,9 @@ def plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for strategy, label in (("ddp", "DDP"), ("zero3", "flat zero3"), ("zero3_hsdp", "HSDP zero3 (N x 8)")):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for strategy in rows:
+        label = SHORT[strategy] + (" (N x 8)" if strategy == "zero3_hsdp" else "")
         left.plot(NODES, [r["seconds"] * 1e3 for r in rows[strategy]], marker="o", label=label)
         right.plot(NODES, [r["across"] / r["nodes"] / GB for r in rows[strategy]], marker="o", label=label)
     for ax, ylabel in ((left, "communication ms per step (bandwidth only)"), (right, "GB per node across per step")):
@@ -292,9 +325,9 @@ def plot(rows: dict, path: Path) -> None:
         ax.set_xlabel(f"nodes of {RANKS_PER_NODE} ranks")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
+    right.legend(fontsize=8)
     fig.suptitle(f"Modelled traffic: {LINK_IN_NODE / GB:.0f} GB/s in a node, {LINK_ACROSS / GB:.0f} GB/s per "
-                 "node across, ring algorithms")
+                 f"node across, ring algorithms; qwZ int8, qgZ int4 (two hops), blocks of {BLOCK}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -307,11 +340,12 @@ def run_launcher(args) -> None:
     rows = scaling(4 * args.params, 4 * args.params * args.kept_fraction)
     num_params = next(row["num_params"] for row in counted.values() if "num_params" in row)
     text = "\n".join([
-        "# Traffic per step: counted at ws 4, modelled to 64 nodes (issue 34 point 5)",
+        "# Traffic per step: counted at ws 4, modelled to 64 nodes (issue 34 point 5, issue 47)",
         "",
         f"Reproduce: `python bench/traffic.py {' '.join(worker_args)} --params {args.params:g} "
         f"--kept-fraction {args.kept_fraction:g}`. How bytes are "
-        "counted and modelled: Note [ring bytes] in bench/traffic.py. Counting bytes is not timing: these "
+        "counted and modelled: Note [ring bytes] in bench/traffic.py, Note [modelled arms] in bench/traffic_model.py. "
+        "Counting bytes is not timing: these "
         "numbers do not depend on the machine's load.",
         "",
         f"## Counted vs model: GPT of {num_params / 1e6:.2f}M parameters (fp32), ws 4 = 2 simulated nodes of 2",
@@ -320,12 +354,21 @@ def run_launcher(args) -> None:
         "rank 1 and 2 and between 3 and 0 (node = rank // 2; on this host all are loopback). FSDP2 HSDP is "
         "compared with the same HSDP model, with its root (not the last block) kept from forward to backward. "
         "The small all-reduces and all-gathers the model leaves out (shardwise's rank agreement, its unused-"
-        "parameter flags; FSDP2's own) are under 0.1% of the bytes here.",
+        "parameter flags; FSDP2's own) are under 0.1% of the bytes here. The compressed rows are the engine's "
+        f"`compression=` (int8 gathers, int4 reduces, blocks of {BLOCK}), modelled from each unit's rows padded "
+        "to whole blocks; its reduce is one all-to-all over the flat group, counted as the reduce-scatter it "
+        "stands for (Note [ring bytes]).",
         "",
         *check_table(counted),
         "",
         f"## Model: {args.params / 1e9:g}B parameters, fp32 traffic, nodes of {RANKS_PER_NODE} ranks, "
         f"{args.kept_fraction:.0%} of the parameters not re-gathered for backward",
+        "",
+        "hpZ: backward's re-gather inside the node from a secondary shard that forward's gather left there (not "
+        "in the engine yet: modelled only). qwZ: both gathers int8 + one fp32 scale per block of "
+        f"{BLOCK}. qgZ: the reduce int4 + scales, in ZeRO++'s two hops (an all-to-all inside the node, then "
+        "one across nodes of the node's partial sums; the kernel is engine/comm/quantize.py "
+        "`quantized_reduce_scatter_avg_2hop`, the engine's flat reduce runs one hop).",
         "",
         f"Links: {LINK_IN_NODE / GB:.0f} GB/s per GPU inside a node (NVLink), {LINK_ACROSS / GB:.0f} GB/s per "
         "node across nodes (one 400 Gb/s NIC); ring algorithms' (P-1)/P factors; time is the bandwidth term "
@@ -333,6 +376,8 @@ def run_launcher(args) -> None:
         "per step.",
         "",
         *scaling_table(rows),
+        "",
+        *target_lines(rows),
         "",
     ])
     plot(rows, RESULTS / "traffic.png")

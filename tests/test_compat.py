@@ -245,3 +245,18 @@ def test_unwrap_compiled_finds_the_module_torch_compile_wrapped():
     lookalike = nn.Module()
     lookalike._orig_mod = module  # a user attribute of that name is not a compiled handle
     assert unwrap_compiled(lookalike) is lookalike
+
+
+def test_swap_storage_memory_moves_memory_between_storage_objects():
+    """Catches torch changing UntypedStorage._swap_data_ptr_ (the comm pool's way to keep a zero3 unit's freed
+    memory for its next gather, Note [reused buffers]): a view of the storage sees the memory swapped back in,
+    and the storage is empty while the pool holds it."""
+    from shardwise.engine.compat import swap_storage_memory
+
+    full = torch.arange(8, dtype=torch.float32)
+    view = full[2:6].view(2, 2)
+    spare = torch.UntypedStorage(0)
+    swap_storage_memory(spare, full.untyped_storage())
+    assert full.untyped_storage().nbytes() == 0 and spare.nbytes() == 32
+    swap_storage_memory(full.untyped_storage(), spare)
+    assert spare.nbytes() == 0 and view.tolist() == [[2.0, 3.0], [4.0, 5.0]]

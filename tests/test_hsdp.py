@@ -143,7 +143,7 @@ def _collectives_by_group(shape):
     import shardwise.engine.comm.collectives as coll
 
     seen = {"gather": [], "reduce": [], "replicas": []}
-    real = coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg
+    real = coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg_async
 
     def gather(rows, regions, world_size, group, *args, **kwargs):
         seen["gather"].append((world_size, dist.get_world_size(group)))
@@ -161,12 +161,12 @@ def _collectives_by_group(shape):
     model = build("gpt")
     sw.shard(model, strategy="zero3", units=spec.unit_class, mesh=_mesh(shape))
     trainable_units = sum(1 for unit in engine_of(model).units if unit.trainable())
-    coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg = gather, reduce, replicas
+    coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg_async = gather, reduce, replicas
     try:
         x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
         model(x, y).backward()
     finally:
-        coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg = real
+        coll.gather_into, coll.reduce_scatter_avg, coll.all_reduce_avg_async = real
     return seen, trainable_units
 
 

@@ -224,7 +224,7 @@ def test_whole_tensor_owners_inside_the_shard_group(ranks, strategy, name):
 def _run_with_alone_bytes(strategy: str, name: str, alone_bytes: int):
     """`run`, with the tensors of at least `alone_bytes` broadcast by themselves; and the number of
     broadcasts it made. The ranks' processes serve later tests too: the threshold is put back."""
-    from shardwise.engine.optim import owner_traffic
+    from shardwise.engine.comm import owner_traffic
 
     default, owner_traffic.ALONE_BYTES = owner_traffic.ALONE_BYTES, alone_bytes
     try:

@@ -18,7 +18,7 @@ from shardwise.checkpoint import (
     save_async,
     save_pretrained,
 )
-from shardwise.config import STRATEGIES, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
+from shardwise.config import STRATEGIES, Compression, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.ema import EMA
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
@@ -33,6 +33,7 @@ from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits
 from shardwise.sampler import ResumableSampler
 
 __all__ = [
+    "Compression",
     "DiskOffload",
     "EMA",
     "HogwildResult",

@@ -128,6 +128,61 @@ def resolve_frozen(frozen: str | HostFrozen | None) -> HostFrozen | None:
     raise ShardwiseError(f"frozen={frozen!r} is not understood: use None, 'host' or sw.HostFrozen(source=...)")
 
 
+_CODES = {"int8": 8, "int4": 4}
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Quantized collectives, opt-in and not exact (Note [quantized collectives], engine/comm/quantize.py).
+
+    `gather`: "int8" sends zero3's parameter all-gathers block-quantized (qwZ); the fp32 master shards are
+    never quantized, only what travels. `reduce`: "int8" or "int4" sends the gradient reduce-scatter
+    quantized over an all-to-all and sums it in fp32 (qgZ). `block`: elements per fp32 scale (even)."""
+
+    gather: str | None = None
+    reduce: str | None = None
+    block: int = 256
+
+    def __post_init__(self):
+        if self.gather not in (None, "int8"):
+            raise ShardwiseError(f"Compression.gather={self.gather!r}: use 'int8' (or None: gathers exact)")
+        if self.reduce not in (None, "int8", "int4"):
+            raise ShardwiseError(f"Compression.reduce={self.reduce!r}: use 'int8' or 'int4' (or None: exact)")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2 or self.block % 2:
+            raise ShardwiseError(f"Compression.block={self.block!r}: use an even number of elements >= 2 (e.g. 256)")
+        if self.gather is None and self.reduce is None:
+            raise ShardwiseError("Compression() compresses nothing: give gather='int8' and/or reduce='int8'|'int4', "
+                                 "or pass compression=None")
+
+    @property
+    def gather_bits(self) -> int | None:
+        return _CODES.get(self.gather)
+
+    @property
+    def reduce_bits(self) -> int | None:
+        return _CODES.get(self.reduce)
+
+    @property
+    def label(self) -> str:
+        """"qwZ int8 + qgZ int4 (blocks of 256)": what `sw.describe` and the checkpoint index record."""
+        parts = ([f"qwZ {self.gather}"] if self.gather else []) + ([f"qgZ {self.reduce}"] if self.reduce else [])
+        return f"{' + '.join(parts)} (blocks of {self.block})"
+
+    def record(self) -> dict:
+        """The JSON form the checkpoint index keeps."""
+        return {"gather": self.gather, "reduce": self.reduce, "block": self.block}
+
+
+def resolve_compression(compression: Compression | dict | None) -> Compression | None:
+    """`None` (every collective exact), a `Compression`, or its fields as a dict."""
+    if compression is None or isinstance(compression, Compression):
+        return compression
+    if isinstance(compression, dict):
+        return Compression(**compression)
+    raise ShardwiseError(f"compression={compression!r} is not understood: use None or "
+                         "sw.Compression(gather='int8', reduce='int4')")
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     """Everything `shard()` is asked for besides the model, validated once (module docstring)."""
@@ -138,6 +193,10 @@ class ShardConfig:
     checkpoint_activations: bool = False
     find_unused_parameters: bool = False
     frozen: HostFrozen | None = None
+    # zero3: True reshards to the shard group after forward; an int N keeps a secondary shard over N ranks
+    # (hpZ: Note [secondary shards], engine/unit/secondary.py)
+    reshard_after_forward: bool | int = True
+    compression: Compression | None = None
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -156,14 +215,45 @@ class ShardConfig:
         if self.find_unused_parameters and self.strategy != "ddp":
             raise ShardwiseError("find_unused_parameters is a ddp option; the zero strategies handle unused "
                                  "parameters themselves")
+        if self.compression is not None and self.strategy == "ddp":
+            raise ShardwiseError("compression is a zero-strategy option (ddp's all-reduce is torch's reducer): use "
+                                 "strategy='zero3' (or zero1/zero2 for compression=sw.Compression(reduce=...))")
+        if self.compression is not None and self.compression.gather and self.strategy != "zero3":
+            raise ShardwiseError(f"Compression(gather=...) needs strategy='zero3': {self.strategy} keeps full "
+                                 "parameters whose own rows are the fp32 masters, which a quantized gather would "
+                                 "overwrite; use Compression(reduce=...) alone with it")
+        self._check_reshard_after_forward()
+
+    def _check_reshard_after_forward(self) -> None:
+        value = self.reshard_after_forward
+        if value is True:
+            return
+        if value is False:
+            raise ShardwiseError("reshard_after_forward=False (keep each unit's full parameters from forward to "
+                                 "backward) is strategy='zero2''s memory: use strategy='zero2', or keep "
+                                 "reshard_after_forward=True, or pass the ranks per node (an int) for zero3's hpZ")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ShardwiseError(f"reshard_after_forward={value!r}: pass True (zero3's default) or an int, the ranks "
+                                 "per node that keep a secondary shard after forward (hpZ, DeepSpeed's "
+                                 "zero_hpz_partition_size, FSDP2's reshard_after_forward=int)")
+        if self.strategy != "zero3":
+            raise ShardwiseError(f"reshard_after_forward={value} (hpZ) is a zero3 option: {self.strategy} keeps every "
+                                 "unit's full parameters after forward, so backward gathers nothing. Use "
+                                 "strategy='zero3', or drop reshard_after_forward")
+        if value < 2:
+            raise ShardwiseError(f"reshard_after_forward={value}: the secondary shard spans the ranks of a node, at "
+                                 "least 2 (a node of one rank would keep whole parameters: use strategy='zero2')")
 
     @classmethod
     def of(cls, strategy: str, *, precision: str | MixedPrecision | None = None,
            offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
-           find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None) -> ShardConfig:
+           find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None,
+           reshard_after_forward: bool | int = True,
+           compression: Compression | dict | None = None) -> ShardConfig:
         """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
         return cls(strategy, resolve_precision(precision), resolve_offload(offload),
-                   bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen))
+                   bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen),
+                   compression=resolve_compression(compression), reshard_after_forward=reshard_after_forward)
 
     @property
     def label(self) -> str:

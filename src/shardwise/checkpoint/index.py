@@ -88,6 +88,8 @@ def build_index(job, records: list) -> dict:
     }
     if job.model_config is not None:  # Note [model config] in model_config.py
         index["model_config"] = job.model_config
+    if engine is not None and engine.compression is not None:  # the weights were trained through quantized
+        index["compression"] = engine.compression.record()    # collectives: the index says so
     index["digest"] = index_digest(index)  # Note [index digest] in schema.py
     return index
 

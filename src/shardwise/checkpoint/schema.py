@@ -149,6 +149,7 @@ class Index:
     extra: dict
     order: tuple[int, int] | None = None  # (step, save counter): Note [newest]
     model_config: dict | None = None  # a Hugging Face model's config.json (Note [model config] in model_config.py)
+    compression: dict | None = None  # the run's quantized collectives (config.Compression.record), if it used any
 
     @property
     def newness(self) -> tuple:
@@ -220,7 +221,8 @@ def parse_index(path: Path, index) -> Index:
                  f.number(index, "saved_at", 0.0, _NOW_BOUND), f.str(index, "shardwise_version", 128),
                  f.str(index, "torch_version", 128), f.str(index, "strategy", 64), world, files, params, buffers,
                  optimizers, several, scheduler, rng, f.dict(index, "objects"), by_rank, f.dict(index, "extra"),
-                 order, f.dict(index, "model_config") if index.get("model_config") is not None else None)
+                 order, f.dict(index, "model_config") if index.get("model_config") is not None else None,
+                 f.dict(index, "compression") if index.get("compression") is not None else None)
 
 
 def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool = False, shape=None) -> TensorRecord:

@@ -9,7 +9,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import DiskOffload, HostFrozen, MixedPrecision, ShardConfig
+from shardwise.config import Compression, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.guards import RefuseDataParallel
@@ -35,6 +35,8 @@ def shard(
     find_unused_parameters: bool = False,
     frozen: str | HostFrozen | None = None,
     mesh=None,
+    reshard_after_forward: bool | int = True,
+    compression: Compression | dict | None = None,
 ) -> nn.Module:
     """Apply `strategy` to `model` in place and return the same model object.
 
@@ -71,11 +73,22 @@ def shard(
     result is still one process's. Note [mesh info] in parallel_layout.py. A model sliced first with
     `sw.slice(model, group=mesh)` over a 3-D mesh named ("replicate", "shard", "tensor") takes the
     same mesh here: each tensor rank's slices are sharded over the other two (Note [sliced mesh]).
+    `reshard_after_forward` (zero3): True (the default) frees each unit's full parameters after its
+    forward, so backward gathers them again over the shard group; an int N (hpZ: DeepSpeed's
+    `zero_hpz_partition_size`, FSDP2's `reshard_after_forward=int`) keeps a secondary shard of each unit
+    over the N ranks of this rank's node (ranks numbered node by node, as torchrun does), so backward's
+    re-gather stays inside the node; the result is unchanged. Note [secondary shards] in unit/secondary.py.
+    `compression` (zero strategies; opt-in, not exact) is a `sw.Compression(gather="int8", reduce="int8" or
+    "int4", block=256)`: zero3's parameter all-gathers travel block-quantized (qwZ) and the gradient
+    reduce-scatters quantized over an all-to-all, summed in fp32 (qgZ); the fp32 master shards are never
+    quantized. `sw.describe` and the checkpoint index record it. An optimizer stepped on whole tensors
+    (Muon, Adafactor, ...) is refused with it. Note [quantized collectives] in engine/comm/quantize.py.
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,
                             checkpoint_activations=checkpoint_activations,
-                            find_unused_parameters=find_unused_parameters, frozen=frozen)
+                            find_unused_parameters=find_unused_parameters, frozen=frozen,
+                            reshard_after_forward=reshard_after_forward, compression=compression)
     if engine_of(model) is not None:
         raise ShardwiseError(
             f"this model is already sharded with strategy={engine_of(model).strategy!r}: "

@@ -95,6 +95,14 @@ def chunk_cat(tensors: list[torch.Tensor], num_chunks: int, out: torch.Tensor | 
     return torch._chunk_cat(tensors, dim=0, num_chunks=num_chunks, out=out)
 
 
+def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory (and sizes) of two storages; every tensor keeps its own storage object. How a
+    zero3 unit's freed full values go to the comm pool and come back without a new allocation (Note
+    [reused buffers], comm/buffers.py): views autograd saved of the unit's storage see the refilled memory,
+    as they do after FSDP2's `resize_`. torch's private `UntypedStorage._swap_data_ptr_`."""
+    a._swap_data_ptr_(b)
+
+
 # Refilling a freed unit's storage without bumping the version counters autograd saved
 # (flat_unit.py, Note [version counters]), as FSDP2 does.
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter

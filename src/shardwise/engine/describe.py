@@ -36,6 +36,8 @@ class UnitTable:
 
     rows: tuple[UnitRow, ...]
     world_size: int
+    comm: str = ""  # a sharded model's collectives: strategies, reused buffers and their bound (Note [comm context])
+    compression: str = ""  # a sharded model's quantized collectives (config.Compression.label), else ""
 
     def __str__(self) -> str:
         total = sum(row.numel for row in self.rows) or 1
@@ -44,6 +46,10 @@ class UnitTable:
         for row in self.rows:
             lines.append(f"{row.path or '<root>':<32} {row.kind:<20} {row.numel:>12,} {row.numel / total:>6.0%} "
                          f"{row.full_bytes / MIB:>10.2f} {row.bytes_per_rank / MIB:>10.2f}  {', '.join(row.shared)}")
+        if self.comm:
+            lines.append(self.comm)
+        if self.compression:  # opt-in and not exact: said wherever the plan is shown
+            lines.append(f"compressed collectives: {self.compression}")
         return "\n".join(lines)
 
 
@@ -72,4 +78,6 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
             per_rank += shard_numel(shape, world_size) * itemsize
         shared = tuple(entry.name for entry in owned if len(entry.holders) > 1)
         rows.append(UnitRow(path, type(module).__name__, numel, full, per_rank, shared))
-    return UnitTable(tuple(rows), world_size)
+    comm = engine.comm.describe() if engine is not None and engine.comm is not None else ""
+    compression = engine.compression.label if engine is not None and engine.compression is not None else ""
+    return UnitTable(tuple(rows), world_size, comm, compression)

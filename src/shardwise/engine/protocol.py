@@ -67,6 +67,8 @@ class Engine(NoCopies):
     units: tuple = ()  # zero: its units (flat_unit.FlatUnit), root first; ddp: none
     mesh = None  # zero: its ParallelLayout (rows, shard and replicate groups: Note [mesh info]); ddp: none
     store = None  # zero3 with offload="disk:...": the offload.DiskStore holding the master shards
+    comm = None  # zero: its comm.context.CommContext (Note [comm context]); ddp: torch's DDP reducer, none here
+    compression = None  # zero with compression=: its config.Compression (Note [quantized collectives]); else none
 
     def no_sync(self) -> AbstractContextManager:
         """A block whose backwards accumulate locally, without the reduce."""

@@ -1,5 +1,5 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: consistency, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
+(flat_unit.py). Uses: buffers, consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
 precision, protocol, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
 sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import ShardConfig
-from shardwise.engine.layout.groups import host_group_of, new_reduce_group
+from shardwise.engine.comm.buffers import comm_buffer_bytes
+from shardwise.engine.comm.context import CommContext
+from shardwise.engine.layout.groups import host_group_of, new_node_group, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
@@ -32,6 +34,7 @@ from shardwise.engine.unit.residency import Residents
 from shardwise.engine.unit.sharding import shard_units
 from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
 from shardwise.engine.unit.units import UnitSpec, build_units
+from shardwise.errors import ShardwiseError
 
 
 class ZeroEngine(Engine):
@@ -42,6 +45,7 @@ class ZeroEngine(Engine):
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None, mesh=None):
         self.config, self.strategy, self.group = config, config.strategy, group  # group: every rank of the mesh
         self.policy, self.precision, self.clock = policy_of(config.strategy), config.precision, Clock()
+        self.compression = config.compression  # quantized collectives (Note [quantized collectives]), or None
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
         self.mesh = ParallelLayout.of_mesh(mesh, group) if mesh is not None else ParallelLayout.flat(group)
@@ -51,11 +55,16 @@ class ZeroEngine(Engine):
         check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
+        if config.reshard_after_forward is not True:  # hpZ: Note [secondary shards]
+            self.mesh = self.mesh.with_node_group(self._node_group(config.reshard_after_forward))
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]
         self.residents = Residents()  # zero3's units holding full values: counted by the units themselves
+        self.comm = CommContext.for_group(group, config.compression)  # every unit's collectives (Note [comm context])
         self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn, policy=self.policy,
-                                 reduce_group=reduce_group, clock=self.clock, residents=self.residents)
+                                 reduce_group=reduce_group, clock=self.clock, residents=self.residents,
+                                 comm=self.comm)
         self.root = self.units[0]
+        self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
         self.step_watch = StepWatch(self.units)  # Note [one step hook]
         install_state_dict_hooks(model, self)  # Note [state dict]
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
@@ -68,6 +77,28 @@ class ZeroEngine(Engine):
             self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
                                                        with_kwargs=True)
         self.driver.install(model, config.checkpoint_activations)
+
+    def _node_group(self, per_node: int):
+        """hpZ's group: this rank's node of `per_node` ranks, refused (on every rank alike: the arguments and the
+        layout are the same everywhere) where it cannot keep backward's gathers in the node."""
+        world = self.world_size
+        if world % per_node or per_node >= world:
+            raise ShardwiseError(f"reshard_after_forward={per_node} (hpZ) needs the {world} ranks to form whole nodes "
+                                 f"of {per_node}, more than one: pass the ranks per node (torchrun's "
+                                 "--nproc-per-node), a divisor of the world size below it, or drop the option")
+        node_group = new_node_group(self.group, per_node)
+        if dist.get_process_group_ranks(node_group) == dist.get_process_group_ranks(self.mesh.shard_group):
+            raise ShardwiseError(f"reshard_after_forward={per_node} (hpZ): the shard group already lies inside a "
+                                 "node (hybrid sharding shards within the node), so backward's re-gather never "
+                                 "leaves it; drop reshard_after_forward")
+        return node_group
+
+    def _comm_bound(self) -> int:
+        """The comm pool's bound: the estimator's formula (comm_buffer_bytes) over this engine's units."""
+        others = self.units[1:] or self.units[:1]
+        c = max(unit.full_flat.element_size() for unit in self.units)
+        r = max(torch.empty(0, dtype=unit.reduce_dtype).element_size() for unit in self.units)
+        return comm_buffer_bytes(self.policy, c, r, self.root.numel_full, max(unit.numel_full for unit in others))
 
     # ---- what the layers above ask (Note [engine protocol]) -----------------------------
 

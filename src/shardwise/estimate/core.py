@@ -40,7 +40,10 @@ activations (Note [activations]), the backward's gradient buffers are left out (
 copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
 there (the head's, one unit's); only the gathered parameters come on top. Measured in
 bench/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
-three units come to 17-20 MiB, and the backward term would add 15-20 MiB more.
+three units come to 17-20 MiB, and the backward term would add 15-20 MiB more. Since issue 47 the
+engine's comm pool keeps the reduce's buffers and zero3's freed units from step to step (Note
+[reused buffers], engine/comm/buffers.py, bound `comm_buffer_bytes`), so the reduce in flight counts
+with the probe too: memory a step held anyway, now held between steps as well.
 
 Note [activations]: with `batch=`, a model's activations are measured by the probe
 (estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
@@ -86,6 +89,7 @@ import torch
 from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
+from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.schedule.stage import policy_of
@@ -347,14 +351,17 @@ def _gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool =
     held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
             "zero3": "the root unit and up to 3 others gathered at once"}.get(
                 strategy, "two units re-gathered after the step")
-    if probed or strategy == "ddp":
+    if strategy == "ddp":
         return f"gather/reduce buffers: held only while a step runs: {held}"
+    kept = "kept between steps by the engine's comm pool (Note [reused buffers])"
+    if probed:
+        return f"gather/reduce buffers: {kept}: {held}, and one reduce in flight"
     probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"
              if no_batch else "")
     reduce = ("its receive buffer: the kept gradients are its input" if kept_input
               else "its input and its receive buffer")
-    return (f"gather/reduce buffers: held only while a step runs: {held}, plus in backward one unit's and the "
-            f"root's full gradients and one reduce in flight ({reduce}){probe}")
+    return (f"gather/reduce buffers: {kept}: {held} and one reduce in flight ({reduce}), plus in backward one "
+            f"unit's and the root's full gradients{probe}")
 
 
 def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
@@ -362,10 +369,12 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool =
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
     stage = policy_of(config.strategy)
-    # unit grads, root grads, the reduce in flight: the packed input and its receive buffer (gloo's
-    # all-to-all form, Note [gloo collectives]); zero1's input is its kept gradients (counted in its state)
-    backward = c * biggest + c * root.full + stage.reduce_bytes(r, biggest) if with_backward else 0
-    return stage.gathered_bytes(c, root.full, biggest) + backward  # zero3: the root and 3 units; zero1/2: 2
+    # The comm pool (Note [reused buffers]): the reduce in flight (input and receive buffer; zero1: receive only)
+    # and zero3's gathered units, kept between steps, so counted with the probe too.
+    comm = comm_buffer_bytes(stage, c, r, root.full, biggest)
+    regathers = 0 if stage.reshards else stage.gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
+    backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
+    return comm + regathers + backward
 
 
 def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs,

@@ -1,5 +1,5 @@
 """The two collectives of the engine, and the layout changes around them.
-Uses: compat.
+Uses: buffers, compat.
 
 A unit's shards travel as one flat, rank-major buffer: rank r's rows of every
 parameter, one parameter after another (`S` elements per rank). Full values live
@@ -14,14 +14,15 @@ Every call names its process group: nothing here reads global state.
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardwise.engine.comm.buffers import BufferPool
 from shardwise.engine.compat import chunk_cat
 from shardwise.errors import ShardwiseError
 
@@ -42,16 +43,38 @@ class Pending:
     what: str = "a collective"
     finish: Callable[[Tensor], Tensor] | None = None
     sent: Tensor | list[Tensor] | None = None
+    lent: list[Tensor] = field(default_factory=list)  # buffers of `pool` this collective reads or writes
+    pool: BufferPool | None = None
+    streams: object = None  # CUDA: the context's side stream (Note [comm context], context.py); None on CPU
 
     def wait(self) -> Tensor:
         works, self.works = self.works, []
-        with named_failure(self.what):
-            for work in works:
-                work.wait()
-        if self.finish is not None:
-            self.output, self.finish = self.finish(self.output), None
+        with self._on_side_stream():
+            with named_failure(self.what):
+                for work in works:
+                    work.wait()
+            if self.finish is not None:  # the copy-out, on the side stream where there is one
+                self.output, self.finish = self.finish(self.output), None
+        if self.streams is not None:
+            self.streams.landed(self)
         self.sent = None
+        self._give_back()  # Note [reused buffers]: only now, every work landed and the copy-out done
         return self.output
+
+    def _on_side_stream(self):
+        return torch.cuda.stream(self.streams.side) if self.streams is not None else nullcontext()
+
+    def lend_to(self, pool: BufferPool | None, *buffers: Tensor) -> Pending:
+        """`buffers` were lent by `pool` for this collective: given back once it has landed."""
+        if pool is not None:
+            self.pool = pool
+            self.lent.extend(b for b in buffers if pool.is_lent(b))
+        return self
+
+    def _give_back(self) -> None:
+        lent, self.lent = self.lent, []
+        for buffer in lent:
+            self.pool.give_back(buffer)
 
 
 @contextmanager
@@ -119,22 +142,19 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _gloo_form(buffer: Tensor, world_size: int, group) -> bool:
-    """Whether a reduce of `buffer` takes gloo's form (Note [gloo collectives]): from GLOO_FORMS_FROM_BYTES
-    per rank. Sizes and the backend alone decide, so every rank decides alike."""
-    return _is_gloo(group) and buffer.nbytes // world_size >= GLOO_FORMS_FROM_BYTES
-
-
 def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_op: bool,
-               what: str = "an all-gather") -> Pending:
-    """Gather every rank's flat shard into one rank-major buffer of `world_size * S`. The shard may
-    come in parts (a zero1/zero2 unit's rows of each parameter), concatenated in order straight into
-    this rank's place of the buffer on gloo: one copy, not a concatenation and then a copy."""
+               what: str = "an all-gather", *, gloo: bool | None = None, pool: BufferPool | None = None) -> Pending:
+    """Gather every rank's flat shard into one rank-major buffer of `world_size * S` (lent by `pool` when
+    given: Note [reused buffers]). The shard may come in parts (a zero1/zero2 unit's rows of each
+    parameter), concatenated in order straight into this rank's place of the buffer on gloo: one copy,
+    not a concatenation and then a copy. `gloo`: the form, as the caller's strategy decided (None: ask)."""
     parts = [shard_flat] if isinstance(shard_flat, Tensor) else shard_flat
     like = parts[0]
-    gathered = torch.empty(world_size * sum(part.numel() for part in parts), dtype=like.dtype, device=like.device)
+    numel = world_size * sum(part.numel() for part in parts)
+    gathered = pool.lend(numel, like.dtype, like.device) if pool is not None else \
+        torch.empty(numel, dtype=like.dtype, device=like.device)
     with named_failure(what):
-        if _is_gloo(group):  # Note [gloo collectives]
+        if _is_gloo(group) if gloo is None else gloo:  # Note [gloo collectives]
             by_rank = gathered.view(world_size, -1)
             torch.cat(parts, out=by_rank[dist.get_rank(group)])
             shard_flat = None  # nothing else is sent: the buffer holds it
@@ -143,7 +163,7 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
         else:
             shard_flat = torch.cat(parts) if len(parts) > 1 else like
             works = [dist.all_gather_single(gathered, shard_flat, group=group, async_op=True)]
-    pending = Pending(works, gathered, what, sent=shard_flat)
+    pending = Pending(works, gathered, what, sent=shard_flat).lend_to(pool, gathered)
     if not async_op:
         pending.wait()
     return pending
@@ -166,14 +186,15 @@ GLOO_IN_PLACE_FROM_BYTES = 64 * 1024
 
 
 def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool,
-                what: str = "an all-gather", own_in_place: bool = False) -> Pending:
+                what: str = "an all-gather", own_in_place: bool = False, *, gloo: bool | None = None,
+                pool: BufferPool | None = None) -> Pending:
     """Every rank's rows of each parameter into its padded full region (param-major), the other ranks'
     by the time the result is waited for. `rows[i]` is this rank's rows of parameter i, contiguous, in
     the regions' dtype; `regions[i]` holds `world_size * rows[i].numel()` elements; `own_in_place`: each
     `rows[i]` already is its region's own chunk (a zero1/zero2 shard), so it is not copied there."""
     rank = dist.get_rank(group)
     chunks = [region.view(world_size, -1) for region in regions]
-    gloo = _is_gloo(group)  # asked once per gather, not once per parameter
+    gloo = _is_gloo(group) if gloo is None else gloo  # asked once per gather at most, not once per parameter
     in_place = [gloo and part.nbytes >= GLOO_IN_PLACE_FROM_BYTES for part in rows]
     works = []
     with named_failure(what):
@@ -186,7 +207,8 @@ def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, grou
             if not own_in_place:
                 by_rank[rank].copy_(part)
     packed = [i for i, direct in enumerate(in_place) if not direct]
-    small = all_gather([rows[i] for i in packed], world_size, group, async_op=True, what=what) if packed else None
+    small = all_gather([rows[i] for i in packed], world_size, group, async_op=True, what=what, gloo=gloo,
+                       pool=pool) if packed else None
 
     def finish(output: Tensor) -> Tensor:
         if small is not None:
@@ -203,32 +225,38 @@ def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, grou
 
 
 def reduce_scatter_avg(packed: Tensor, world_size: int, group, async_op: bool,
-                       what: str = "a reduce-scatter", out: Tensor | None = None) -> Pending:
+                       what: str = "a reduce-scatter", out: Tensor | None = None, *, gloo: bool | None = None,
+                       pool: BufferPool | None = None) -> Pending:
     """Average a rank-major `world_size * S` buffer across ranks; this rank gets its `S` rows, in
-    `out` where the form allows it (gloo's all-to-all; zero1 passes its own rows of `packed`)."""
+    `out` where the form allows it (gloo's all-to-all; zero1 passes its own rows of `packed`). A `packed`
+    that `pool` lent goes back to it once the reduce landed, and so does the receive buffer it lends."""
     if world_size == 1:  # the mean of one copy: no collective, no copy (zero1's rows are in place already)
         return Pending([], packed, what)
+    gloo = _is_gloo(group) if gloo is None else gloo
     with named_failure(what):
-        if _gloo_form(packed, world_size, group):
+        if gloo and packed.nbytes // world_size >= GLOO_FORMS_FROM_BYTES:
             # Note [gloo collectives]: every rank's copy of this rank's rows, summed here
-            received = torch.empty_like(packed)
+            received = pool.lend(packed.numel(), packed.dtype, packed.device) if pool is not None else \
+                torch.empty_like(packed)
             work = dist.all_to_all_single(received, packed, group=group, async_op=True)
             pending = Pending([work], received, what, sent=packed,
                               finish=lambda copies: _average_copies(copies, world_size, out))
+            pending.lend_to(pool, packed, received)
         else:
             shard = torch.empty(packed.numel() // world_size, dtype=packed.dtype, device=packed.device)
             work = dist.reduce_scatter_single(shard, packed, op=dist.ReduceOp.AVG, group=group, async_op=True)
-            pending = Pending([work], shard, what, sent=packed)
+            pending = Pending([work], shard, what, sent=packed).lend_to(pool, packed)
     if not async_op:
         pending.wait()
     return pending
 
 
-def all_reduce_avg(tensor: Tensor, group, what: str = "an all-reduce") -> Tensor:
-    """Average `tensor` in place over `group`'s ranks (the replicas of a hybrid mesh: Note [mesh info])."""
+def all_reduce_avg_async(tensor: Tensor, group, what: str = "an all-reduce") -> Pending:
+    """Average `tensor` in place over `group`'s ranks, issued async: `wait()` on the handle lands it
+    (Note [async replica reduce], unit_grads.py)."""
     with named_failure(what):
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-    return tensor
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return Pending([work], tensor, what)
 
 
 def _average_copies(copies: Tensor, world_size: int, out: Tensor | None = None) -> Tensor:

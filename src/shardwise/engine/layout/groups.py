@@ -47,6 +47,16 @@ def new_reduce_group(group) -> dist.ProcessGroup:
                      what="a reduce group")
 
 
+def new_node_group(group, ranks_per_node: int) -> dist.ProcessGroup:
+    """The group of this rank's node among `group`'s ranks: `group`'s ranks cut into consecutive runs of
+    `ranks_per_node` (torchrun numbers ranks node by node). Only a node's members make its group (local
+    synchronization), each node its own; it keeps `group`'s timeout (Note [secondary shards], secondary.py)."""
+    ranks = dist.get_process_group_ranks(group)
+    node = ranks.index(dist.get_rank()) // ranks_per_node
+    return make_group(ranks[node * ranks_per_node : (node + 1) * ranks_per_node], like=group,
+                      backend=dist.get_backend(group), local=True, what="a node group")
+
+
 # Note [host values]: some decisions of a step are made on host values: whether the ranks agree on a
 # forward or backward (agreement.py) and which parameters any rank used (unit_grads.py, Note [unused
 # params]). Reading a device tensor for them would stall a GPU's stream, so they travel on a CPU

@@ -57,7 +57,7 @@ Note [rows]). Every group is made here, through groups.make_group, by every rank
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,9 @@ class ParallelLayout:
     pipe_group: dist.ProcessGroup | None = None  # one rank per stage at this rank's coordinate (Note [pipe dimension])
     pipe_rank: int = 0  # this rank's stage
     pipe_world: int = 1  # stages; 1: no pipeline
+    node_group: dist.ProcessGroup | None = None  # hpZ: this rank's node, where backward re-gathers (None: off)
+    node_rank: int = 0
+    node_world: int = 1
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
@@ -139,6 +142,10 @@ class ParallelLayout:
         """What `sw.shard` takes to shard a module over this rank's stage (its data-parallel part):
         the stage's group, and its `replicate x shard` mesh when it has more than one replica."""
         return {"process_group": self.group, "mesh": self.device_mesh}
+    def with_node_group(self, node_group) -> ParallelLayout:
+        """This layout with hpZ's in-node group (Note [secondary shards], unit/secondary.py)."""
+        return replace(self, node_group=node_group, node_rank=dist.get_rank(node_group),
+                       node_world=dist.get_world_size(node_group), _flat_mesh=[])
 
     @property
     def hybrid(self) -> bool:

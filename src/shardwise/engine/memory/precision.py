@@ -1,5 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
-Uses: compat, protocol, step_in_backward.
+Uses: compat, protocol, small, step_in_backward.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from shardwise.engine.comm.small import all_reduce_max
 from shardwise.engine.compat import plain_tensors, unwrap_compiled
 from shardwise.engine.optim.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.engine.protocol import engine_of, slicing_of
@@ -83,7 +84,7 @@ class LossScaler:
                 largest = torch.stack(torch._foreach_norm(grads, float("inf")))  # inf or NaN where any is
             overflow = (~torch.isfinite(largest)).any().float().reshape(1)  # on the device: no host read
         if dist.is_initialized():
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.group)
+            all_reduce_max(overflow, self.group, "the loss scaler's overflow check")
         # The one host read of a step under a loss scaler (torch's GradScaler makes it too): whether
         # to step is decided in Python.
         self.found_overflow = bool(overflow.item())

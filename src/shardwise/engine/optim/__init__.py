@@ -2,6 +2,6 @@
 ranks, stepping inside backward, and the user's gradient helpers.
 
 Read in this order: optim_hooks.py (the step hooks) → whole_step.py (one owner per parameter)
-→ owner_traffic.py (the owners' gathers and broadcasts) → step_in_backward.py → grads.py
+(its collectives: comm/owner_traffic.py) → step_in_backward.py → grads.py
 (clipping and no_sync for users).
 """

@@ -1,5 +1,5 @@
 """Gradient helpers that work on any model, sharded or not: accumulation, clipping and per-parameter norms.
-Uses: compat, protocol.
+Uses: compat, protocol, small.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.engine.comm.small import all_reduce_max, all_reduce_sum
 from shardwise.engine.compat import plain_tensors, unwrap_compiled
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
@@ -86,10 +87,10 @@ def _per_parameter_norms(model: nn.Module, read, norm_type: float) -> dict[str, 
         rows = torch.tensor([getattr(p, "_sw_unit", None) is not None for _, p, _ in named])  # host-shared: whole
         if norm_type == float("inf"):
             summed = torch.where(rows, norms, torch.zeros_like(norms))
-            dist.all_reduce(summed, op=dist.ReduceOp.MAX, group=engine.mesh.norm_group)
+            all_reduce_max(summed, engine.mesh.norm_group, "the per-parameter norms")
         else:
             summed = torch.where(rows, norms.pow(norm_type), torch.zeros_like(norms))
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=engine.mesh.norm_group)
+            all_reduce_sum(summed, engine.mesh.norm_group, "the per-parameter norms")
             summed = summed.pow(1.0 / norm_type)
         norms = torch.where(rows, summed, norms)
     return {name: norm for (name, _, _), norm in zip(named, norms)}
@@ -124,10 +125,10 @@ def _global_norm(grads: list[torch.Tensor], norm_type: float, group) -> torch.Te
     an OPT model after 5 clipped steps, where torch DDP ends 1.3e-6."""
     local = tensor_norms(grads, norm_type)
     if norm_type == float("inf"):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_max(local, group, "the gradient norm")
         per_tensor = local
     else:
         powered = local.pow(norm_type)
-        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_sum(powered, group, "the gradient norm")
         per_tensor = powered.pow(1.0 / norm_type)
     return torch.linalg.vector_norm(per_tensor, norm_type)

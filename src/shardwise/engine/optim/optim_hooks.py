@@ -30,7 +30,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from shardwise.engine.compat import guard_step, on_step_error
 from shardwise.engine.memory.offload import chunked_step, restore_groups
-from shardwise.engine.optim.whole_step import StepShape, WholeStep, refuse_coupled, sharded_params, step_shape
+from shardwise.engine.optim.whole_step import (
+    StepShape,
+    WholeStep,
+    refuse_compressed,
+    refuse_coupled,
+    sharded_params,
+    step_shape,
+)
 from shardwise.errors import ShardwiseError
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the StepWatch of every live engine (Note [one step hook])
@@ -163,6 +170,7 @@ def _begin_whole_step(optimizer) -> None:
     if shape is StepShape.REFUSE:
         refuse_coupled(optimizer)
     if shape is StepShape.WHOLE:
+        refuse_compressed(optimizer, sharded)
         guard_step(optimizer)  # a class torch wrapped before on_step_error (Note [raising step])
         step = WholeStep(optimizer)
         step.begin()

@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: compat, owner_traffic.
+Uses: compat, owner_traffic, small.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -66,11 +66,9 @@ import enum
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from shardwise.engine.compat import set_data, set_grad
-from shardwise.engine.optim.owner_traffic import (
+from shardwise.engine.comm.owner_traffic import (
     Piece,
     broadcast_from_owners,
     broadcasts_whole,
@@ -80,6 +78,8 @@ from shardwise.engine.optim.owner_traffic import (
     kept_whole,
     scatter_from_owners,
 )
+from shardwise.engine.comm.small import all_reduce_max
+from shardwise.engine.compat import set_data, set_grad
 from shardwise.errors import ShardwiseError
 
 _set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
@@ -133,6 +133,22 @@ def refuse_coupled(optimizer) -> None:
         f"{kind.__name__} cannot step a sharded model: {reason}, and each rank holds only some rows. "
         "Use a per-tensor optimizer (AdamW, Muon, Adafactor, ...: Note [whole-tensor step]), or train "
         "with strategy='ddp', where every rank holds whole parameters."
+    )
+
+
+def refuse_compressed(optimizer, sharded: list) -> None:
+    """An optimizer stepped on whole tensors reads each parameter exactly as one process holds it (Note
+    [whole-tensor step]): quantized gathers and gradients (Note [quantized collectives]) would feed its
+    matrix-wide statistics values no rank holds. Refused at its first step, on every rank."""
+    used = next((param._sw_unit.comm.compression for param in sharded if param._sw_unit.comm.compression is not None),
+                None)
+    if used is None:
+        return
+    kind = type(unwrapped(optimizer))
+    raise ShardwiseError(
+        f"{kind.__name__} steps whole tensors exactly (Note [whole-tensor step]) and this model was sharded with "
+        f"compression ({used.label}), whose quantized parameters and gradients it would read as exact. Drop "
+        "compression= from sw.shard(), or use an elementwise optimizer (AdamW, Adam, SGD, ...) with it."
     )
 
 
@@ -234,7 +250,7 @@ class WholeStep:
         one rank since the last forward): the gathers would pair with other collectives."""
         has = torch.tensor([float(p.grad is not None) for p in self.params] + list(map(float, copied)))
         both = torch.cat([has, -has])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce_max(both, self.group, f"{self.kind}.step()'s agreement on gradients")
         anywhere, everywhere = both[: len(has)].tolist(), (-both[len(has):]).tolist()
         count = len(self.params)
         written = [_name(p) for p, a, e in zip(self.params, anywhere[count:], everywhere[count:]) if a != e]
@@ -255,7 +271,7 @@ class WholeStep:
         """The ranks whose step raised (Note [raising step]): one all-reduce, every rank reaches it."""
         flags = torch.zeros(self.world_size, dtype=torch.float32)
         flags[self.rank] = float(failed)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce_max(flags, self.group, f"{self.kind}.step()'s agreement on failures")
         return [rank for rank, flag in enumerate(flags.tolist()) if flag]
 
     def end(self) -> None:

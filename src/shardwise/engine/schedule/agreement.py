@@ -1,5 +1,5 @@
 """Ranks agree on what each communicating phase does, on traffic that happens anyway, not in a
-barrier before every forward. Uses: collectives, consistency, flat_unit, groups.
+barrier before every forward. Uses: collectives, consistency, flat_unit, groups, small.
 
 Note [agreement rides the traffic]: gloo and NCCL pair collectives by their order of issue (Note
 [collective order], zero.py), so ranks must agree, before the collectives of a forward or a backward
@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import named_failure
+from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.consistency import digest
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -102,7 +103,7 @@ class Agreement:
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
         where = self.units[0].where
         with named_failure(f"the agreement of a {'backward' if phase == BACKWARD else 'forward'} ({where})"):
-            work = dist.all_gather_single(received, sent, group=self.group, async_op=True)
+            work = start_all_gather_rows(received, sent, self.group)
         self.pending = (work, sent, received, list(order), where)
 
     def confirm(self) -> None:
@@ -140,7 +141,7 @@ class Agreement:
         self.pending = None
         sent = torch.full((4 + len(self.units),), REFUSED, dtype=torch.int64)
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
-        self.refusal = (dist.all_gather_single(received, sent, group=self.group, async_op=True), sent, received)
+        self.refusal = (start_all_gather_rows(received, sent, self.group), sent, received)
 
     def _different_writes(self, rank: int, mine: list[int], theirs: list[int]) -> str:
         unit = next(unit for unit, a, b in zip(self.units, mine, theirs) if a != b)

@@ -1,6 +1,6 @@
 """Ranks agree on the model at `shard()`: the same parameters (and which are trainable) and the same
 starting values. What they agree on during training rides the traffic (agreement.py).
-Uses: flat_unit.
+Uses: flat_unit, small.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.engine.comm.small import all_gather_list, all_reduce_max, broadcast_from
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 from shardwise.wire.messages import all_gather_json
@@ -27,7 +28,7 @@ def check_same_model_on_every_rank(model: nn.Module, group, layout: str = "") ->
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     device = _device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(signatures, torch.tensor([digest(repr((layout, mine)))], device=device), group=group)
+    all_gather_list(signatures, torch.tensor([digest(repr((layout, mine)))], device=device), group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
     # JSON, never a pickle between ranks
@@ -70,7 +71,7 @@ def differs_across_ranks(tensors: list[torch.Tensor], group) -> bool:
             positions = torch.arange(start + 1, start + piece.numel() + 1, dtype=torch.float64, device=device)
             weighted += piece.mul(positions).sum()
     both = torch.stack([total, -total, weighted, -weighted])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_max(both, group, "the check that every rank holds the same values")
     return not (both[0] == -both[1] and both[2] == -both[3])
 
 
@@ -109,4 +110,4 @@ def broadcast_from_rank0(unit: FlatUnit, group) -> None:
     """Every rank starts from rank 0's values (as DDP does), one unit at a time."""
     with torch.no_grad():
         for layout in unit.layouts:
-            dist.broadcast(layout.owned.param.data, src=dist.get_global_rank(group, 0), group=group)
+            broadcast_from(layout.owned.param.data, 0, group)

@@ -343,6 +343,7 @@ class StepDriver:
         for unit in self.units:
             unit.install_shards()
             unit.free(unpin=release or not self.holding)
+            unit.drop_secondary()  # hpZ: never read across a step (Note [secondary shards])
         self.step = StepState()
         self.gathers.reset()
         self.clock.enter(Phase.BETWEEN_STEPS)

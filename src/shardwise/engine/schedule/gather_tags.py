@@ -1,5 +1,5 @@
 """zero3: which unit each rank's k-th all-gather carries, checked before its values are used.
-Uses: agreement, collectives, flat_unit, groups.
+Uses: agreement, collectives, flat_unit, groups, small.
 
 Note [gather tags]: zero3's gathers follow each rank's own forward (Note [collective order], zero.py), so
 ranks that run units in another order (rank 0 C(B(A(x))), rank 1 C(A(B(x)))) issue different
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import named_failure
+from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -62,7 +63,7 @@ class GatherTags:
         sent = torch.tensor(row, dtype=torch.int64)
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
         with named_failure(f"the tag of the all-gather of unit {unit.label} ({unit.where})"):
-            work = dist.all_gather_single(received, sent, group=self.group, async_op=True)
+            work = start_all_gather_rows(received, sent, self.group)
         self.pending[id(unit)] = (work, sent, received)
 
     def check(self, unit: FlatUnit) -> None:

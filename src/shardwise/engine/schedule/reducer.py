@@ -24,6 +24,11 @@ from shardwise.engine.unit.flat_unit import FlatUnit
 # at 2 ranks on the bench GPT, 2 against 1 in interleaved rounds: zero2 0.95 (0.84-1.06, 12 rounds),
 # zero1 1.03 (0.93-1.13, 6 rounds); the per-round spread is larger than any gain.
 MAX_PENDING_REDUCES = 1
+# Replica averages (a hybrid mesh) in flight past their unit's reduce-scatter (Note [async replica reduce],
+# unit_grads.py): each holds its unit's averaged rows, and where the shards already have gradients (a later
+# micro-batch, or gradients kept across steps) those rows are a buffer beside them until handed out; so two
+# overlap the next units' backward without holding every unit's rows to the end of backward.
+MAX_PENDING_REPLICAS = 2
 
 
 class Reducer:
@@ -46,7 +51,8 @@ class Reducer:
         self.ready: dict[int, list] = {}  # units whose gradients wait for their turn
         self.next = 0  # position in `order`
         self.pending: collections.deque = collections.deque()  # units whose reduce is in flight
-        self.landed: list[FlatUnit] = []  # units whose reduce landed, rows not handed out yet
+        self.landed: list[FlatUnit] = []  # units whose reduce landed, rows handed out, used flags not agreed yet
+        self.replicating: collections.deque = collections.deque()  # hybrid: replica averages in flight
 
     def add(self, unit: FlatUnit, grads: list) -> None:
         """`unit`'s gradients for this backward are complete: reduce them in their turn."""
@@ -64,6 +70,8 @@ class Reducer:
         self.next = len(self.order)
         while self.pending:
             self._land_oldest()
+        while self.replicating:  # Note [async replica reduce]: the last replica averages waited here, in order
+            self._hand_out_oldest()
         self._settle(self.landed)
         self.landed = []
         if self.stepper is not None:
@@ -73,7 +81,11 @@ class Reducer:
         """A backward that raised midway: wait for its reduces (every rank issued the same ones),
         drop the step's gradients (what it reduced, and every unit's accumulation), start over."""
         while self.pending:
-            self.pending.popleft().grads.land()
+            unit = self.pending.popleft()
+            unit.grads.land()
+            self.replicating.append(unit)
+        while self.replicating:
+            self._hand_out_oldest()
         for unit in self.order:
             unit.grads.drop()
         self.reset()
@@ -91,12 +103,20 @@ class Reducer:
 
     def _land_oldest(self) -> None:
         unit = self.pending.popleft()
-        unit.grads.land()
+        unit.grads.land()  # hybrid: the replica average now in flight (Note [async replica reduce])
         if self.stepper is None:
-            self.landed.append(unit)
+            self.replicating.append(unit)
+            while len(self.replicating) > (MAX_PENDING_REPLICAS if unit.mesh.hybrid else 0):
+                self._hand_out_oldest()
             return
+        unit.grads.hand_out()  # stepped now: its rows must be averaged everywhere first
         self._settle([unit])  # Note [optimizer in backward]: step it now
         self.stepper.after_reduce(unit)
+
+    def _hand_out_oldest(self) -> None:
+        unit = self.replicating.popleft()
+        unit.grads.hand_out()
+        self.landed.append(unit)
 
     def _settle(self, units: list[FlatUnit]) -> None:
         """One agreement (over the host group) on which parameters any rank used, then the rows

@@ -1,5 +1,5 @@
-"""The engine's unit: flat shards, full views, gather and free. Uses: collectives, compat,
-parallel_layout, param_layout, phase, residency, shard_param, stage, unit_grads, units.
+"""The engine's unit: flat shards, full views, gather and free. Uses: compat, context,
+parallel_layout, param_layout, phase, residency, secondary, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
@@ -30,14 +30,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import shardwise.engine.comm.collectives as coll
 from shardwise.config import MixedPrecision
+from shardwise.engine.comm.context import CommContext
 from shardwise.engine.compat import preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
-from shardwise.engine.schedule.phase import Clock
+from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.stage import StagePolicy
 from shardwise.engine.unit.residency import Residence, Residency, Residents
+from shardwise.engine.unit.secondary import SecondaryShard
 from shardwise.engine.unit.shard_param import make_shard
 from shardwise.engine.unit.unit_grads import UnitGrads
 from shardwise.engine.unit.units import UnitPlan
@@ -48,13 +49,15 @@ class FlatUnit:
     """One unit's parameters as flat shards (see module docstring)."""
 
     def __init__(self, plan: UnitPlan, *, mesh: ParallelLayout, policy: StagePolicy, precision: MixedPrecision,
-                 store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None):
+                 store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None,
+                 comm: CommContext | None = None):
         self.module, self.path = plan.module, plan.path
         self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])
         self.policy = policy  # the stage's answers (Note [stages])
         self.store = store  # offload: the master shards live in a memory-mapped file
         self.reduce_group = reduce_group or mesh.shard_group  # reduce-scatters may have a group of their own
         self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
+        self.comm = comm  # the engine's collectives (Note [comm context]); set below when None
         self.layouts, self.shard_total = lay_out(plan.params, mesh)
         self.index_of = {id(layout): i for i, layout in enumerate(self.layouts)}  # id(layout) -> its index
         dtypes = {entry.param.dtype for entry in plan.params}
@@ -68,12 +71,17 @@ class FlatUnit:
         if self.device.type == "meta":  # deferred init: the shards are born on the compute device
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
+        self.comm = self.comm or CommContext(self.device)
         self.compute_dtype = precision.param_dtype if self.dtype.is_floating_point else self.dtype
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
         # With a low param_dtype the fp32 master rows need their own storage.
         self.storage = policy.storage(self.compute_dtype, self.dtype)
-        self.full_flat = torch.empty(mesh.shard_world * self.shard_total, dtype=self.compute_dtype, device=self.device)
+        # hpZ: cut into node_world equal chunks (Note [secondary shards]): padded to a multiple of it
+        full_numel = -(-mesh.shard_world * self.shard_total // mesh.node_world) * mesh.node_world
+        self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
+        self.secondary = SecondaryShard(mesh.node_group, mesh.node_rank, mesh.node_world) \
+            if mesh.node_group is not None and policy.reshards else None
         self.full_views = [self._full_view(layout) for layout in self.layouts]
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
@@ -97,6 +105,7 @@ class FlatUnit:
         """An optimizer is about to write the shards `indices` (layout indices): re-gather before the next use
         (optim_hooks.py; Note [stepped parameters])."""
         self.freshness.mark_stepped(indices)
+        self.drop_secondary()  # its values are the rows before this step (Note [secondary shards])
 
     def mark_fresh(self, layout: ParamLayout) -> None:
         """The owner's broadcast wrote this parameter's whole update into every rank's full view (Note [owner
@@ -227,17 +236,21 @@ class FlatUnit:
         land straight in full_flat (Note [gathered in place], collectives.py): zero3 allocates it here."""
         self.residence.move(Residency.GATHERING)
         storage = self.full_flat.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(self.full_flat.numel() * self.full_flat.element_size())
+        if storage.nbytes() == 0:  # zero3: memory the comm pool kept from a freed unit, or new (Note [reused buffers])
+            self.comm.fill(storage, self.full_flat.numel() * self.full_flat.element_size())
         # An aliased unit's own rows of full_flat are its shards, which the gather sends: already in place.
         indices = self.to_gather()  # zero1/zero2: the stepped ones (Note [stepped parameters])
         with torch.no_grad(), preserve_version_counter(self.full_flat):  # Note [version counters]
-            self.residence.pending = coll.gather_into(
-                self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices),
-                self.mesh.shard_world,
-                self.mesh.shard_group,
-                async_op, what=f"the all-gather of unit {self.label} ({self.where})",
-                own_in_place=self.storage.own_in_place)
+            if self.secondary is not None and self.secondary.held:  # hpZ: inside the node (Note [secondary shards])
+                self.residence.pending = self.secondary.gather_into(
+                    self.comm, self.full_flat, f"the in-node all-gather of unit {self.label} ({self.where})")
+            else:
+                self.residence.pending = self.comm.gather_into(
+                    self._own_parts(self.compute_dtype, indices), self._regions(self.full_flat, indices),
+                    self.mesh.shard_world, self.mesh.shard_group,
+                    f"the all-gather of unit {self.label} ({self.where})", own_in_place=self.storage.own_in_place)
+            if not async_op:
+                self.residence.pending.wait()
 
     def finish_gather(self) -> None:
         """Wait for the all-gather's rows to land in full_flat (GATHERING -> GATHERED)."""
@@ -258,16 +271,24 @@ class FlatUnit:
     def release(self) -> None:
         """zero3's free: drop the full values unless pinned or not gathered; the shards are registered again."""
         if not self.residence.pinned and self.residence.resident:
-            self.full_flat.untyped_storage().resize_(0)
+            if self.secondary is not None and self.clock.phase is Phase.FORWARD and torch.is_grad_enabled():
+                self.secondary.cut(self.full_flat)  # hpZ: backward re-gathers in the node (Note [secondary shards])
+            self.comm.free(self.full_flat.untyped_storage())  # kept by the comm pool for the next gather
             self.residence.move(Residency.SHARDED)
             self.install_shards()
+
+    def drop_secondary(self) -> None:
+        """hpZ: forget the secondary shard (the window closed, or the rows are about to change)."""
+        if self.secondary is not None:
+            self.secondary.drop()
 
     def gather_copy(self) -> dict[str, Tensor]:
         """Fresh full values of every owned parameter, leaving the unit's own state alone."""
         target = torch.empty(self.full_flat.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():  # the fp32 masters, not the compute copy
-            coll.gather_into(self._own_parts(self.dtype), self._regions(target), self.mesh.shard_world,
-                             self.mesh.shard_group, async_op=False)
+            self.comm.gather_into(self._own_parts(self.dtype), self._regions(target), self.mesh.shard_world,
+                                  self.mesh.shard_group, f"the gather of unit {self.label}'s full values",
+                                  exact=True).wait()  # never quantized (Note [quantized collectives])
         out = {}
         for layout in self.layouts:
             start = self.mesh.shard_world * layout.offset

@@ -29,6 +29,14 @@ packs nothing and holds no packed copy (a unit with frozen parameters still pack
 ones apart). Measured (29.5M GPT, 2 ranks on 2 cores, 3 interleaved
 rounds): step x DDP 1.03 before and after, within the machine's noise; alone (1 rank), backward
 750-810 ms against 780-815 ms.
+
+Note [async replica reduce]: on a hybrid mesh a unit's rows, once averaged over its shard group, are
+averaged over the replicas too (Note [mesh info]). That all-reduce is issued as the reduce-scatter lands
+(`land`) and waited only where the rows are needed (`hand_out`): once MAX_PENDING_REPLICAS later units'
+reduce-scatters have landed (reducer.py: a bound on the rows held), by the reducer's `finish` for the last
+ones, or at once for a unit stepped in backward (Note [optimizer in backward]); so the replica traffic of
+one unit overlaps the next units' backward and reduce-scatters instead of stalling the unit's landing.
+Every rank issues them in the same order (the reducer's), on the replicate group, where nothing else runs.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ class UnitGrads:
         self.carried: dict[int, Tensor] = {}  # zero1: reduced grads the user did not zero
         self.used: set[int] = set()  # parameters that got a gradient in this accumulation window
         self.pending: coll.Pending | None = None  # the reduce-scatter in flight
+        self.replicas: coll.Pending | None = None  # hybrid: the replica average in flight (Note [async replica reduce])
+        self.landed_in_full = False  # the landed rows are zero1's own rows of `full`
         self.indices: list[int] = []  # the trainable parameters it reduces, in packing order
         self.used_here: list[bool] = []  # per reduced parameter: did this rank have a gradient
         self.waiting: dict[int, Tensor] = {}  # landed rows of parameters this rank did not use, by column
@@ -66,12 +76,16 @@ class UnitGrads:
     # ---- accumulation (zero1, no_sync) --------------------------------------------------
 
     def _pack(self, grads: list[Tensor | None], indices: list[int], out: Tensor | None = None) -> Tensor:
-        """The gradients of `indices` (None: zeros), packed rank-major (collectives.pack)."""
+        """The gradients of `indices` (None: zeros), packed rank-major (collectives.pack), into `out`, else
+        into a buffer the comm context lends (Note [reused buffers]; given back when its reduce lands)."""
         layouts = [self.unit.layouts[i] for i in indices]
         segments, offset = [], 0
         for layout in layouts:
             segments.append((offset, layout.shard_numel))
             offset += layout.shard_numel
+        world = self.unit.mesh.shard_world
+        if out is None and world > 1:  # one rank reduces nothing: its packed rows are its gradients
+            out = self.unit.comm.lend(world * offset, self.unit.reduce_dtype, self.unit.device)
         return coll.pack([grads[i] for i in indices], [layout.rows for layout in layouts], self.unit.mesh.shard_world,
                          segments, offset, torch.empty(0, dtype=self.unit.reduce_dtype, device=self.unit.device),
                          out=out)
@@ -84,7 +98,8 @@ class UnitGrads:
         (zeros where None) over `full`, packed as the reduce sends them: no add."""
         unit = self.unit
         if self.full is None:
-            self.full = torch.empty(unit.full_flat.shape, dtype=unit.reduce_dtype, device=unit.device)
+            self.full = torch.empty(unit.mesh.shard_world * unit.shard_total, dtype=unit.reduce_dtype,
+                                    device=unit.device)
         else:
             # zero1 keeps `full` allocated across steps, and its shards' grads are views of their
             # own rows in it: set aside any the user kept (accumulating across steps) first.
@@ -102,7 +117,9 @@ class UnitGrads:
                 self._begin_accumulation(grads)
                 self.phase = GradPhase.ACCUMULATING
             elif any(grad is not None for grad in grads):  # a later micro-batch: rare, one packed temporary
-                self.full.add_(self._pack(grads, self._every_index()))
+                packed = self._pack(grads, self._every_index())
+                self.full.add_(packed)
+                self.unit.comm.give_back(packed)
 
     def holds_full(self) -> bool:
         """Whether accumulated full gradients exist (zero1 always; zero2/zero3 after no_sync)."""
@@ -143,20 +160,29 @@ class UnitGrads:
             grads = [None] * len(unit.layouts) if grads is None else grads
             self.used_here = [grads[i] is not None for i in self.indices]
             packed = self._pack(grads, self.indices)
-        self.pending = coll.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, async_op, what,
-                                               out=self.into_full)
+        self.pending = unit.comm.reduce_scatter_avg(packed, unit.mesh.shard_world, unit.reduce_group, what,
+                                                    out=self.into_full)
+        if not async_op:
+            self.pending.wait()
 
     def land(self) -> None:
-        """Wait for the reduce, then hand out at once the rows of every parameter this rank used
-        (some rank used it, so it gets its average); keep the others' rows for `settle`, which the
-        agreement on which parameters any rank used decides (Note [unused params])."""
+        """Wait for the reduce over the shard group; on a hybrid mesh issue, without waiting, the average of
+        its rows over the replicas (Note [async replica reduce]), which `hand_out` waits for."""
         unit, pending, self.pending = self.unit, self.pending, None
         reduced = pending.wait()  # the average over the shard group; then over the replicas (Note [mesh info])
-        if unit.mesh.hybrid:
-            coll.all_reduce_avg(reduced, unit.mesh.replicate_group,
-                                f"the gradient average across replicas of unit {unit.label} ({unit.where})")
-        in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
+        self.landed_in_full = self.into_full is not None and reduced.data_ptr() == self.into_full.data_ptr()
         self.into_full = None
+        self.replicas = unit.comm.all_reduce_avg(
+            reduced, unit.mesh.replicate_group,
+            f"the gradient average across replicas of unit {unit.label} ({unit.where})") if unit.mesh.hybrid \
+            else coll.Pending([], reduced, "a landed reduce")
+
+    def hand_out(self) -> None:
+        """Once the rows are averaged everywhere (the replica average waited for here): hand out at once the
+        rows of every parameter this rank used (some rank used it, so it gets its average); keep the others'
+        rows for `settle`, which the agreement on which parameters any rank used decides (Note [unused params])."""
+        unit, replicas, self.replicas = self.unit, self.replicas, None
+        reduced, in_full = replicas.wait(), self.landed_in_full
         offset = 0
         for column, i in enumerate(self.indices):
             layout = unit.layouts[i]

@@ -1,0 +1,121 @@
+"""The buffers a collective writes or reads for one use only, reused across units and steps within a
+stated bound. Uses: compat.
+
+Note [reused buffers]: on CPU a fresh large buffer costs its page faults on first touch (issue 33's
+note: a copy into a fresh 48 MiB buffer 23 ms, into a reused one 7 ms), and every step made the same
+fresh buffers again: each unit's packed reduce input and its receive buffer (zero2/zero3), zero1's
+receive buffer, the packed gather of a unit's small parameters. A `BufferPool` lends them instead and
+takes them back when the collective that used them has landed (`Pending.wait`, collectives.py): a
+buffer is never lent twice at once, so a reuse cannot read or write rows another collective still
+sends or receives. CUDA's caching allocator already does this on a GPU; there the pool changes no
+bytes, only who keeps them.
+
+zero3 also frees each unit's full values after each use and allocated them again at the next gather
+(twice a step per unit, the largest fresh buffers of all): its freed memory goes to the pool instead
+(`keep_memory`: the storage's memory moves out, compat.swap_storage_memory, the storage object the
+saved views hold stays), and the next gather of a unit of that size takes it back (`fill`).
+
+The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_bytes`: the reduce in flight
+(its packed input and receive buffer), and under zero3 the full values of the units gathered at once,
+the rows the estimator counts (Note [transient buffers], estimate/core.py), so what the pool keeps
+between steps is memory a step held anyway. A request past the bound is served by a fresh buffer as
+before, not kept; kept buffers are released smallest first when a request needs room. `sw.describe`
+shows the bound and what is held.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from shardwise.engine.compat import swap_storage_memory
+
+
+def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: int, biggest_full: int) -> int:
+    """The pool's bound for one engine (Note [reused buffers]), of padded element counts: its stage's reduce in
+    flight over its largest non-root unit (StagePolicy.reduce_bytes: the packed input and the receive buffer;
+    zero1's input is its kept gradients, so the receive buffer alone), and under zero3 the full values a step
+    holds at once (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool."""
+    kept_full = policy.gathered_bytes(compute_bytes, root_full, biggest_full) if policy.reshards else 0
+    return policy.reduce_bytes(reduce_bytes, biggest_full) + kept_full
+
+
+class BufferPool:
+    """Flat byte buffers lent out by size and given back once their collective landed (Note [reused
+    buffers]). One per engine and device: no global state."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound  # most bytes lent + kept
+        self.kept: list[Tensor] = []  # free buffers (uint8), smallest first
+        self.lent: dict[int, Tensor] = {}  # data_ptr -> the lent buffer's backing storage
+        self.lends = self.fresh = 0  # counts: every lend, and those served by a new allocation
+
+    @property
+    def held(self) -> int:
+        return sum(b.numel() for b in self.kept) + sum(b.numel() for b in self.lent.values())
+
+    def lend(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A buffer of `numel` elements of `dtype`, uninitialized: a kept one if one is large enough, else a
+        new one (kept later if the bound allows)."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        self.lends += 1
+        backing = self._take_kept(nbytes, device)
+        if backing is None:
+            self.fresh += 1
+            self._make_room(nbytes)
+            backing = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if self.held + nbytes > self.bound:  # past the bound: served, never kept
+                return backing.view(dtype)
+        view = backing[:nbytes].view(dtype)
+        self.lent[view.data_ptr()] = backing
+        return view
+
+    def give_back(self, buffer: Tensor) -> None:
+        """`buffer` (a view `lend` returned) is free again: its collective has landed."""
+        backing = self.lent.pop(buffer.data_ptr(), None)
+        if backing is not None:
+            self.kept.append(backing)
+            self.kept.sort(key=Tensor.numel)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the empty `storage` `nbytes` of memory: a kept buffer's if one is large enough (it leaves the
+        pool), else a new allocation (`resize_`)."""
+        backing = self._take_kept(nbytes, storage.device)
+        self.lends += 1
+        if backing is None:
+            self.fresh += 1
+            storage.resize_(nbytes)
+        else:
+            swap_storage_memory(storage, backing.untyped_storage())
+
+    def keep_memory(self, storage: torch.UntypedStorage) -> None:
+        """`storage`'s memory (freed full values) into the pool if the bound has room, else freed; `storage`
+        is left empty either way."""
+        nbytes = storage.nbytes()
+        self._make_room(nbytes)
+        if self.held + nbytes > self.bound:
+            storage.resize_(0)
+            return
+        spare = torch.UntypedStorage(0, device=storage.device)
+        swap_storage_memory(spare, storage)
+        self.kept.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(spare))
+        self.kept.sort(key=Tensor.numel)
+
+    def is_lent(self, buffer: Tensor) -> bool:
+        return buffer.data_ptr() in self.lent
+
+    def _take_kept(self, nbytes: int, device: torch.device) -> Tensor | None:
+        for i, backing in enumerate(self.kept):  # smallest first: the best fit
+            if backing.numel() >= nbytes and backing.device == torch.device(device):
+                return self.kept.pop(i)
+        return None
+
+    def _make_room(self, nbytes: int) -> None:
+        """Release kept buffers, smallest first, until `nbytes` more fit within the bound."""
+        while self.kept and self.held + nbytes > self.bound:
+            self.kept.pop(0)
+
+    def describe(self) -> str:
+        mib = 2**20
+        return (f"comm buffers: {self.held / mib:.2f} MiB held of a {self.bound / mib:.2f} MiB bound, "
+                f"{self.lends - self.fresh} of {self.lends} lends reused (Note [reused buffers])")

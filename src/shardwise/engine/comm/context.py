@@ -1,0 +1,149 @@
+"""An engine's communication context: the strategy of each group, the buffers reused across steps, and on
+CUDA the stream its collectives run on. Units ask it for a handle and wait on the handle.
+Uses: buffers, collectives, quantize, strategy.
+
+Note [comm context]: every collective a unit issues on the hot path (its gather, its gradient reduce, the
+replica average of a hybrid mesh) goes through one `CommContext`, built by the engine (zero.py) and handed
+to each unit: it picks the form (Note [comm strategies]), lends the buffers (Note [reused buffers]) and
+returns a `Pending` the unit waits on. What the rest of a step exchanges (agreement headers, gather tags,
+norms, overflow flags, the owners' traffic) goes through comm/small.py and comm/owner_traffic.py:
+nothing outside comm/ calls torch.distributed's collectives (tests/test_comm.py greps for it).
+
+Streams (Note [where the next capabilities land] (c)): on CUDA the context owns a side stream; a
+collective is issued on it after it waited for the compute stream (so it sends finished values), the
+handle's copy-out runs on it too, and `wait()` makes the compute stream wait for the side stream
+instead of the host. On CPU there is no stream: the same code, `streams is None`. The pool lends nothing
+on CUDA (bound 0), where the caching allocator reuses memory already and a buffer given back after a
+host-side wait could still be in use by a queued kernel.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import shardwise.engine.comm.collectives as coll
+from shardwise.engine.comm.buffers import BufferPool
+from shardwise.engine.comm.quantize import QuantizedForms
+from shardwise.engine.comm.strategy import TorchForms, strategy_for
+
+
+class CommStreams:
+    """CUDA only: the side stream collectives run on (Note [comm context])."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = torch.cuda.Stream(device=device)
+
+    @contextmanager
+    def issue(self):
+        """Run the enclosed issue on the side stream, after everything the compute stream queued so far."""
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        with torch.cuda.stream(self.side):
+            yield
+
+    def landed(self, pending: coll.Pending) -> None:
+        """`pending` was waited on the side stream: the compute stream waits for it, not the host."""
+        compute = torch.cuda.current_stream(self.side.device)
+        compute.wait_stream(self.side)
+        if pending.output.is_cuda:
+            pending.output.record_stream(compute)
+
+
+class CommContext:
+    """One engine's collectives (Note [comm context])."""
+
+    def __init__(self, device: torch.device, streams: bool | None = None, compression=None) -> None:
+        on_cuda = torch.device(device).type == "cuda"
+        self.pool = BufferPool(0)  # its bound is set once the units are built (`bound_buffers`)
+        self.reuse = not on_cuda
+        self.streams = CommStreams(device) if (on_cuda if streams is None else streams) else None
+        self._strategies: dict[tuple[int, bool], TorchForms] = {}
+        self.compression = compression  # shard(compression=): the hot path's quantized forms (quantize.py)
+
+    @classmethod
+    def for_group(cls, group, compression=None) -> CommContext:
+        """The context of an engine whose collectives run on `group` (NCCL: the current GPU); `compression`: the
+        config.Compression the hot path's gathers and reduces use (Note [quantized collectives]), or None."""
+        nccl = dist.get_backend(group) == "nccl"
+        return cls(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"),
+                   compression=compression)
+
+    def bound_buffers(self, bound: int) -> None:
+        """The most bytes the pool keeps (comm_buffer_bytes): 0 on CUDA (Note [comm context])."""
+        self.pool.bound = bound if self.reuse else 0
+
+    def strategy(self, group, exact: bool = False) -> TorchForms:
+        """`group`'s strategy, decided once (Note [comm strategies]): with compression, its quantized forms
+        unless `exact` (a copy of the fp32 masters: checkpoints, exports)."""
+        key = (id(group), exact)
+        if key not in self._strategies:
+            base = strategy_for(group)
+            self._strategies[key] = base if exact or self.compression is None else \
+                QuantizedForms(base, self.compression)
+        return self._strategies[key]
+
+    def lend(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+        """A buffer for a collective's input (a packed reduce), given back when it lands; None on CUDA."""
+        return self.pool.lend(numel, dtype, device) if self.reuse and self.pool.bound else None
+
+    def give_back(self, buffer: Tensor) -> None:
+        """A buffer `lend` gave, no longer read by anything (not a collective's: those go back on landing)."""
+        self.pool.give_back(buffer)
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Memory for a freed unit's full values before its gather: reused where the pool keeps some
+        (Note [reused buffers])."""
+        if self.reuse and self.pool.bound:
+            self.pool.fill(storage, nbytes)
+        else:  # counted as a fresh lend, as the pool counts its own
+            self.pool.lends += 1
+            self.pool.fresh += 1
+            storage.resize_(nbytes)
+
+    def free(self, storage: torch.UntypedStorage) -> None:
+        """A unit's full values released (zero3): their memory kept for the next gather, within the bound."""
+        if self.reuse and self.pool.bound:
+            self.pool.keep_memory(storage)
+        else:
+            storage.resize_(0)
+
+    def _issue(self):
+        return self.streams.issue() if self.streams is not None else nullcontext()
+
+    def _on_wait(self, pending: coll.Pending) -> coll.Pending:
+        if self.streams is not None:
+            pending.streams = self.streams
+        return pending
+
+    def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, what: str,
+                    own_in_place: bool = False, exact: bool = False) -> coll.Pending:
+        """Issue the gather of every rank's `rows` into `regions` (collectives.gather_into): the handle. `exact`:
+        never quantized, whatever the compression: the masters' full values, and hpZ's in-node re-gather of the
+        values forward used (backward computes with exactly the weights forward did)."""
+        with self._issue():
+            return self._on_wait(self.strategy(group, exact).gather_into(rows, regions, world_size, group, True, what,
+                                                                  own_in_place, self._pool()))
+
+    def reduce_scatter_avg(self, packed: Tensor, world_size: int, group, what: str,
+                           out: Tensor | None = None) -> coll.Pending:
+        """Issue the average of the rank-major `packed` over `group`: the handle of this rank's rows."""
+        with self._issue():
+            return self._on_wait(self.strategy(group).reduce_scatter_avg(packed, world_size, group, True, what, out,
+                                                                         self._pool()))
+
+    def all_reduce_avg(self, tensor: Tensor, group, what: str) -> coll.Pending:
+        """Issue the in-place average of `tensor` over `group` (a hybrid mesh's replicas): the handle."""
+        with self._issue():
+            return self._on_wait(self.strategy(group).all_reduce_avg(tensor, group, what))
+
+    def _pool(self) -> BufferPool | None:
+        return self.pool if self.reuse and self.pool.bound else None
+
+    def describe(self) -> str:
+        """A line for sw.describe: the strategies, the buffers held against their bound, the streams."""
+        forms = sorted({strategy.name for strategy in self._strategies.values()}) or ["none yet"]
+        streams = "a side stream (CUDA)" if self.streams is not None else "no streams"
+        return f"{self.pool.describe()}; forms: {', '.join(forms)}; {streams}"

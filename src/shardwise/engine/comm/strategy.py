@@ -1,0 +1,54 @@
+"""Which form each of a unit's collectives takes on a backend: gloo's or NCCL's, decided once per group.
+Uses: buffers, collectives.
+
+Note [comm strategies]: a unit's rows become full values by a gather and its gradients become rows by a
+reduce-scatter; *how* is a strategy object, picked per process group when the engine is built
+(`strategy_for`), so no hot-path call asks the backend again. Both strategies share the code of
+collectives.py and differ in the form they ask for: gloo's broadcasts straight into place and its
+all-to-all summed here (Note [gloo collectives], Note [gathered in place]), NCCL's own all-gather and
+reduce-scatter into one rank-major buffer. A new form (a quantized gather: Note [where the next
+capabilities land], parallel_layout.py) is one more strategy with the same three methods, whose
+`Pending.wait()` leaves full values in place.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+import shardwise.engine.comm.collectives as coll
+from shardwise.engine.comm.buffers import BufferPool
+
+
+class TorchForms:
+    """NCCL's forms (and any backend but gloo): torch's all-gather and reduce-scatter, one call each."""
+
+    name = "nccl"
+    gloo = False
+
+    def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool, what: str,
+                    own_in_place: bool, pool: BufferPool | None) -> coll.Pending:
+        """Every rank's rows of each parameter into its padded full region (collectives.gather_into)."""
+        return coll.gather_into(rows, regions, world_size, group, async_op, what, own_in_place, gloo=self.gloo,
+                                pool=pool)
+
+    def reduce_scatter_avg(self, packed: Tensor, world_size: int, group, async_op: bool, what: str,
+                           out: Tensor | None, pool: BufferPool | None) -> coll.Pending:
+        """The average of a rank-major buffer over the ranks; this rank's rows (collectives.reduce_scatter_avg)."""
+        return coll.reduce_scatter_avg(packed, world_size, group, async_op, what, out, gloo=self.gloo, pool=pool)
+
+    def all_reduce_avg(self, tensor: Tensor, group, what: str) -> coll.Pending:
+        """Average `tensor` in place over `group`, issued async: the handle's wait lands it."""
+        return coll.all_reduce_avg_async(tensor, group, what)
+
+
+class GlooForms(TorchForms):
+    """gloo's forms: broadcasts into place, all-to-all summed here (Note [gloo collectives])."""
+
+    name = "gloo"
+    gloo = True
+
+
+def strategy_for(group) -> TorchForms:
+    """The strategy of `group`'s backend (Note [comm strategies])."""
+    return GlooForms() if dist.get_backend(group) == "gloo" else TorchForms()

@@ -1,0 +1,203 @@
+"""The communication layer (engine/comm/, Note [comm context]): one place issues the collectives, picks
+their form per backend, and reuses their buffers within a bound (Note [reused buffers])."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+import shardwise.engine.comm.collectives as coll
+from shardwise.engine import engine_of
+from shardwise.engine.comm.buffers import BufferPool
+from shardwise.engine.comm.collectives import Pending
+from shardwise.models.zoo import ZOO, build
+from shardwise.testing import global_batch, make_optimizer, rank_slice
+
+ENGINE = pathlib.Path(sw.__file__).parent / "engine"
+COLLECTIVES = {"all_gather", "all_gather_single", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+               "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "gather", "scatter",
+               "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "send", "recv",
+               "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier"}
+
+
+def test_no_collective_is_issued_outside_comm():
+    """Catches a torch.distributed collective called from the engine beside engine/comm/ (a norm, a header, an
+    owner's gather): every collective reads from one package, where its form, buffers and stream are chosen."""
+    offenders = []
+    for path in ENGINE.rglob("*.py"):
+        if path.relative_to(ENGINE).parts[0] == "comm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"):
+                offenders.append(f"{path.relative_to(ENGINE)}:{node.lineno} dist.{node.func.attr}")
+    assert not offenders, offenders
+
+
+class _Work:
+    """A collective still in flight until `wait()`, which checks the pool before it lands."""
+
+    def __init__(self, pool, buffers, seen):
+        self.pool, self.buffers, self.seen = pool, buffers, seen
+
+    def wait(self):
+        self.seen.append([self.pool.is_lent(b) for b in self.buffers])
+
+
+def test_a_lent_buffer_goes_back_only_after_its_collective_landed():
+    """Catches a reused buffer given back (and so lent again, and overwritten) before its collective landed: while
+    the work is in flight both buffers are still lent; after `wait()` they are kept for the next lend."""
+    pool = BufferPool(bound=1 << 20)
+    sent, received = pool.lend(1000, torch.float32, torch.device("cpu")), pool.lend(1000, torch.float32, "cpu")
+    seen = []
+    pending = Pending([_Work(pool, [sent, received], seen)], received, "a test reduce").lend_to(pool, sent, received)
+    assert pool.lend(1000, torch.float32, "cpu").data_ptr() not in (sent.data_ptr(), received.data_ptr())
+    pending.wait()
+    assert seen == [[True, True]]
+    assert not pool.is_lent(sent) and not pool.is_lent(received)
+    again = {pool.lend(1000, torch.float32, "cpu").data_ptr() for _ in range(2)}
+    assert again == {sent.data_ptr(), received.data_ptr()}
+
+
+def test_the_pool_keeps_at_most_its_bound():
+    """Catches a pool that grows without bound (a buffer per size ever asked for): past the bound a lend is served
+    fresh and not kept, and the bytes held (lent + kept) never exceed the bound."""
+    pool = BufferPool(bound=3000)
+    a = pool.lend(250, torch.float32, "cpu")  # 1000 bytes
+    b = pool.lend(500, torch.float32, "cpu")  # 2000 bytes: at the bound
+    c = pool.lend(10, torch.float32, "cpu")  # past it: fresh, not kept
+    assert pool.held == 3000 and not pool.is_lent(c)
+    for buffer in (a, b, c):
+        pool.give_back(buffer)
+    assert pool.held == 3000
+    big = pool.lend(700, torch.float32, "cpu")  # 2800 bytes: kept buffers released to make room
+    assert pool.held <= 3000 and pool.is_lent(big)
+    small = pool.lend(100, torch.float32, "cpu")  # reuses nothing lent: fresh, within what is left
+    assert small.data_ptr() != big.data_ptr()
+
+
+def _context_calls(strategy):
+    """Two zero steps of the zoo GPT: every unit gather and reduce the engine issued, and how many of them
+    came through its CommContext; the context's forms; describe's comm line."""
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    optimizer = make_optimizer(model)
+    comm = engine_of(model).comm
+    counts = {"coll": 0, "context": 0}
+    real = coll.gather_into, coll.reduce_scatter_avg
+    context_real = comm.gather_into, comm.reduce_scatter_avg
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    coll.gather_into, coll.reduce_scatter_avg = counted(real[0], "coll"), counted(real[1], "coll")
+    comm.gather_into, comm.reduce_scatter_avg = counted(context_real[0], "context"), counted(context_real[1], "context")
+    try:
+        for step in range(2):
+            x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        coll.gather_into, coll.reduce_scatter_avg = real
+    forms = sorted({s.name for s in comm._strategies.values()})
+    return counts, forms, str(sw.describe(model)).splitlines()[-1]
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_every_unit_collective_goes_through_the_engine_context(ranks, strategy):
+    """Catches a unit gather or reduce issued around the engine's CommContext (its form, buffers and stream would
+    not apply): every one of a step's unit collectives came through it, in gloo's form on gloo, and sw.describe
+    shows the context."""
+    for counts, forms, line in ranks.run(_context_calls, 2, strategy, timeout=120):
+        assert counts["coll"] > 0 and counts["coll"] == counts["context"], counts
+        assert forms == ["gloo"]
+        assert line.startswith("comm buffers:") and "forms: gloo" in line and "no streams" in line, line
+
+
+def _pool_over_steps(strategy, steps=4):
+    """`steps` zero steps of the zoo GPT at this world size: per step, the pool's fresh allocations and bytes
+    held, its bound, and the parameters at the end."""
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    optimizer = make_optimizer(model)
+    pool = engine_of(model).comm.pool
+    per_step = []
+    for step in range(steps):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        per_step.append((pool.fresh, pool.held, len(pool.lent)))
+    return per_step, pool.bound, pool.lends
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_steady_steps_reuse_every_buffer_within_the_bound(ranks, strategy):
+    """Catches the page-faulting fresh buffers of issue 33's note coming back (a reduce's packed input or receive
+    buffer, zero3's full values allocated anew at each gather): after the first step no lend allocates, nothing
+    stays lent between steps (a buffer never given back), and the pool never holds more than its bound."""
+    for per_step, bound, lends in ranks.run(_pool_over_steps, 2, strategy, timeout=120):
+        fresh = [entry[0] for entry in per_step]
+        assert bound > 0 and lends > fresh[-1], (bound, lends, per_step)
+        assert fresh[1] == fresh[-1], per_step  # steps 2.. allocate nothing new
+        assert all(held <= bound and lent == 0 for _, held, lent in per_step), (bound, per_step)
+
+
+def _replica_reduce_order():
+    """One zero2 backward of the zoo GPT on a 2 x 2 mesh: the order in which unit reduce-scatters were issued and
+    replica averages issued and waited, by unit label."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    sw.shard(model, strategy="zero2", units=spec.unit_class, mesh=mesh)
+    comm = engine_of(model).comm
+    events = []
+    real_reduce, real_replicas = comm.reduce_scatter_avg, comm.all_reduce_avg
+
+    def reduce(packed, world_size, group, what, out=None):
+        events.append(("reduce", what.split(" (")[0].split()[-1]))
+        return real_reduce(packed, world_size, group, what, out)
+
+    def replicas(tensor, group, what):
+        label = what.split(" (")[0].split()[-1]
+        events.append(("replicas issued", label))
+        pending = real_replicas(tensor, group, what)
+        real_wait = pending.wait
+
+        def wait():
+            events.append(("replicas waited", label))
+            return real_wait()
+        pending.wait = wait
+        return pending
+
+    comm.reduce_scatter_avg, comm.all_reduce_avg = reduce, replicas
+    x, y = rank_slice(global_batch(spec, 0, 8), dist.get_rank(), dist.get_world_size())
+    model(x, y).backward()
+    return events
+
+
+def test_the_replica_average_is_waited_after_the_next_reduces_are_issued(ranks):
+    """Catches the replica all-reduce of a hybrid mesh waited inside its unit's landing (Note [async replica
+    reduce]): each unit's replica average is issued as its reduce-scatter lands and waited only after the next
+    unit's reduce-scatter was issued, so it overlaps the rest of backward (the last unit's has nothing after it)."""
+    for events in ranks.run(_replica_reduce_order, 4, timeout=120):
+        reduces = [i for i, (kind, _) in enumerate(events) if kind == "reduce"]
+        issued = {label: i for i, (kind, label) in enumerate(events) if kind == "replicas issued"}
+        waited = {}
+        for i, (kind, label) in enumerate(events):
+            if kind == "replicas waited":
+                waited.setdefault(label, i)  # the first wait: a second one (the hand-out's) finds it landed
+        assert len(reduces) >= 3 and set(issued) == set(waited) and len(issued) == len(reduces), events
+        last = max(issued, key=issued.get)
+        assert all(any(issued[label] < i < waited[label] for i in reduces) for label in issued if label != last), events

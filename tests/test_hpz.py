@@ -1,0 +1,137 @@
+"""hpZ (`shard(..., strategy="zero3", reshard_after_forward=N)`, Note [secondary shards]): a secondary shard of
+each unit kept in the node after forward, so backward re-gathers there; the result is one process's."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import shardwise as sw
+from helpers.parity import check_parity, run_on_rank
+from shardwise.engine import engine_of
+from shardwise.engine.schedule.phase import Phase
+from shardwise.errors import ShardwiseError
+from shardwise.models.zoo import ZOO, build
+from shardwise.testing import global_batch, make_optimizer, rank_slice
+
+CONFIGS = [(1, None), (2, 0.5)]  # plain steps; 2 micro-batches under no_sync with clipping
+NODE = 2  # 4 ranks as 2 nodes of 2 (ranks 0-1, 2-3)
+
+
+def _cross_node_mesh():
+    """A 2 x 2 hybrid mesh whose shard groups cross the simulated nodes ({0, 2}, {1, 3}) and whose replicas are
+    in-node ({0, 1}, {2, 3}): backward's re-gather over the shard group would leave the node."""
+    return DeviceMesh("cpu", [[0, 2], [1, 3]], mesh_dim_names=("replicate", "shard"))
+
+
+def _run(strategy, name, configs, steps, global_batch_size, seed, shard_kwargs, prepare):
+    kwargs = dict(shard_kwargs)
+    if kwargs.pop("layout") == "hsdp":
+        kwargs["mesh"] = _cross_node_mesh()
+    return run_on_rank(strategy, name, configs, steps, global_batch_size, seed, kwargs, prepare)
+
+
+@pytest.mark.parametrize("layout", ["flat", "hsdp"])
+@pytest.mark.parametrize("name", ["gpt", "reused_block"])
+def test_hpz_matches_one_process(ranks, name, layout):
+    """Catches a secondary shard cut from the wrong chunk, gathered into the wrong place, kept from an earlier
+    step or missing a reused block's second use: zero3 with reshard_after_forward=2 on 4 ranks as 2 nodes, flat
+    and on a 2 x 2 mesh whose shard groups cross the nodes, with a tied GPT and a reused block, accumulation and
+    clipping, equals one process (fp32 1e-5/1e-6) over 4 steps."""
+    check_parity(ranks, "zero3", name, 4, CONFIGS, steps=4,
+                 shard_kwargs={"layout": layout, "reshard_after_forward": NODE}, rank_fn=_run)
+
+
+def _params_after(reshard_after_forward, steps=3):
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy="zero3", units=spec.unit_class, reshard_after_forward=reshard_after_forward)
+    optimizer = make_optimizer(model)
+    for step in range(steps):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return sw.full_parameters(model)
+
+
+def test_hpz_is_bitwise_plain_zero3(ranks):
+    """Catches hpZ changing any value (the in-node gather must deliver exactly the shard group's bytes): 3 steps
+    with and without it end in bitwise equal parameters."""
+    plain = ranks.run(_params_after, 4, True)[0]
+    hpz = ranks.run(_params_after, 4, NODE)[0]
+    assert plain.keys() == hpz.keys() and all(torch.equal(plain[k], hpz[k]) for k in plain)
+
+
+def _gathers_by_group(layout):
+    """Two zero3 steps with hpZ: each unit gather the engine issued, as (phase, ranks of its group), and this
+    rank's node."""
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    mesh = {"mesh": _cross_node_mesh()} if layout == "hsdp" else {}
+    sw.shard(model, strategy="zero3", units=spec.unit_class, reshard_after_forward=NODE, **mesh)
+    optimizer = make_optimizer(model)
+    engine = engine_of(model)
+    seen = []
+    real = engine.comm.gather_into
+
+    def gather(rows, regions, world_size, group, what, own_in_place=False, **options):  # options: exact=
+        seen.append((engine.clock.phase.value, tuple(dist.get_process_group_ranks(group))))
+        return real(rows, regions, world_size, group, what, own_in_place, **options)
+
+    engine.comm.gather_into = gather
+    for step in range(2):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    node = dist.get_rank() // NODE
+    return seen, tuple(range(node * NODE, node * NODE + NODE)), tuple(
+        dist.get_process_group_ranks(engine.mesh.shard_group))
+
+
+@pytest.mark.parametrize("layout", ["flat", "hsdp"])
+def test_backward_issues_no_cross_node_gather(ranks, layout):
+    """Catches backward's re-gather leaving the node under hpZ (the secondary shard unused, or cut over the shard
+    group): every gather in backward runs on this rank's node group, every one in forward on the shard group,
+    and backward has some."""
+    for seen, node, shard_group in ranks.run(_gathers_by_group, 4, layout, timeout=120):
+        backward = [ranks_ for phase, ranks_ in seen if phase == Phase.BACKWARD.value]
+        forward = [ranks_ for phase, ranks_ in seen if phase == Phase.FORWARD.value]
+        assert backward and set(backward) == {node}, seen
+        assert forward and set(forward) == {shard_group}, seen
+
+
+def _refused(case):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    kwargs = {"units": torch.nn.Linear}
+    try:
+        if case == "zero2":
+            sw.shard(model, strategy="zero2", reshard_after_forward=2, **kwargs)
+        elif case == "false":
+            sw.shard(model, strategy="zero3", reshard_after_forward=False, **kwargs)
+        elif case == "not a divisor":
+            sw.shard(model, strategy="zero3", reshard_after_forward=3, **kwargs)
+        elif case == "whole world":
+            sw.shard(model, strategy="zero3", reshard_after_forward=4, **kwargs)
+        elif case == "in-node shards":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            sw.shard(model, strategy="zero3", reshard_after_forward=2, mesh=mesh, **kwargs)
+    except ShardwiseError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("zero2", "is a zero3 option"),
+    ("false", "use strategy='zero2'"),
+    ("not a divisor", "whole nodes of 3"),
+    ("whole world", "whole nodes of 4"),
+    ("in-node shards", "already lies inside a node"),
+])
+def test_hpz_is_refused_where_it_cannot_apply(ranks, case, words):
+    """Catches hpZ accepted where it cannot keep backward in the node (another strategy, nodes that do not divide
+    the ranks, a shard group already inside the node) or failing with a hang or torch's error: a ShardwiseError
+    naming the fix on every rank."""
+    messages = ranks.run(_refused, 4, case, timeout=60)
+    assert all(message is not None and words in message for message in messages), messages
