@@ -1,6 +1,7 @@
 """Deliberate mutations of the engine, and the test that must catch each (issue 10's table).
 
     python bench/mutations.py            # every mutation: copy src/, apply it, run its tests
+    python bench/mutations.py --jobs 2   # two at a time (each in its own copy of src/)
 
 Each mutation is (name, function, text, replacement, tests to run). The function is named by
 its qualified name (`FlatUnit.needs_gather`, `StepDriver.pre_forward`, `any_rank`)
@@ -13,6 +14,7 @@ The table is bench/mutation_table.py. Writes bench/results/mutations.md.
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import functools
 import os
 import shutil
@@ -85,14 +87,18 @@ def run(mutation) -> tuple[str, str, float]:
 
 
 def main() -> None:
-    wanted = sys.argv[1:]  # optional: substrings of the mutations to run
+    args = sys.argv[1:]
+    jobs = 1
+    if "--jobs" in args:  # each mutation runs in its own copy of src/, so several can run at once
+        at = args.index("--jobs")
+        jobs, args = int(args[at + 1]), args[:at] + args[at + 2:]
+    wanted = args  # optional: substrings of the mutations to run
+    chosen = [m for m in MUTATIONS if not wanted or any(w in m[0] for w in wanted)]
     rows = []
-    for mutation in MUTATIONS:
-        if wanted and not any(w in mutation[0] for w in wanted):
-            continue
-        name, verdict, seconds = run(mutation)
-        rows.append(f"| {name} | `{mutation[1]}` | `{mutation[4]}` | {verdict} ({seconds:.0f} s) |")
-        print(rows[-1], flush=True)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for mutation, (name, verdict, seconds) in zip(chosen, pool.map(run, chosen)):  # table order
+            rows.append(f"| {name} | `{mutation[1]}` | `{mutation[4]}` | {verdict} ({seconds:.0f} s) |")
+            print(rows[-1], flush=True)
     if not wanted:  # the whole table only
         table = "| mutation | function | tests run | result |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
         (ROOT / "bench" / "results" / "mutations.md").write_text(table)

@@ -1,11 +1,11 @@
 """Run a function on N real ranks: spawned processes, gloo over loopback.
 
 Starting a rank costs about 2 s (importing torch), so a pool of rank processes lives
-for the whole test session; each call forms a fresh process group on a fresh store,
-runs the function on the first N workers, and tears the group down. A call returns
-every rank's result, re-raises the first rank's exception with that rank's own
-traceback, and after `timeout` seconds dumps each unfinished rank's stack
-(faulthandler) and kills the pool, so a hang fails the test and names the rank.
+for the whole test session (one pool per pytest-xdist worker under `make test`); each
+call forms a fresh process group on a fresh store, runs the function on the first N
+workers, and tears the group down. A call returns every rank's result, re-raises the
+first rank's exception with that rank's own traceback, and after `timeout` seconds
+dumps each unfinished rank's stack (faulthandler) and kills the pool, so a hang fails the test and names the rank.
 
 The function and its arguments must be picklable: define it at module level.
 """
