@@ -29,3 +29,16 @@ def no_group_left_behind():
         from shardwise.dist import shutdown
 
         shutdown()
+
+
+# The longest files first (their share of a full run, most first), so that under `make test`'s two
+# workers (pytest-xdist, whole files each) neither is left running one long file after the other ends:
+# in alphabetical order the last 4.5 of 18.5 minutes ran on one worker. Tests inside a file keep their order.
+LONGEST_FIRST = ("test_doc_blocks.py", "test_examples.py", "test_zero_parity.py", "test_restarts.py",
+                 "test_compile.py", "test_hogwild.py", "test_lightning.py", "test_trainer.py",
+                 "test_accelerate.py", "test_checkpoint_fuzz.py", "test_slicing.py", "test_pipe_stages.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

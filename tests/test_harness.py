@@ -41,6 +41,18 @@ def test_results_come_back_by_rank(ranks, world_size):
     assert results == [(r, world_size, expected_sum, 1) for r in range(world_size)]
 
 
+def _raise_threads():
+    torch.set_num_threads(2)
+    return torch.get_num_threads()
+
+
+def test_each_call_starts_at_one_thread(ranks):
+    """Catches a pool that keeps the thread count an earlier call left (found when `make test` first ran
+    files in another order, under two pytest workers): every call runs one thread per rank."""
+    assert ranks.run(_raise_threads, 2) == [2, 2]
+    assert [result[3] for result in ranks.run(_all_reduce_rank, 2)] == [1, 1]
+
+
 def test_rank_exception_is_reraised_with_its_traceback(ranks):
     """Catches a harness that swallows a rank's error or hangs on the peers it left behind."""
     with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 raised.*ValueError: boom from rank one"):

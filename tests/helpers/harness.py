@@ -58,6 +58,9 @@ def _worker_main(rank_slot: int, tasks: mp.Queue, results: mp.Queue, stack_file:
             if task is None:
                 return
             call_id, fn, args, kwargs, rank, world_size, store_port, timeout_s = task
+            # Every call starts at one thread: an earlier call may have raised it (under two pytest
+            # workers, test_harness ran after some other file and its ranks found 2 threads).
+            torch.set_num_threads(1)
             os.environ.update(
                 RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store_port),
