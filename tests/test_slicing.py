@@ -218,6 +218,11 @@ def test_bytes_moved_per_step_match_the_model(ranks, data, tensor):
         # f and g: one all-reduce each way per pair (2 pairs per block), embedding, head, loss, and the
         # same-inputs check; none on a one-rank tensor group
         assert out["calls"].get("tensor_all_reduce", 0) == (4 * 2 + 2 + 2 + 1 if tensor > 1 else 0), out["calls"]
+        if data > 1:  # sharded: the engine's layout holds the slicing's tensor dimension and says so
+            assert out["layout"]["dims"] == {"pipe": 1, "replicate": 1, "shard": data, "tensor": tensor}, out
+            assert out["layout"]["same_tensor_group"], out
+            expected = f"layout: shard {data}" + (f" x tensor {tensor}" if tensor > 1 else "")
+            assert out["layout"]["described"] == [expected], out
 
 
 def test_bf16_on_a_sliced_sharded_model_tracks_fp32(ranks):

@@ -11,7 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardwise as sw
-from shardwise.engine import slicing_of
+from shardwise.engine import engine_of, slicing_of
+from shardwise.engine.protocol import is_sliced_param
 from shardwise.models.zoo import ZOO, ZooSpec
 from shardwise.testing import RunResult, make_optimizer, train
 
@@ -351,8 +352,12 @@ def count_step(name: str, data: int, tensor: int, global_batch_size: int = 8) ->
     predicted = predict_gpt(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.mlp_ratio, x.shape[1], per,
                             data=data, tensor=tensor, tensor_rank=dist.get_rank(mesh_tensor))
     fields = ("data_gather", "data_reduce", "tensor_reduce", "wire_bytes")
+    engine = engine_of(model)  # the layout holds the tensor dimension too (issue 43: one layout)
+    layout = None if engine is None else {
+        "dims": engine.mesh.dims(), "same_tensor_group": engine.mesh.tensor_group is mesh_tensor,
+        "described": [line for line in str(sw.describe(model)).splitlines() if line.startswith("layout:")]}
     return {"counted": {f: getattr(counted, f) for f in fields},
-            "predicted": {f: getattr(predicted, f) for f in fields}, "calls": dict(counted.calls)}
+            "predicted": {f: getattr(predicted, f) for f in fields}, "calls": dict(counted.calls), "layout": layout}
 
 
 def train_precision(precision: str, steps: int, data: int = 2, tensor: int = 2) -> tuple[list[float], set[str]]:
@@ -384,7 +389,7 @@ def fp16_overflow_on_one_tensor_rank() -> list[tuple[bool, bool]]:
         rows = slice(mesh["data"].get_local_rank() * 4, mesh["data"].get_local_rank() * 4 + 4)
         scaler.scale(model(x[rows], y[rows])).backward()
         if step == 1 and dist.get_rank() == 1:
-            next(p for p in model.parameters() if p.grad is not None and getattr(p, "_sw_slice", None)).grad[0] = \
+            next(p for p in model.parameters() if p.grad is not None and is_sliced_param(p)).grad[0] = \
                 float("inf")
         before = sw.full_parameters(model)
         took = scaler.step(optimizer)

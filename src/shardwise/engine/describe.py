@@ -38,6 +38,7 @@ class UnitTable:
     world_size: int
     comm: str = ""  # a sharded model's collectives: strategies, reused buffers and their bound (Note [comm context])
     compression: str = ""  # a sharded model's quantized collectives (config.Compression.label), else ""
+    layout: str = ""  # a sharded model's parallel layout, its dimensions' sizes ("replicate 1 x shard 2 x tensor 2")
 
     def __str__(self) -> str:
         total = sum(row.numel for row in self.rows) or 1
@@ -46,6 +47,8 @@ class UnitTable:
         for row in self.rows:
             lines.append(f"{row.path or '<root>':<32} {row.kind:<20} {row.numel:>12,} {row.numel / total:>6.0%} "
                          f"{row.full_bytes / MIB:>10.2f} {row.bytes_per_rank / MIB:>10.2f}  {', '.join(row.shared)}")
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
         if self.comm:
             lines.append(self.comm)
         if self.compression:  # opt-in and not exact: said wherever the plan is shown
@@ -80,4 +83,8 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
         rows.append(UnitRow(path, type(module).__name__, numel, full, per_rank, shared))
     comm = engine.comm.describe() if engine is not None and engine.comm is not None else ""
     compression = engine.compression.label if engine is not None and engine.compression is not None else ""
-    return UnitTable(tuple(rows), world_size, comm, compression)
+    layout = ""
+    if engine is not None and engine.shards_rows:  # the dimensions beyond the flat 1 x N only when they exist
+        dims = {name: size for name, size in engine.mesh.dims().items() if size > 1 or name == "shard"}
+        layout = " x ".join(f"{name} {size}" for name, size in dims.items())
+    return UnitTable(tuple(rows), world_size, comm, compression, layout)

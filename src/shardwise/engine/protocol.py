@@ -8,7 +8,12 @@ module outside engine/ does). A strategy that lands later implements this class 
 above the engine changes. Slicing (`sw.slice`, parallel/slicing) is the other thing a model may
 carry; the engine and the checkpoints ask it only what `Sliced` declares, found by `slicing_of`.
 Both live on the model as plain attributes (not modules: not in `state_dict()`), as FSDP2 keeps
-its state beside the module and finds it with `_get_module_fsdp_state`.
+its state beside the module and finds it with `_get_module_fsdp_state`. A sliced parameter's own
+record (`SlicedParam`: its dimension, every rank's segments, its full shape) is kept beside the
+tensor too, in a table keyed by the parameter object (`record_slice` / `slice_record`), not stamped
+on it: the record lives as long as the parameter, follows it through `param.data = ...` and the
+engine's in-place class change, and stays with the module's parameter object when torch's
+`swap_tensors` moves a tensor's `__dict__` to another object.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardwise.engine.guards import NoCopies
 
@@ -123,9 +129,23 @@ def slicing_of(model: nn.Module) -> Sliced | None:
     return model.__dict__.get(_SLICING_ATTRIBUTE)
 
 
+# parameter -> its SlicedParam, by identity (a tensor's == is elementwise: weakref's WeakKeyDictionary cannot key on it)
+_SLICE_RECORDS = WeakIdKeyDictionary()
+
+
+def record_slice(param, record) -> None:
+    """Keep `sw.slice`'s record of how `param` was cut (slicing's `SlicedParam`) beside it."""
+    _SLICE_RECORDS[param] = record
+
+
+def slice_record(param):
+    """The record `sw.slice` kept for `param` (parallel/slicing's `SlicedParam`), or None if it is whole."""
+    return _SLICE_RECORDS.get(param)
+
+
 def is_sliced_param(param) -> bool:
-    """Whether `sw.slice` cut `param` across a tensor group (its record, `SlicedParam`, is slicing's own)."""
-    return getattr(param, "_sw_slice", None) is not None
+    """Whether `sw.slice` cut `param` across a tensor group."""
+    return slice_record(param) is not None
 
 
 def attach_slicing(model: nn.Module, slicing: Sliced) -> None:

@@ -17,9 +17,10 @@ ecosystem's convention instead:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardwise.engine.unit.info import ShardInfo, as_dtensor
 
@@ -50,7 +51,8 @@ def _own_rows(key: str, value, info: ShardInfo, error_msgs: list[str]) -> torch.
     """This rank's rows of a full value, padded to the registered shard's shape, which torch's
     loader then copies into the shard (bumping its version: Note [writes the engine must see])."""
     shard = info.param
-    if isinstance(value, DTensor):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no value is a DTensor (Note [lazy dtensor])
+    if dtensor is not None and isinstance(value, dtensor.DTensor):
         value = value.full_tensor()
     full_shape = tuple(info.full_shape)
     if tuple(value.shape) != full_shape and not (full_shape == () and tuple(value.shape) == (1,)):

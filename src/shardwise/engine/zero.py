@@ -23,7 +23,7 @@ from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import StepWatch
-from shardwise.engine.protocol import Engine
+from shardwise.engine.protocol import Engine, slicing_of
 from shardwise.engine.schedule.consistency import check_same_model_on_every_rank, layout_words
 from shardwise.engine.schedule.driver import StepDriver
 from shardwise.engine.schedule.phase import Clock
@@ -55,6 +55,8 @@ class ZeroEngine(Engine):
         check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
         self.store = open_store(config.offload, self.rank)
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
+        if slicing_of(model) is not None:  # sliced first (sw.slice): the layout's "tensor" dimension
+            self.mesh = self.mesh.with_tensor_group(slicing_of(model).group)
         if config.reshard_after_forward is not True:  # hpZ: Note [secondary shards]
             self.mesh = self.mesh.with_node_group(self._node_group(config.reshard_after_forward))
         reduce_group = new_reduce_group(self.mesh.shard_group)  # Note [collective order]

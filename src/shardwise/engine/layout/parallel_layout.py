@@ -63,7 +63,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.layout.rows import num_rows, row_range, rows_per_rank
@@ -88,6 +87,9 @@ class ParallelLayout:
     node_group: dist.ProcessGroup | None = None  # hpZ: this rank's node, where backward re-gathers (None: off)
     node_rank: int = 0
     node_world: int = 1
+    tensor_group: dist.ProcessGroup | None = None  # sw.slice's group: ranks holding other slices (None: unsliced)
+    tensor_rank: int = 0
+    tensor_world: int = 1
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
@@ -147,6 +149,17 @@ class ParallelLayout:
         return replace(self, node_group=node_group, node_rank=dist.get_rank(node_group),
                        node_world=dist.get_world_size(node_group), _flat_mesh=[])
 
+    def with_tensor_group(self, tensor_group) -> ParallelLayout:
+        """This layout with a sliced model's tensor dimension (Note [sliced mesh]): the group `sw.slice` cut over."""
+        return replace(self, tensor_group=tensor_group, tensor_rank=dist.get_rank(tensor_group),
+                       tensor_world=dist.get_world_size(tensor_group), _flat_mesh=[])
+
+    def dims(self) -> dict[str, int]:
+        """Each dimension's size, outermost first: {"pipe", "replicate", "shard", "tensor"}; hpZ's node
+        group (a part of the shard group, not a dimension of its own) is not one of them."""
+        return {"pipe": self.pipe_world, "replicate": self.replicate_world, "shard": self.shard_world,
+                "tensor": self.tensor_world}
+
     @property
     def hybrid(self) -> bool:
         """More than one replica: gradients are also all-reduced across replicas."""
@@ -201,6 +214,7 @@ class ParallelLayout:
     def dtensor_placements(self, device_type: str):
         """The `DeviceMesh` and placements a shard is exposed with in `state_dict()` (Note [state dict]):
         `Shard(0)` over the shard group, and `(Replicate(), Shard(0))` on a 2-D mesh."""
+        from torch.distributed.tensor import Replicate, Shard  # DTensor costs ~1 s to import: only when asked
         if self.device_mesh is not None:
             return self.device_mesh, [Replicate(), Shard(0)]
         if not self._flat_mesh:  # a DeviceMesh costs a little to build

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import num_rows
@@ -110,14 +109,21 @@ def _names_by_param(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def as_dtensor(tensor: torch.Tensor, info: ShardInfo, device_type: str) -> DTensor:
+def as_dtensor(tensor: torch.Tensor, info: ShardInfo, device_type: str):
     """This rank's real rows of `tensor` (the shard, or optimizer state shaped like it) as a
     `Shard(0)` DTensor of the full shape over its shard group (`(Replicate(), Shard(0))` on a 2-D
     mesh: Note [mesh info]), without a copy.
 
     Note [dcp rows]: the engine's dim-0 chunks are torch.chunk's (ceil(rows / N) rows per
     rank, the last ranks short or empty), which is exactly DTensor's `Shard(0)` layout. A 0-D
-    parameter, which the engine holds as one row, is exposed with shape (1,)."""
+    parameter, which the engine holds as one row, is exposed with shape (1,).
+
+    Note [lazy dtensor]: torch.distributed.tensor costs about as much to import as the rest of
+    shardwise together (0.8 s of CPU here), and a run that never asks for a `state_dict()` or a
+    DCP checkpoint never needs it; so it is imported here, on first use, and a check for a DTensor
+    elsewhere asks `sys.modules` first (a value cannot be a DTensor before that module is loaded)."""
+    from torch.distributed.tensor import DTensor
+
     rows = row_view(tensor, info, info.row_start, info.row_end)
     shape = tuple(info.full_shape) or (1,)
     stride = torch.empty(shape, device="meta").stride()

@@ -4,7 +4,7 @@ Note [slice then shard]: slicing comes first and works on whole tensors; `sw.sha
 strategy="zero3", process_group=<data group>)` then shards each rank's slices across the
 ranks that hold the same slices (a column of a data x tensor mesh). The order is checked
 both ways: slicing a sharded model is refused here, and `shard()` asks the slicing
-(`model._sw_slicing.check_data_group`) to refuse a process group that mixes ranks of one
+(`slicing_of(model).check_data_group`) to refuse a process group that mixes ranks of one
 tensor group, whose different slices the engine would otherwise overwrite with rank 0's.
 
 Note [one model everywhere]: every rank of the tensor group slices the same full values:
@@ -38,7 +38,7 @@ from shardwise.wire.messages import all_gather_json
 
 @dataclass(eq=False)
 class Slicing:
-    """What `sw.slice` attaches to the model as `model._sw_slicing` (a plain attribute)."""
+    """What `sw.slice` attaches to the model (`attach_slicing`; found by `slicing_of`, engine/protocol.py)."""
 
     group: dist.ProcessGroup
     rank: int

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise.engine import engine_of
 from shardwise.engine.optim.grads import tensor_norms
+from shardwise.engine.protocol import is_sliced_param
 
 
 def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -28,7 +29,7 @@ def clip_sliced_grad_norm_(model: nn.Module, slicing, max_norm: float, norm_type
         params, group = [s for u in engine.units for s in u.shard_params], dist.group.WORLD
     else:
         params, group = list(model.parameters()), slicing.group
-    grads = [(p.grad, getattr(p, "_sw_slice", None) is not None) for p in params if p.grad is not None]
+    grads = [(p.grad, is_sliced_param(p)) for p in params if p.grad is not None]
     counted = [g for g, sliced in grads if sliced or slicing.rank == 0]
     if engine is not None and engine.shards_rows and engine.mesh.replicate_rank != 0:
         counted = []  # Note [sliced mesh]: the other replicas hold the same rows; replica 0 counts them

@@ -7,12 +7,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from shardwise.engine.protocol import is_sliced_param, slice_record
+
 
 def unslice_values(model: nn.Module, values: dict[str, Tensor]) -> dict[str, Tensor]:
     """`values` (this rank's slices by parameter name, e.g. from the engine's full_parameters) with every
     sliced parameter's value replaced by the whole tensor. A collective over each tensor group:
     every rank calls it, with the same names."""
-    records = {name: p._sw_slice for name, p in model.named_parameters() if getattr(p, "_sw_slice", None)}
+    records = {name: slice_record(p) for name, p in model.named_parameters() if is_sliced_param(p)}
     out = dict(values)
     for name in values:
         record = records.get(name)

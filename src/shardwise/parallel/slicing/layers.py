@@ -4,9 +4,9 @@ this rank's slice, and its forward is replaced by the sliced one (Note [f and g]
 Note [sliced parameters]: a sliced parameter stays the same `nn.Parameter` object (so a tied
 embedding and head, which are one object, stay one object and their gradient is the sum of
 both uses), holds this rank's slice as its data, and records where that slice sits in the
-full tensor as `param._sw_slice` (a `SlicedParam`), which full-tensor exports and the
-checkpoint path read. A parameter no plan entry slices (a norm, a row-sliced layer's bias)
-is whole on every rank of the tensor group and gets the same gradient on each.
+full tensor as a `SlicedParam`, kept beside the parameter (`record_slice`, engine/protocol.py),
+which full-tensor exports and the checkpoint path read. A parameter no plan entry slices (a norm,
+a row-sliced layer's bias) is whole on every rank of the tensor group and gets the same gradient on each.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardwise.engine.protocol import record_slice, slice_record
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.comm import copy_to_slices, reduce_from_slices
 from shardwise.parallel.slicing.loss import slice_logits
@@ -62,7 +63,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def _slice_param(param: nn.Parameter, dim: int, per_rank, rank: int, group, what: str) -> None:
     segments = tuple(tuple(segs) for segs in per_rank)
-    done = getattr(param, "_sw_slice", None)
+    done = slice_record(param)
     if done is not None:  # a tied parameter reached from its second module
         if done.dim != dim or done.segments != segments:
             raise ShardwiseError(f"{what} is tied to a parameter already sliced another way (dim {done.dim}); "
@@ -72,7 +73,7 @@ def _slice_param(param: nn.Parameter, dim: int, per_rank, rank: int, group, what
     with torch.no_grad():
         param.data = record.take(param.detach()).contiguous()
     param.grad = None
-    param._sw_slice = record
+    record_slice(param, record)
 
 
 def slice_module(name: str, module: nn.Module, spec: Slice, rank: int, world: int, group) -> None:
@@ -115,7 +116,7 @@ def slice_module(name: str, module: nn.Module, spec: Slice, rank: int, world: in
 
 def _full_shape(param: Tensor) -> torch.Size:
     """The unsliced shape (a tied parameter may already be sliced through its other module)."""
-    done = getattr(param, "_sw_slice", None)
+    done = slice_record(param)
     return done.full_shape if done is not None else param.shape
 
 

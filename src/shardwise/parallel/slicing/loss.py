@@ -24,10 +24,10 @@ from shardwise.errors import ShardwiseError
 
 
 class SlicedLogits(Tensor):
-    """This rank's vocabulary slice of some logits (Note [sliced logits]); `_sw_vocab` is
+    """This rank's vocabulary slice of some logits (Note [sliced logits]); `vocab_slice` is
     (group, first vocabulary row held here, full vocabulary size)."""
 
-    _sw_vocab: tuple
+    vocab_slice: tuple
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -40,16 +40,16 @@ class SlicedLogits(Tensor):
                 out = func(*args, **kwargs)
         except RuntimeError as error:  # e.g. a view with the full vocabulary size: say why
             raise ShardwiseError(f"{error} (on vocabulary-sliced logits: this rank holds {sliced.shape[-1]} of "
-                                 f"{sliced._sw_vocab[2]} columns; use logits.shape[-1], not the vocabulary "
+                                 f"{sliced.vocab_slice[2]} columns; use logits.shape[-1], not the vocabulary "
                                  "size, or sw.gather_logits(logits))") from None
         if not isinstance(out, Tensor) or func in _PLAIN:
             return out  # .shape, .dim(), repr, .grad: no vocabulary-sliced values
         local = sliced.shape[-1]
         if func in _KEEP and out.dim() >= 1 and out.shape[-1] == local and _keeps_vocab(func, args):
-            return slice_logits(out, *sliced._sw_vocab)
+            return slice_logits(out, *sliced.vocab_slice)
         name = getattr(func, "__name__", str(func))
         raise ShardwiseError(
-            f"{name} on vocabulary-sliced logits (this rank holds {local} of {sliced._sw_vocab[2]} columns) would "
+            f"{name} on vocabulary-sliced logits (this rank holds {local} of {sliced.vocab_slice[2]} columns) would "
             "give this rank's part only. F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets) runs on "
             "the slices; for anything else gather them first: sw.gather_logits(logits) (a collective).")
 
@@ -70,7 +70,7 @@ def _keeps_vocab(func, args) -> bool:
 def slice_logits(local: Tensor, group, start: int, vocab: int) -> SlicedLogits:
     """Mark `local` as columns `start:` of logits over a vocabulary of `vocab` (Note [sliced logits])."""
     out = local.as_subclass(SlicedLogits)
-    out._sw_vocab = (group, start, vocab)
+    out.vocab_slice = (group, start, vocab)
     return out
 
 
@@ -79,7 +79,7 @@ def gather_logits(logits: Tensor) -> Tensor:
     calls it); a plain tensor is returned as it is. Costs what the sliced loss avoids."""
     if not isinstance(logits, SlicedLogits):
         return logits
-    group, _, vocab = logits._sw_vocab
+    group, _, vocab = logits.vocab_slice
     local = logits.as_subclass(Tensor)
     world = dist.get_world_size(group)
     sizes = [vocab // world + (r < vocab % world) for r in range(world)]  # plan.deal's split
@@ -120,7 +120,7 @@ def sliced_cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = 
                              "flatten them: logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)")
     if reduction not in ("mean", "sum", "none"):
         raise ShardwiseError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")
-    group, start, _ = logits._sw_vocab
+    group, start, _ = logits.vocab_slice
     if dist.get_world_size(group) == 1:  # one slice holds the whole vocabulary
         return F.cross_entropy(logits.as_subclass(Tensor), target, ignore_index=ignore_index, reduction=reduction)
     keep = target != ignore_index

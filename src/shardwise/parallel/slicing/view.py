@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from shardwise.engine import engine_of
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.rows import num_rows
-from shardwise.engine.protocol import Engine, attach_engine, slicing_of
+from shardwise.engine.protocol import Engine, attach_engine, slice_record, slicing_of
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 from shardwise.parallel.slicing.full import unslice
@@ -98,7 +98,7 @@ class UnslicedView:
             gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
             dist.all_gather_single(gathered, local.contiguous(), group=self.data_group)
             local = gathered[: num_rows(info.full_shape)].reshape(info.full_shape)
-        record = getattr(param, "_sw_slice", None)
+        record = slice_record(param)
         return unslice(local, record) if record is not None else local.clone()
 
     def _rows(self, full: Tensor, full_shape) -> Tensor:
@@ -167,7 +167,7 @@ class UnslicedView:
         gathered = rows.new_empty((self.world * rows.shape[0], *rows.shape[1:]))
         dist.all_gather_single(gathered, rows.contiguous(), group=self.group)
         full = gathered[: num_rows(full_shape)].reshape(full_shape)
-        record = getattr(param, "_sw_slice", None)
+        record = slice_record(param)
         local = record.take(full) if record is not None else full
         if self.engine_infos is None:
             return local
@@ -179,7 +179,7 @@ class UnslicedView:
 
 
 def _full_shape(param: Tensor, engine_infos, name: str) -> torch.Size:
-    record = getattr(param, "_sw_slice", None)
+    record = slice_record(param)
     if record is not None:
         return record.full_shape
     return engine_infos[name].full_shape if engine_infos is not None else param.shape
