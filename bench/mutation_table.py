@@ -500,6 +500,16 @@ ENGINE_MUTATIONS = [
      '    if used is None:\n        return',
      '    if True:\n        return',
      'tests/test_compression.py -k whole_tensor'),
+    ("issue 43: the layout of a sliced, sharded model forgets its tensor dimension",
+     'ZeroEngine.__init__',
+     'self.mesh = self.mesh.with_tensor_group(slicing_of(model).group)',
+     'pass',
+     "tests/test_slicing.py -k 'bytes_moved and 2-2'"),
+    ("issue 43: a sliced parameter's record not found beside it (exported and checkpointed as a slice)",
+     'slice_record',
+     'return _SLICE_RECORDS.get(param)',
+     'return None',
+     'tests/test_slicing.py -k export'),
 ]
 
 MUTATIONS = ENGINE_MUTATIONS + CHECKPOINT_MUTATIONS
