@@ -1,7 +1,11 @@
-"""Run a function on N real ranks: spawned processes, gloo over loopback.
+"""Run a function on N real ranks: forked from a clean server process, gloo over loopback.
 
-Starting a rank costs about 2 s (importing torch), so a pool of rank processes lives
-for the whole test session (one pool per pytest-xdist worker under `make test`); each
+Starting a rank costs about 2 s of CPU (importing torch), so a pool of rank processes lives
+for the whole test session (one pool per pytest-xdist worker under `make test`), and the ranks
+are forked from multiprocessing's fork server, which imported torch, shardwise and the
+heavy integrations once (`_PRELOAD`): four ranks that each import transformers' Trainer pay
+7.5 s of CPU each on this host, a fork pays nothing. The server is a fresh interpreter that
+never ran a test, so a rank still starts from clean state (as "spawn" would give); each
 call forms a fresh process group on a fresh store, runs the function on the first N
 workers, and tears the group down. A call returns every rank's result, re-raises the
 first rank's exception with that rank's own traceback, and after `timeout` seconds
@@ -27,6 +31,13 @@ from pathlib import Path
 # Seconds the other ranks get to finish after one rank raised: they are usually
 # blocked in a collective the failed rank will never join.
 _GRACE_AFTER_ERROR = 3.0
+
+
+# Imported once by the fork server, before any rank is forked from it (a module that fails to import
+# is skipped by multiprocessing; the rank imports it itself then). Importing them runs no parallel
+# torch op, so no OpenMP pool exists in the server to be forked.
+_PRELOAD = ["torch", "torch.distributed", "shardwise", "helpers.harness", "transformers", "transformers.trainer",
+            "accelerate"]
 
 
 class RankFailed(AssertionError):
@@ -84,7 +95,8 @@ class RankPool:
 
     def __init__(self, size: int = 4):
         self.size = size
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(_PRELOAD)
         self._workers: list[_Worker] = []
         self._results: mp.Queue | None = None
         self._call_id = 0
