@@ -4,6 +4,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 STRATEGY ?=
+WORKERS ?= 3
 
 .PHONY: demo test test-all lint bench setup clean docs
 
@@ -18,16 +19,17 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m shardwise.demo $(if $(STRATEGY),--strategy $(STRATEGY),)
 
-# Two pytest workers, whole files each (pytest-xdist): most of the suite waits on launches and
-# loopback, so two files side by side take 0.64x the time of one after the other on 2 cores
-# (tests/test_dist.py + test_exit.py: 54 s against 84 s); each worker keeps its own pool of ranks.
+# Three pytest workers, whole files each (pytest-xdist): most of the suite waits on launches and
+# loopback, so two files side by side took 0.64x the time of one after the other on 2 cores
+# (tests/test_dist.py + test_exit.py: 54 s against 84 s, with the same CPU), and one worker more keeps
+# the cores busy while the others wait; each worker keeps its own pool of ranks. `make test WORKERS=2`.
 test: $(STAMP)
 	$(PY) -m ruff check src tests bench examples
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile tests
 
 test-all: $(STAMP)
 	$(PY) -m ruff check src tests bench examples
-	$(PY) -m pytest -q -n 2 --dist loadfile tests -m "slow or not slow"
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests -m "slow or not slow"
 
 # The documentation site (mkdocs-material + mkdocstrings) into build/site; any warning fails it.
 # `make test` checks the same build (tests/test_docs.py).
