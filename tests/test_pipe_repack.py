@@ -66,3 +66,41 @@ def test_a_repack_to_replicas_of_sharded_stages_matches_one_process(ranks):
     under zero3, and equals one process as above."""
     results = ranks.run(_repack_on_rank, 4, "zero3", 2, timeout=180)
     _check(results, (2, 1), (2, 2), "zero3 shards=2")
+
+
+def _auto_freeze_on_rank() -> dict:
+    """The first epoch's per-layer gradient norms on the whole-copy route and on sharded stages (shard 2,
+    replicate 2), and the layouts the rule then picks on sharded stages."""
+    from shardwise.pipeline import FreezePolicy
+
+    inputs, targets = dataset()
+    out: dict = {"norms": {}}
+    for strategy, shards in [(None, None), ("zero2", None), ("zero3", 1)]:
+        policy = FreezePolicy(threshold=1e9, alpha=0.5)  # every layer counts as converged
+        config = PipelineConfig(num_stages=2, num_microbatches=MICRO, strategy=strategy, shards=shards)
+        trainer = PipeTrainer(chain_layers(gpt(LAYERS)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
+                              global_batch_size=GLOBAL_BATCH, config=config, freeze=policy)
+        epochs = 3 if strategy == "zero2" else 1
+        stats = [trainer.train_epoch(epoch) for epoch in range(epochs)]
+        out["norms"][f"{strategy} shards={shards}"] = policy.history[0]
+        if strategy == "zero2":
+            out["layouts"] = [(s.num_frozen, s.num_stages) for s in stats] + [
+                (trainer.layout.num_frozen, trainer.layout.num_stages)]
+            out["final"] = RunResult([s.loss for s in stats], [], trainer.full_parameters())
+    return out
+
+
+def test_automatic_freezing_reads_whole_layer_norms_from_shards(ranks):
+    """Catches the freeze rule reading a shard's part of a layer's gradient norm (or a replica's rows counted
+    twice) on sharded stages, and an automatic freeze that cannot re-pack them: at ws 4 the first epoch's
+    per-layer gradient norms of pipe 2 x shard 2 (zero2) and pipe 2 x replicate 2 (zero3, shards=1) equal the
+    whole-copy route's (1e-5); with every layer 'converged' the rule then freezes 2 layers and re-packs to one
+    stage, then a third (the cache carried forward), on every rank alike."""
+    results = ranks.run(_auto_freeze_on_rank, 4, timeout=240)
+    for rank, got in enumerate(results):
+        whole = torch.tensor(got["norms"]["None shards=None"])
+        assert bool((whole[:-1] > 0).all()), f"rank {rank}: {whole}"
+        for label, norms in got["norms"].items():
+            assert torch.allclose(torch.tensor(norms), whole, rtol=1e-5, atol=1e-7), f"rank {rank} {label}: {norms}"
+        assert got["layouts"] == [(0, 2), (0, 2), (2, 1), (3, 1)], f"rank {rank}: {got['layouts']}"
+        assert got["final"].losses == results[0]["final"].losses

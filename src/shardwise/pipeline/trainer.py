@@ -17,7 +17,8 @@ With strategy None every rank builds the whole model, and every layer's values a
 up to date on every rank whenever the layout changes (`freeze`). That makes moving layers to
 other ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
 that route is for speed (PipeTransformer's setting). With a zero strategy each stage's layers
-are sharded over the stage's ranks (Note [sharded stages], sharded.py) and freeze in place.
+are sharded over the stage's ranks (Note [sharded stages], sharded.py); a freeze re-packs them through
+the layout (Note [re-pack through the layout], repack.py), or with repack=False freezes them in place.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from shardwise.pipeline._moves import State, broadcast_entries, reduce_gradients
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
 from shardwise.pipeline.cache import ActivationCache, StickySampler
 from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig
-from shardwise.pipeline.freeze import FreezePolicy
+from shardwise.pipeline.freeze import FreezePolicy, GradNormWindow
 from shardwise.pipeline.layers import LayerChain
 from shardwise.pipeline.layout import Layout, LayoutGroups, build_groups, plan_layout
 from shardwise.pipeline.repack import Skeleton, gather_full, load_rows, rebuilt_chain
@@ -158,10 +159,9 @@ class PipeTrainer:
     def end_epoch(self) -> int:
         """Give the policy this epoch's gradient norm per layer and apply its decision;
         returns the frozen prefix length."""
-        norms = self._norm_sums / max(self._norm_steps, 1)
-        dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group)  # each layer's norm lives on its stage
-        self.policy.record(norms.tolist())
-        self._reset_grad_norms()
+        copies = self.layout.num_replicas if self.config.strategy is None else self.mesh.replicate_world
+        self.policy.record(self._norms.window(self.group, copies))  # each layer's rows live on its stage
+        self._norms = GradNormWindow(self.chain.num_layers)
         target = self.policy.update(self.chain.num_layers)
         if target > self.layout.num_frozen:
             self.freeze(target)
@@ -261,7 +261,7 @@ class PipeTrainer:
         owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
         self._owned_params = [p for _, p in owned]
         self._owned_layers = torch.tensor([layer for layer, _ in owned], dtype=torch.long)
-        self._reset_grad_norms()
+        self._norms = GradNormWindow(self.chain.num_layers)
         self._update_cache(old, layout)
 
     def _whole_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> PipelineStage:
@@ -363,20 +363,10 @@ class PipeTrainer:
             return m
         return max(m * layout.num_stages // s, 1)
 
-    def _reset_grad_norms(self) -> None:
-        self._norm_sums = torch.zeros(self.chain.num_layers, dtype=torch.float64)
-        self._norm_steps = 0
-
     def _record_grad_norms(self) -> None:
         # Only the automatic rule reads them; a tied parameter counts in its owner layer.
-        # Kept as tensors (no per-parameter .item()): this runs every step.
-        if self.policy.threshold is None or not self._owned_params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._owned_params]
-        squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
-        per_layer = torch.zeros(self.chain.num_layers, dtype=torch.float64).index_add_(0, self._owned_layers, squares)
-        self._norm_sums += per_layer.sqrt()
-        self._norm_steps += 1
+        if self.policy.threshold is not None:
+            self._norms.record(self._owned_params, self._owned_layers)
 
 
 def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_size: int, world: int) -> None:
@@ -387,9 +377,9 @@ def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_si
                              f"({world}), not a group of {group_size}: drop group=")
     if data % (config.shards or data) != 0:
         raise ShardwiseError(f"PipelineConfig.shards={config.shards} must divide the {data} ranks of each stage")
-    if freeze is not None and freeze.threshold is not None:
-        raise ShardwiseError("automatic freezing of sharded stages is not built yet: pass FreezePolicy() without "
-                             "a threshold, or strategy=None")
+    if freeze is not None and freeze.threshold is not None and not config.repack:
+        raise ShardwiseError("automatic freezing of sharded stages needs repack=True (a layer frozen in place "
+                             "still runs in the pipeline): drop repack=False, or freeze by hand")
 
 
 def _run_no_grad(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
