@@ -104,3 +104,24 @@ def test_automatic_freezing_reads_whole_layer_norms_from_shards(ranks):
             assert torch.allclose(torch.tensor(norms), whole, rtol=1e-5, atol=1e-7), f"rank {rank} {label}: {norms}"
         assert got["layouts"] == [(0, 2), (0, 2), (2, 1), (3, 1)], f"rank {rank}: {got['layouts']}"
         assert got["final"].losses == results[0]["final"].losses
+
+
+def test_the_skeleton_rebuilds_layers_with_their_ties_and_refuses_running_statistics():
+    """Catches a re-pack's fresh layers that untie the embedding and the head (two parameters, two updates)
+    or miss a value, and a layer whose buffers train (BatchNorm's running statistics: rebuilt as built)
+    re-packed silently instead of refused."""
+    import shardwise as sw
+    from shardwise.pipeline.repack import Skeleton
+
+    chain = chain_layers(gpt(LAYERS))
+    values = {name: torch.randn(p.shape) for name, p in chain.params.items()}
+    built = Skeleton(chain).build(range(chain.num_layers), values, frozen={"pos_emb"})
+    first, last = built[0], built[chain.num_layers - 1]
+    assert first.tok_emb.weight is last.head.weight and torch.equal(first.tok_emb.weight, values["tok_emb.weight"])
+    assert not first.pos_emb.requires_grad and first.tok_emb.weight.requires_grad
+    for i, layer in built.items():
+        for p, name in zip(layer.parameters(), chain.names[i]):
+            assert torch.equal(p, values[name]), name
+    Skeleton(chain).check()
+    with pytest.raises(sw.ShardwiseError, match="running statistics"):
+        Skeleton(chain_layers([torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)])).check()

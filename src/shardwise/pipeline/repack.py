@@ -51,26 +51,33 @@ class Skeleton:
     """The chain's layers on the meta device, as built: what a re-pack copies fresh layers from."""
 
     def __init__(self, chain: LayerChain):
-        for i, layer in enumerate(chain.layers):
-            for module in layer.modules():
-                if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats:
-                    raise ShardwiseError(
-                        f"layer {i} holds a {type(module).__name__} with running statistics: re-packing sharded "
-                        "stages rebuilds layers with their buffers as built, and running statistics train. Use "
-                        "PipelineConfig(repack=False), strategy=None, or a norm without running statistics")
+        self.refusal = next((
+            f"layer {i} holds a {type(module).__name__} with running statistics: re-packing sharded stages "
+            "rebuilds layers with their buffers as built, and running statistics train. Use "
+            "PipelineConfig(repack=False), strategy=None, or a norm without running statistics"
+            for i, layer in enumerate(chain.layers) for module in layer.modules()
+            if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats), None)
         memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
                 for layer in chain.layers for p in layer.parameters()}
         self.layers: list[nn.Module] = copy.deepcopy(chain.layers, memo)
         self.names = chain.names
 
+    def check(self) -> None:
+        """Refuse a re-pack of layers it cannot rebuild (the same model on every rank: on every rank alike)."""
+        if self.refusal is not None:
+            raise ShardwiseError(self.refusal)
+
     def build(self, indices: range, values: dict[str, Tensor], frozen: set[str]) -> dict[int, nn.Module]:
         """Fresh layers `indices` (one copy: ties among them stay one parameter) holding `values` by model
         name; the parameters named in `frozen` do not require grad."""
-        layers = copy.deepcopy([self.layers[i] for i in indices])
+        layers = copy.deepcopy([self.layers[i] for i in indices])  # buffers: real copies, as built
+        made: dict[int, nn.Parameter] = {}  # one tensor per meta parameter: ties across layers stay ties
+        for module in (m for layer in layers for m in layer.modules()):
+            for key, meta in list(module._parameters.items()):
+                if meta is not None:
+                    made.setdefault(id(meta), nn.Parameter(torch.empty_like(meta, device="cpu")))
+                    module.register_parameter(key, made[id(meta)])
         for i, layer in zip(indices, layers):
-            layer.to_empty(device="cpu", recurse=True)
-            for buffer_name, buffer in self.layers[i].named_buffers():  # buffers: as built
-                layer.get_buffer(buffer_name).copy_(buffer)
             for p, name in zip(layer.parameters(), self.names[i]):
                 with torch.no_grad():
                     p.copy_(values[name])

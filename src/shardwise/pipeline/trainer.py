@@ -193,6 +193,7 @@ class PipeTrainer:
         """Sharded stages with `repack`: the prefix leaves the pipeline (whole, cached), the active layers'
         values and optimizer state go through full values to fresh stages sharded over the new layout
         (Note [re-pack through the layout], repack.py)."""
+        self._skeleton.check()
         frozen = {name for i in range(num_frozen) for name in self.chain.names[i]}
         layout = plan_layout(self.costs, num_frozen=num_frozen, world_size=self.world_size,
                              num_stages=self.config.num_stages, repack=True, budget=self.budget)
