@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--micro", type=int, default=4, help="micro-batches per replica per step")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--strategy", default=None, choices=["zero1", "zero2", "zero3"],
+                   help="shard each stage's layers over its data-parallel ranks (default: whole copies)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of the compared runs")
     p.add_argument("--threshold", type=float, default=0.2, help="freeze rule: gradient-norm change rate")
     p.add_argument("--alpha", type=float, default=0.5, help="freeze rule: most of the active layers frozen per epoch")
@@ -101,24 +103,37 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def build_trainer(args, inputs, targets, *, freeze: bool, lr: float, init: dict | None = None):
+def new_gpt(args, values: dict | None = None):
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
 
     torch.manual_seed(args.seed)
     model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
                           n_heads=args.heads))
-    if init is not None:
+    if values is not None:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.copy_(init[name])
+                p.copy_(values[name])
+    return model
+
+
+def build_trainer(args, inputs, targets, *, freeze: bool, lr: float, init: dict | None = None):
+    from shardwise.pipeline import FreezePolicy, PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
+
+    model = new_gpt(args, init)
     config = PipelineConfig(num_stages=args.stages, num_microbatches=args.micro, schedule=args.schedule,
-                            balance="params", repack=freeze, cache=freeze)
+                            balance="params", repack=freeze, cache=freeze, strategy=args.strategy)
     max_frozen = args.max_frozen if args.max_frozen is not None else args.layers // 2 + 1
     policy = FreezePolicy(threshold=args.threshold, alpha=args.alpha, max_frozen=max_frozen) if freeze \
         else FreezePolicy()
     return PipeTrainer(chain_layers(model), gpt_loss, grouped_adamw(lr=(lr, lr)), inputs, targets,
                        global_batch_size=args.batch, config=config, freeze=policy, seed=args.seed), model
+
+
+def trained_model(args, trainer, model):
+    """The model to evaluate, every rank's up to date (a collective): the trainer's own on the whole-copy route;
+    sharded stages train the model's rows or, after a re-pack, fresh layers, so a new GPT of their values."""
+    values = trainer.full_parameters()
+    return model if args.strategy is None else new_gpt(args, values)
 
 
 def eval_loss(model, inputs, targets) -> float:
@@ -135,6 +150,7 @@ def pretrain_model(args, inputs, targets, eval_x, eval_y) -> tuple[dict | None, 
     losses = [trainer.train_epoch(epoch).loss for epoch in range(args.pretrain_epochs)]
     seconds = time.perf_counter() - start
     params = trainer.full_parameters()
+    model = trained_model(args, trainer, model)
     summary = {"seconds": seconds, "train_losses": losses,
                "eval_loss": eval_loss(model, eval_x, eval_y) if dist.get_rank() == 0 else None}
     if dist.get_rank() == 0:
@@ -191,8 +207,8 @@ def worker(args) -> None:
     for epoch in range(args.epochs):
         for name, record in run_epoch_pair(runs, epoch).items():
             trainer, model = runs[name]
-            trainer.full_parameters()  # every rank's model up to date, for the eval (untimed)
-            record["eval_loss"] = eval_loss(model, eval_x, eval_y) if rank == 0 else None
+            evaluated = trained_model(args, trainer, model)  # every rank's up to date, for the eval (untimed)
+            record["eval_loss"] = eval_loss(evaluated, eval_x, eval_y) if rank == 0 else None
             rates = trainer.policy.change_rates() if name == "freeze" else None
             record["grad_norm_change"] = [round(r, 4) for r in rates] if rates else None
             records[name].append(record)

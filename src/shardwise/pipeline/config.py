@@ -33,7 +33,9 @@ class PipelineConfig:
     (`cache_memory_bytes` in memory per rank, the rest in a file under `cache_dir`).
     `strategy`: None keeps a whole copy of every layer on every rank (freezing and re-packing move whole
     layers); "zero1", "zero2" or "zero3" shards each stage's layers over the stage's data-parallel ranks
-    with the engine (Note [sharded stages], sharded.py). `shards`: ranks each stage's layers are cut over
+    with the engine (Note [sharded stages], sharded.py), and a re-pack re-cuts their rows and optimizer rows
+    over the new layout (Note [re-pack through the layout], repack.py; with repack=False sharded layers
+    freeze in place, without the cache). `shards`: ranks each stage's layers are cut over
     (None: all of the stage's ranks; fewer: replicas of `shards` ranks each, replicate x shard).
     `keep_gathered` (zero3): a unit stays gathered across a step's micro-batches (one gather per unit per
     step) rather than gathered again for each (less memory).

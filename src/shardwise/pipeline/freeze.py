@@ -14,6 +14,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from shardwise.engine.optim.grads import tensor_norms
 from shardwise.errors import ShardwiseError
 
 
@@ -73,3 +78,31 @@ class FreezePolicy:
             target = max(target, min(converged, self.num_frozen + step))
         self.num_frozen = max(self.num_frozen, min(target, limit))
         return self.num_frozen
+
+
+class GradNormWindow:
+    """Each layer's gradient norm over an epoch (the mean over its steps), what `FreezePolicy.record` takes.
+
+    A rank records, per step, the sum of squares of the gradients it holds of each layer it owns: a
+    whole-copy stage's whole tensors, or a sharded stage's rows (Note [rows]). `window` sums those
+    over every rank and divides by how many ranks hold each row (`copies`: the replicas of a row), so
+    each layer's squared norm is its whole gradient's on either route, then takes the root per step.
+    Every rank records every step (zeros where it owns nothing), so the sums line up."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.steps: list[Tensor] = []
+
+    def record(self, params: Sequence[nn.Parameter], layers: Tensor) -> None:
+        """One step: `params`' gradients (a missing one counts zero), `layers[i]` the layer of `params[i]`."""
+        squares = torch.zeros(self.num_layers, dtype=torch.float64)
+        if params:  # kept as tensors (no per-parameter .item()): this runs every step
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            squares.index_add_(0, layers, tensor_norms(grads, 2.0).double().pow(2))  # a shard's: its rows
+        self.steps.append(squares)
+
+    def window(self, group: dist.ProcessGroup, copies: int) -> list[float]:
+        """Every layer's mean gradient norm over the recorded steps (a collective over `group`)."""
+        rows = torch.stack(self.steps) if self.steps else torch.zeros(1, self.num_layers, dtype=torch.float64)
+        dist.all_reduce(rows, group=group)
+        return (rows / copies).sqrt().mean(dim=0).tolist()

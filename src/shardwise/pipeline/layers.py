@@ -55,6 +55,12 @@ class LayerChain:
                 holders.setdefault(name, []).append(i)
         return {name: layers for name, layers in holders.items() if len(layers) > 1}
 
+    def names_by_id(self) -> dict[int, str]:
+        """The model name of every parameter object any layer holds (after a re-pack of sharded stages, a
+        frozen tied weight is two objects: its prefix copy and its stage's shard)."""
+        return {id(p): name for layer, names in zip(self.layers, self.names)
+                for p, name in zip(layer.parameters(), names)}
+
     def layer_params(self, i: int) -> list[tuple[str, nn.Parameter]]:
         """Layer i's parameters as (model name, parameter)."""
         return [(name, self.params[name]) for name in self.names[i]]

@@ -17,7 +17,8 @@ With strategy None every rank builds the whole model, and every layer's values a
 up to date on every rank whenever the layout changes (`freeze`). That makes moving layers to
 other ranks a broadcast per old stage, and it costs each rank a full copy of the parameters:
 that route is for speed (PipeTransformer's setting). With a zero strategy each stage's layers
-are sharded over the stage's ranks (Note [sharded stages], sharded.py) and freeze in place.
+are sharded over the stage's ranks (Note [sharded stages], sharded.py); a freeze re-packs them through
+the layout (Note [re-pack through the layout], repack.py), or with repack=False freezes them in place.
 """
 
 from __future__ import annotations
@@ -34,17 +35,17 @@ from torch.distributed.pipelining import PipelineStage
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.schedule.consistency import differs_across_ranks
 from shardwise.errors import ShardwiseError
-from shardwise.pipeline._moves import State, broadcast_entries, broadcast_flat, reduce_gradients
+from shardwise.pipeline._moves import State, broadcast_entries, reduce_gradients
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
 from shardwise.pipeline.cache import ActivationCache, StickySampler
 from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig
-from shardwise.pipeline.freeze import FreezePolicy
+from shardwise.pipeline.freeze import FreezePolicy, GradNormWindow
 from shardwise.pipeline.layers import LayerChain
 from shardwise.pipeline.layout import Layout, LayoutGroups, build_groups, plan_layout
+from shardwise.pipeline.repack import Skeleton, gather_full, load_rows, rebuilt_chain
 from shardwise.pipeline.sharded import (
     ShardedStage,
     freeze_shards,
-    gather_stage_values,
     reduce_tied,
     shard_stage,
     tie_groups,
@@ -106,7 +107,9 @@ class PipeTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self._names = {id(p): name for name, p in chain.params.items()}  # what a sharded stage calls them
         self._specs = {name: (p.shape, p.dtype) for name, p in chain.params.items()}
-        self._frozen_shards = 0  # sharded stages: layers [0, this) frozen in place
+        self._frozen_shards = 0  # sharded stages without repack: layers [0, this) frozen in place
+        # Sharded stages re-pack from fresh copies of the layers (Note [re-pack through the layout], repack.py).
+        self._skeleton = Skeleton(chain) if config.strategy is not None and config.repack else None
         # Every rank starts from rank 0's values: ranks that built different models cannot drift.
         broadcast_entries(chain.params, list(chain.params), None, self.global_ranks[0], self.group, False)
         self.costs = self._layer_costs()
@@ -156,10 +159,9 @@ class PipeTrainer:
     def end_epoch(self) -> int:
         """Give the policy this epoch's gradient norm per layer and apply its decision;
         returns the frozen prefix length."""
-        norms = self._norm_sums / max(self._norm_steps, 1)
-        dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group)  # each layer's norm lives on its stage
-        self.policy.record(norms.tolist())
-        self._reset_grad_norms()
+        copies = self.layout.num_replicas if self.config.strategy is None else self.mesh.replicate_world
+        self.policy.record(self._norms.window(self.group, copies))  # each layer's rows live on its stage
+        self._norms = GradNormWindow(self.chain.num_layers)
         target = self.policy.update(self.chain.num_layers)
         if target > self.layout.num_frozen:
             self.freeze(target)
@@ -172,8 +174,10 @@ class PipeTrainer:
             return self.layout
         if num_frozen >= self.chain.num_layers:
             raise ShardwiseError(f"freeze({num_frozen}) would freeze every layer; the last computes the loss")
-        if self.config.strategy is not None:
+        if self.config.strategy is not None and not self.config.repack:
             return self._freeze_shards(num_frozen)
+        if self.config.strategy is not None:
+            return self._repack_shards(num_frozen)
         states = self._gather(with_state=True)
         for i in range(num_frozen):
             for _, p in self.chain.layer_params(i):
@@ -185,14 +189,32 @@ class PipeTrainer:
         self._apply_layout(layout, states)
         return layout
 
+    def _repack_shards(self, num_frozen: int) -> Layout:
+        """Sharded stages with `repack`: the prefix leaves the pipeline (whole, cached), the active layers'
+        values and optimizer state go through full values to fresh stages sharded over the new layout
+        (Note [re-pack through the layout], repack.py)."""
+        self._skeleton.check()
+        frozen = {name for i in range(num_frozen) for name in self.chain.names[i]}
+        layout = plan_layout(self.costs, num_frozen=num_frozen, world_size=self.world_size,
+                             num_stages=self.config.num_stages, repack=True, budget=self.budget)
+        values, states = gather_full(self.chain, self.layout, self.stage_module, self._local_names, self.optimizer,
+                                     self.global_ranks, self.group, self._specs, with_state=True)
+        self.stage_module = self.optimizer = None  # the old engine's shards go with it
+        self.chain = rebuilt_chain(self._skeleton, self.chain, num_frozen, layout.bounds[layout.coords(self.rank)[1]],
+                                   values, frozen)
+        del values
+        self._names = self.chain.names_by_id()
+        self.policy.num_frozen = max(self.policy.num_frozen, num_frozen)
+        self._apply_layout(layout, {n: s for n, s in states.items() if n not in frozen})
+        return layout
+
     def _freeze_shards(self, num_frozen: int) -> Layout:
-        """Sharded stages: the layers stay where they are (no cache, no re-pack), their shards frozen
+        """Sharded stages without `repack`: the layers stay where they are (no cache), their shards frozen
         (Note [frozen shards], sharded.py)."""
         if num_frozen >= self.layout.bounds[0][1]:
-            raise ShardwiseError(f"freeze({num_frozen}) would freeze the whole first stage of sharded stages, "
-                                 "which then has no backward to run; re-packing sharded stages onto fewer stages "
-                                 f"is not built yet: freeze fewer than {self.layout.bounds[0][1]} layers, or use "
-                                 "strategy=None")
+            raise ShardwiseError(f"freeze({num_frozen}) would freeze the whole first stage of sharded stages "
+                                 "kept in place (repack=False), which then has no backward to run: freeze fewer "
+                                 f"than {self.layout.bounds[0][1]} layers, or let the trainer re-pack (repack=True)")
         frozen = {name for i in range(num_frozen) for name in self.chain.names[i]}
         self._named, self.optimizer = freeze_shards(self._named, frozen, self.optimizer, self.make_optimizer)
         self._tied_buckets = [(params, group) for params, group in self._tied_buckets
@@ -210,14 +232,8 @@ class PipeTrainer:
 
     def _full_sharded(self) -> dict[str, Tensor]:
         """Each stage's full values (gathered over its ranks), sent from its first rank to every rank."""
-        mine, me, full = gather_stage_values(self.stage_module, self._local_names), dist.get_rank(), {}
-        for stage in range(self.layout.num_stages):
-            src = self.global_ranks[self.layout.rank_of(0, stage)]
-            names = [n for n in self.chain.params if self.layout.stage_of_layer(self.chain.owner_layer(n)) == stage]
-            values = [mine[n] if me == src else torch.empty(self._specs[n][0], dtype=self._specs[n][1]) for n in names]
-            broadcast_flat(values, src, self.group, me == src)
-            full.update(zip(names, values))
-        return full
+        return gather_full(self.chain, self.layout, self.stage_module, self._local_names, None, self.global_ranks,
+                           self.group, self._specs, with_state=False)[0]
 
     def local_parameters(self) -> dict[str, Tensor]:
         """This rank's trainable tensors by model name: its stage's layers whole, or (a zero strategy) its
@@ -240,13 +256,13 @@ class PipeTrainer:
         if self.config.strategy is None:
             stage_runner = self._whole_stage(layout, stage, tie_sets, holders, states)
         else:
-            stage_runner = self._sharded_stage(layout, stage, tie_sets, holders)
+            stage_runner = self._sharded_stage(layout, stage, tie_sets, holders, states)
         self._schedule = SCHEDULES[self.config.schedule](
             stage_runner, self._num_microbatches(layout), loss_fn=self.loss_fn)
         owned = [(chain.owner_layer(n), p) for n, p in self._named if start <= chain.owner_layer(n) < end]
         self._owned_params = [p for _, p in owned]
         self._owned_layers = torch.tensor([layer for layer, _ in owned], dtype=torch.long)
-        self._reset_grad_norms()
+        self._norms = GradNormWindow(self.chain.num_layers)
         self._update_cache(old, layout)
 
     def _whole_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> PipelineStage:
@@ -265,8 +281,9 @@ class PipeTrainer:
         module = nn.Sequential(*chain.layers[start:end])
         return PipelineStage(module, stage, layout.num_stages, self.device, group=self.groups.pipe)
 
-    def _sharded_stage(self, layout: Layout, stage: int, tie_sets, holders) -> ShardedStage:
-        """A zero strategy: this rank's stage sharded over the stage's ranks (Note [sharded stages])."""
+    def _sharded_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> ShardedStage:
+        """A zero strategy: this rank's stage sharded over the stage's ranks (Note [sharded stages]), taking
+        its rows of the full optimizer `states` a re-pack brought (Note [re-pack through the layout])."""
         grid = layout.grid(self.global_ranks, self.config.shards or layout.num_replicas)
         self.mesh = ParallelLayout.pipelined(grid)
         ties = tie_groups(grid, tie_sets, stage, (self.mesh.replicate_rank, self.mesh.shard_rank))
@@ -275,6 +292,8 @@ class PipeTrainer:
                                                             self.config.strategy, self.mesh)
         self._named = [(self._local_names[n], p) for n, p in self.stage_module.named_parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(self._named) if self._named else None
+        if states and self.optimizer is not None:
+            load_rows(self.stage_module, self._local_names, self.optimizer, states)
         by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
         self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
                               for stages, group in sorted(ties.items())]
@@ -345,20 +364,10 @@ class PipeTrainer:
             return m
         return max(m * layout.num_stages // s, 1)
 
-    def _reset_grad_norms(self) -> None:
-        self._norm_sums = torch.zeros(self.chain.num_layers, dtype=torch.float64)
-        self._norm_steps = 0
-
     def _record_grad_norms(self) -> None:
         # Only the automatic rule reads them; a tied parameter counts in its owner layer.
-        # Kept as tensors (no per-parameter .item()): this runs every step.
-        if self.policy.threshold is None or not self._owned_params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._owned_params]
-        squares = torch.stack(torch._foreach_norm(grads)).double().pow(2)
-        per_layer = torch.zeros(self.chain.num_layers, dtype=torch.float64).index_add_(0, self._owned_layers, squares)
-        self._norm_sums += per_layer.sqrt()
-        self._norm_steps += 1
+        if self.policy.threshold is not None:
+            self._norms.record(self._owned_params, self._owned_layers)
 
 
 def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_size: int, world: int) -> None:
@@ -369,9 +378,9 @@ def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_si
                              f"({world}), not a group of {group_size}: drop group=")
     if data % (config.shards or data) != 0:
         raise ShardwiseError(f"PipelineConfig.shards={config.shards} must divide the {data} ranks of each stage")
-    if freeze is not None and freeze.threshold is not None:
-        raise ShardwiseError("automatic freezing of sharded stages is not built yet: pass FreezePolicy() without "
-                             "a threshold, or strategy=None")
+    if freeze is not None and freeze.threshold is not None and not config.repack:
+        raise ShardwiseError("automatic freezing of sharded stages needs repack=True (a layer frozen in place "
+                             "still runs in the pipeline): drop repack=False, or freeze by hand")
 
 
 def _run_no_grad(layers: Sequence[nn.Module], x: Tensor) -> Tensor:
