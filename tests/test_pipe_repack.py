@@ -60,6 +60,7 @@ def test_a_repack_to_one_stage_of_four_shards_matches_one_process(ranks, strateg
     _check(results, (2, 1), (4, 1), strategy)
 
 
+@pytest.mark.slow  # make test re-packs to pipe 1 x shard 4 (above); the replicate form runs under make test-all
 def test_a_repack_to_replicas_of_sharded_stages_matches_one_process(ranks):
     """Catches freed ranks that join as shards when the layout says replicas (rows cut four ways, gradients
     not averaged across the replicas): pipe 2 x shard 2 (shards=2) re-packs to pipe 1 x replicate 2 x shard 2
