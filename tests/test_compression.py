@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from helpers.losses import train_losses
 from shardwise.checkpoint.schema import read_index
 from shardwise.config import Compression, ShardConfig
 from shardwise.errors import ShardwiseError
@@ -22,21 +23,11 @@ STEPS = 50
 
 def _train(strategy: str, compression: dict | None, steps: int, path: str | None = None) -> dict:
     spec = ZOO["gpt"]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
     ndim = {n: p.ndim for n, p in model.named_parameters()}
     sw.shard(model, strategy=strategy, units=spec.unit_class, compression=compression)
     optimizer = make_optimizer(model, ndim_by_name=ndim)
-    losses = []
-    for step in range(steps):
-        x, y = rank_slice(global_batch(spec, step % 4, 8), rank, world_size)  # 4 batches again and again: learnable
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        losses.append(value.item())
+    losses = train_losses(model, optimizer, spec, steps, batches=4)  # 4 batches again and again: learnable
     index = None
     if path is not None:
         sw.save(path, model, optimizer)
@@ -155,24 +146,13 @@ def _train_variant(shape, precision, compression, steps: int, hpz: int | None = 
     from torch.distributed.device_mesh import init_device_mesh
 
     spec = ZOO["gpt"]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
     mesh = {} if shape is None else {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))}
     if hpz is not None:
         mesh["reshard_after_forward"] = hpz
     sw.shard(model, strategy="zero3", units=spec.unit_class, precision=precision, compression=compression, **mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        x, y = rank_slice(global_batch(spec, step % 2, 8), rank, world_size)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        losses.append(value.item())
-    return losses
+    return train_losses(model, optimizer, spec, steps, batches=2)
 
 
 @pytest.mark.parametrize("world_size, shape, precision, hpz", [(4, (2, 2), None, None), (2, None, "bf16", None),
