@@ -36,3 +36,14 @@ def publish(stem: str, text: str, table: dict | None = None) -> None:
         (results / f"{stem}.json").write_text(json.dumps(table, indent=1))
     (results / f"{stem}.md").write_text(text)
     print(text)
+
+
+def main_of(script: str, parse_args, run_worker, run_launcher, argv=None) -> None:
+    """A launcher/worker bench's entry point: `--worker` runs one rank (with bench/ importable, as torchrun
+    starts the script by path), else the launcher."""
+    args = parse_args(argv)
+    if args.worker:
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        run_worker(args)
+    else:
+        run_launcher(args)

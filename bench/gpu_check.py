@@ -13,23 +13,33 @@ when any failed:
   save/load      zero3: sw.save after 2 steps, a fresh model sw.load's it, one more step on both: equal
   no host sync   (CUDA) one zero step under torch.cuda.set_sync_debug_mode("error"), which raises at any
                  host-device synchronisation (Note [host values], collectives.py)
+  overlap        (CUDA, ws >= 2) zero3 on a larger GPT: one step under torch.profiler, whose kernel trace
+                 gives each kernel's stream and time span: the all-gathers (NCCL kernels on the comm
+                 context's side stream, Note [comm context]) must run while compute kernels run on the
+                 compute stream for some time (unit k+1 gathered while unit k computes), printed as ms
+                 overlapped of the gathers' ms; and one step under set_sync_debug_mode("warn") must warn 0
+                 times (host syncs per step, counted). On CPU, or at ws 1 (nothing gathered), it says it
+                 skipped and why.
   timed step     zero3, one step after a warm-up (synchronized): printed, not judged
 At ws 1 nothing crosses a link (a one-rank group moves no bytes, the reduce-scatter is skipped), so one
 GPU checks the device code, not the communication. Two NCCL ranks cannot share one GPU (NCCL refuses
 a duplicate device), so gpu_check.sh runs a second pass on one GPU with `--backend gloo` at 2 ranks,
 reported apart: gloo implements only some collectives for CUDA tensors. It has never run on a GPU: written on a CPU-only
-machine, where `--device cpu` runs (tests/test_gpu_check.py).
+machine, where `--device cpu` runs (tests/test_gpu_check.py); the overlap check, added by issue 47, was
+written by reading torch's profiler and sync-debug documentation and has never run either.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -139,6 +149,7 @@ def run_checks(device: torch.device, rank: int, world: int, report: Report) -> N
     report.check("bf16 zero3", worst(full(model), want), 5e-3)
 
     check_save_load(device, rank, world, report)
+    check_overlap(device, rank, world, report)
     if device.type == "cuda":
         for strategy in ("zero2", "zero3"):
             model, optim = build(device, strategy=strategy)
@@ -175,6 +186,96 @@ def check_save_load(device, rank: int, world: int, report: Report) -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path[0], ignore_errors=True)
+
+
+OVERLAP_CONFIG = GPTConfig(vocab_size=1024, seq_len=128, d_model=512, n_layers=6, n_heads=8)  # gathers that take time
+
+
+def check_overlap(device, rank: int, world: int, report: Report) -> None:
+    """The overlap check (module docstring): zero3's gathers beside compute, seen as time; 0 host syncs per
+    step. CUDA at ws >= 2 only: on CPU the comm context has no streams (Note [comm context]) and at ws 1 no
+    gather is issued, so there is nothing to see."""
+    if device.type != "cuda":
+        report.say("overlap                  skipped on cpu: no streams, so nothing runs beside compute "
+                   "(Note [comm context]); checked on a GPU only")
+        return
+    if world == 1:
+        report.say("overlap                  skipped at ws 1: a one-rank group issues no gather")
+        return
+    if dist.get_backend() != "nccl":
+        report.say("overlap                  skipped on gloo: its collectives run on host threads, not as kernels "
+                   "in the trace")
+        return
+    torch.manual_seed(0)
+    model = GPT(OVERLAP_CONFIG).to(device)
+    sw.shard(model, strategy="zero3", units=Block)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator(device=device).manual_seed(rank)
+    tokens = torch.randint(0, OVERLAP_CONFIG.vocab_size, (8, OVERLAP_CONFIG.seq_len + 1), device=device,
+                           generator=generator)
+
+    def step() -> None:
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: NCCL communicators, cuBLAS handles, the allocator's pools
+        step()
+    torch.cuda.synchronize()
+    syncs = count_host_syncs(step)
+    report.check("host syncs per step zero3", float(syncs), 0.0)
+    torch.cuda.synchronize()
+    dist.barrier()
+    gathers_ms, overlapped_ms = overlapped_gather_ms(step)
+    verdict = "ok" if overlapped_ms > 0 else "FAILED"  # none overlapped, or no all-gather kernel seen at all
+    report.failures += verdict != "ok"
+    report.say(f"overlap zero3            ws {world}: {overlapped_ms:.2f} ms of {gathers_ms:.2f} ms of all-gather "
+               f"kernels ran beside compute kernels on another stream {verdict}")
+
+
+def count_host_syncs(step) -> int:
+    """How many host-device synchronisations `step` makes: torch warns once per sync in "warn" mode."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()  # outside the counted window: a stream synchronize is itself a counted sync
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def overlapped_gather_ms(step) -> tuple[float, float]:
+    """One profiled `step`: (ms of NCCL all-gather kernels, ms of them during which a compute kernel ran on
+    another stream), from the profiler's kernel trace (each kernel's stream and span)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = [(e["name"], e.get("args", {}).get("stream", e.get("tid")), e["ts"], e["ts"] + e["dur"])
+               for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    gathers = [k for k in kernels if "nccl" in k[0].lower() and "allgather" in k[0].lower()]
+    compute = [k for k in kernels if "nccl" not in k[0].lower()]
+    overlapped = sum(_covered(start, end, [(c[2], c[3]) for c in compute if c[1] != stream])
+                     for _, stream, start, end in gathers)
+    return sum(end - start for *_, start, end in gathers) / 1e3, overlapped / 1e3
+
+
+def _covered(start: float, end: float, spans: list[tuple[float, float]]) -> float:
+    """How much of [start, end) the union of `spans` covers (microseconds)."""
+    covered, reach = 0.0, start
+    for lo, hi in sorted((max(lo, start), min(hi, end)) for lo, hi in spans if hi > start and lo < end):
+        if hi > reach:
+            covered += hi - max(lo, reach)
+            reach = hi
+    return covered
 
 
 def main(argv=None) -> int:

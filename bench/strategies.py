@@ -5,6 +5,9 @@ in one run.
     python bench/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
     python bench/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
     python bench/strategies.py --configs ddp,zero3,ds_zero3      # a subset of the arms
+    python bench/strategies.py --world-sizes 4 \
+        --configs local,ddp,zero3,zero3_hsdp,zero3_hpz,zero3_hpz_q8,zero3_hpz_q4 --name strategies_comm_ws4
+                                                                 # issue 47's arms, 2 x 2 nodes (bench/comm_arms.py)
     python bench/strategies.py --world-sizes 2 \
         --configs ddp,fsdp2,zero2,zero3,ddp+compile,fsdp2+compile,zero1+compile,zero2+compile,zero3+compile
                                                                  # compiled arms (--compile-backend, default inductor)
@@ -57,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+import comm_arms as comm
 import deepspeed_arms as ds
 
 # Note [compiled arms]: "X+compile" is arm X under torch.compile (--compile-backend), each the way its
@@ -68,18 +72,20 @@ COMPILED = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # ("replicate", "shard") mesh of 2 replicas x N/2 ranks (HSDP). On one host the links between the "nodes"
 # are loopback like the rest, so the split between in-node and across-node traffic is simulated only.
 HYBRID = ("zero3_hsdp", "fsdp2_hsdp")
-CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *HYBRID, *ds.CONFIGS,
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *HYBRID, *comm.CONFIGS, *ds.CONFIGS,
            *(f"{c}+compile" for c in COMPILED))
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in comm.CONFIGS)  # those need ws >= 4 (Note [comm arms])
 LABELS = {"local": "no communication (each rank alone)",
           "ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
           "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3",
-          "zero3_hsdp": "shardwise zero3, 2 x N/2 mesh", "fsdp2_hsdp": "FSDP2 HSDP, 2 x N/2 mesh", **ds.LABELS}
+          "zero3_hsdp": "shardwise zero3, 2 x N/2 mesh", "fsdp2_hsdp": "FSDP2 HSDP, 2 x N/2 mesh", **comm.LABELS,
+          **ds.LABELS}
 LABELS.update({f"{c}+compile": f"{LABELS[c]}, compiled" for c in COMPILED})
 # ZeRO paper's model-state bytes per parameter for fp32 AdamW (4 param + 4 grad + 8 moments),
 # as (replicated bytes, sharded bytes / N).
 FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8), "zero2": (4, 12),
            "zero3": (0, 16), "fsdp2": (0, 16), "zero3_hsdp": (0, 32), "fsdp2_hsdp": (0, 32),  # 16 / (N/2)
-           **ds.FORMULA}
+           **comm.FORMULA, **ds.FORMULA}
 FORMULA.update({f"{c}+compile": FORMULA[c] for c in COMPILED})
 MIB = 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -101,7 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="timed runs per config, interleaved round-robin across configs so a burst of "
                         "load on this shared machine hits them all alike; the median of the per-run "
                         "medians is reported (default: 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated arms (default: all but {','.join(comm.CONFIGS)}, which need "
+                        "--world-sizes 4: bench/comm_arms.py)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the X+compile arms")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -192,6 +200,8 @@ def apply_config(model, config: str, args, world_size: int):
         sw.shard(model, strategy=config, units=Block)
         # Built after shard(): the optimizer must only ever see this rank's shards.
         return model, torch.optim.AdamW(model.parameters(), **adamw)
+    if config in comm.CONFIGS:  # Note [comm arms]
+        return comm.apply(model, config, world_size, adamw)
     if config in ds.CONFIGS:
         return ds.initialize(model, config, args)
     raise ValueError(f"unknown config {config!r}; pick from {CONFIGS}")
@@ -531,6 +541,10 @@ def run_launcher(args) -> None:
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
+    unfit = comm.unfit_world_sizes(configs, world_sizes)
+    if unfit:
+        sys.exit(f"--configs {','.join(c for c in configs if c in comm.CONFIGS)} run on 2 simulated nodes of N/2 "
+                 f"ranks: drop world sizes {unfit} (use --world-sizes 4)")
     skipped = ds.unavailable() if set(configs) & set(ds.CONFIGS) else None
     if skipped:
         print(f"skipping {', '.join(c for c in configs if c in ds.CONFIGS)}: {skipped}")

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from _launch import publish, run_per_world_size
+from _launch import main_of, publish, run_per_world_size
+from _plot import panels, save
 from shardwise.testing import watch_collectives
 from traffic_model import (
     BLOCK,
@@ -310,12 +310,7 @@ def target_lines(rows: dict) -> list[str]:
 
 
 def plot(rows: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ((left, right),) = panels()
     for strategy in rows:
         label = SHORT[strategy] + (" (N x 8)" if strategy == "zero3_hsdp" else "")
         left.plot(NODES, [r["seconds"] * 1e3 for r in rows[strategy]], marker="o", label=label)
@@ -326,10 +321,8 @@ def plot(rows: dict, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     right.legend(fontsize=8)
-    fig.suptitle(f"Modelled traffic: {LINK_IN_NODE / GB:.0f} GB/s in a node, {LINK_ACROSS / GB:.0f} GB/s per "
-                 f"node across, ring algorithms; qwZ int8, qgZ int4 (two hops), blocks of {BLOCK}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path, f"Modelled traffic: {LINK_IN_NODE / GB:.0f} GB/s in a node, {LINK_ACROSS / GB:.0f} GB/s per "
+                    f"node across, ring algorithms; qwZ int8, qgZ int4 (two hops), blocks of {BLOCK}")
 
 
 def run_launcher(args) -> None:
@@ -386,12 +379,7 @@ def run_launcher(args) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.worker:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        run_worker(args)
-    else:
-        run_launcher(args)
+    main_of(__file__, parse_args, run_worker, run_launcher, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from helpers.losses import train_losses
 from shardwise.checkpoint.schema import read_index
 from shardwise.config import Compression, ShardConfig
 from shardwise.errors import ShardwiseError
@@ -22,21 +23,11 @@ STEPS = 50
 
 def _train(strategy: str, compression: dict | None, steps: int, path: str | None = None) -> dict:
     spec = ZOO["gpt"]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
     ndim = {n: p.ndim for n, p in model.named_parameters()}
     sw.shard(model, strategy=strategy, units=spec.unit_class, compression=compression)
     optimizer = make_optimizer(model, ndim_by_name=ndim)
-    losses = []
-    for step in range(steps):
-        x, y = rank_slice(global_batch(spec, step % 4, 8), rank, world_size)  # 4 batches again and again: learnable
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        losses.append(value.item())
+    losses = train_losses(model, optimizer, spec, steps, batches=4)  # 4 batches again and again: learnable
     index = None
     if path is not None:
         sw.save(path, model, optimizer)
@@ -155,24 +146,13 @@ def _train_variant(shape, precision, compression, steps: int, hpz: int | None = 
     from torch.distributed.device_mesh import init_device_mesh
 
     spec = ZOO["gpt"]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
     mesh = {} if shape is None else {"mesh": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))}
     if hpz is not None:
         mesh["reshard_after_forward"] = hpz
     sw.shard(model, strategy="zero3", units=spec.unit_class, precision=precision, compression=compression, **mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(steps):
-        x, y = rank_slice(global_batch(spec, step % 2, 8), rank, world_size)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        losses.append(value.item())
-    return losses
+    return train_losses(model, optimizer, spec, steps, batches=2)
 
 
 @pytest.mark.parametrize("world_size, shape, precision, hpz", [(4, (2, 2), None, None), (2, None, "bf16", None),
@@ -213,3 +193,59 @@ def test_hpz_regathers_forwards_values_exactly(ranks):
     backward's in-node ones carry fp32 (gloo's broadcasts)."""
     seen = ranks.run(_payload_dtypes, 4, {"gather": "int8", "reduce": "int8"}, 2, timeout=120)[0]
     assert seen["all_gather_single"] == ["torch.uint8"] and seen.get("broadcast") == ["torch.float32"], seen
+
+
+def _wire_buffers_held(compression: dict) -> dict:
+    """Three zero3 steps with `compression`: the estimate's buffers, the comm pool's bound, the most it held at
+    any lend and its fresh allocations after each step."""
+    from shardwise.engine import engine_of
+
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    world_size = dist.get_world_size()
+    estimated = {name: sw.estimate(model, "zero3", world_size, units=spec.unit_class, compression=option)
+                 for name, option in (("plain", None), ("compressed", compression))}
+    plain = build("gpt")
+    sw.shard(plain, strategy="zero3", units=spec.unit_class)
+    sw.shard(model, strategy="zero3", units=spec.unit_class, compression=compression)
+    optimizer = make_optimizer(model)
+    pool = engine_of(model).comm.pool
+    most, wire_lends, lend = [0], [0], pool.lend
+
+    def lend_and_count(numel, dtype, device):
+        buffer = lend(numel, dtype, device)
+        most[0] = max(most[0], pool.held)
+        wire_lends[0] += dtype == torch.uint8  # the quantized forms' wire buffers
+        return buffer
+
+    pool.lend = lend_and_count
+    fresh = []
+    for step in range(3):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), world_size)
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        fresh.append(pool.fresh)
+    return {"estimated": {name: e.gather_buffers for name, e in estimated.items()}, "bound": pool.bound,
+            "plain_bound": engine_of(plain).comm.pool.bound,
+            "most": most[0], "fresh": fresh, "wire_lends": wire_lends[0]}
+
+
+@pytest.mark.parametrize("compression", [{"gather": "int8", "reduce": "int8"}, {"gather": "int8", "reduce": "int4"}])
+def test_wire_buffers_come_from_the_pool_and_are_estimated(ranks, compression):
+    """Catches the quantized forms' wire buffers left out of the comm pool or of its bound (a fresh buffer every
+    step: the page faults Note [reused buffers] removed), or out of sw.estimate: at ws 2, no fresh allocation
+    after the first step, the pool never past its bound, and the estimate's gather/reduce buffers grow with
+    compression by the wire buffers' size, as the engine's bound does (Note [comm option bytes])."""
+    from shardwise.engine.comm.quantize import wire_buffer_bytes
+
+    for seen in ranks.run(_wire_buffers_held, 2, compression, timeout=120):
+        assert seen["wire_lends"] >= 3 * 2 * 2, seen  # each step's gathers and reduces: sent and received
+        assert seen["fresh"][1] == seen["fresh"][2], seen  # steady state: every buffer reused
+        assert seen["most"] <= seen["bound"], seen
+        config = Compression(**compression)
+        units = [u for u in build("gpt").modules() if isinstance(u, ZOO["gpt"].unit_class)]
+        biggest = 2 * -(-sum(p.numel() for p in units[0].parameters()) // 2)  # a block, padded at ws 2 (upper)
+        wire = seen["estimated"]["compressed"] - seen["estimated"]["plain"]
+        assert wire > 0 and abs(wire - wire_buffer_bytes(config, 2, biggest)) <= 0.05 * wire, (wire, seen)
+        assert seen["bound"] - seen["plain_bound"] == wire, seen  # the engine's pool counts what the estimate does

@@ -5,27 +5,18 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from helpers.losses import train_losses
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch, make_optimizer, rank_slice
 
 
 def _train_gpt(strategy, precision, steps):
     spec = ZOO["gpt"]
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
     ndim = {n: p.ndim for n, p in model.named_parameters()}
     sw.shard(model, strategy=strategy, units=spec.unit_class, precision=precision)
     optimizer = make_optimizer(model, ndim_by_name=ndim)
-    losses = []
-    for step in range(steps):
-        x, y = rank_slice(global_batch(spec, step, 8), rank, world_size)
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        losses.append(value.item())
+    losses = train_losses(model, optimizer, spec, steps)
     dtypes = {str(p.dtype) for p in model.parameters()}
     return losses, dtypes
 

@@ -1,6 +1,6 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
 (flat_unit.py). Uses: buffers, consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
-precision, protocol, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
+precision, protocol, quantize, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
 sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
 `ZeroEngine` builds, in this order: the layout (Note [mesh info]), the units (unit/sharding.py), the
@@ -18,6 +18,7 @@ from torch import nn
 from shardwise.config import ShardConfig
 from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.comm.context import CommContext
+from shardwise.engine.comm.quantize import wire_buffer_bytes
 from shardwise.engine.layout.groups import host_group_of, new_node_group, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
@@ -100,7 +101,9 @@ class ZeroEngine(Engine):
         others = self.units[1:] or self.units[:1]
         c = max(unit.full_flat.element_size() for unit in self.units)
         r = max(torch.empty(0, dtype=unit.reduce_dtype).element_size() for unit in self.units)
-        return comm_buffer_bytes(self.policy, c, r, self.root.numel_full, max(unit.numel_full for unit in others))
+        biggest = max(unit.numel_full for unit in others)
+        wire = wire_buffer_bytes(self.comm.compression, self.mesh.shard_world, biggest)  # compressed forms' buffers
+        return comm_buffer_bytes(self.policy, c, r, self.root.numel_full, biggest, wire)
 
     # ---- what the layers above ask (Note [engine protocol]) -----------------------------
 

@@ -40,10 +40,10 @@ activations (Note [activations]), the backward's gradient buffers are left out (
 copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
 there (the head's, one unit's); only the gathered parameters come on top. Measured in
 bench/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
-three units come to 17-20 MiB, and the backward term would add 15-20 MiB more. Since issue 47 the
-engine's comm pool keeps the reduce's buffers and zero3's freed units from step to step (Note
-[reused buffers], engine/comm/buffers.py, bound `comm_buffer_bytes`), so the reduce in flight counts
-with the probe too: memory a step held anyway, now held between steps as well.
+three units come to 17-20 MiB, and the backward term would add 15-20 MiB more. The engine's comm pool
+keeps the reduce's buffers and zero3's freed units between steps (Note [reused buffers], bound
+`comm_buffer_bytes`), so the reduce in flight counts with the probe too. hpZ's chunks and compression's
+wire buffers: Note [comm option bytes] (comm_options.py).
 
 Note [activations]: with `batch=`, a model's activations are measured by the probe
 (estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
@@ -90,11 +90,13 @@ from torch import nn
 
 from shardwise.config import MixedPrecision, ShardConfig, config_label
 from shardwise.engine.comm.buffers import comm_buffer_bytes
+from shardwise.engine.comm.quantize import wire_buffer_bytes
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.schedule.stage import policy_of
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
+from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
 from shardwise.interfaces import ActivationSized, ExampleInputs
@@ -137,6 +139,7 @@ class MemoryEstimate:
     offloaded: int = 0  # in memory-mapped files, not resident
     notes: tuple[str, ...] = field(default_factory=tuple)
     gradients_kept: bool = True  # Note [peak]: False when gradients exist only from backward to zero_grad
+    secondary: int = 0  # hpZ's chunks, forward to backward (Note [comm option bytes], comm_options.py)
 
     @property
     def model_state(self) -> int:
@@ -151,7 +154,7 @@ class MemoryEstimate:
         else:
             grads_and_activations = max(self.gradients, self.activations)
         return (self.parameters + self.optimizer_state + grads_and_activations + self.gather_buffers
-                + self.runtime)
+                + self.secondary + self.runtime)
 
     @property
     def label(self) -> str:
@@ -160,6 +163,7 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("gather/reduce buffers", self.gather_buffers),
+                *([("hpZ secondary chunks", self.secondary)] if self.secondary else []),
                 ("activations", self.activations), ("runtime (Python + torch)", self.runtime),
                 ("total per rank", self.total)]
 
@@ -197,6 +201,8 @@ def estimate(
     checkpoint_activations: bool = False,
     runtime: int | None = None,
     inputs: InputMaker | None = None,
+    reshard_after_forward: bool | int = True,
+    compression=None,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -211,11 +217,13 @@ def estimate(
     `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
     `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
-    [activations]); Hugging Face models need none.
+    [activations]); Hugging Face models need none. `reshard_after_forward`, `compression`: as shard()'s (hpZ's
+    chunks and the wire buffers, Note [comm option bytes] in comm_options.py).
     """
     # The same rules as shard(), from the same place (shardwise/config.py).
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
-                                  checkpoint_activations=checkpoint_activations)
+                                  checkpoint_activations=checkpoint_activations,
+                                  reshard_after_forward=reshard_after_forward, compression=compression)
     policy, offload = shard_config.precision, shard_config.offload
     precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
@@ -239,6 +247,7 @@ def estimate(
     r = torch.empty(0, dtype=policy.reduce_dtype).element_size()
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
 
+    secondary = 0 if strategy == "ddp" else secondary_bytes([u.full for u in plan_units[1:]], c, reshard_after_forward)
     probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
         inputs is not None or isinstance(model_or_num_params, ExampleInputs)
         or not isinstance(config, ActivationSized))  # Note [activations]
@@ -252,10 +261,10 @@ def estimate(
     else:
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
-        gather = _zero_transient(plan_units, shard_config, c, r, with_backward=not probed)
+        gather = _zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
         gradients_kept = not policy_of(strategy).reduce_during_backward  # zero1 keeps its full gradients
     if gather:
-        notes.append(_gather_note(strategy, probed, batch is None, gradients_kept))
+        notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
     if offload is not None:
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
@@ -275,7 +284,7 @@ def estimate(
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes), gradients_kept=gradients_kept)
+                          offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary)
 
 
 def _master_bytes(model: nn.Module) -> int:
@@ -346,32 +355,15 @@ def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
     return parameters, gradients, optimizer_state, offloaded
 
 
-def _gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = False) -> str:
-    """What the gather/reduce buffers row holds, in a line (Note [transient buffers])."""
-    held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
-            "zero3": "the root unit and up to 3 others gathered at once"}.get(
-                strategy, "two units re-gathered after the step")
-    if strategy == "ddp":
-        return f"gather/reduce buffers: held only while a step runs: {held}"
-    kept = "kept between steps by the engine's comm pool (Note [reused buffers])"
-    if probed:
-        return f"gather/reduce buffers: {kept}: {held}, and one reduce in flight"
-    probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"
-             if no_batch else "")
-    reduce = ("its receive buffer: the kept gradients are its input" if kept_input
-              else "its input and its receive buffer")
-    return (f"gather/reduce buffers: {kept}: {held} and one reduce in flight ({reduce}), plus in backward one "
-            f"unit's and the root's full gradients{probe}")
-
-
-def _zero_transient(plan_units, config: ShardConfig, c, r, with_backward: bool = True) -> int:
+def _zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with_backward: bool = True) -> int:
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
     stage = policy_of(config.strategy)
     # The comm pool (Note [reused buffers]): the reduce in flight (input and receive buffer; zero1: receive only)
-    # and zero3's gathered units, kept between steps, so counted with the probe too.
-    comm = comm_buffer_bytes(stage, c, r, root.full, biggest)
+    # and zero3's gathered units, kept between steps, so counted with the probe too; compression's wire buffers.
+    wire = wire_buffer_bytes(config.compression, world_size, biggest)  # Note [comm option bytes]
+    comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
     regathers = 0 if stage.reshards else stage.gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
     backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
     return comm + regathers + backward

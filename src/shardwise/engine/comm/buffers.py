@@ -4,8 +4,9 @@ stated bound. Uses: compat.
 Note [reused buffers]: on CPU a fresh large buffer costs its page faults on first touch (issue 33's
 note: a copy into a fresh 48 MiB buffer 23 ms, into a reused one 7 ms), and every step made the same
 fresh buffers again: each unit's packed reduce input and its receive buffer (zero2/zero3), zero1's
-receive buffer, the packed gather of a unit's small parameters. A `BufferPool` lends them instead and
-takes them back when the collective that used them has landed (`Pending.wait`, collectives.py): a
+receive buffer, the packed gather of a unit's small parameters, and under compression the quantized
+forms' uint8 wire buffers (sent and received, Note [quantized collectives], quantize.py). A `BufferPool`
+lends them instead and takes them back when the collective that used them has landed (`Pending.wait`, collectives.py): a
 buffer is never lent twice at once, so a reuse cannot read or write rows another collective still
 sends or receives. CUDA's caching allocator already does this on a GPU; there the pool changes no
 bytes, only who keeps them.
@@ -16,7 +17,9 @@ zero3 also frees each unit's full values after each use and allocated them again
 saved views hold stays), and the next gather of a unit of that size takes it back (`fill`).
 
 The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_bytes`: the reduce in flight
-(its packed input and receive buffer), and under zero3 the full values of the units gathered at once,
+(its packed input and receive buffer), the wire buffers of one quantized gather and one quantized reduce
+in flight (under compression: 1/4 of a unit's fp32 rows at int8, 1/8 at int4, plus one fp32 scale per
+block), and under zero3 the full values of the units gathered at once,
 the rows the estimator counts (Note [transient buffers], estimate/core.py), so what the pool keeps
 between steps is memory a step held anyway. A request past the bound is served by a fresh buffer as
 before, not kept; kept buffers are released smallest first when a request needs room. `sw.describe`
@@ -31,13 +34,15 @@ from torch import Tensor
 from shardwise.engine.compat import swap_storage_memory
 
 
-def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: int, biggest_full: int) -> int:
+def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: int, biggest_full: int,
+                      wire: int = 0) -> int:
     """The pool's bound for one engine (Note [reused buffers]), of padded element counts: its stage's reduce in
     flight over its largest non-root unit (StagePolicy.reduce_bytes: the packed input and the receive buffer;
-    zero1's input is its kept gradients, so the receive buffer alone), and under zero3 the full values a step
-    holds at once (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool."""
+    zero1's input is its kept gradients, so the receive buffer alone), under zero3 the full values a step
+    holds at once (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool,
+    and `wire`: the compressed forms' wire buffers in flight (quantize.wire_buffer_bytes), bytes."""
     kept_full = policy.gathered_bytes(compute_bytes, root_full, biggest_full) if policy.reshards else 0
-    return policy.reduce_bytes(reduce_bytes, biggest_full) + kept_full
+    return policy.reduce_bytes(reduce_bytes, biggest_full) + kept_full + wire
 
 
 class BufferPool:

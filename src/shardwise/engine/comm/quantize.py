@@ -127,10 +127,35 @@ def from_wire(wire: Tensor, numel: int, bits: int, block: int) -> Quantized:
     return Quantized(codes, scales, numel, bits, block)
 
 
-def _start_gather(shard_flat: Tensor, world_size: int, group, bits: int, block: int, what: str):
+def _wire(pool, shape: tuple[int, ...], device) -> Tensor:
+    """A uint8 wire buffer of `shape`: lent by the comm pool when there is one (Note [reused buffers]; given
+    back when the collective's Pending lands), else new."""
+    numel = shape[0] * (shape[1] if len(shape) > 1 else 1)
+    buffer = pool.lend(numel, torch.uint8, device) if pool is not None else None
+    return buffer.view(shape) if buffer is not None else torch.empty(shape, dtype=torch.uint8, device=device)
+
+
+def wire_buffer_bytes(compression, world_size: int, biggest_full: int) -> int:
+    """The quantized forms' wire buffers in flight, for the comm pool's bound (Note [reused buffers]): one
+    gather of the largest unit (this rank's wire rows and every rank's) and one reduce (its sent and received
+    all-to-all buffers), each rank's rows `ceil(biggest_full / world_size)` elements; 0 without compression or
+    on one rank, where nothing is quantized."""
+    if compression is None or world_size == 1:
+        return 0
+    rows = -(-biggest_full // world_size)
+    total = 0
+    if compression.gather_bits:
+        total += (world_size + 1) * wire_bytes(rows, compression.gather_bits, compression.block)
+    if compression.reduce_bits:
+        total += 2 * world_size * wire_bytes(rows, compression.reduce_bits, compression.block)
+    return total
+
+
+def _start_gather(shard_flat: Tensor, world_size: int, group, bits: int, block: int, what: str, pool=None):
     """Quantize this rank's rows and start gathering every rank's wire buffer: (works, received, sent)."""
-    sent = to_wire(quantize_blocks(shard_flat, bits, block))
-    received = torch.empty(world_size, sent.numel(), dtype=torch.uint8, device=shard_flat.device)
+    size = wire_bytes(shard_flat.numel(), bits, block)
+    sent = to_wire(quantize_blocks(shard_flat, bits, block), out=_wire(pool, (size,), shard_flat.device))
+    received = _wire(pool, (world_size, size), shard_flat.device)
     if world_size == 1:
         received[0].copy_(sent)
         return [], received, sent
@@ -146,14 +171,15 @@ def _dequantize_ranks(received: Tensor, numel: int, bits: int, block: int, dtype
     return full
 
 
-def _start_exchange(by_destination: Tensor, group, bits: int, block: int, what: str):
+def _start_exchange(by_destination: Tensor, group, bits: int, block: int, what: str, pool=None):
     """Quantize each destination's rows (a row of `by_destination`, (P, R): blocks never straddle two
     destinations) and start the all-to-all over `group`: (works, received, sent)."""
     num_ranks, numel = by_destination.shape
-    sent = torch.empty(num_ranks, wire_bytes(numel, bits, block), dtype=torch.uint8, device=by_destination.device)
+    shape = (num_ranks, wire_bytes(numel, bits, block))
+    sent = _wire(pool, shape, by_destination.device)
     for rank in range(num_ranks):
         to_wire(quantize_blocks(by_destination[rank], bits, block), out=sent[rank])
-    received = torch.empty_like(sent)
+    received = _wire(pool, shape, by_destination.device)
     if num_ranks == 1:
         received.copy_(sent)
         return [], received, sent
@@ -222,14 +248,14 @@ def quantized_reduce_scatter_avg_2hop(packed: Tensor, per_node: int, node_group,
 # ---- the engine's forms: the same calls as collectives.gather_into / reduce_scatter_avg, returning a Pending --
 
 def gather_into_quantized(rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool, *,
-                          bits: int, block: int, what: str = "a quantized all-gather") -> Pending:
+                          bits: int, block: int, what: str = "a quantized all-gather", pool=None) -> Pending:
     """qwZ for a zero3 unit: this rank's rows of each parameter (concatenated: blocks run across parameters, as
     the flat shard does) travel block-quantized, and every rank's dequantized rows land in each parameter's
     padded full region (param-major, `collectives.copy_out`). The regions must not hold the master rows
     (zero3's full values are a buffer of their own): every rank's rows are overwritten, its own too."""
     shard_flat = torch.cat(rows) if len(rows) > 1 else rows[0]
     numel, dtype = shard_flat.numel(), regions[0].dtype
-    works, received, sent = _start_gather(shard_flat, world_size, group, bits, block, what)
+    works, received, sent = _start_gather(shard_flat, world_size, group, bits, block, what, pool)
 
     def finish(landed: Tensor) -> Tensor:
         full = _dequantize_ranks(landed, numel, bits, block, dtype)
@@ -237,27 +263,28 @@ def gather_into_quantized(rows: list[Tensor], regions: list[Tensor], world_size:
         copy_out(full.view(-1), world_size, list(zip(itertools.accumulate(sizes, initial=0), sizes)), regions)
         return regions[0]
 
-    pending = Pending(works, received, what, finish=finish, sent=sent)
+    pending = Pending(works, received, what, finish=finish, sent=sent).lend_to(pool, sent, received)
     if not async_op:
         pending.wait()
     return pending
 
 
 def reduce_scatter_avg_quantized(packed: Tensor, world_size: int, group, async_op: bool, *, bits: int, block: int,
-                                 what: str = "a quantized reduce-scatter", out: Tensor | None = None) -> Pending:
+                                 what: str = "a quantized reduce-scatter", out: Tensor | None = None,
+                                 pool=None) -> Pending:
     """qgZ for a unit's gradients: `collectives.reduce_scatter_avg`'s contract (the average of a rank-major
     `world_size * S` buffer, this rank's `S` rows, in `out` when given), each copy sent quantized over one
     all-to-all and summed in fp32 in rank order. One rank sends nothing: its rows are the average, unchanged."""
     if world_size == 1:
         return Pending([], packed, what)
     by_destination = packed.view(world_size, -1)
-    works, received, sent = _start_exchange(by_destination, group, bits, block, what)
+    works, received, sent = _start_exchange(by_destination, group, bits, block, what, pool)
 
     def finish(landed: Tensor) -> Tensor:
         total = _sum_copies(landed, by_destination.shape[1], bits, block).div_(world_size)
         return total.to(packed.dtype) if out is None else out.copy_(total)
 
-    pending = Pending(works, received, what, finish=finish, sent=sent)
+    pending = Pending(works, received, what, finish=finish, sent=sent).lend_to(pool, sent, received)
     if not async_op:
         pending.wait()
     return pending
@@ -278,7 +305,7 @@ class QuantizedForms:
         if not bits or own_in_place or not rows or world_size == 1:  # own_in_place: the rows are the masters
             return self.base.gather_into(rows, regions, world_size, group, async_op, what, own_in_place, pool)
         return gather_into_quantized(rows, regions, world_size, group, async_op, bits=bits,
-                                     block=self.compression.block, what=what)
+                                     block=self.compression.block, what=what, pool=pool)
 
     def reduce_scatter_avg(self, packed: Tensor, world_size: int, group, async_op: bool, what: str,
                            out: Tensor | None, pool) -> Pending:
@@ -286,7 +313,7 @@ class QuantizedForms:
         if not bits or world_size == 1:
             return self.base.reduce_scatter_avg(packed, world_size, group, async_op, what, out, pool)
         pending = reduce_scatter_avg_quantized(packed, world_size, group, True, bits=bits,
-                                               block=self.compression.block, what=what, out=out)
+                                               block=self.compression.block, what=what, out=out, pool=pool)
         pending.lend_to(pool, packed)  # a lent `packed` goes back once the all-to-all has landed
         if not async_op:
             pending.wait()

@@ -204,6 +204,8 @@ class StepDriver:
             self._close_window()
         elif self.step.in_window and not self._backward_possible():
             self._close_window()  # evaluation or a dropped loss: no backward can come
+        for unit in self.units:  # hpZ: a chunk serves only the forward that cut it (Note [secondary shards])
+            unit.drop_secondary()
         self.step.in_window = True
         self.step.pass_uses, self.step.order = {}, []
         self.clock.enter(Phase.FORWARD)

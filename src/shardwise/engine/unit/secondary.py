@@ -11,12 +11,17 @@ straight into the unit's full buffer (whose length is padded to a multiple of N)
 the same full values after forward (each gathered the whole unit), so the chunks join into exactly the
 values the shard group's gather would give: the result is unchanged, bitwise.
 
-Lifetime: a chunk is cut at the first free of the unit in a forward with grad and kept until the window
-closes (after backward, or after a forward no backward can follow) or an optimizer writes the unit's rows,
-whichever comes first; it is never read across a step, whose update would make it stale. Whether a unit
-holds one is decided by the units it ran, which every rank agrees on under zero3 (Note [gather tags]), so
-all ranks pick the same group for the same gather. Cost: 1/N of each unit's full values from its forward to
-the end of backward (sw.estimate does not count it yet).
+Lifetime: a chunk is cut at the first free of the unit in a forward with grad and kept until the next
+forward begins, the window closes (after backward, or after a forward no backward can follow) or an
+optimizer writes the unit's rows, whichever comes first; it is never read across a step, whose update would
+make it stale. Dropping it when a forward begins, even inside an open window (a second forward before one
+backward, or a loss kept alive across a `sw.load`), makes each forward gather the rows as they are now over
+the shard group, as plain zero3 does, and backward use the last forward's values: rows written between two
+forwards (a load, a user's write) are never hidden by a chunk cut before them, and ranks that differ in
+whether their window is still open (one kept its loss, one dropped it) still pick the same group. Whether
+a unit holds one is decided by the units it ran, which every rank agrees on under zero3 (Note [gather
+tags]), so all ranks pick the same group for the same gather. Cost: 1/N of each unit's full values from its
+forward to the end of backward (counted by sw.estimate: estimate/core.py's secondary chunks).
 """
 
 from __future__ import annotations
