@@ -143,8 +143,9 @@ class Zero3(StagePolicy):
         return NoKeptValues(stamp, num_params)
 
     def needs_gather(self, unit) -> bool:
-        """The full values are gone (a gather in flight is not a missing one)."""
-        return unit.residence.state is Residency.SHARDED
+        """The full values are gone (a gather in flight is not a missing one), or a unit still gathered holds
+        values from before a write to its rows (Note [kept while gathered], freshness.py)."""
+        return unit.residence.state is Residency.SHARDED or unit.written()
 
     def gathers_on_use(self, unit) -> bool:
         """A unit freed since its last use (A, B, A; a later forward or backward)."""

@@ -217,8 +217,9 @@ class FlatUnit:
         return self.freshness.current_in_step()
 
     def written(self) -> bool:
-        """zero1/zero2: rows changed by a write no optimizer step made, which only the ranks that made it see
-        (Note [agreement rides the traffic], agreement.py; Note [stepped parameters])."""
+        """Rows changed by a write no optimizer step made, which only the ranks that made it see (Note
+        [agreement rides the traffic], agreement.py; Note [stepped parameters]; zero3: while the unit stays
+        gathered, Note [kept while gathered])."""
         return self.freshness.written()
 
     def _own_parts(self, dtype: torch.dtype, indices: list[int] | None = None) -> list[Tensor]:
@@ -276,6 +277,7 @@ class FlatUnit:
             self.comm.free(self.full_flat.untyped_storage())  # kept by the comm pool for the next gather
             self.residence.move(Residency.SHARDED)
             self.install_shards()
+            self.freshness.released()  # no values held: nothing a write could leave stale (Note [kept while gathered])
 
     def drop_secondary(self) -> None:
         """hpZ: forget the secondary shard (the window closed, or the rows are about to change)."""

@@ -36,6 +36,9 @@ class StepFreshness:
         """The kept full values were just written from the master rows (set-up, deferred init)."""
         self.gathered_stamp = self.stamp()
 
+    def released(self) -> None:
+        pass  # zero1/zero2 never free their full values
+
     def now_current(self) -> None:
         """Every rank's full values equal every rank's rows: nothing to re-gather until the rows change."""
         self.gathered_stamp, self.stale = self.stamp(), False
@@ -89,23 +92,37 @@ class StepFreshness:
 
 
 class NoKeptValues:
-    """zero3: no full values outlive a use, so every gather carries every parameter and no write needs
-    tracking (residency alone says when to gather: stage.Zero3.needs_gather)."""
+    """zero3: no full values outlive a use, so every gather carries every parameter; residency says when
+    to gather (stage.Zero3.needs_gather), and the values a unit holds while it stays gathered are
+    tracked for writes alone.
+
+    Note [kept while gathered]: some zero3 units do stay gathered between uses: the root for a whole
+    window, and the last unit run, kept for backward, while a forward's loss is alive. A write to such a
+    unit's rows then (`sw.load`, `load_state_dict`, a user's in-place write) must reach the next forward,
+    as in one process and under zero1/zero2, so the stamp of the rows the held values were gathered from
+    is kept (`now_current`) until the unit frees them (`released`): a unit gathered from other rows
+    than its current ones is `written` and re-gathered, and the forward's header checks that every rank
+    saw the same write (Note [agreement rides the traffic])."""
 
     def __init__(self, stamp: Callable[[], int], num_params: int) -> None:
-        self.num_params = num_params
+        self.stamp, self.num_params = stamp, num_params
+        self.held_stamp: int | None = None  # stamp() when the full values held now were gathered
 
     def gathered(self) -> None:
-        pass
+        pass  # set-up's full values are freed at once (FlatUnit.take_shards)
 
     def now_current(self) -> None:
-        pass
+        self.held_stamp = self.stamp()
+
+    def released(self) -> None:
+        self.held_stamp = None
 
     def to_gather(self) -> list[int]:
         return list(range(self.num_params))
 
     def written(self) -> bool:
-        return False
+        """The rows changed since the full values this unit still holds were gathered."""
+        return self.held_stamp is not None and self.stamp() != self.held_stamp
 
     def mark_stepped(self, indices: set[int]) -> None:
         pass
