@@ -361,7 +361,8 @@ def async_verdict(args, training: dict) -> list[str]:
             f"This host has {os.cpu_count()} cores for {args.world_size} ranks: "
             + ("a core to spare for the background write." if spare else
                "no core to spare, so the background write takes its CPU from training; the cheaper thing is done: "
-               "the writer runs at nice 19 (training gets the core whenever both want it) from a staging copy "
+               "the writer runs at the cheapest priority the OS allows (SCHED_IDLE, else nice 19: training gets the "
+               "core whenever both want it) from a staging copy "
                "reused across saves, its fsyncs overlapped (Note [cheap background save] in "
                "checkpoint/background.py).")]
 

@@ -235,6 +235,25 @@ def test_deep_nesting_and_a_huge_index(small, tmp_path):
     assert sw.latest(tmp_path) is None
 
 
+def _nested(depth: int):
+    value = 0
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_nesting_past_the_bound_python_parses(small, tmp_path):
+    """Catches an index nested deeper than MAX_DEPTH (64) but not so deep that json.loads itself gives up:
+    the bound is checked over the parsed values, a level at a time (issue 45), and a value at the bound loads."""
+    deep = copy(small, tmp_path / "deep")
+    edit_index(deep, lambda index: index["extra"].update(x=_nested(70)))  # the index, extra, then 70 lists
+    assert "nests values 65 deep, more than the 64" in _refused(deep, "nests values")
+    at_bound = copy(small, tmp_path / "at-bound")
+    edit_index(at_bound, lambda index: index["extra"].update(x=_nested(62)))  # 64 levels in all
+    model, optim, scheduler, sampler = trained(seed=1)
+    assert sw.load(at_bound, model, optim, scheduler, sampler=sampler).extra["x"] == _nested(62)
+
+
 def test_a_deeply_nested_rank_file_header(small, tmp_path, capsys):
     """Catches a rank file whose header is 100k-deep JSON nesting (its index re-made to match its size)
     escaping as a RecursionError from the checkpoint reader's own header parser, in sw.load and in

@@ -20,8 +20,18 @@ it must cost less of it than a blocking save: (1) the host copy goes into a stag
 model and reused by the next save (a fresh 100 MB buffer page-faults each save: several times the
 cost of a copy into memory already mapped); on a GPU that staging copy is pinned, so the
 device-to-host copy runs at full speed (stated, not measured here); (2) the writer thread runs at
-the lowest priority (nice 19, Linux sets it per thread), so the scheduler gives training the core
-whenever both want it and the write fills the gaps (collectives, data loading); (3) it writes
+the cheapest priority the OS grants it: SCHED_IDLE where it may (Linux lets any thread take it, per
+thread), else nice 19 (`lower_priority`), so the scheduler gives training the core whenever both
+want it and the write fills the gaps (collectives, data loading). SCHED_IDLE rather than nice 19:
+against a busy thread a nice-19 thread still gets about 1.5% of the core (weight 15 of 1024+15),
+a SCHED_IDLE one about 0.3% (weight 3), so the write leaves a busy core to training yet runs at full
+speed on an idle one. Only while nothing waits for it, though: on a host busy with other work a
+SCHED_IDLE thread may not run for a long while, so `wait()` (which the next save calls too) and the
+interpreter's exit put the writer back to training's policy first, as unprivileged threads may undo
+SCHED_IDLE (not nice 19). What it cannot lower is the GIL: while the writer holds it (between its
+crc32 and write calls, which release it) a training thread of the same process waits, whatever
+the writer's priority; those stretches are short (per 4 MiB chunk), and the writer is runnable then,
+so the scheduler runs it on the core the waiting training thread left idle. (3) it writes
 4 MiB chunks and fsyncs once per file, its writeback started early (Note [early writeback] in
 disk.py), and its index and directory fsyncs overlap the files' (Note [one wait for the disk] in
 commit.py). The price of (1): the staging copy stays allocated between saves (one copy of this
@@ -51,7 +61,7 @@ from shardwise.teardown import at_exit, log
 
 _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # checkpoint groups, by their global ranks
 _staging: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {what: host copy}, reused
-LOW_PRIORITY = 19  # the writer thread's nice value (Note [cheap background save])
+LOW_PRIORITY = 19  # the writer thread's nice value where SCHED_IDLE is refused (Note [cheap background save])
 
 
 class PendingSave:
@@ -61,15 +71,17 @@ class PendingSave:
         self.path = job.path
         self.error: BaseException | None = None
         self.cpu_s = 0.0  # the writer thread's CPU seconds, once done (Note [cheap background save])
+        self.priority = ""  # the writer's while nobody waits (lower_priority): "SCHED_IDLE", "nice 19", "normal"
         self._waited = False
+        self._scheduling = threading.Lock()  # the writer's priority: set by it, restored by a waiter
+        self._waited_for = self._ended = False
         self._thread = threading.Thread(target=self._run, args=(job, group), name=f"shardwise save {job.path.name}")
         self._thread.start()
 
     def _run(self, job: SaveJob, group) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)  # this thread only
-        except (AttributeError, OSError):
-            pass  # not Linux, or not allowed: the write runs at training's priority
+        with self._scheduling:
+            if not self._waited_for:
+                self.priority = lower_priority()
         began = time.thread_time()
         try:
             complete(job, group)
@@ -77,17 +89,31 @@ class PendingSave:
             self.error = error
         finally:
             self.cpu_s = time.thread_time() - began
+            with self._scheduling:
+                self._ended = True  # from here on the thread id may be another thread's
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
     def wait(self):
         """Block until the checkpoint is published; return its path, or raise why it was not."""
+        self._hurry()
         self._thread.join()
         self._waited = True
         if self.error is not None:
             raise ShardwiseError(f"the background save of {self.path} failed: {self.error}") from self.error
         return self.path
+
+    def _hurry(self) -> None:
+        """Someone waits for the write: it is no longer background work, so a SCHED_IDLE writer goes back
+        to training's policy (Note [cheap background save]; nice 19 cannot be undone without privilege)."""
+        with self._scheduling:
+            self._waited_for = True
+            if self.priority == "SCHED_IDLE" and not self._ended:
+                try:
+                    os.sched_setscheduler(self._thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+                except OSError:
+                    pass  # refused: the write finishes at SCHED_IDLE
 
     def _report_at_exit(self) -> None:
         """At exit (Note [exit teardown]) Python has joined the thread; say so when the save failed
@@ -97,11 +123,28 @@ class PendingSave:
                       self.error)
 
 
+def lower_priority() -> str:
+    """Put the calling thread, alone, at the cheapest priority the OS allows it (Note [cheap background
+    save]): SCHED_IDLE, else nice 19; say which ("normal": neither was allowed)."""
+    thread = threading.get_native_id()  # Linux schedules threads: the policy and nice value are per thread
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        pass  # not Linux, or a kernel or seccomp policy that refuses it
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, LOW_PRIORITY)
+        return f"nice {LOW_PRIORITY}"
+    except (AttributeError, OSError):
+        return "normal"  # the write runs at training's priority
+
+
 def save_async(path, model: nn.Module, optim=None, scheduler=None, *,
                keep_last: int | None = None, durable: bool = True, **extra) -> PendingSave:
     """`sw.save` that returns once this rank's state is copied to host memory; the files are
     written while training goes on (Note [background save]). Same arguments as `sw.save`;
-    returns a `PendingSave` (`.wait()`, `.done()`, `.path`, and `.cpu_s`: the writer's CPU seconds)."""
+    returns a `PendingSave` (`.wait()`, `.done()`, `.path`, `.cpu_s`: the writer's CPU seconds, and
+    `.priority`: the writer's scheduling, "SCHED_IDLE" where the OS allows it)."""
     job = prepare(path, model, optim, scheduler, keep_last, durable, extra)
     try:
         copied, group = _host_copy(job), _checkpoint_group(job.model)  # job.model: a sliced model's view
@@ -111,9 +154,33 @@ def save_async(path, model: nn.Module, optim=None, scheduler=None, *,
         raise
     pending = PendingSave(copied, group)
     _background.append(pending)
+    _hurry_at_exit.register()
     ref = weakref.ref(pending)  # waited for and dropped: nothing to report, the closer goes with it
     at_exit(f"the background save of {pending.path}", lambda: ref() and ref()._report_at_exit(), owner=ref)
     return pending
+
+
+class _hurry_at_exit:
+    """At exit Python joins the writer thread before any atexit hook runs: the hook that runs before that
+    join (threading's own, as concurrent.futures uses) puts a SCHED_IDLE writer back to training's policy."""
+
+    registered = False
+
+    @classmethod
+    def register(cls) -> None:
+        register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+        if cls.registered or register is None:
+            return
+        try:
+            register(cls.hurry)
+        except RuntimeError:
+            return  # the interpreter is already shutting down
+        cls.registered = True
+
+    @staticmethod
+    def hurry() -> None:
+        for pending in list(_background):
+            pending._hurry()
 
 
 def _host_copy(job: SaveJob) -> SaveJob:

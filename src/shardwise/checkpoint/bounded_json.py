@@ -23,48 +23,65 @@ class Fields:
         return ShardwiseError(f"{self.file}: field {where} {what}: the file is damaged or was edited. Load an "
                               "earlier checkpoint.")
 
+    # Each accessor checks first and names the field only on failure: an index holds thousands of
+    # fields (a crc per 4 MiB chunk), and formatting each one's path cost a load more than its checks.
     def _get(self, obj, key, at: str):
-        where = f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else str(key)
-        if not isinstance(obj, dict) and not (isinstance(obj, list) and isinstance(key, int)):
+        if isinstance(obj, dict):
+            if key in obj:
+                return obj[key]
+        elif isinstance(obj, list) and isinstance(key, int):
+            if 0 <= key < len(obj):
+                return obj[key]
+        else:
             raise self.fail(at or "(the whole file)", f"is {short(obj)}, not an object")
-        if isinstance(obj, dict) and key not in obj or isinstance(obj, list) and not 0 <= key < len(obj):
-            raise self.fail(where, "is missing")
-        return obj[key], where
+        raise self.fail(self.where(key, at), "is missing")
+
+    @staticmethod
+    def where(key, at: str) -> str:
+        """The path of field `key` of the value at path `at`, as errors name it."""
+        return f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else str(key)
 
     def dict(self, obj, key, at: str = "") -> dict:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if not isinstance(value, dict):
-            raise self.fail(where, f"is a {type(value).__name__}, not an object")
+            raise self.fail(self.where(key, at), f"is a {type(value).__name__}, not an object")
         return value
 
     def list(self, obj, key, at: str = "", *, limit: int | None = None) -> list:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if not isinstance(value, list) or limit is not None and len(value) > limit:
-            raise self.fail(where, f"is {short(value)}, not a list" + (f" of at most {limit}" if limit else ""))
+            raise self.fail(self.where(key, at),
+                            f"is {short(value)}, not a list" + (f" of at most {limit}" if limit else ""))
         return value
 
     def int(self, obj, key, lo: int, hi: int, at: str = "") -> int:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if type(value) is not int or not lo <= value <= hi:
-            raise self.fail(where, f"is {short(value)}, not an integer in {lo}..{hi}")
+            raise self.fail(self.where(key, at), f"is {short(value)}, not an integer in {lo}..{hi}")
         return value
 
+    def ints(self, values: list, lo: int, hi: int, at: str) -> tuple[int, ...]:
+        """Every item of list `values` (at path `at`) an integer in lo..hi, checked in one pass."""
+        if all(type(value) is int and lo <= value <= hi for value in values):
+            return tuple(values)
+        return tuple(self.int(values, i, lo, hi, at) for i in range(len(values)))  # names the first bad one
+
     def number(self, obj, key, lo: float, hi: float, at: str = "") -> float:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if type(value) not in (int, float) or not lo <= value <= hi:
-            raise self.fail(where, f"is {short(value)}, not a number in {lo:g}..{hi:g}")
+            raise self.fail(self.where(key, at), f"is {short(value)}, not a number in {lo:g}..{hi:g}")
         return float(value)
 
     def bool(self, obj, key, at: str = "") -> bool:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if type(value) is not bool:
-            raise self.fail(where, f"is {short(value)}, not true or false")
+            raise self.fail(self.where(key, at), f"is {short(value)}, not true or false")
         return value
 
     def str(self, obj, key, limit: int, at: str = "") -> str:
-        value, where = self._get(obj, key, at)
+        value = self._get(obj, key, at)
         if not isinstance(value, str) or len(value) > limit:
-            raise self.fail(where, f"is {short(value)}, not a string of at most {limit} characters")
+            raise self.fail(self.where(key, at), f"is {short(value)}, not a string of at most {limit} characters")
         return value
 
     def match(self, obj, key, pattern: re.Pattern, at: str = "") -> str:
@@ -130,12 +147,18 @@ def parse_json(file: Path, raw: bytes, max_depth: int):
         raise ShardwiseError(f"{file} does not parse ({short(str(error))}): the checkpoint is corrupt") from None
     except RecursionError:
         raise ShardwiseError(f"{file} nests deeper than Python parses: it is damaged or crafted") from None
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
+    level, depth = [value] if type(value) in _CONTAINERS else [], 1
+    while level:  # one nesting level at a time; a list of numbers (crcs) is passed over in C, by its items' types
         if depth > max_depth:
             raise ShardwiseError(f"{file} nests values {depth} deep, more than the {max_depth} shardwise allows: "
                                  "it is damaged or crafted")
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        inner = []
+        for item in level:
+            children = item.values() if type(item) is dict else item
+            if not _CONTAINERS.isdisjoint(map(type, children)):
+                inner.extend(child for child in children if type(child) in _CONTAINERS)
+        level, depth = inner, depth + 1
     return value
+
+
+_CONTAINERS = frozenset((dict, list))  # what json.loads builds that holds values

@@ -21,7 +21,8 @@ What this leaves to the filesystem: a network filesystem whose other clients' wr
 re-read would not catch the first either); a file truncated while the map is read ends the process
 with SIGBUS, as with every mmap reader (safetensors, `torch.load(mmap=True)`), rather than an error.
 RSS stays bounded: each window's pages leave the map (`MADV_DONTNEED`) once checked or copied, so a
-load never counts more than one window of the file as its own memory.
+load never counts more than about two windows of the file as its own memory (small tensors' pages
+are dropped together, a window's worth at a time).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class MappedFile:
         self.stamp = settled_stamp(fd)
         self._fd = fd
         self._map = None
+        self._proved = False  # the stamp compared since the first copy began (Note [proved unchanged])
+        self._touched: tuple[int, int] | None = None  # bytes touched through the map, not yet dropped
         if self.stamp is not None and size:
             try:
                 self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
@@ -94,9 +97,12 @@ class MappedFile:
         return crc
 
     def copy_into(self, start: int, out: memoryview) -> None:
-        """Copy bytes start:start+len(out) into `out`; refuses, before and after, a file whose stamp
-        changed since it was taken (Note [proved unchanged])."""
-        self.check_unchanged()
+        """Copy bytes start:start+len(out) into `out`; refuses, before the first copy and after each, a
+        file whose stamp changed since it was taken (Note [proved unchanged]): the check after one copy
+        is the check before the next."""
+        if not self._proved:
+            self.check_unchanged()
+            self._proved = True
         for begin, end in self._windows(start, len(out)):
             with memoryview(self._map) as whole, whole[begin:end] as piece:
                 out[begin - start : end - start] = piece
@@ -113,9 +119,23 @@ class MappedFile:
             yield begin, min(begin + WINDOW_BYTES, start + size)
 
     def _drop(self, begin: int, end: int) -> None:
-        """Unmap the window's pages from this process (they stay in the page cache): RSS stays bounded."""
-        page = begin - begin % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, page, end - page)
+        """Unmap the pages of bytes begin:end from this process (they stay in the page cache), so that RSS
+        stays bounded: once a window's worth has been touched, so that the small tensors that follow one
+        another in a file go with one madvise rather than one each."""
+        if self._touched is not None and self._touched[0] <= begin <= self._touched[1]:
+            begin, end = self._touched[0], max(end, self._touched[1])  # continues the span touched so far
+        else:
+            self._release()
+        self._touched = (begin, end)
+        if end - begin >= WINDOW_BYTES:
+            self._release()
+
+    def _release(self) -> None:
+        if self._touched is not None:
+            begin, end = self._touched
+            page = begin - begin % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, page, end - page)
+            self._touched = None
 
     def close(self) -> None:
         if self._map is not None:

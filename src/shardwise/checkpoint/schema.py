@@ -228,7 +228,7 @@ def parse_index(path: Path, index) -> Index:
 def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool = False, shape=None) -> TensorRecord:
     entry = f.dict({where: entry}, where, "")
     dims = f.list(entry, "shape", where, limit=_MAX_DIMS)
-    got = tuple(f.int(dims, i, 0, _MAX_DIM, f"{where}.shape") for i in range(len(dims)))
+    got = f.ints(dims, 0, _MAX_DIM, f"{where}.shape")
     if shape is not None and got != shape:
         raise f.fail(f"{where}.shape", f"is {list(got)}, its parameter's is {list(shape)}")
     code = f.str(entry, "dtype", 16, where)
@@ -247,7 +247,7 @@ def _tensor(f: Fields, entry, where: str, files: dict, kind: str, *, param: bool
         if file not in files:
             raise f.fail(f"{at}.file", f"names {file!r}, which the index's files do not list")
         bounds = f.list(raw, "rows", at, limit=2)
-        lo, hi = (f.int(bounds, j, 0, rows, f"{at}.rows") for j in range(2)) if len(bounds) == 2 else (0, -1)
+        lo, hi = f.ints(bounds, 0, rows, f"{at}.rows") if len(bounds) == 2 else (0, -1)
         if not lo < hi:
             raise f.fail(f"{at}.rows", f"is {bounds!r}: not rows lo < hi inside the tensor's {rows}")
         chunk = f.int(raw, "chunk", 1, _MAX_DIM, at)
@@ -281,7 +281,7 @@ def _crcs(f: Fields, raw: dict, at: str, expected: int) -> tuple[int, ...]:
     crcs = f.list(raw, "crcs", at)
     if len(crcs) != expected:
         raise f.fail(f"{at}.crcs", f"has {len(crcs)} checksums for {expected} chunks")
-    return tuple(f.int(crcs, i, 0, 2**32 - 1, f"{at}.crcs") for i in range(len(crcs)))
+    return f.ints(crcs, 0, 2**32 - 1, f"{at}.crcs")
 
 
 def _optimizer(f: Fields, raw, params: dict, files: dict, where: str = "optimizer", number: int = 0) -> OptimizerRecord:
