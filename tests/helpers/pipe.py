@@ -44,11 +44,12 @@ def batches_of(sampler: StickySampler, steps: int) -> list[torch.Tensor]:
 
 
 def reference_run(n_layers: int, num_homes: int, steps: int, freezes: dict[int, int] | None = None,
-                  resume: tuple[str, int] | None = None) -> RunResult:
+                  resume: tuple[str, int] | None = None, build=gpt) -> RunResult:
     """One process, whole global batch per step; from step s on, layers [0, freezes[s]) of
     the chain stop training (requires_grad=False: AdamW skips them). `resume=(path, s)`: the model and
-    AdamW load checkpoint `path` (strictly) and run steps s.. only."""
-    model = gpt(n_layers)
+    AdamW load checkpoint `path` (strictly) and run steps s.. only. `build(n_layers)`: the model (the tied
+    GPT; pipe_llama.LlamaLayers), its forward(inputs, targets) the mean loss."""
+    model = build(n_layers)
     inputs, targets = dataset()
     optimizer = make_optimizer(model)
     chain = chain_layers(model)
