@@ -123,8 +123,10 @@ def _agree(run, group, world: int):
 def _check_trainer(trainer) -> None:
     if trainer.config.strategy is None:
         raise ShardwiseError("pipeline checkpoints need sharded stages: build the PipeTrainer with "
-                             "PipelineConfig(strategy='zero1', 'zero2' or 'zero3'); a strategy=None trainer's whole "
-                             "layers are saved by sw.save(path, model) from the model it was built from")
+                             "PipelineConfig(strategy='zero1', 'zero2' or 'zero3'). A strategy=None trainer has no "
+                             "checkpoint of its own: trainer.full_parameters() brings every layer of the model it "
+                             "was built from up to date on every rank, and sw.save(path, model) then saves its "
+                             "parameters (no optimizer state)")
 
 
 def _check_stage(module: nn.Module, optim, names: dict[str, str], what: str) -> None:
