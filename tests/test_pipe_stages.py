@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from helpers.pipe import GLOBAL_BATCH, MICRO, TIED, batches_of, dataset, gpt, reference_run, token_loss
+from helpers.pipe_llama import LlamaLayers
 from shardwise.engine import engine_of
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
@@ -61,45 +62,57 @@ def test_a_grid_that_misses_a_rank_is_refused_on_every_rank(ranks):
 
 # ---- sharded stages against one process --------------------------------------------------------
 
-STEPS = 3
+STEPS = 5
+LLAMA_TIED = "hf.model.embed_tokens.weight"
+MODELS = {"gpt": gpt, "llama": LlamaLayers}  # the tied GPT; a Hugging Face Llama from a config
 
 
 def _sharded_trainer(strategy: str, schedule: str, keep_gathered: bool = True, shards: int | None = None,
-                     repack: bool = True) -> PipeTrainer:
+                     repack: bool = True, model: str = "gpt") -> PipeTrainer:
     inputs, targets = dataset()
     config = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule=schedule, cache=False,
                             strategy=strategy, keep_gathered=keep_gathered, shards=shards, repack=repack)
-    return PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
+    return PipeTrainer(chain_layers(MODELS[model](2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
                        global_batch_size=GLOBAL_BATCH, config=config)
 
 
-def _sharded_on_rank(strategy: str, schedules: list[str], shards: int | None = None
+def _sharded_on_rank(strategy: str, schedules: list[str], shards: int | None = None, model: str = "gpt"
                      ) -> list[tuple[RunResult, torch.Tensor | None]]:
     out = []
     for schedule in schedules:
-        trainer = _sharded_trainer(strategy, schedule, shards=shards)
+        trainer = _sharded_trainer(strategy, schedule, shards=shards, model=model)
         losses = [trainer.step(b) for b in batches_of(trainer.sampler, STEPS)]
-        tie = trainer.local_parameters().get(TIED)  # this rank's rows of the tied weight, on first and last stage
+        # this rank's rows of the tied weight, on the first and the last stage
+        tie = trainer.local_parameters().get(TIED if model == "gpt" else LLAMA_TIED)
         out.append((RunResult(losses, [], trainer.full_parameters()), None if tie is None else tie.clone()))
     return out
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_sharded_stages_match_one_process(ranks, strategy):
+@pytest.mark.parametrize(("model", "strategy"), [
+    ("gpt", "zero1"), ("gpt", "zero2"), ("gpt", "zero3"), ("llama", "zero3"),
+    pytest.param("llama", "zero1", marks=pytest.mark.slow), pytest.param("llama", "zero2", marks=pytest.mark.slow)])
+def test_sharded_stages_match_one_process(ranks, model, strategy):
     """Catches a stage whose gradients are not the mean over its shard ranks' samples, a micro-batch's
     gradient lost or counted twice, and a tied embedding/head whose gradient is not summed across the
     first and last stage (or summed on one of them only): pipe 2 x shard 2 at ws 4, GPipe and 1F1B with 4
-    micro-batches, 3 AdamW steps of the tied GPT equal one process (fp32 1e-5 / 1e-6), and each stage's
-    rows of the tied weight are bitwise equal to the other stage's rows at the same shard coordinate."""
+    micro-batches, 5 AdamW steps equal one process (fp32 1e-5 / 1e-6), and each stage's rows of the tied
+    weight are bitwise equal to the other stage's rows at the same shard coordinate. Models: the tied GPT,
+    and a Hugging Face Llama built from a config (helpers/pipe_llama.py: 2 layers, hidden 32, vocab 64, its
+    embedding tied to its head, rotary positions in every decoder stage), a model the pipeline did not
+    write (its zero1 and zero2 runs are slow)."""
+    _check_sharded_stages(ranks, strategy, model)
+
+
+def _check_sharded_stages(ranks, strategy: str, model: str) -> None:
     schedules = ["gpipe", "1f1b"]
-    results = ranks.run(_sharded_on_rank, 4, strategy, schedules, timeout=180)
-    reference = reference_run(2, num_homes=4, steps=STEPS)
+    results = ranks.run(_sharded_on_rank, 4, strategy, schedules, None, model, timeout=300)
+    reference = reference_run(2, num_homes=4, steps=STEPS, build=MODELS[model])
     for k, schedule in enumerate(schedules):
         for rank, r in enumerate(results):
             try:
                 assert_close_runs(reference, r[k][0])
             except AssertionError as e:
-                raise AssertionError(f"{strategy} {schedule}, rank {rank}: {e}") from None
+                raise AssertionError(f"{model} {strategy} {schedule}, rank {rank}: {e}") from None
         # rank = shard * 2 + stage: ranks 0/1 hold shard 0 of stage 0/1, ranks 2/3 shard 1
         for first, last in [(0, 1), (2, 3)]:
             assert torch.equal(results[first][k][1], results[last][k][1]), f"{strategy} {schedule}: tie drifted"

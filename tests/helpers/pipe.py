@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import shardwise as sw
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.pipeline import StickySampler, chain_layers
 from shardwise.testing import RunResult, make_optimizer
@@ -42,15 +43,24 @@ def batches_of(sampler: StickySampler, steps: int) -> list[torch.Tensor]:
     return out[:steps]
 
 
-def reference_run(n_layers: int, num_homes: int, steps: int, freezes: dict[int, int] | None = None) -> RunResult:
+def reference_run(n_layers: int, num_homes: int, steps: int, freezes: dict[int, int] | None = None,
+                  resume: tuple[str, int] | None = None, build=gpt) -> RunResult:
     """One process, whole global batch per step; from step s on, layers [0, freezes[s]) of
-    the chain stop training (requires_grad=False: AdamW skips them)."""
-    model = gpt(n_layers)
+    the chain stop training (requires_grad=False: AdamW skips them). `resume=(path, s)`: the model and
+    AdamW load checkpoint `path` (strictly) and run steps s.. only. `build(n_layers)`: the model (the tied
+    GPT; pipe_llama.LlamaLayers), its forward(inputs, targets) the mean loss."""
+    model = build(n_layers)
     inputs, targets = dataset()
     optimizer = make_optimizer(model)
     chain = chain_layers(model)
-    losses = []
+    losses, first = [], 0
+    if resume is not None:
+        report = sw.load(resume[0], model, optimizer)
+        assert report.ok, str(report)
+        first = resume[1]
     for step, batch in enumerate(batches_of(StickySampler(NUM_SAMPLES, GLOBAL_BATCH, num_homes=num_homes), steps)):
+        if step < first:
+            continue
         for i in range((freezes or {}).get(step, 0)):
             for _, p in chain.layer_params(i):
                 p.requires_grad_(False)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.checkpoint.commit import SHARED_MARKER, finish_commit, start_commit
@@ -131,10 +132,12 @@ def save(path, model: nn.Module, optim=None, scheduler=None, *,
     return job.path
 
 
-def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob:
+def prepare(path, model, optim, scheduler, keep_last, durable, extra, group=None) -> SaveJob:
     """Check everything that can be refused, the same way on every rank, and start the partial
     directory (a collective); the job then holds every value the save writes. A background
-    save still running is waited for first (its error, if any, raised here)."""
+    save still running is waited for first (its error, if any, raised here). `group`: the ranks
+    that save together when they are more than the model's own (a pipeline's stages, each
+    holding part of the model: pipeline/checkpoint.py); None: the model's group."""
     wait_for_background_save()
     began = time.perf_counter()  # the "start" phase (Note [save phases] in disk.py)
     for key, value in extra.items():
@@ -151,7 +154,8 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra) -> SaveJob
         model, optimizers = view.model, [(None, view.optim)] if optimizers else []
     if keep_last is not None and keep_last < 1:
         raise ShardwiseError(f"keep_last={keep_last} must be at least 1 (or None to keep every checkpoint)")
-    group, rank, world = group_of(model)
+    group, rank, world = group_of(model) if group is None else (group, dist.get_rank(group),
+                                                                 dist.get_world_size(group))
     path = Path(path).absolute()
     partial = path.parent / f".{path.name}.partial"
     infos = shard_info(model)

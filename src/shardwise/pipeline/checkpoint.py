@@ -1,0 +1,270 @@
+"""Checkpoints of sharded pipeline stages: one `sw.save` directory for the whole model, written by every
+stage, that loads into any layout (flat zero1/2/3, one process, another pipe x shard) and back.
+
+Note [stage checkpoints]: the format is sw.save's (checkpoint/save.py), by the model's full parameter
+names, so what loads it does not need to know it was a pipeline. Each rank sees its stage's sharded module
+through a view (`_named_view`: its shards registered under their model names), so the engine's rows of
+each name (its shard coordinate's, Note [rows]) are what the rank writes and reads. A save is one
+collective over the pipeline's group: every rank writes its file of its stage's rows, and rank 0's index
+is the union over the stages (`_union`: every stage's names, shapes and optimizer param groups, gathered
+as JSON), the stages holding disjoint names. A weight tied across stages (Note [ties across stages],
+sharded.py) is one parameter: the first stage holding it writes it and its optimizer rows, the later ones
+leave it out, so the index has one entry and the loader fills both copies from it. A load first matches
+the checkpoint against the union of the stages' names and param groups on every rank (`_check_union`:
+a name no stage holds, one missing, another shape, other param groups: a ShardwiseError on every rank,
+nothing changed); then each stage loads its names through its view (sw.load over its stage's ranks,
+the other stages' names left to them).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.checkpoint.load import load
+from shardwise.checkpoint.names import persistent_buffers
+from shardwise.checkpoint.optim_state import held_params
+from shardwise.checkpoint.ranks import all_gather_object
+from shardwise.checkpoint.report import LoadReport, match
+from shardwise.checkpoint.save import complete, prepare
+from shardwise.checkpoint.sources import open_source
+from shardwise.checkpoint.values import check_like, from_json, like_current, to_json
+from shardwise.engine.protocol import ShardInfo, engine_of
+from shardwise.engine.unit.info import shard_info
+from shardwise.errors import ShardwiseError
+
+STRATEGIES = ("zero1", "zero2", "zero3")
+
+
+def save_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], stage: int, group=None,
+                scheduler=None, keep_last: int | None = None, durable: bool = True, **extra) -> Path:
+    """Save every stage of a sharded pipeline as one checkpoint (Note [stage checkpoints]); every rank of
+    `group` (default: the world) calls it with its stage's module (sharded by sw.shard zero1/2/3), its
+    optimizer, `names` (the module's parameter names -> the model's) and `stage` (its pipe rank)."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    _agree(lambda: _check_stage(module, optim, names, "save"), group, world)
+    mine = [(names[n], p) for n, p in module.named_parameters()]
+    holders = all_gather_object([stage, [n for n, _ in mine]], group, world)
+    first = {}
+    for held_on, held in holders:
+        for name in held:
+            first[name] = min(first.get(name, held_on), held_on)
+    written = [(n, p) for n, p in mine if first[n] == stage]  # a tie: the first stage holding it writes it
+    view = _named_view(written)
+    optim_view = _without(optim, {id(p) for _, p in written}) if optim is not None else None
+    described = _agree(lambda: _describe(written, optim_view), group, world)
+    union = _union(all_gather_object(described, group, world))  # the same on every rank: raises on all
+    job = prepare(path, view, optim_view, scheduler, keep_last, durable, extra, group=group)
+    if job.rank == 0:
+        _fill_union(job, union)
+    complete(job, group)
+    return job.path
+
+
+def load_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], group=None,
+                scheduler=None) -> LoadReport:
+    """Load a checkpoint (of any layout: a pipeline's, a flat model's, one process's) into every stage of a
+    sharded pipeline; every rank of `group` calls it with what it gave `save_stages`. Each stage takes its
+    names, the tie on every stage holding it; anything that cannot load is refused on every rank before
+    any rank changes (Note [stage checkpoints]). Returns this rank's report."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    _agree(lambda: _check_stage(module, optim, names, "load"), group, world)
+    mine = [(names[n], p) for n, p in module.named_parameters()]
+    view = _named_view(mine)
+    union = _union(all_gather_object(_agree(lambda: _describe(mine, optim), group, world), group, world))
+    by_name = dict((id(p), n) for n, p in mine)
+    groups = None if optim is None else [[by_name[id(p)] for p in held_params(g)] for g in optim.param_groups]
+    saved = _agree(lambda: _check_union(path, union, groups), group, world)
+    settings = _agree(lambda: optim and _decode_settings(optim, saved, str(path)), group, world)
+    report = _agree(lambda: load(path, view, optim, scheduler, strict=False, restore_rng=False), group, world)
+    for param_group, values in zip(optim.param_groups if optim is not None else (), settings or ()):
+        param_group.update(values)
+    report.unexpected, report.closest = [], {}  # the other stages' names, loaded by their ranks
+    report.problems = []  # each stage's own param groups are part of the saved union, checked above
+    report.notes.append("a pipeline stage: this rank loaded its stage's names; RNG states are not restored")
+    return report
+
+
+def save_pipeline(path, trainer, scheduler=None, **extra) -> Path:
+    """`save_stages` for a `PipeTrainer` with sharded stages (PipelineConfig(strategy=...))."""
+    _check_trainer(trainer)
+    stage = trainer.layout.coords(trainer.rank)[1]
+    return save_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names, stage=stage,
+                       group=trainer.group, scheduler=scheduler, **extra)
+
+
+def load_pipeline(path, trainer, scheduler=None) -> LoadReport:
+    """`load_stages` for a `PipeTrainer` with sharded stages, optimizer state included."""
+    _check_trainer(trainer)
+    return load_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names,
+                       group=trainer.group, scheduler=scheduler)
+
+
+def _agree(run, group, world: int):
+    """`run()` on this rank, then one agreement over `group`: a ShardwiseError on every rank if it failed
+    on any (a stage-local refusal must not leave the other stages waiting in the next collective)."""
+    result, error = None, None
+    try:
+        result = run()
+    except ShardwiseError as exc:
+        error = str(exc)
+    failed = [(rank, e) for rank, e in enumerate(all_gather_object(error, group, world)) if e is not None]
+    if failed:
+        raise ShardwiseError(failed[0][1] if error is None else error)
+    return result
+
+
+def _check_trainer(trainer) -> None:
+    if trainer.config.strategy is None:
+        raise ShardwiseError("pipeline checkpoints need sharded stages: build the PipeTrainer with "
+                             "PipelineConfig(strategy='zero1', 'zero2' or 'zero3'). A strategy=None trainer has no "
+                             "checkpoint of its own: trainer.full_parameters() brings every layer of the model it "
+                             "was built from up to date on every rank, and sw.save(path, model) then saves its "
+                             "parameters (no optimizer state)")
+
+
+def _check_stage(module: nn.Module, optim, names: dict[str, str], what: str) -> None:
+    engine = engine_of(module)
+    if engine is None or engine.strategy not in STRATEGIES:
+        raise ShardwiseError(f"pipeline checkpoints {what} a stage module sharded by sw.shard(module, "
+                             "strategy='zero1', 'zero2' or 'zero3'); shard the stage first")
+    unnamed = [n for n, _ in module.named_parameters() if n not in names]
+    if unnamed:
+        raise ShardwiseError(f"names= has no model name for the stage's parameters {unnamed[:4]}: pass every "
+                             "parameter's name in the whole model (shard_stage returns them)")
+    buffers = sorted(persistent_buffers(module))
+    if buffers:
+        raise ShardwiseError(f"this stage has persistent buffers {buffers[:4]}: pipeline checkpoints hold "
+                             "parameters and optimizer state only. Register them with persistent=False (and "
+                             "recompute them), or save the stage's buffers yourself")
+    if optim is not None and any(isinstance(g.get("params"), dict) for g in optim.param_groups):
+        raise ShardwiseError("a stage's optimizer must be one torch optimizer over the stage's parameters")
+
+
+def _named_view(named: list[tuple[str, nn.Parameter]]) -> nn.Module:
+    """A module holding `named`'s parameters (this rank's shards) under their model names."""
+    root = nn.Module()
+    for name, param in named:
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if part not in module._modules:
+                try:
+                    module.add_module(part, nn.Module())
+                except KeyError as error:
+                    raise ShardwiseError(f"parameter name {name!r} cannot be a module path ({error})") from None
+            module = module._modules[part]
+        module.register_parameter(leaf, param)
+    return root
+
+
+def _without(optim, kept: set[int]):
+    """A shallow copy of `optim` whose param groups hold only the parameters in `kept` (its state shared)."""
+    view = copy.copy(optim)
+    view.param_groups = [{**group, "params": [p for p in group["params"] if id(p) in kept]}
+                         for group in optim.param_groups]
+    return view
+
+
+def _describe(named: list[tuple[str, nn.Parameter]], optim) -> dict:
+    """This rank's part of the union (JSON): each name's full shape, dtype and requires_grad; each
+    optimizer param group's names and settings."""
+    by_id = {id(p): n for n, p in named}
+    info = shard_info(_named_view(named))
+    params = {n: [list(i.full_shape), str(i.param.dtype).removeprefix("torch."), bool(i.param.requires_grad)]
+              for n, i in info.items()}
+    groups = None
+    if optim is not None:
+        groups = [{"params": [by_id[id(p)] for p in held_params(g) if id(p) in by_id],
+                   "options": to_json({k: v for k, v in g.items() if k != "params"}, f"optimizer param group {i}")}
+                  for i, g in enumerate(optim.param_groups)]
+    return {"params": params, "groups": groups}
+
+
+def _union(parts: list[dict]) -> dict:
+    """Every rank's names and param groups as one model's: disjoint names (a tie once); a group of one
+    stage and a group of another with the same settings are one group (a stage whose layers have no
+    biases has no group for them: grouped_adamw leaves empty groups out). The groups' order is that of
+    the rank with the most groups (a flat model's optimizer then lists them in the same order)."""
+    params, groups = {}, []
+    described = [part["groups"] for part in parts if part["groups"] is not None]
+    for stage_groups in sorted(described, key=len, reverse=True):  # stable: the first rank with the most
+        for group in stage_groups:
+            union = next((u for u in groups if u["options"] == group["options"]), None)
+            if union is None:
+                groups.append(union := {"params": [], "options": group["options"]})
+            union["params"] += [n for n in group["params"] if n not in union["params"]]
+    for part in parts:
+        params.update(part["params"])
+    return {"params": params, "groups": groups if described else None}
+
+
+def _fill_union(job, union: dict) -> None:
+    """Rank 0's index describes every stage (Note [stage checkpoints]): the other stages' names as
+    placeholders that write no rows here, and each optimizer's param groups over all of them."""
+    mesh = next((info.mesh for info in job.infos.values()), None)
+    for name, (shape, dtype, requires_grad) in union["params"].items():
+        if name in job.infos:
+            continue
+        placeholder = torch.empty(shape, dtype=getattr(torch, dtype), device="meta").requires_grad_(requires_grad)
+        job.infos[name] = ShardInfo(placeholder, torch.Size(shape), 0, 0, (), mesh)
+    for plan in job.plans:
+        plan["groups"] = union["groups"]
+
+
+def _check_union(path, union: dict, mine: list[list[str]] | None) -> list[dict] | None:
+    """Refuse, before any rank loads, a checkpoint that does not fit the stages together: names missing,
+    unexpected or of another shape against the union of the stages' names; with an optimizer (`mine`: this
+    rank's param groups by name), no optimizer state, or a group of this rank's whose parameters the saved
+    optimizer has in several groups. Returns the saved settings of each of this rank's groups."""
+    source = open_source(path, lambda name: name)
+    try:
+        report = LoadReport(source.description)
+        match(source, {n: (tuple(shape), [n]) for n, (shape, _, _) in union["params"].items()}, report)
+        if report.missing or report.unexpected or report.mismatched:
+            raise ShardwiseError(f"{report}\nthe checkpoint does not hold this pipeline's model: its names and shapes "
+                                 "differ from the union of the stages' (load it into the model it was saved from, "
+                                 "or pass each stage's names as the whole model calls them)")
+        if mine is None:
+            return None
+        saved = source.optimizers
+        if not saved:
+            raise ShardwiseError(f"{source.description} holds no optimizer state (saved without optim=): load the "
+                                 "model alone (load_stages(path, module, None, names=...)) and start the optimizer "
+                                 "fresh")
+        if len(saved) != 1:
+            raise ShardwiseError(f"{source.description} holds {len(saved)} optimizer states; a pipeline's stages "
+                                 "load one (saved with optim= one optimizer; load the model alone with optim=None)")
+        settings = []
+        for index, names in enumerate(mine):
+            found = {j for j, group in enumerate(saved[0].groups) for n in names if n in group.params}
+            if len(found) > 1 or names and not found:
+                raise ShardwiseError(f"{source.description}: this stage's optimizer param group {index} holds "
+                                     f"parameters the saved optimizer has in {len(found) or 'no'} groups: build each "
+                                     "stage's optimizer with the factory the checkpoint was saved with")
+            settings.append(saved[0].groups[found.pop()].options if found else None)
+        return settings
+    finally:
+        source.close()
+
+
+def _decode_settings(optim, saved: list[dict | None], where: str) -> list[dict]:
+    """Each of `optim`'s groups' saved settings (those of the saved group that holds its parameters: sw.load
+    pairs groups by position, which a stage's fewer groups do not follow), decoded and checked against the
+    current ones; applied after the load."""
+    out = []
+    for index, (group, options) in enumerate(zip(optim.param_groups, saved)):
+        settings = {}
+        for key, value in (options or {}).items():
+            what = f"{where}: optimizer param group {index}'s {key!r}"
+            decoded = from_json(value, where=what)
+            check_like(decoded, group.get(key), what)
+            settings[key] = like_current(decoded, group.get(key))
+        out.append(settings)
+    return out
