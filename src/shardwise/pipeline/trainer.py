@@ -50,7 +50,6 @@ from shardwise.pipeline.sharded import (
     freeze_shards,
     reduce_tied,
     shard_stage,
-    tie_groups,
 )
 
 
@@ -276,9 +275,7 @@ class PipeTrainer:
         (`pipe x replicate`, one shard: whole copies), whose data-parallel group the engine averages the
         replicas' gradients over (Note [whole replicas], engine/optim/replica_grads.py)."""
         chain, (start, end) = self.chain, layout.bounds[stage]
-        grid = layout.grid(self.global_ranks, 1)
-        self.mesh = ParallelLayout.pipelined(grid)
-        ties = tie_groups(grid, tie_sets, stage, (self.mesh.replicate_rank, self.mesh.shard_rank))
+        self.mesh = ParallelLayout.pipelined(layout.grid(self.global_ranks, 1), ties=tie_sets)
         named = {n: p for i in range(start, end) for n, p in chain.layer_params(i) if p.requires_grad}
         self._named = list(named.items())
         self.optimizer = self.make_optimizer(self._named) if self._named else None
@@ -287,7 +284,7 @@ class PipeTrainer:
                 self.optimizer.state[p] = states[name]
         by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
         self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
-                              for stages, group in sorted(ties.items())]
+                              for stages, group in sorted(self.mesh.tie_groups.items())]
         module = nn.Sequential(*chain.layers[start:end])
         return PipelineStage(module, stage, layout.num_stages, self.device, group=self.mesh.pipe_group)
 
@@ -295,8 +292,7 @@ class PipeTrainer:
         """A zero strategy: this rank's stage sharded over the stage's ranks (Note [sharded stages]), taking
         its rows of the full optimizer `states` a re-pack brought (Note [re-pack through the layout])."""
         grid = layout.grid(self.global_ranks, self.config.shards or layout.num_replicas)
-        self.mesh = ParallelLayout.pipelined(grid)
-        ties = tie_groups(grid, tie_sets, stage, (self.mesh.replicate_rank, self.mesh.shard_rank))
+        self.mesh = ParallelLayout.pipelined(grid, ties=tie_sets)
         start, end = layout.bounds[stage]
         self.stage_module, self._local_names = shard_stage(self.chain.layers[start:end], self._names,
                                                             self.config.strategy, self.mesh)
@@ -306,7 +302,7 @@ class PipeTrainer:
             load_rows(self.stage_module, self._local_names, self.optimizer, states)
         by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
         self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
-                              for stages, group in sorted(ties.items())]
+                              for stages, group in sorted(self.mesh.tie_groups.items())]
         return ShardedStage(self.stage_module, stage, layout.num_stages, self.device, group=self.mesh.pipe_group,
                             keep_gathered=self.config.keep_gathered)
 
