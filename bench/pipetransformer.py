@@ -232,8 +232,9 @@ def worker(args) -> None:
 
 def launch(args, argv: list[str]) -> dict:
     os.makedirs(args.out, exist_ok=True)
+    # "--": torchrun's parser would read our --nproc as an ambiguous abbreviation of its own --nproc-per-node.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-           __file__, "--worker", *argv]
+           "--", __file__, "--worker", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
     subprocess.run(cmd, env=env, check=True)

@@ -48,6 +48,28 @@ def test_different_datasets_on_the_ranks_are_refused(ranks):
         assert message is not None and "different datasets" in message, message
 
 
+def _subgroup_on_rank() -> str | None:
+    """Rank 0 builds a trainer over a group of itself alone; rank 1 builds none."""
+    inputs, targets = dataset()
+    alone = dist.new_group([0])
+    if dist.get_rank() != 0:
+        return None
+    try:
+        PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets, group=alone,
+                    global_batch_size=GLOBAL_BATCH, config=PipelineConfig(num_stages=1, num_microbatches=MICRO))
+    except sw.ShardwiseError as error:
+        return str(error)
+    return None
+
+
+def test_a_group_smaller_than_the_world_is_refused(ranks):
+    """Catches a hang: the layout's groups are collectives of the world (the engine's
+    ParallelLayout.pipelined), so a trainer over a smaller group waited for ranks that never came.
+    It is refused, naming the fix."""
+    message = ranks.run(_subgroup_on_rank, 2, timeout=60)[0]
+    assert message is not None and "drop group=" in message.lower(), message
+
+
 def _parity_on_rank(num_stages: int, schedules: list[str], steps: int) -> list[tuple[RunResult, torch.Tensor | None]]:
     out = []
     for schedule in schedules:

@@ -1,5 +1,6 @@
-"""Collectives of the pipeline outside the schedule: the gradient reduce after each step,
-and moving parameters and optimizer state between ranks when the layout changes.
+"""Collectives of the pipeline outside the schedule: moving parameters and optimizer state between
+ranks when the layout changes. Gradients are the engine's to reduce (Note [whole replicas],
+engine/optim/replica_grads.py; Note [sharded stages], sharded.py): nothing here averages them.
 
 Kept apart from the trainer so that what crosses the wire, and in which order, reads in
 one place. Every function here is called by all ranks of the groups it names, in the
@@ -8,7 +9,7 @@ same order on each (a rank in two groups meets each group's peers in the same or
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,43 +19,6 @@ from shardwise.errors import ShardwiseError
 from shardwise.wire.messages import broadcast_json
 
 State = dict[str, dict[str, Any]]  # parameter name -> that parameter's optimizer state
-
-
-def _flat_grads(params: Sequence[nn.Parameter]) -> Tensor:
-    # A parameter the step did not reach has no gradient; it contributes zeros.
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-
-
-def _write_back_grads(params: Sequence[nn.Parameter], flat: Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
-def reduce_gradients(
-    data_params: Sequence[nn.Parameter],
-    data_group: dist.ProcessGroup | None,
-    tied: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]],
-    num_replicas: int,
-) -> None:
-    """Make every rank's gradients the global batch's.
-
-    Each replica's gradient is the mean over its micro-batches of its slice. Parameters
-    held by one stage: averaged over replicas (`data_group`). Parameters tied across
-    stages (Note [tied params] in layers.py): summed over every rank holding a copy, all
-    stages and replicas, then divided by the replica count, i.e. the sum over stages of
-    the replica mean, so each copy gets the whole gradient and the copies stay equal.
-    """
-    if data_params and data_group is not None and num_replicas > 1:
-        flat = _flat_grads(data_params)
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=data_group)
-        _write_back_grads(data_params, flat)
-    for params, group in tied:
-        flat = _flat_grads(params)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        _write_back_grads(params, flat / num_replicas)
 
 
 def broadcast_entries(

@@ -1,5 +1,5 @@
-"""Which rank runs which layers: a `Layout` (frozen prefix, stages, replicas), how to plan
-one, and the process groups it needs.
+"""Which rank runs which layers: a `Layout` (frozen prefix, stages, replicas) and how to plan
+one. Its process groups are the engine layout's (`Layout.grid` -> `ParallelLayout.pipelined`).
 
 Ranks are numbered replica-major: rank = replica * num_stages + stage, so each replica's
 pipeline is a run of consecutive ranks and re-packing to fewer stages turns the freed
@@ -17,9 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch.distributed as dist
-
-from shardwise.engine.layout.groups import make_group
 from shardwise.errors import ShardwiseError
 from shardwise.pipeline.balance import partition, stage_costs
 from shardwise.pipeline.layers import LayerChain
@@ -109,45 +106,3 @@ def plan_layout(
         )
     bounds = tuple((num_frozen + a, num_frozen + b) for a, b in partition(active, chosen))
     return Layout(num_frozen, bounds, world_size // chosen)
-
-
-@dataclass
-class LayoutGroups:
-    """The process groups this rank needs under a layout (global ranks in each `*_ranks`)."""
-
-    pipe: dist.ProcessGroup
-    pipe_ranks: list[int]
-    data: dist.ProcessGroup | None
-    data_ranks: list[int]
-    tie: dict[tuple[int, ...], dist.ProcessGroup]
-
-
-def build_groups(layout: Layout, tie_stage_sets: Sequence[tuple[int, ...]], global_ranks: list[int],
-                 my_rank: int) -> LayoutGroups:
-    """Create every group of `layout` (a collective: all ranks call it, in the same order)
-    and return the ones `my_rank` (a group rank) belongs to.
-
-    pipe: one replica's stages in order; data: one stage's copies across replicas;
-    tie: for each set of stages sharing a tied parameter, every replica's ranks of those stages.
-    """
-    replica, stage = layout.coords(my_rank)
-    num_stages, num_replicas = layout.num_stages, layout.num_replicas
-    mine: dict = {"tie": {}}
-    for r in range(num_replicas):
-        ranks = [global_ranks[layout.rank_of(r, s)] for s in range(num_stages)]
-        group = make_group(ranks)
-        if r == replica:
-            mine["pipe"], mine["pipe_ranks"] = group, ranks
-    mine["data"], mine["data_ranks"] = None, [global_ranks[my_rank]]
-    if num_replicas > 1:
-        for s in range(num_stages):
-            ranks = [global_ranks[layout.rank_of(r, s)] for r in range(num_replicas)]
-            group = make_group(ranks)
-            if s == stage:
-                mine["data"], mine["data_ranks"] = group, ranks
-    for stages in sorted(set(tie_stage_sets)):
-        ranks = sorted(global_ranks[layout.rank_of(r, s)] for r in range(num_replicas) for s in stages)
-        group = make_group(ranks)
-        if stage in stages:
-            mine["tie"][stages] = group
-    return LayoutGroups(**mine)

@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
 from shardwise.engine import full_parameters, shard
-from shardwise.engine.layout.groups import make_group
 from shardwise.engine.optim.grads import no_sync
 from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
@@ -95,21 +94,6 @@ def shard_stage(layers: Sequence[nn.Module], names: dict[int, str], strategy: st
     local = {local_name: names[id(p)] for local_name, p in module.named_parameters()}
     shard(module, strategy=strategy, units=list(layers), **layout.shard_arguments(), **shard_options)
     return module, local
-
-
-def tie_groups(grid, stage_sets: Sequence[tuple[int, ...]], my_stage: int, coordinate: tuple[int, int]):
-    """For each set of stages sharing a weight, the group of this rank's (replica, shard) coordinate across
-    those stages (Note [ties across stages]); a collective: every rank makes every group, in one order."""
-    mine = {}
-    me = dist.get_rank()
-    for stages in sorted(set(stage_sets)):
-        for r, row in enumerate(grid[0]):
-            for k in range(len(row)):
-                ranks = [grid[s][r][k] for s in stages]
-                group = make_group(ranks, like=dist.group.WORLD, what="a tie group" if me in ranks else None)
-                if my_stage in stages and (r, k) == coordinate:
-                    mine[stages] = group
-    return mine
 
 
 def reduce_tied(tied: Sequence[tuple[Sequence[nn.Parameter], dist.ProcessGroup]]) -> None:

@@ -7,10 +7,11 @@ One step, on every rank:
   2. torch.distributed.pipelining runs the micro-batches through the stages (GPipe or
      1F1B); the last stage computes the loss; gradients come out as the mean over
      micro-batches (the schedule's scale_grads);
-  3. strategy None: gradients are averaged over replicas and tied copies summed across
-     stages (`_moves.reduce_gradients`); a zero strategy: the engine reduced each stage's
-     gradients over its ranks and only a tie's rows are summed across stages
-     (`sharded.reduce_tied`); then each rank steps its own optimizer;
+  3. the engine reduces each stage's gradients over the stage's data-parallel ranks: with
+     strategy None it averages the whole replicas' gradients after the schedule (Note [whole
+     replicas], engine/optim/replica_grads.py), with a zero strategy each unit's rows during the
+     last backward; then a weight tied across stages has its reduced gradient summed across the
+     stages holding it (`sharded.reduce_tied`), and each rank steps its own optimizer;
   4. the loss (global mean) is all-reduced, so every rank returns the same number.
 
 With strategy None every rank builds the whole model, and every layer's values are brought
@@ -33,22 +34,22 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
 from shardwise.engine.layout.parallel_layout import ParallelLayout
+from shardwise.engine.optim.replica_grads import average_replica_gradients
 from shardwise.engine.schedule.consistency import differs_across_ranks
 from shardwise.errors import ShardwiseError
-from shardwise.pipeline._moves import State, broadcast_entries, reduce_gradients
+from shardwise.pipeline._moves import State, broadcast_entries
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
 from shardwise.pipeline.cache import ActivationCache, StickySampler
 from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig
 from shardwise.pipeline.freeze import FreezePolicy, GradNormWindow
 from shardwise.pipeline.layers import LayerChain
-from shardwise.pipeline.layout import Layout, LayoutGroups, build_groups, plan_layout
+from shardwise.pipeline.layout import Layout, plan_layout
 from shardwise.pipeline.repack import Skeleton, gather_full, load_rows, rebuilt_chain
 from shardwise.pipeline.sharded import (
     ShardedStage,
     freeze_shards,
     reduce_tied,
     shard_stage,
-    tie_groups,
 )
 
 
@@ -59,8 +60,9 @@ class PipeTrainer:
     rank's optimizer from its (name, parameter) list; it is called again after each
     re-pack, and state moves with the parameters. `global_batch_size` must be a multiple
     of world size x num_microbatches. `freeze`: the policy consulted at each epoch's end
-    (default: manual only, via `freeze`). Every method is a collective: call it on every
-    rank of `group`.
+    (default: manual only, via `freeze`). `group`: every rank of the world (a smaller group is
+    refused: the layout's groups are made by every rank). Every method is a collective: call it
+    on every rank of `group`.
     """
 
     def __init__(
@@ -89,8 +91,12 @@ class PipeTrainer:
                 f"global_batch_size={global_batch_size} must be a multiple of world size x num_microbatches "
                 f"= {self.world_size * config.num_microbatches} (any re-packed layout splits it evenly)"
             )
+        if self.world_size != dist.get_world_size():  # the layout's groups are made by every rank of the world
+            raise ShardwiseError(f"the pipeline runs over every rank of the world ({dist.get_world_size()}), not a "
+                                 f"group of {self.world_size}: its layout's groups are collectives of the world "
+                                 "(ParallelLayout.pipelined). Drop group=")
         if config.strategy is not None:
-            _check_sharded(config, freeze, self.world_size, dist.get_world_size())
+            _check_sharded(config, freeze, self.world_size)
         if config.num_stages > chain.num_layers:
             raise ShardwiseError(f"{chain.num_layers} layers cannot fill {config.num_stages} stages")
         if differs_across_ranks([inputs, targets], self.group):  # each stage reads its own rank's copy
@@ -132,10 +138,9 @@ class PipeTrainer:
         args = (self._stage_input(mine),) if first else ()
         kwargs = {"target": self.targets[mine], "losses": losses} if last else {}
         self._schedule.step(*args, **kwargs)
-        if self.config.strategy is None:
-            reduce_gradients(self._data_params, self.groups.data, self._tied_buckets, self.layout.num_replicas)
-        else:  # the engine reduced each stage's gradients; a tie's stages sum theirs (Note [ties across stages])
-            reduce_tied(self._tied_buckets)
+        if self.config.strategy is None:  # whole replicas: the engine averages them (Note [whole replicas])
+            average_replica_gradients([p for _, p in self._named], self.mesh)
+        reduce_tied(self._tied_buckets)  # a tie's stages sum their reduced gradients (Note [ties across stages])
         self._record_grad_norms()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -159,7 +164,7 @@ class PipeTrainer:
     def end_epoch(self) -> int:
         """Give the policy this epoch's gradient norm per layer and apply its decision;
         returns the frozen prefix length."""
-        copies = self.layout.num_replicas if self.config.strategy is None else self.mesh.replicate_world
+        copies = self.mesh.replicate_world  # each layer's norm is read from every replica's copy of its rows
         self.policy.record(self._norms.window(self.group, copies))  # each layer's rows live on its stage
         self._norms = GradNormWindow(self.chain.num_layers)
         target = self.policy.update(self.chain.num_layers)
@@ -266,27 +271,28 @@ class PipeTrainer:
         self._update_cache(old, layout)
 
     def _whole_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> PipelineStage:
-        """Strategy None: this rank's layers whole, its own optimizer, copies' gradients reduced by _moves."""
+        """Strategy None: this rank's layers whole, its own optimizer; the groups are the engine layout's
+        (`pipe x replicate`, one shard: whole copies), whose data-parallel group the engine averages the
+        replicas' gradients over (Note [whole replicas], engine/optim/replica_grads.py)."""
         chain, (start, end) = self.chain, layout.bounds[stage]
-        self.groups: LayoutGroups = build_groups(layout, tie_sets, self.global_ranks, self.rank)
+        self.mesh = ParallelLayout.pipelined(layout.grid(self.global_ranks, 1), ties=tie_sets)
         named = {n: p for i in range(start, end) for n, p in chain.layer_params(i) if p.requires_grad}
         self._named = list(named.items())
         self.optimizer = self.make_optimizer(self._named) if self._named else None
         for name, p in self._named:
             if states.get(name):
                 self.optimizer.state[p] = states[name]
-        self._data_params = [p for n, p in self._named if len(holders[n]) == 1]
-        self._tied_buckets = [([p for n, p in self._named if holders[n] == stages], group)
-                              for stages, group in sorted(self.groups.tie.items())]
+        by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
+        self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
+                              for stages, group in sorted(self.mesh.tie_groups.items())]
         module = nn.Sequential(*chain.layers[start:end])
-        return PipelineStage(module, stage, layout.num_stages, self.device, group=self.groups.pipe)
+        return PipelineStage(module, stage, layout.num_stages, self.device, group=self.mesh.pipe_group)
 
     def _sharded_stage(self, layout: Layout, stage: int, tie_sets, holders, states: State) -> ShardedStage:
         """A zero strategy: this rank's stage sharded over the stage's ranks (Note [sharded stages]), taking
         its rows of the full optimizer `states` a re-pack brought (Note [re-pack through the layout])."""
         grid = layout.grid(self.global_ranks, self.config.shards or layout.num_replicas)
-        self.mesh = ParallelLayout.pipelined(grid)
-        ties = tie_groups(grid, tie_sets, stage, (self.mesh.replicate_rank, self.mesh.shard_rank))
+        self.mesh = ParallelLayout.pipelined(grid, ties=tie_sets)
         start, end = layout.bounds[stage]
         self.stage_module, self._local_names = shard_stage(self.chain.layers[start:end], self._names,
                                                             self.config.strategy, self.mesh)
@@ -296,7 +302,7 @@ class PipeTrainer:
             load_rows(self.stage_module, self._local_names, self.optimizer, states)
         by_name = sorted(self._named, key=lambda item: item[0])  # the same order on every stage of a tie
         self._tied_buckets = [([p for n, p in by_name if holders[n] == stages], group)
-                              for stages, group in sorted(ties.items())]
+                              for stages, group in sorted(self.mesh.tie_groups.items())]
         return ShardedStage(self.stage_module, stage, layout.num_stages, self.device, group=self.mesh.pipe_group,
                             keep_gathered=self.config.keep_gathered)
 
@@ -370,12 +376,9 @@ class PipeTrainer:
             self._norms.record(self._owned_params, self._owned_layers)
 
 
-def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_size: int, world: int) -> None:
+def _check_sharded(config: PipelineConfig, freeze: FreezePolicy | None, group_size: int) -> None:
     """What sharded stages do not take yet, refused on every rank alike (the arguments are everyone's)."""
     data = group_size // config.num_stages
-    if group_size != world:
-        raise ShardwiseError(f"sharded stages (strategy={config.strategy!r}) run over every rank of the world "
-                             f"({world}), not a group of {group_size}: drop group=")
     if data % (config.shards or data) != 0:
         raise ShardwiseError(f"PipelineConfig.shards={config.shards} must divide the {data} ranks of each stage")
     if freeze is not None and freeze.threshold is not None and not config.repack:

@@ -52,7 +52,9 @@ part alone, exactly as a flat or hybrid layout does: the stage's module is shard
 engine never sees the other stages. `pipe_group` holds one rank of every stage at this rank's
 (replica, shard) coordinate: the ranks a micro-batch's activations travel through, and the ranks that
 hold the same rows of a parameter tied across stages (the same shard coordinate of the same shape:
-Note [rows]). Every group is made here, through groups.make_group, by every rank in one order.
+Note [rows]); `tie_groups` holds, for each set of stages sharing such a parameter, this coordinate's ranks
+of those stages, over which its reduced rows are summed (Note [ties across stages], pipeline/sharded.py).
+Every group is made here, through groups.make_group, by every rank in one order.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class ParallelLayout:
     tensor_group: dist.ProcessGroup | None = None  # sw.slice's group: ranks holding other slices (None: unsliced)
     tensor_rank: int = 0
     tensor_world: int = 1
+    tie_groups: dict = field(default_factory=dict)  # stages sharing a weight -> their ranks at this coordinate
     _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
 
     @classmethod
@@ -105,9 +108,10 @@ class ParallelLayout:
                    dist.get_world_size(replicate), mesh)
 
     @classmethod
-    def pipelined(cls, grid, *, what: str = "a pipeline group") -> ParallelLayout:
+    def pipelined(cls, grid, *, ties=(), what: str = "a pipeline group") -> ParallelLayout:
         """This rank's place in the `pipe x replicate x shard` grid of global ranks `grid[stage][replica][shard]`
-        (Note [pipe dimension]). A collective over every rank of the world: each makes every group, in one order."""
+        (Note [pipe dimension]), with a tie group for each set of stages in `ties` (stage indices sharing a
+        weight). A collective over every rank of the world: each makes every group, in one order."""
         stages, me = _check_grid(grid), dist.get_rank()
         where = [(s, r, k) for s, plane in enumerate(stages) for r, row in enumerate(plane) for k, rank in
                  enumerate(row) if rank == me]
@@ -131,6 +135,13 @@ class ParallelLayout:
                 pipe = made([plane[r][k] for plane in stages])
                 if (r, k) == (replica, shard):
                     mine["pipe_group"] = pipe
+        tie_groups = {}
+        for tied in sorted(set(ties)):  # each coordinate's ranks of the stages sharing a weight
+            for r in range(num_replicas):
+                for k in range(num_shards):
+                    group = made([stages[s][r][k] for s in tied])
+                    if stage in tied and (r, k) == (replica, shard):
+                        tie_groups[tied] = group
         mesh = None
         if num_replicas > 1:  # the engine's hybrid route takes a 2-D mesh of the stage's own groups
             device_type = "cuda" if dist.get_backend(mine["group"]) == "nccl" else "cpu"
@@ -138,7 +149,7 @@ class ParallelLayout:
                                          mesh=torch.tensor(stages[stage]), mesh_dim_names=MESH_NAMES)
         return cls(mine["group"], mine["shard_group"], shard, num_shards,
                    mine["replicate_group"] if num_replicas > 1 else None, replica, num_replicas, mesh,
-                   mine["pipe_group"], stage, len(stages))
+                   mine["pipe_group"], stage, len(stages), tie_groups=tie_groups)
 
     def shard_arguments(self) -> dict:
         """What `sw.shard` takes to shard a module over this rank's stage (its data-parallel part):
