@@ -8,7 +8,7 @@ soon as its final value exists; the engine keeps this rank's rows and lets the r
 parameters are never delivered: their initializing operations run (every random draw happens in the
 eager order, so the values equal eager init with the same seed, at any layout), each on one tensor that is
 freed at its last use, and their parameters stay on the meta device. So a rank's peak while the pipeline
-is built is its stage's shards plus one unit's full values (plus one tensor of another stage at a time),
+is built is its stage's shards plus one tensor (the parameter being made real, of its stage or another),
 not the model: a model that fits only across the ranks is built without ever existing whole on one.
 
 Every rank replays the same log from the same random state, so the values agree without the broadcast
