@@ -69,6 +69,9 @@ def add_commands(commands) -> None:
                           "sharded over --shards of its ranks: the per-rank table of each stage (estimate/pipe.py)")
     est.add_argument("--shards", type=int, default=None,
                      help="with --pipe: ranks each stage is sharded over (default: all of the stage's)")
+    est.add_argument("--regather", action="store_true",
+                     help="with --pipe and zero3: each micro-batch gathers the units again, "
+                          "PipelineConfig(keep_gathered=False) (default: the whole stage stays gathered in a step)")
     _add_common(est)
     pl = commands.add_parser(
         "plan", help="the cheapest configuration that fits a per-rank memory budget, and why others do not",
@@ -245,7 +248,8 @@ def _print_plan(model, extra: dict, args) -> int:
 def _print_pipe(model, args, runtime: int) -> int:
     """`shardwise estimate --pipe STAGES`: each stage's per-rank table (Note [pipe estimate])."""
     est = estimate_pipe(model, args.strategy, args.world_size, args.pipe, shards=args.shards,
-                        precision=args.precision, optimizer=args.optimizer, runtime=runtime)
+                        precision=args.precision, optimizer=args.optimizer, runtime=runtime,
+                        keep_gathered=not args.regather)
     if args.json:
         print(json.dumps(dict(label=est.label, total=est.total, bounds=est.bounds, build_bytes=est.build_bytes,
                               stages=[_as_json(stage) for stage in est.stages])))
@@ -267,15 +271,17 @@ def _print_pipe_rows(model, memory: int, args, runtime: int, propose: bool) -> b
     if propose and not fitting:
         return False
     best = fitting[0] if propose else None
-    print("pipe x shard (shardwise.pipeline, stages sharded; activations not counted):")
+    print("pipe x shard (shardwise.pipeline, stages sharded, zero3 with keep_gathered=False; activations not "
+          "counted):")
     width = max((len(est.label) for est, _ in options), default=0) + 2
     for est, fits in options:
         mark = "fits  <- cheapest that fits" if est is best else ("fits" if fits else "does not fit")
         print(f"  {est.label:<{width}}{est.total / MIB:>10,.0f} MiB   {mark}")
     if best is None:
         return False
-    print(f'use: PipelineConfig(num_stages={best.num_stages}, strategy="{best.strategy}") with the model built '
-          "under sw.deferred_init() (docs/pipeline.md): each rank materializes its stage's rows only")
+    regather = ", keep_gathered=False" if best.strategy == "zero3" else ""
+    print(f'use: PipelineConfig(num_stages={best.num_stages}, strategy="{best.strategy}"{regather}) with the model '
+          "built under sw.deferred_init() (docs/pipeline.md): each rank materializes its stage's rows only")
     return True
 
 

@@ -7,6 +7,7 @@ ranks as `sw.shard` shards any module, so its model state is `estimate`'s for th
 world size K, unit by unit (each layer a unit, as `shard_stage` cuts it; the stage's root holds nothing).
 The stages are cut as the trainer cuts them (balance by parameter count); a weight tied across the first
 and last stage counts on both. A rank's figure is its own stage's; the layout's is the heaviest stage's.
+zero3 with `keep_gathered` (the default) holds the whole stage gathered during a step, counted on top.
 Activations are not counted: a stage holds each micro-batch in flight of its layers' activations (GPipe:
 all M of a step; 1F1B: up to S), which the probe does not measure yet; pass a lower budget for them.
 While the pipeline is built under `sw.deferred_init()`, a rank's peak is its stage's shards plus the
@@ -16,7 +17,7 @@ model's largest tensor (`build_bytes`, besides the runtime): tests/test_pipe_mem
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -72,16 +73,19 @@ class PipeEstimate:
             lines.append(f"  {name:<26}" + "".join(f"{e.rows()[index][1] / MIB:>10,.1f}" for e in self.stages))
         lines.append(f"  {'building it (deferred)':<26}" + "".join(f"{b / MIB:>10,.1f}" for b in self.build_bytes))
         lines.append("  layers per stage: " + ", ".join(f"[{a}, {b})" for a, b in self.bounds))
+        lines += [f"  note: {note}" for note in self.stages[0].notes if note.startswith("keep_gathered")]
         lines.append("  note: activations not counted (each micro-batch in flight holds its stage's; Note [pipe "
                      "estimate])")
         return "\n".join(lines)
 
 
 def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: int, *, shards: int | None = None,
-                  precision: str = "fp32", optimizer: str = "adamw", runtime: int | None = None) -> PipeEstimate:
+                  precision: str = "fp32", optimizer: str = "adamw", runtime: int | None = None,
+                  keep_gathered: bool = True) -> PipeEstimate:
     """Predict what one rank holds when `model` (built on meta: only shapes are read) trains as a pipeline
     of `num_stages` stages over `world_size` ranks, each stage sharded `strategy` over `shards` ranks (None:
-    all of the stage's), as `PipelineConfig(num_stages=, strategy=, shards=)` runs it (Note [pipe estimate])."""
+    all of the stage's), as `PipelineConfig(num_stages=, strategy=, shards=, keep_gathered=)` runs it (Note [pipe
+    estimate]). zero3 with `keep_gathered` holds its whole stage gathered during a step."""
     # Imported here: shardwise.pipeline loads torch.distributed.pipelining (1.5 s), which `import shardwise`
     # (and so sw.estimate_pipe's module) should not pay for.
     from shardwise.pipeline import chain_layers, param_costs
@@ -106,9 +110,21 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
         layers = chain.layers[start:end]
         stage = nn.Sequential(*layers)  # what shard_stage shards: each layer a unit, the root holds nothing
         est = estimate(stage, strategy, shards, precision, optimizer, units=list(layers), runtime=runtime)
+        if strategy == "zero3" and keep_gathered:
+            est = _kept_gathered(est, stage, shards, precision)
         stages.append(est)
         built.append(_build_bytes(stage, shards, model))
     return PipeEstimate(strategy, world_size, num_stages, shards, tuple(bounds), tuple(stages), tuple(built))
+
+
+def _kept_gathered(est: MemoryEstimate, stage: nn.Module, shards: int, precision: str) -> MemoryEstimate:
+    """zero3 under keep_gathered (Note [micro-batches keep their gathers], schedule/driver.py): every unit of
+    the stage stays whole from its first gather to the step's reduce. Counted on top of the step's usual
+    buffers (which already hold up to 3 units whole): an upper bound by those units."""
+    c = 2 if precision in ("bf16", "fp16") else 4
+    whole = c * sum(shards * shard_numel(p.shape, shards) for p in stage.parameters())
+    return replace(est, gather_buffers=est.gather_buffers + whole, notes=est.notes + (
+        "keep_gathered: the whole stage gathered during a step (keep_gathered=False re-gathers per micro-batch)",))
 
 
 def _build_bytes(stage: nn.Module, shards: int, model: nn.Module) -> int:
@@ -120,6 +136,7 @@ def _build_bytes(stage: nn.Module, shards: int, model: nn.Module) -> int:
 
 def plan_pipe(model: nn.Module, memory: int, world_size: int, *, precision: str = "fp32",
               optimizer: str = "adamw", runtime: int | None = None) -> list[tuple[PipeEstimate, bool]]:
+    # zero3 rows re-gather per micro-batch (keep_gathered=False): the layout that fits is the point here.
     """Every pipe x shard layout of `world_size` ranks (2 stages or more; each stage sharded over all of its
     ranks), cheapest first (zero1, zero2, zero3; fewer stages first: a shorter pipeline has less bubble), with
     whether it fits `memory` bytes per rank. Layouts the model has too few layers for are left out."""
@@ -131,6 +148,6 @@ def plan_pipe(model: nn.Module, memory: int, world_size: int, *, precision: str 
         for stages in range(2, min(world_size, chain_length) + 1):
             if world_size % stages == 0:
                 est = estimate_pipe(model, strategy, world_size, stages, precision=precision, optimizer=optimizer,
-                                    runtime=runtime)
+                                    runtime=runtime, keep_gathered=False)
                 options.append((est, est.total <= memory))
     return options
