@@ -5,11 +5,14 @@
     python bench/max_model.py --budget 3GiB --configs zero3,zero3_bf16
     python bench/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
     python bench/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
+    python bench/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
+    python bench/max_model.py --merge /tmp/mm                                    # then added to the results
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
-shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward.
+shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward,
+and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms]).
 `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
@@ -67,7 +70,19 @@ CONFIGS = {
     "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
     "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
     "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
+    "pipe2_zero3": ("shardwise pipeline: pipe 2 × zero3 2", "zero3", "fp32", False),
+    "pipe2_whole": ("shardwise pipeline: pipe 2 × 2 replicas, whole copy per rank", "ddp", "fp32", False),
 }
+# Note [pipeline arms]: shardwise.pipeline's PipeTrainer at 2 stages (world size / 2 ranks each), the global
+# batch of the flat rows (batch × world size sequences) in one GPipe micro-batch, so each rank runs as many
+# sequences through its layers as a flat rank does through all of them. pipe2_zero3 shards each stage zero3
+# over its 2 ranks and builds the model under sw.deferred_init() (each rank materializes its stage's rows,
+# Note [stage init]), with keep_gathered=False: the default keeps the whole stage gathered through a step
+# (one micro-batch here gains nothing from it; at 132 blocks that peaked at 2568 MiB, 2045 estimated without
+# it). pipe2_whole is the whole-copy route (strategy=None): every rank builds and keeps every layer, and its
+# stage's gradients and optimizer state. Estimated: sw.estimate_pipe for pipe2_zero3;
+# for pipe2_whole, which no estimator models, shardwise ddp's (the search then steers by measured peaks).
+PIPELINES = {"pipe2_zero3": "zero3", "pipe2_whole": None}
 # Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
 # whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
 # model it (its figures for these rows are plain zero3's); the search still brackets the depth.
@@ -104,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", action="store_true",
                    help="run nothing: rewrite OUT/max_model.{md,png} from OUT/max_model.json, with the "
                         "estimates recomputed by this version's sw.estimate")
+    p.add_argument("--merge", default=None, metavar="DIR",
+                   help="run nothing: add the rows of DIR/max_model.json (made with the same settings, e.g. "
+                        "by --out DIR --configs ...) to OUT's, replacing rows of the same configs, and rewrite "
+                        "OUT/max_model.{md,png} without recomputing the estimates")
     # Set by the launcher only.
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -159,6 +178,8 @@ def build(args, rank: int, world_size: int):
         return module, torch.optim.AdamW(module.parameters(), **adamw), "eager"
     if args.config == "fsdp2":
         return _build_fsdp2(cfg, world_size, adamw)
+    if args.config in PIPELINES:
+        return _build_pipeline(args, cfg, world_size, adamw)
     if args.config == "ddp":
         model = sw.shard(GPT(cfg), strategy="ddp")
         return model, torch.optim.AdamW(model.parameters(), **adamw), "eager"
@@ -202,6 +223,33 @@ def _build_fsdp2(cfg, world_size: int, adamw: dict):
     return model, torch.optim.AdamW(model.parameters(), **adamw), "meta + to_empty"
 
 
+def _build_pipeline(args, cfg, world_size: int, adamw: dict):
+    """Note [pipeline arms]: the trainer, a step function over its sampler's batches, and no optimizer (the
+    trainer steps its own)."""
+    import torch.nn.functional as F
+
+    import shardwise as sw
+    from shardwise.models.gpt import GPT
+    from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
+
+    strategy = PIPELINES[args.config]
+    if strategy is None:
+        model = GPT(cfg)
+    else:
+        with sw.deferred_init():
+            model = GPT(cfg)
+    global_batch = args.batch * world_size
+    tokens = torch.randint(args.vocab, (global_batch * args.steps, args.seq + 1),
+                           generator=torch.Generator().manual_seed(1000))  # the same on every rank
+    config = PipelineConfig(num_stages=2, num_microbatches=1, schedule="gpipe", cache=False, strategy=strategy,
+                            keep_gathered=False)  # zero3: one unit whole at a time (Note [pipeline arms])
+    trainer = PipeTrainer(chain_layers(model), lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+                          grouped_adamw(lr=(adamw["lr"], adamw["lr"]), weight_decay=(adamw["weight_decay"], 0.0)),
+                          tokens[:, :-1], tokens[:, 1:], global_batch_size=global_batch, config=config)
+    batches = iter(trainer.sampler.batches(0))
+    return (lambda: trainer.step(next(batches))), None, "deferred" if strategy else "eager"
+
+
 def run_worker(args) -> None:
     rank = int(os.environ.get("RANK", 0))
     Path(args.out_dir, f"pid{rank}").write_text(str(os.getpid()))  # the launcher kills by pid on a timeout
@@ -224,6 +272,10 @@ def run_worker(args) -> None:
     for _ in range(args.steps):
         tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
         start = time.perf_counter()
+        if optimizer is None:  # a pipeline: its trainer runs the whole step (Note [pipeline arms])
+            losses.append(module())
+            step_s.append(time.perf_counter() - start)
+            continue
         loss = module(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
@@ -256,6 +308,8 @@ def estimated_total(args, config: str, layers: int) -> int:
     _, strategy, precision, offload = CONFIGS[config]
     with torch.device("meta"):
         model = GPT(gpt_config(args, layers))
+    if config == "pipe2_zero3":  # Note [pipeline arms]
+        return sw.estimate_pipe(model, "zero3", args.world_size, 2, keep_gathered=False).total
     est = sw.estimate(model, strategy, args.world_size, precision, "adamw",
                       "disk:/tmp" if offload else None, args.batch, args.seq)
     return est.total + (est.gradients if config == "torch_ddp" else 0)
@@ -375,7 +429,27 @@ def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
     return target
 
 
+def merge_rows(args) -> None:
+    """--merge: DIR's rows into OUT's report, the estimates as each run recorded them."""
+    mine, theirs = (json.loads(Path(d, "max_model.json").read_text()) for d in (args.out, args.merge))
+    differ = [k for k in _SAME if mine["settings"].get(k) != theirs["settings"].get(k)]
+    if differ:
+        sys.exit(f"--merge: {args.merge} was made with other settings ({', '.join(differ)})")
+    added = {row["config"]: row for row in theirs["rows"]}
+    rows = [added.pop(row["config"], row) for row in mine["rows"]] + list(added.values())
+    rows.sort(key=lambda row: list(CONFIGS).index(row["config"]))
+    meta = dict(mine["meta"], merged=sorted({row["config"] for row in theirs["rows"]}))
+    out = Path(args.out)
+    (out / "max_model.json").write_text(json.dumps({"settings": mine["settings"], "meta": meta, "rows": rows},
+                                                   indent=1))
+    (out / "max_model.md").write_text(markdown(rows, args, meta))
+    plot(rows, args, out / "max_model.png")
+    print((out / "max_model.md").read_text())
+
+
 def run_launcher(args) -> None:
+    if args.merge:
+        return merge_rows(args)
     configs = [] if args.report else [c for c in args.configs.split(",") if c]
     args.resume = args.resume or args.report
     unknown = set(configs) - set(CONFIGS)
@@ -492,6 +566,12 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
     if off.get("max_params") and z3.get("max_params"):
         lines += ["", f"zero3 + disk offload / zero3: {'≥ ' if off['capped'] else ''}"
                       f"{off['max_params'] / z3['max_params']:.2f}×"]
+    if any(by.get(c, {}).get("max_params") for c in PIPELINES):
+        lines += ["", "pipeline rows (Note [pipeline arms]): PipeTrainer at 2 stages over the 4 ranks, the flat rows' "
+                      "global batch in one GPipe micro-batch; pipe 2 × zero3 2 built under sw.deferred_init() (each "
+                      "rank materializes its stage's rows only) with keep_gathered=False, estimated by "
+                      "sw.estimate_pipe; the whole-copy row "
+                      "(strategy=None) has no estimator: its estimated MiB is shardwise ddp's."]
     if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
         lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
                       "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]

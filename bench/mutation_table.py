@@ -449,6 +449,12 @@ ENGINE_MUTATIONS = [
      'training = [(name, p) for name, p in named if name not in frozen]',
      'training = list(named)',
      'tests/test_pipe_stages.py -k frozen_prefix'),
+    ("issue 46: a deferred pipeline's rank materializes its stage whole before keeping its rows (Note [stage init])",
+     'shard_stage_module',
+     '    shard(module, strategy=strategy, units=units, **shard_arguments, **shard_options)',
+     '    __import__("shardwise.engine.init.deferred", fromlist=["materialize"]).materialize(module)\n'
+     '    shard(module, strategy=strategy, units=units, **shard_arguments, **shard_options)',
+     'tests/test_pipe_memory.py -k peak'),
     ('issue 36: the probe ignores checkpoint_activations (no recompute)',
      '_measure',
      '            modules[path].forward = _checkpointed(originals[path])',

@@ -28,7 +28,7 @@ from shardwise.engine.memory.precision import LossScaler
 from shardwise.engine.optim.grads import clip_grad_norm_, grad_norms, no_sync, param_norms
 from shardwise.engine.optim.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
-from shardwise.estimate import MemoryEstimate, estimate, plan
+from shardwise.estimate import MemoryEstimate, estimate, estimate_pipe, plan
 from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits, hogwild, slice, sliced_cross_entropy
 from shardwise.sampler import ResumableSampler
 
@@ -58,6 +58,7 @@ __all__ = [
     "deferred_init",
     "describe",
     "estimate",
+    "estimate_pipe",
     "export",
     "full_parameters",
     "full_state_dict",

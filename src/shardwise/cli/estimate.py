@@ -3,6 +3,7 @@
     shardwise estimate gpt d_model=512 n_layers=8 vocab_size=8192 --strategy zero3 \\
         --world-size 4 --precision bf16 --batch 4 --seq 128
     shardwise plan llama hidden_size=2048 num_hidden_layers=22 --memory 8GiB --world-size 4
+    shardwise estimate gpt n_layers=8 --strategy zero3 --world-size 4 --pipe 2    # pipe 2 x zero3 2
 
 MODEL [KEY=VALUE ...] is read by cli/models.py: a zoo name, module:function, a .py file, a
 Hugging Face model type with its sizes, or a directory with a config.json.
@@ -31,6 +32,7 @@ from shardwise.engine.describe import describe
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.core import MIB, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
 from shardwise.estimate.measure import process_rss
+from shardwise.estimate.pipe import estimate_pipe, plan_pipe
 from shardwise.estimate.plan import plan
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -62,17 +64,30 @@ def add_commands(commands) -> None:
     est.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="default: fp32")
     est.add_argument("--offload", default=None, metavar="disk:PATH",
                      help="master shards and optimizer state in memory-mapped files under PATH")
+    est.add_argument("--pipe", type=int, default=None, metavar="STAGES",
+                     help="a pipeline of STAGES stages (shardwise.pipeline, strategy zero1/2/3), each stage's layers "
+                          "sharded over --shards of its ranks: the per-rank table of each stage (estimate/pipe.py)")
+    est.add_argument("--shards", type=int, default=None,
+                     help="with --pipe: ranks each stage is sharded over (default: all of the stage's)")
+    est.add_argument("--regather", action="store_true",
+                     help="with --pipe and zero3: each micro-batch gathers the units again, "
+                          "PipelineConfig(keep_gathered=False) (default: the whole stage stays gathered in a step)")
     _add_common(est)
     pl = commands.add_parser(
         "plan", help="the cheapest configuration that fits a per-rank memory budget, and why others do not",
         description="Weigh ddp, zero1, zero2, zero3, zero3+bf16 and zero3 with disk offload (cheapest "
                     "first) against --memory per rank; name the first that fits and say why each other "
-                    "does not. Exit status 1 when none fits.")
+                    "does not. When none fits and MODEL is a chain of layers (shardwise.pipeline), the pipe x "
+                    "shard layouts are weighed too (activations not counted for them). Exit status 1 when "
+                    "none fits.")
     _add_model(pl)
     pl.add_argument("--memory", required=True, help="per-rank budget, e.g. 8GiB, 512MiB, 2GB")
     pl.add_argument("--world-size", type=int, required=True, help="ranks")
     pl.add_argument("--offload-dir", default="/tmp/shardwise-offload",
                     help="directory the offload options would use (default: /tmp/shardwise-offload)")
+    pl.add_argument("--pipelines", action="store_true",
+                    help="also weigh the pipe x shard layouts (shardwise.pipeline: STAGES stages, each sharded over "
+                         "its ranks) and print their rows; without it they are weighed only when nothing flat fits")
     _add_common(pl)
 
 
@@ -129,6 +144,8 @@ def run(args) -> int:
         runtime = (RUNTIME_BYTES if args.world_size > 1 else RUNTIME_BYTES_SINGLE) + imported
         inputs = load_function(args.inputs) if args.inputs else None
         extra = dict(units=units, runtime=runtime, inputs=inputs)
+        if args.command == "estimate" and args.pipe is not None:
+            return _print_pipe(model, args, runtime)
         if args.command == "estimate":
             est = estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
                            args.offload, args.batch, args.seq, checkpoint_activations=args.checkpoint_activations,
@@ -204,6 +221,8 @@ def _print_plan(model, extra: dict, args) -> int:
         print(f"  {option.label:<{width}}{total}   {verdict}")
     if best is None:
         rescue = _fits_with_recompute(model, memory, extra, args)
+        if rescue is None and _print_pipe_rows(model, memory, args, extra["runtime"], propose=True):
+            return 0
         if rescue is not None:
             print(f"nothing fits as asked; with checkpoint_activations {rescue.label} fits "
                   f"({rescue.estimate.total / MIB:,.0f} MiB): run `shardwise plan` again with "
@@ -213,6 +232,8 @@ def _print_plan(model, extra: dict, args) -> int:
                   + ("" if args.checkpoint_activations or not args.batch else "checkpoint activations, ")
                   + "or raise the budget")
         return 1
+    if args.pipelines:
+        _print_pipe_rows(model, memory, args, extra["runtime"], propose=False)
     offload = f', offload="{best.offload}"' if best.offload else ""
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
     print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
@@ -222,6 +243,46 @@ def _print_plan(model, extra: dict, args) -> int:
           "bench/plan_followed.py measures; glibc's default keeps freed blocks resident and can exceed the plan "
           "by 16-30%: Note [allocator] in estimate/core.py)")
     return 0
+
+
+def _print_pipe(model, args, runtime: int) -> int:
+    """`shardwise estimate --pipe STAGES`: each stage's per-rank table (Note [pipe estimate])."""
+    est = estimate_pipe(model, args.strategy, args.world_size, args.pipe, shards=args.shards,
+                        precision=args.precision, optimizer=args.optimizer, runtime=runtime,
+                        keep_gathered=not args.regather)
+    if args.json:
+        print(json.dumps(dict(label=est.label, total=est.total, bounds=est.bounds, build_bytes=est.build_bytes,
+                              stages=[_as_json(stage) for stage in est.stages])))
+    else:
+        print(est)
+    return 0
+
+
+def _print_pipe_rows(model, memory: int, args, runtime: int, propose: bool) -> bool:
+    """The pipe x shard layouts (Note [pipe estimate]) and, with `propose` (nothing flat fits), the cheapest
+    that fits as the one to use; True when one fits and was proposed."""
+    try:
+        options = plan_pipe(model, memory, args.world_size, optimizer=args.optimizer, runtime=runtime)
+    except ShardwiseError as error:  # not a chain of layers: no pipeline to weigh
+        if not propose:
+            print(f"pipe x shard: not weighed ({error})")
+        return False
+    fitting = [est for est, fits in options if fits]
+    if propose and not fitting:
+        return False
+    best = fitting[0] if propose else None
+    print("pipe x shard (shardwise.pipeline, stages sharded, zero3 with keep_gathered=False; activations not "
+          "counted):")
+    width = max((len(est.label) for est, _ in options), default=0) + 2
+    for est, fits in options:
+        mark = "fits  <- cheapest that fits" if est is best else ("fits" if fits else "does not fit")
+        print(f"  {est.label:<{width}}{est.total / MIB:>10,.0f} MiB   {mark}")
+    if best is None:
+        return False
+    regather = ", keep_gathered=False" if best.strategy == "zero3" else ""
+    print(f'use: PipelineConfig(num_stages={best.num_stages}, strategy="{best.strategy}"{regather}) with the model '
+          "built under sw.deferred_init() (docs/pipeline.md): each rank materializes its stage's rows only")
+    return True
 
 
 def _fits_with_recompute(model, memory: int, extra: dict, args):

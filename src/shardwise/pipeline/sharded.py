@@ -39,10 +39,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 
-from shardwise.engine import full_parameters, shard
+from shardwise.engine import full_parameters
 from shardwise.engine.optim.grads import no_sync
 from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
+from shardwise.pipeline.stage_init import shard_stage_module
 
 STRATEGIES = ("zero1", "zero2", "zero3")
 
@@ -92,7 +93,7 @@ def shard_stage(layers: Sequence[nn.Module], names: dict[int, str], strategy: st
         raise ShardwiseError(f"PipelineConfig.strategy must be one of {STRATEGIES} or None, got {strategy!r}")
     module = nn.Sequential(*layers)
     local = {local_name: names[id(p)] for local_name, p in module.named_parameters()}
-    shard(module, strategy=strategy, units=list(layers), **layout.shard_arguments(), **shard_options)
+    shard_stage_module(module, strategy, list(layers), layout.shard_arguments(), shard_options)  # Note [stage init]
     return module, local
 
 

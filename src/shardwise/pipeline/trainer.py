@@ -51,6 +51,7 @@ from shardwise.pipeline.sharded import (
     reduce_tied,
     shard_stage,
 )
+from shardwise.pipeline.stage_init import deferred_stages, stage_device
 
 
 class PipeTrainer:
@@ -109,15 +110,17 @@ class PipeTrainer:
         self.cache = (ActivationCache(self.sampler, memory_bytes=config.cache_memory_bytes,
                                       directory=config.cache_dir) if config.cache else None)
         self.policy = freeze if freeze is not None else FreezePolicy()
-        self.device = next(iter(chain.params.values())).device
+        self.device = stage_device(chain.params)
         self.optimizer: torch.optim.Optimizer | None = None
         self._names = {id(p): name for name, p in chain.params.items()}  # what a sharded stage calls them
         self._specs = {name: (p.shape, p.dtype) for name, p in chain.params.items()}
         self._frozen_shards = 0  # sharded stages without repack: layers [0, this) frozen in place
         # Sharded stages re-pack from fresh copies of the layers (Note [re-pack through the layout], repack.py).
         self._skeleton = Skeleton(chain) if config.strategy is not None and config.repack else None
-        # Every rank starts from rank 0's values: ranks that built different models cannot drift.
-        broadcast_entries(chain.params, list(chain.params), None, self.global_ranks[0], self.group, False)
+        # Every rank starts from rank 0's values: ranks that built different models cannot drift. A deferred
+        # model is replayed from the same recorded init on every rank instead (Note [stage init]).
+        if not deferred_stages(chain.params, config.strategy, config.balance):
+            broadcast_entries(chain.params, list(chain.params), None, self.global_ranks[0], self.group, False)
         self.costs = self._layer_costs()
         first = plan_layout(self.costs, num_frozen=0, world_size=self.world_size,
                             num_stages=config.num_stages, repack=False, budget=math.inf)
