@@ -4,7 +4,7 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 STRATEGY ?=
-WORKERS ?= 3
+WORKERS ?= 2
 
 .PHONY: demo test test-all lint bench setup clean docs
 
@@ -19,10 +19,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m shardwise.demo $(if $(STRATEGY),--strategy $(STRATEGY),)
 
-# Three pytest workers, whole files each (pytest-xdist): most of the suite waits on launches and
-# loopback, so two files side by side took 0.64x the time of one after the other on 2 cores
-# (tests/test_dist.py + test_exit.py: 54 s against 84 s, with the same CPU), and one worker more keeps
-# the cores busy while the others wait; each worker keeps its own pool of ranks. `make test WORKERS=2`.
+# Two pytest workers, whole files each (pytest-xdist): two launch-heavy files side by side took 0.64x the
+# time of one after the other on 2 cores (tests/test_dist.py + test_exit.py: 54 s against 84 s, with the
+# same CPU); each worker keeps its own pool of ranks. A third worker was slower on a fresh clone (21:41
+# of pytest against 18:03, with no CPU idle and 30% of it in the kernel): `make test WORKERS=3` to try.
 test: $(STAMP)
 	$(PY) -m ruff check src tests bench examples
 	$(PY) -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile tests

@@ -115,6 +115,7 @@ def assert_trained(output: str, steps: int) -> None:
     assert all(math.isfinite(x) for x in logged.values()) and logged[steps] < logged[1], logged
 
 
+@pytest.mark.slow  # 100 s of launches; make test runs the Trainer in tests/test_trainer.py (training, resume) in-pool
 def test_hf_trainer_trains_and_saves_its_checkpoints(tmp_path):
     """Catches the Trainer example going stale (ShardwiseTrainer, TrainingArguments of the pinned
     transformers), its loss not falling at 2 ranks with gradient accumulation, the Trainer's
@@ -134,6 +135,7 @@ def test_hf_trainer_trains_and_saves_its_checkpoints(tmp_path):
                            "resuming from")
 
 
+@pytest.mark.slow  # make test runs ShardwiseAccelerator in tests/test_accelerate.py (loop, save_state resume) in-pool
 def test_accelerate_lm_trains_and_saves(tmp_path):
     """Catches the Accelerate example going stale (ShardwiseAccelerator against the pinned accelerate),
     Accelerate not seeing torchrun's 2 ranks (the script exits non-zero then), its loss not falling

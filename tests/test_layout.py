@@ -28,14 +28,14 @@ LAYERS = {
     "shardwise.sampler": 2,
     "shardwise.engine": 2,
     "shardwise.checkpoint": 3,
-    "shardwise.estimate": 3,
     "shardwise.parallel": 3,  # hogwild (the host copy is the engine's: shard() applies it)
     "shardwise.testing": 4,
     "shardwise.pipeline": 4,  # stages sharded by the engine, saved through checkpoint/ (pipeline/checkpoint.py)
     "shardwise.integrations": 4,  # trainers people already use: above the library, beside testing
-    "shardwise": 5,  # the public API: __init__.py
-    "shardwise.demo": 6,
-    "shardwise.cli": 7,
+    "shardwise.estimate": 5,  # the estimator and planner weigh pipe layouts too (estimate/pipe.py uses pipeline/)
+    "shardwise": 6,  # the public API: __init__.py
+    "shardwise.demo": 7,
+    "shardwise.cli": 8,
 }
 MAX_LINES = 400
 
