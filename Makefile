@@ -21,15 +21,17 @@ demo: $(STAMP)
 
 # Two pytest workers, whole files each (pytest-xdist): two launch-heavy files side by side took 0.64x the
 # time of one after the other on 2 cores (tests/test_dist.py + test_exit.py: 54 s against 84 s, with the
-# same CPU); each worker keeps its own pool of ranks. A third worker was slower on a fresh clone (21:41
-# of pytest against 18:03, with no CPU idle and 30% of it in the kernel): `make test WORKERS=3` to try.
+# same CPU); each worker keeps its own pool of ranks. Files go out longest first (tests/conftest.py's
+# LONGEST_FIRST; --no-loadscope-reorder keeps that order, where xdist would sort them by count of tests and
+# the launch-heavy files of few tests ran last, on one worker). A third worker was slower on a fresh clone
+# (21:41 of pytest against 18:03, with no CPU idle and 30% of it in the kernel): `make test WORKERS=3` to try.
 test: $(STAMP)
 	$(PY) -m ruff check src tests bench examples
-	$(PY) -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q --durations=15 -n $(WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-all: $(STAMP)
 	$(PY) -m ruff check src tests bench examples
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile tests -m "slow or not slow"
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder tests -m "slow or not slow"
 
 # The documentation site (mkdocs-material + mkdocstrings) into build/site; any warning fails it.
 # `make test` checks the same build (tests/test_docs.py).

@@ -31,12 +31,16 @@ def no_group_left_behind():
         shutdown()
 
 
-# The longest files first (their share of a full run, most first), so that under `make test`'s two
-# workers (pytest-xdist, whole files each) neither is left running one long file after the other ends:
-# in alphabetical order the last 4.5 of 18.5 minutes ran on one worker. Tests inside a file keep their order.
-LONGEST_FIRST = ("test_doc_blocks.py", "test_examples.py", "test_zero_parity.py", "test_restarts.py",
-                 "test_compile.py", "test_hogwild.py", "test_lightning.py", "test_trainer.py",
-                 "test_accelerate.py", "test_checkpoint_fuzz.py", "test_slicing.py", "test_pipe_stages.py")
+# The longest files first (their share of a full run, most first: `--durations=0` of a whole run, summed
+# per file), so that under `make test`'s two workers (pytest-xdist, whole files each, in this order:
+# the Makefile passes --no-loadscope-reorder, else xdist orders files by their count of tests and the
+# launch-heavy files of few tests came last) neither is left running one long file after the other ends.
+# Tests inside a file keep their order.
+LONGEST_FIRST = ("test_doc_blocks.py", "test_zero_parity.py", "test_examples.py", "test_data_resume.py",
+                 "test_exit.py", "test_lightning.py", "test_restarts.py", "test_compile.py", "test_accelerate.py",
+                 "test_optimizers.py", "test_hsdp.py", "test_deferred.py", "test_slicing.py", "test_estimate.py",
+                 "test_dist.py", "test_launch_helpers.py", "test_optimizer_in_backward.py", "test_estimate_probe.py",
+                 "test_pipe_memory.py", "test_compression.py", "test_checkpoint.py", "test_precision.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -22,6 +22,11 @@ from helpers.quiet import assert_no_warning
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "scripts" / "doc_sessions.py"
 SESSIONS = doc_blocks.sessions()
+# A `slow=` session (its launch of its own) under `make test-all` only.
+SESSION_PARAMS = [pytest.param(s, id=s.name, marks=[pytest.mark.slow] if s.slow else []) for s in SESSIONS]
+LAUNCH_PARAMS = [pytest.param(key, id=f"{key[0]}-{key[1] or 'shared'}",
+                              marks=[pytest.mark.slow] if any(s.slow for s in SESSIONS if s.launch == key) else [])
+                 for key in sorted({s.launch for s in SESSIONS})]
 RUNNER_END = "\x00doctest-block-end"  # printed after each block: splits a session's output by block
 SESSION_START = "\x00doctest-session "  # the runner's line before each session: splits a launch's output
 TIMEOUT = 600  # seconds for all sessions of one world size together
@@ -107,7 +112,7 @@ def check_printed(session: doc_blocks.Session, printed: list[str]) -> None:
                 f"{block.name} prints\n{out}\nbut the page shows\n{block.expected}")
 
 
-@pytest.mark.parametrize("session", SESSIONS, ids=[s.name for s in SESSIONS])
+@pytest.mark.parametrize("session", SESSION_PARAMS)
 def test_doc_block_runs_and_prints_what_the_page_shows(session, launches):
     """Catches a block of README.md or docs/ that no longer runs as written (a missing import, a
     renamed argument, a name the page never defines) or that prints other than the output the
@@ -125,6 +130,7 @@ def test_doc_blocks_are_found_and_skips_say_why():
     block skipped without the reason it cannot run."""
     assert len(SESSIONS) >= 25
     assert all(len(block.skip) > 10 for block in doc_blocks.skipped())
+    assert all(len(session.slow) > 10 for session in SESSIONS if session.slow)
 
 
 def test_output_comparison_is_strict_where_it_matters():
@@ -137,7 +143,7 @@ def test_output_comparison_is_strict_where_it_matters():
     assert doc_blocks.output_matches("loaded 48 tensors from ...", "loaded 48 tensors from ckpt/a")
 
 
-@pytest.mark.parametrize("session", SESSIONS, ids=[s.name for s in SESSIONS])
+@pytest.mark.parametrize("session", SESSION_PARAMS)
 def test_doc_block_prints_no_third_party_line(session, launches):
     """Catches a block that, run as its page says, shows the reader a library's warning, notice or
     banner (DeepSpeed's accelerator line under the Trainer, Accelerate's "Removed shared tensor" on
@@ -158,14 +164,14 @@ AVOIDABLE = {
 }
 
 
-def test_doc_blocks_print_no_avoidable_warning(launches):
+@pytest.mark.parametrize("key", LAUNCH_PARAMS)
+def test_doc_blocks_print_no_avoidable_warning(launches, key):
     """Catches a page whose code makes a library warn where a line of it would not: a GPT-2 config
     over a small vocabulary that keeps GPT-2's token ids, a GPT-2 model whose loss type is unset."""
-    for key in sorted({session.launch for session in SESSIONS}):
-        _, output, _ = launches(key)
-        warned = [line for line in output.splitlines() if any(text in line for text in AVOIDABLE)]
-        assert warned == [], f"launch {key}:\n" + "\n".join(warned) + "\n" + "\n".join(
-            why for text, why in AVOIDABLE.items() if any(text in line for line in warned))
+    _, output, _ = launches(key)
+    warned = [line for line in output.splitlines() if any(text in line for text in AVOIDABLE)]
+    assert warned == [], f"launch {key}:\n" + "\n".join(warned) + "\n" + "\n".join(
+        why for text, why in AVOIDABLE.items() if any(text in line for line in warned))
 
 
 def test_the_snippets_issue_44_found_broken_run_as_their_pages_say():

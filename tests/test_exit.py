@@ -4,8 +4,9 @@ The torchrun trials launch tests/helpers/restart_job.py (a zero3/2/1 GPT with ti
 `sw.ResumableSampler`, `sw.save(..., keep_last=2)` every 3 steps) that ends with `sys.exit(0)`
 after its last save and no `sw.shutdown()`: before the fix one rank aborted at exit in 3 of 36
 zero3 runs ("terminate called without an active exception", exit code -6). The abort is a race,
-so the fast suite runs a handful of trials and `make test-all` 30 per strategy; the in-process
-test checks the mechanism (every group closed by the exit hook) without depending on luck.
+which two trials caught about once in six suites: `make test` checks the mechanism in-process (every
+group closed by the exit hook) without depending on luck, and `make test-all` runs the trials (two,
+then 30 per strategy). The job that raises is not a race: it runs in both.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def _trials(tmp_path, strategy, count):
         assert not _aborted(launch) and launch.ok, f"trial {trial}: {launch.returncodes}\n{launch.tail()}"
 
 
+@pytest.mark.slow  # 55 s of launches on 2 cores for a race two trials catch 1 time in 6
 @pytest.mark.parametrize("strategy", ["zero3"])
 def test_a_job_that_exits_without_shutdown_exits_zero(tmp_path, strategy):
     """Catches a rank aborting at exit (a C++ thread of a group torn down after the interpreter,

@@ -14,6 +14,8 @@ the rendered page and on GitHub) may say how:
   world size: a second Lightning `fit` in the same ranks hangs);
 - `continue`: the block runs in the previous block's session, after it, in the same namespace;
 - `skip=why`: not run, for a block that cannot run by its nature (the rest of the line says why);
+- `slow=why`: run by `make test-all` only, in a launch of its own, for a session whose API another test of
+  `make test` runs the same way (the rest of the line names it): a launch is seconds of CPU on 2 cores;
 - the comment's other lines are setup, run before the block in its namespace and never shown.
 
 A fence with no language (or `text`) right after a block is the output the block prints (rank
@@ -47,6 +49,7 @@ class Block:
     alone: bool = False
     continues: bool = False
     skip: str = ""
+    slow: str = ""
     expected: str | None = None
     one_process_too: bool = False
     variant: str = ""  # " as python": the one-process run of a `one-process-too` block
@@ -73,7 +76,11 @@ class Session:
     @property
     def launch(self) -> tuple[int, str]:
         """Sessions with the same launch run one after another in one process (or one torchrun)."""
-        return self.torchrun, self.name if self.blocks[0].alone else ""
+        return self.torchrun, self.name if self.blocks[0].alone or self.slow else ""
+
+    @property
+    def slow(self) -> str:
+        return self.blocks[0].slow
 
     @property
     def key(self) -> str:
@@ -131,6 +138,9 @@ def apply_marker(block: Block, before: str) -> None:
             block.torchrun = int(word.split("=", 1)[1])
         elif word.startswith("skip="):
             block.skip = first.split("skip=", 1)[1].strip()
+            break
+        elif word.startswith("slow="):
+            block.slow = first.split("slow=", 1)[1].strip()
             break
         else:
             raise ValueError(f"{block.name}: unknown doctest option {word!r}")

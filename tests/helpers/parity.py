@@ -9,6 +9,8 @@ global batch, so a wrong scale on either the rank average or the micro-batch sum
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,11 @@ from shardwise.models.zoo import ZOO, build
 from shardwise.testing import RunResult, assert_close_runs, make_optimizer, reference_run, train
 
 Config = tuple[int, float | None]  # (accum, clip): micro-batches per step, max grad norm or None
+
+# The single-process reference is a pure function of its arguments (plain torch in this process, no
+# engine), and a grid asks for the same one once per strategy and world size: 9 times per zoo model in
+# tests/test_zero_parity.py. Computed once per pytest worker; its result is only read (assert_close_runs).
+cached_reference_run = functools.lru_cache(maxsize=None)(reference_run)
 
 
 def _average_over_ranks(value: float) -> float:
@@ -93,7 +100,7 @@ def check_parity(
         timeout=timeout,
     )
     for i, (accum, clip) in enumerate(configs):
-        ref = reference_run(name, steps, global_batch_size, accum=1, clip=clip, seed=seed)
+        ref = cached_reference_run(name, steps, global_batch_size, accum=1, clip=clip, seed=seed)
         if clip is not None:
             # A max norm no step exceeds would leave clipping untested.
             assert max(ref.grad_norms) > clip, (
