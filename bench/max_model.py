@@ -12,8 +12,8 @@ At a fixed width, the scan looks for the deepest GPT (so the most parameters) wi
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
 shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward,
-and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms]).
-`sw.estimate` picks
+and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
+max_model_pipe.py). `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
 bench/results/max_model.{json,md,png}.
@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import rss_bytes  # sibling scripts: bench/ is on sys.path when run as a script
+from max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total
 from strategies import run_logged
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,19 +71,8 @@ CONFIGS = {
     "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
     "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
     "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
-    "pipe2_zero3": ("shardwise pipeline: pipe 2 × zero3 2", "zero3", "fp32", False),
-    "pipe2_whole": ("shardwise pipeline: pipe 2 × 2 replicas, whole copy per rank", "ddp", "fp32", False),
+    **PIPE_CONFIGS,  # Note [pipeline arms], max_model_pipe.py
 }
-# Note [pipeline arms]: shardwise.pipeline's PipeTrainer at 2 stages (world size / 2 ranks each), the global
-# batch of the flat rows (batch × world size sequences) in one GPipe micro-batch, so each rank runs as many
-# sequences through its layers as a flat rank does through all of them. pipe2_zero3 shards each stage zero3
-# over its 2 ranks and builds the model under sw.deferred_init() (each rank materializes its stage's rows,
-# Note [stage init]), with keep_gathered=False: the default keeps the whole stage gathered through a step
-# (one micro-batch here gains nothing from it; at 132 blocks that peaked at 2568 MiB, 2045 estimated without
-# it). pipe2_whole is the whole-copy route (strategy=None): every rank builds and keeps every layer, and its
-# stage's gradients and optimizer state. Estimated: sw.estimate_pipe for pipe2_zero3;
-# for pipe2_whole, which no estimator models, shardwise ddp's (the search then steers by measured peaks).
-PIPELINES = {"pipe2_zero3": "zero3", "pipe2_whole": None}
 # Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
 # whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
 # model it (its figures for these rows are plain zero3's); the search still brackets the depth.
@@ -179,7 +169,7 @@ def build(args, rank: int, world_size: int):
     if args.config == "fsdp2":
         return _build_fsdp2(cfg, world_size, adamw)
     if args.config in PIPELINES:
-        return _build_pipeline(args, cfg, world_size, adamw)
+        return build_pipeline(args, cfg, world_size, adamw)
     if args.config == "ddp":
         model = sw.shard(GPT(cfg), strategy="ddp")
         return model, torch.optim.AdamW(model.parameters(), **adamw), "eager"
@@ -221,33 +211,6 @@ def _build_fsdp2(cfg, world_size: int, adamw: dict):
             else:
                 local.normal_(0.0, 0.02)
     return model, torch.optim.AdamW(model.parameters(), **adamw), "meta + to_empty"
-
-
-def _build_pipeline(args, cfg, world_size: int, adamw: dict):
-    """Note [pipeline arms]: the trainer, a step function over its sampler's batches, and no optimizer (the
-    trainer steps its own)."""
-    import torch.nn.functional as F
-
-    import shardwise as sw
-    from shardwise.models.gpt import GPT
-    from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
-
-    strategy = PIPELINES[args.config]
-    if strategy is None:
-        model = GPT(cfg)
-    else:
-        with sw.deferred_init():
-            model = GPT(cfg)
-    global_batch = args.batch * world_size
-    tokens = torch.randint(args.vocab, (global_batch * args.steps, args.seq + 1),
-                           generator=torch.Generator().manual_seed(1000))  # the same on every rank
-    config = PipelineConfig(num_stages=2, num_microbatches=1, schedule="gpipe", cache=False, strategy=strategy,
-                            keep_gathered=False)  # zero3: one unit whole at a time (Note [pipeline arms])
-    trainer = PipeTrainer(chain_layers(model), lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
-                          grouped_adamw(lr=(adamw["lr"], adamw["lr"]), weight_decay=(adamw["weight_decay"], 0.0)),
-                          tokens[:, :-1], tokens[:, 1:], global_batch_size=global_batch, config=config)
-    batches = iter(trainer.sampler.batches(0))
-    return (lambda: trainer.step(next(batches))), None, "deferred" if strategy else "eager"
 
 
 def run_worker(args) -> None:
@@ -309,7 +272,7 @@ def estimated_total(args, config: str, layers: int) -> int:
     with torch.device("meta"):
         model = GPT(gpt_config(args, layers))
     if config == "pipe2_zero3":  # Note [pipeline arms]
-        return sw.estimate_pipe(model, "zero3", args.world_size, 2, keep_gathered=False).total
+        return estimated_pipe_total(model, args.world_size)
     est = sw.estimate(model, strategy, args.world_size, precision, "adamw",
                       "disk:/tmp" if offload else None, args.batch, args.seq)
     return est.total + (est.gradients if config == "torch_ddp" else 0)
@@ -567,11 +530,7 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
         lines += ["", f"zero3 + disk offload / zero3: {'≥ ' if off['capped'] else ''}"
                       f"{off['max_params'] / z3['max_params']:.2f}×"]
     if any(by.get(c, {}).get("max_params") for c in PIPELINES):
-        lines += ["", "pipeline rows (Note [pipeline arms]): PipeTrainer at 2 stages over the 4 ranks, the flat rows' "
-                      "global batch in one GPipe micro-batch; pipe 2 × zero3 2 built under sw.deferred_init() (each "
-                      "rank materializes its stage's rows only) with keep_gathered=False, estimated by "
-                      "sw.estimate_pipe; the whole-copy row "
-                      "(strategy=None) has no estimator: its estimated MiB is shardwise ddp's."]
+        lines += ["", REPORT_NOTE]
     if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
         lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
                       "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]
