@@ -262,7 +262,7 @@ def estimate(
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = _zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
-        gradients_kept = not policy_of(strategy).reduce_during_backward  # zero1 keeps its full gradients
+        gradients_kept = policy_of(strategy).keeps_full_grads  # zero1 keeps its full gradients
     if gather:
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
     if offload is not None:
