@@ -16,8 +16,9 @@ The DeepSpeed arms (bench/deepspeed_arms.py) are skipped, with the reason printe
 deepspeed is not installed.
 
 Without `--worker` the script is the launcher: every (config, world size) runs as
-fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own, then
-the launcher writes bench/results/strategies.{json,md,png} (`--name NAME`: NAME.{json,md,png}; which
+fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own (the timed
+runs go in rounds, each round in its own shuffled order: Note [round order]), then the
+launcher writes bench/results/strategies.{json,md,png} (`--name NAME`: NAME.{json,md,png}; which
 file answers which question: bench/README.md). With `--worker` it is one rank (or the single-process
 reference) and writes its numbers to `--out-dir`.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import signal
 import statistics
@@ -104,9 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mmap-steps", type=int, default=3, help="steps of the MALLOC_MMAP_THRESHOLD_ run")
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs per config, interleaved round-robin across configs so a burst of "
-                        "load on this shared machine hits them all alike; the median of the per-run "
-                        "medians is reported (default: 3)")
+                   help="timed runs per config, in rounds of one run of each config, each round in its own "
+                        "shuffled order (Note [round order]), so a burst of load on this shared machine hits "
+                        "them all alike; the median of the per-run medians is reported (default: 3)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated arms (default: all but {','.join(comm.CONFIGS)}, which need "
                         "--world-sizes 4: bench/comm_arms.py)")
@@ -316,6 +318,22 @@ def worker_argv(args, config: str, world_size: int, warmup: int, steps: int, out
         return [sys.executable] + argv
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={world_size}"] + argv
+
+
+# Note [round order]: the timed runs go in rounds, one run of each config a round, and every ratio is paired
+# per round. Run in the same order every round, an arm always ran in the same place and after the same arm
+# (zero1 right after DDP): whatever one run leaves behind for the next (a warm page cache, a core's
+# frequency, a neighbour's burst ending) would favour or burden one arm the same way in every round. Each
+# round therefore runs the configs in its own order, shuffled from --seed and the round (round 0 too),
+# printed and saved in the JSON's meta as `round_orders`.
+def round_orders(configs: list[str], repeats: int, seed: int) -> list[list[str]]:
+    """The order of `configs` in each of `repeats` rounds (Note [round order])."""
+    orders = []
+    for r in range(repeats):
+        order = list(configs)
+        random.Random(seed * 1_000 + r).shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap: bool) -> dict:
@@ -552,7 +570,9 @@ def run_launcher(args) -> None:
     mmap_run = not args.no_mmap_run
     total_steps = args.warmup + args.steps
     runs = [(ws, "reference", False, 0) for ws in world_sizes]
-    runs += [(ws, c, False, r) for ws in world_sizes for r in range(args.repeats) for c in configs]
+    orders = round_orders(configs, args.repeats, args.seed)  # Note [round order]
+    print("round orders: " + "; ".join(", ".join(order) for order in orders))
+    runs += [(ws, c, False, r) for ws in world_sizes for r in range(args.repeats) for c in orders[r]]
     if mmap_run:
         runs += [(ws, c, True, 0) for ws in world_sizes for c in configs]
 
@@ -579,7 +599,7 @@ def run_launcher(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "config", "world_size", "out_dir")}
     references = {str(ws): raw[(ws, "reference", False, 0)] for ws in world_sizes}
-    meta = {"torch": torch.__version__, "deepspeed": ds.version(), "deepspeed_skipped": skipped,
+    meta = {"round_orders": orders, "torch": torch.__version__, "deepspeed": ds.version(), "deepspeed_skipped": skipped,
             "python": sys.version.split()[0], "cpus": os.cpu_count(), "total_steps": total_steps,
             "wall_s": time.time() - started}
     (out / f"{args.name}.json").write_text(json.dumps(

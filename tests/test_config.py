@@ -68,4 +68,4 @@ def test_string_shortcuts_map_onto_the_policies():
     assert config.label == "zero3+bf16+offload"
     # What each zero stage keeps is its policy's answer (Note [stages]), not a flag on the config.
     assert [policy_of(s).reshards for s in ZERO_STRATEGIES] == [False, False, True]
-    assert [policy_of(s).reduce_during_backward for s in ZERO_STRATEGIES] == [False, True, True]
+    assert [policy_of(s).keeps_full_grads for s in ZERO_STRATEGIES] == [True, False, False]

@@ -102,7 +102,8 @@ class ZeroEngine(Engine):
         c = max(unit.full_flat.element_size() for unit in self.units)
         r = max(torch.empty(0, dtype=unit.reduce_dtype).element_size() for unit in self.units)
         biggest = max(unit.numel_full for unit in others)
-        wire = wire_buffer_bytes(self.comm.compression, self.mesh.shard_world, biggest)  # compressed forms' buffers
+        largest = max(biggest, self.root.numel_full)  # the root's buffers too (Note [reused buffers])
+        wire = wire_buffer_bytes(self.comm.compression, self.mesh.shard_world, largest)  # compressed forms' buffers
         return comm_buffer_bytes(self.policy, c, r, self.root.numel_full, biggest, wire)
 
     # ---- what the layers above ask (Note [engine protocol]) -----------------------------

@@ -11,8 +11,9 @@ Note [comm option bytes]:
   the activations, so the peak counts their sum (`secondary`; tests/test_hpz.py measures it).
 - Compression (`sw.Compression`, Note [quantized collectives], engine/comm/quantize.py): one quantized
   gather and one quantized reduce in flight hold uint8 wire buffers (int8: one byte per element, int4:
-  half, plus one fp32 scale per block). They are lent by the engine's comm pool and counted in its bound
-  (`wire_buffer_bytes`, Note [reused buffers]), so they join the gather/reduce buffers row.
+  half, plus one fp32 scale per block), over the largest unit, the root included. They are lent by the
+  engine's comm pool and counted in its bound (`wire_buffer_bytes`, Note [reused buffers]), so they join the
+  gather/reduce buffers row.
 """
 
 from __future__ import annotations

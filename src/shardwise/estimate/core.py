@@ -26,7 +26,8 @@ besides activations. zero3: the root unit (gathered for the whole forward), at m
 other units gathered, one more in flight (its all-gather receive buffer), all in c
 bytes; in backward also one unit's full gradients from autograd (c·F), the root's
 (the tied head's gradient waits there for the embedding's) and one packed reduce
-input (r·F: one reduce in flight, engine/schedule/reducer.py's MAX_PENDING_REDUCES) with its receive
+input (r·F over the largest unit, the root included: one reduce in flight,
+engine/schedule/reducer.py's MAX_PENDING_REDUCES, and the root's is the last) with its receive
 buffer (r·F more: gloo's all-to-all form, Note [gloo collectives]; NCCL's reduce-scatter
 needs 1/N of it, so there this counts up to one unit's gradients too many; zero1's kept
 gradients are that input already, Note [kept gradients rank-major], so only the receive
@@ -262,7 +263,7 @@ def estimate(
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = _zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
-        gradients_kept = not policy_of(strategy).reduce_during_backward  # zero1 keeps its full gradients
+        gradients_kept = policy_of(strategy).keeps_full_grads  # zero1 keeps its full gradients
     if gather:
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
     if offload is not None:
@@ -360,9 +361,10 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
     stage = policy_of(config.strategy)
-    # The comm pool (Note [reused buffers]): the reduce in flight (input and receive buffer; zero1: receive only)
-    # and zero3's gathered units, kept between steps, so counted with the probe too; compression's wire buffers.
-    wire = wire_buffer_bytes(config.compression, world_size, biggest)  # Note [comm option bytes]
+    # The comm pool (Note [reused buffers]): the reduce in flight over the largest unit, the root included (input
+    # and receive buffer; zero1: receive only) and zero3's gathered units, kept between steps, so counted with the
+    # probe too; compression's wire buffers, over the largest unit too.
+    wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))  # Note [comm option bytes]
     comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
     regathers = 0 if stage.reshards else stage.gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
     backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's

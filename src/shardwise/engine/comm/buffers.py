@@ -21,9 +21,18 @@ The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_byte
 in flight (under compression: 1/4 of a unit's fp32 rows at int8, 1/8 at int4, plus one fp32 scale per
 block), and under zero3 the full values of the units gathered at once,
 the rows the estimator counts (Note [transient buffers], estimate/core.py), so what the pool keeps
-between steps is memory a step held anyway. A request past the bound is served by a fresh buffer as
-before, not kept; kept buffers are released smallest first when a request needs room. `sw.describe`
-shows the bound and what is held.
+between steps is memory a step held anyway. The reduce and the wire buffers are sized over the largest
+unit, the root included: the root's reduce is issued every step like any other (last in backward), and
+a GPT's root (its embedding) is often the largest unit of all (the bench GPT's: 4.2M elements against
+3.2M a block), so a bound over the other units alone served the root's buffers fresh every step, and
+making room for them released the blocks' (3 fresh allocations a step under zero1, 9 under zero2, 3
+under zero3, at 2 ranks; none after the first step now, tests/test_comm.py). A request past the bound
+is served by a fresh buffer as before, not kept; kept buffers are released smallest first when a request
+needs room, and only when that makes room: releasing them for a request that cannot be kept anyway would
+only allocate them again at their next use. Buffers under HEAP_BYTES (the packed gather of a unit's few
+small parameters: 20 KiB a block of the bench GPT) are not lent at all: malloc's heap reuses them
+without new pages, the bound does not count them, and pooled they took a large kept buffer another
+collective needed next (zero3: one 12 MiB buffer fresh a step). `sw.describe` shows the bound and what is held.
 """
 
 from __future__ import annotations
@@ -36,21 +45,29 @@ from shardwise.engine.compat import swap_storage_memory
 
 def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: int, biggest_full: int,
                       wire: int = 0) -> int:
-    """The pool's bound for one engine (Note [reused buffers]), of padded element counts: its stage's reduce in
-    flight over its largest non-root unit (StagePolicy.reduce_bytes: the packed input and the receive buffer;
-    zero1's input is its kept gradients, so the receive buffer alone), under zero3 the full values a step
-    holds at once (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool,
-    and `wire`: the compressed forms' wire buffers in flight (quantize.wire_buffer_bytes), bytes."""
+    """The pool's bound for one engine (Note [reused buffers]), of padded element counts (`biggest_full`: the
+    largest non-root unit): its stage's reduce in flight over its largest unit, the root included
+    (StagePolicy.reduce_bytes: the packed input and the receive buffer; zero1's input is its kept gradients,
+    so the receive buffer alone), under zero3 the full values a step holds at once
+    (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool, and `wire`: the
+    compressed forms' wire buffers in flight over the largest unit too (quantize.wire_buffer_bytes), bytes."""
     kept_full = policy.gathered_bytes(compute_bytes, root_full, biggest_full) if policy.reshards else 0
-    return policy.reduce_bytes(reduce_bytes, biggest_full) + kept_full + wire
+    return policy.reduce_bytes(reduce_bytes, max(root_full, biggest_full)) + kept_full + wire
+
+
+# Buffers below this come from malloc's heap, which reuses its freed chunks without new pages (glibc maps
+# blocks from 128 KiB by default, from 64 KiB in the estimator's environment, Note [allocator] in
+# estimate/core.py): the pool lends only larger ones (Note [reused buffers]).
+HEAP_BYTES = 64 * 1024
 
 
 class BufferPool:
     """Flat byte buffers lent out by size and given back once their collective landed (Note [reused
     buffers]). One per engine and device: no global state."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int, smallest: int = HEAP_BYTES) -> None:
         self.bound = bound  # most bytes lent + kept
+        self.smallest = smallest  # smaller requests are malloc's (HEAP_BYTES)
         self.kept: list[Tensor] = []  # free buffers (uint8), smallest first
         self.lent: dict[int, Tensor] = {}  # data_ptr -> the lent buffer's backing storage
         self.lends = self.fresh = 0  # counts: every lend, and those served by a new allocation
@@ -63,6 +80,8 @@ class BufferPool:
         """A buffer of `numel` elements of `dtype`, uninitialized: a kept one if one is large enough, else a
         new one (kept later if the bound allows)."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes < self.smallest:  # malloc's heap reuses these: not lent, not counted (Note [reused buffers])
+            return torch.empty(numel, dtype=dtype, device=device)
         self.lends += 1
         backing = self._take_kept(nbytes, device)
         if backing is None:
@@ -116,8 +135,10 @@ class BufferPool:
         return None
 
     def _make_room(self, nbytes: int) -> None:
-        """Release kept buffers, smallest first, until `nbytes` more fit within the bound."""
-        while self.kept and self.held + nbytes > self.bound:
+        """Release kept buffers, smallest first, until `nbytes` more fit within the bound; none where the lent
+        buffers alone leave no room for them (Note [reused buffers])."""
+        lent = sum(b.numel() for b in self.lent.values())
+        while self.kept and self.held + nbytes > self.bound >= lent + nbytes:
             self.kept.pop(0)
 
     def describe(self) -> str:

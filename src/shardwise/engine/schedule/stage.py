@@ -1,5 +1,5 @@
-"""The zero stages as policies: when a unit's full values exist, when its gradient is reduced, what a
-step leaves behind. The step driver (zero.py), the units (flat_unit.py, unit_grads.py), the gather
+"""The zero stages as policies: when a unit's full values exist, whether its full gradients are kept,
+what a step leaves behind. The step driver (zero.py), the units (flat_unit.py, unit_grads.py), the gather
 schedule, the owners and the estimator ask a policy, in place of flags tested in each method.
 Uses: freshness, residency, shard_storage.
 
@@ -7,14 +7,21 @@ Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under 
 
 | stage | full params kept | full grads kept until the step | gathers in flight |
 |-------|------------------|--------------------------------|-------------------|
-| zero1 | yes              | yes (reduced at the end)       | 1 (re-gathers after a step) |
+| zero1 | yes              | yes: reduce-scattered per unit | 1 (re-gathers after a step) |
 | zero2 | yes              | no: reduce-scattered per unit  | 1 |
 | zero3 | no: per use      | no                             | 2 (the current unit and one prefetched) |
 
 Each stage is a class: the base answers for zero1/zero2 (full values kept), `Zero3` overrides what
 zero3 does differently (when the full values exist: `needs_gather`, `free`, `storage`, `freshness`),
-as zero2 vs zero3 is one branch in FSDP2's `FSDPParamGroup.reshard`; `Zero1` overrides when the gradient
-is reduced (`reduce_during_backward`, `reduces_kept_grads`). The same answers size the estimator's rows.
+as zero2 vs zero3 is one branch in FSDP2's `FSDPParamGroup.reshard`; `Zero1` overrides what becomes of the
+gradients (`keeps_full_grads`, `reduces_kept_grads`). The same answers size the estimator's rows.
+
+When a unit's gradient is reduced is no policy's answer: at every stage the step driver issues a unit's
+reduce as that unit's gradients are complete (`post_backward`, after every use, ties included), in the
+reducer's fixed order, so the reduce overlaps the rest of backward; under no_sync none is issued and the
+synced backward reduces what was kept the same way (tests/test_reduce_overlap.py counts the order). zero1
+differs from zero2 only in keeping its full gradients: its pack lands in them and its average in its own
+rows of them, where zero2 packs into a lent buffer and drops the full gradients once reduced.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ class StagePolicy:
     # Whether a unit's full values go after each use (zero3; FSDP2's reshard_after_forward): the step
     # driver then frees idle units and queues backward's re-gathers.
     reshards = False
-    # Whether each unit's gradients are reduce-scattered as its backward ends and no full gradients outlive
-    # the reduce (zero2/zero3); zero1 keeps them, rank-major, as its reduce input and the home of its
-    # shards' gradients (Note [kept gradients rank-major], unit_grads.py), and reduces at the end.
-    reduce_during_backward = True
+    # Whether a unit's full gradients are kept across steps (zero1), rank-major: the reduce's input and the
+    # home of its shards' gradients (Note [kept gradients rank-major], unit_grads.py); zero2/zero3 drop
+    # them once reduced (they hold some only after no_sync). Every stage reduces a unit as its backward
+    # ends (the module docstring): this flag says what is kept, never when the reduce is issued.
+    keeps_full_grads = False
     # All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2 one as
     # well, though their full buffers exist anyway (Note [eager re-gathers]).
     gathers_in_flight = 1
@@ -106,10 +114,11 @@ class StagePolicy:
 
 
 class Zero1(StagePolicy):
-    """Full parameters and full gradients kept; the gradients reduced once, at the end of backward."""
+    """Full parameters and full gradients kept; each unit's gradients reduce-scattered as its backward ends,
+    the average landing in this rank's rows of the kept full gradients."""
 
     name = "zero1"
-    reduce_during_backward = False
+    keeps_full_grads = True
 
     def reduces_kept_grads(self, unit) -> bool:
         return True

@@ -149,7 +149,7 @@ class UnitGrads:
             self.used_here = [i in self.used for i in self.indices]
             if self.indices == self._every_index():
                 packed = self.full  # already the reduce's input
-                if not unit.policy.reduce_during_backward:  # zero1: the average lands in its kept rows; zero2/zero3
+                if unit.policy.keeps_full_grads:  # zero1: the average lands in its kept rows; zero2/zero3
                     # get fresh rows, so that `full` goes once the reduce lands (no_sync's 4 bytes/param)
                     self.into_full = self._by_rank()[unit.mesh.shard_rank]
             else:  # frozen parameters in the unit: their rows stay home
@@ -194,7 +194,7 @@ class UnitGrads:
                 self.waiting[column] = rows if in_full else rows.clone()
         self.phase = GradPhase.IDLE
         self.used.clear()
-        if unit.policy.reduce_during_backward:
+        if not unit.policy.keeps_full_grads:
             self.full = None
 
     def settle(self, used_by_any: list[bool]) -> None:
@@ -218,7 +218,7 @@ class UnitGrads:
         carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
         if shard.grad is not None:
             shard.grad.add_(rows)
-        elif not unit.policy.reduce_during_backward and self.full is not None and self.full.dtype == unit.dtype:
+        elif unit.policy.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
             # zero1: the shard's grad is a view of its own rows of the kept full grads, so the
             # gradients are stored once, not twice (the all-to-all averaged them there already).
             own = self._own_rows(unit.layouts[i]).view(unit.layouts[i].shard_shape)
@@ -233,7 +233,7 @@ class UnitGrads:
         self.phase = GradPhase.IDLE
         self.carried.clear()
         self.used.clear()
-        if self.unit.policy.reduce_during_backward:
+        if not self.unit.policy.keeps_full_grads:
             self.full = None
 
     def drop(self) -> None:
