@@ -20,8 +20,12 @@ The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_byte
 (its packed input and receive buffer), the wire buffers of one quantized gather and one quantized reduce
 in flight (under compression: 1/4 of a unit's fp32 rows at int8, 1/8 at int4, plus one fp32 scale per
 block), and under zero3 the full values of the units gathered at once,
-the rows the estimator counts (Note [transient buffers], estimate/core.py), so what the pool keeps
-between steps is memory a step held anyway. The reduce and the wire buffers are sized over the largest
+the rows the estimator counts (Note [transient buffers], estimate/core.py): what the pool keeps between
+steps is memory forward and backward held anyway, but not the optimizer step, where a CPU step peaks with
+nothing in flight and the engine without a pool had given it back to the OS; kept, it adds up to the bound
+to that peak (flat zero3 at 4 ranks and 2 GiB: 128 blocks of bench/max_model.py's GPT, 133 before the
+pool). Releasing the kept buffers when backward ends would give that back for one round of first-touch
+faults a step; not done. The reduce and the wire buffers are sized over the largest
 unit, the root included: the root's reduce is issued every step like any other (last in backward), and
 a GPT's root (its embedding) is often the largest unit of all (the bench GPT's: 4.2M elements against
 3.2M a block), so a bound over the other units alone served the root's buffers fresh every step, and
