@@ -10,6 +10,8 @@ call forms a fresh process group on a fresh store, runs the function on the firs
 workers, and tears the group down. A call returns every rank's result, re-raises the
 first rank's exception with that rank's own traceback, and after `timeout` seconds
 dumps each unfinished rank's stack (faulthandler) and kills the pool, so a hang fails the test and names the rank.
+The `timeout` counts the call, not the pool's start: a fresh pool (the first call, or the one after a
+kill) waits for every rank to say it is ready first (Note [ready before the clock]).
 
 The function and its arguments must be picklable: define it at module level.
 """
@@ -31,6 +33,13 @@ from pathlib import Path
 # Seconds the other ranks get to finish after one rank raised: they are usually
 # blocked in a collective the failed rank will never join.
 _GRACE_AFTER_ERROR = 3.0
+
+# Note [ready before the clock]: starting a pool forks the server, which first imports torch and the
+# integrations (_PRELOAD): seconds quiet, tens of seconds on a loaded host. CI once failed the hang test
+# (a 5 s call) because rank 0 was still in the fork server when the clock ran out. So a fresh pool's
+# ranks each report ready before any call's deadline starts, within this bound of their own.
+_START_TIMEOUT_S = 300.0
+_READY = -1  # the call id of a ready report
 
 
 # Imported once by the fork server, before any rank is forked from it (a module that fails to import
@@ -64,6 +73,7 @@ def _worker_main(rank_slot: int, tasks: mp.Queue, results: mp.Queue, stack_file:
     # parent learns where a hung rank was before killing it.
     with open(stack_file, "w") as stack_out:
         faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+        results.put((_READY, rank_slot, "ready", None))
         while True:
             task = tasks.get()
             if task is None:
@@ -113,6 +123,23 @@ class RankPool:
             )
             process.start()
             self._workers.append(_Worker(process, tasks, stack_file))
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        ready: set[int] = set()
+        while len(ready) < self.size:
+            try:
+                call_id, slot, _, _ = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [s for s, w in enumerate(self._workers) if not w.process.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise RankTimeout(f"the rank pool did not start: rank(s) {sorted(set(range(self.size)) - ready)} "
+                                      f"not ready within {_START_TIMEOUT_S:.0f} s (dead: {dead})")
+                continue
+            if call_id == _READY:
+                ready.add(slot)
 
     def run(self, fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
         """Run `fn(*args, **kwargs)` on ranks 0..world_size-1; return their results by rank."""
