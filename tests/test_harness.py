@@ -111,3 +111,22 @@ def test_a_test_that_leaves_its_group_does_not_fail_the_next(tmp_path):
                            "--rootdir", str(tmp_path), str(tmp_path / "test_order.py")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def _collect_on_rank_zero_alone():
+    import gc
+
+    if dist.get_rank() == 0:
+        gc.collect()  # a later call's collection, at a time the other rank's objects live on
+    return dist.get_rank()
+
+
+def test_a_caught_refusal_does_not_stall_a_later_call(ranks):
+    """Catches the 120 s stall of Note [collect before the group goes] (harness.py): a call that caught a
+    refusal left a collective issued on one rank only; a later call's garbage collection on one rank then
+    joined gloo's thread blocked on it until the group's timeout (120 s > this call's 60 s)."""
+    from test_stepped_regather import _write_after_step
+
+    for message in ranks.run(_write_after_step, 2, "zero2", "one rank"):
+        assert "written on rank 1" in message, message
+    assert ranks.run(_collect_on_rank_zero_alone, 2, timeout=60) == [0, 1]

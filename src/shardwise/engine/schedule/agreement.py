@@ -46,7 +46,11 @@ path of each training step, evaluation batch and `generate()` token. Now:
   are issued (they are issued before the header lands, and are never waited for: the error comes
   first, and the process group is spent after it, as after any mismatched collective); and a rank
   that stops calling collectives entirely (it ended the program) still leaves the others waiting
-  until the group's timeout, where a named failure says where they waited.
+  until the group's timeout, where a named failure says where they waited. A write only some ranks
+  made leaves the same: the others issued their re-gathers before the header landed. After either,
+  end the process or destroy the groups on every rank together: a spent gloo group freed on one rank
+  while another rank's copy lives waits up to its timeout in its destructor (it joins the thread still
+  in the unmatched collective; tests/helpers/harness.py, Note [collect before the group goes]).
 """
 
 from __future__ import annotations
