@@ -67,5 +67,6 @@ def test_string_shortcuts_map_onto_the_policies():
     assert config.offload == DiskOffload("/scratch") and config.offload.spec == "disk:/scratch"
     assert config.label == "zero3+bf16+offload"
     # What each zero stage keeps is its policy's answer (Note [stages]), not a flag on the config.
-    assert [policy_of(s).reshards for s in ZERO_STRATEGIES] == [False, False, True]
-    assert [policy_of(s).keeps_full_grads for s in ZERO_STRATEGIES] == [True, False, False]
+    kept = torch.zeros(4)
+    assert [policy_of(s).pooled_gathered_bytes(2, 8, 8) > 0 for s in ZERO_STRATEGIES] == [False, False, True]
+    assert [policy_of(s).kept_grads(kept) is kept for s in ZERO_STRATEGIES] == [True, False, False]

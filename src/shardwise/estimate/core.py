@@ -263,7 +263,7 @@ def estimate(
         parameters, gradients, optimizer_state, offloaded = _zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = _zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
-        gradients_kept = policy_of(strategy).keeps_full_grads  # zero1 keeps its full gradients
+        gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
     if gather:
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
     if offload is not None:
@@ -366,7 +366,7 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with
     # probe too; compression's wire buffers, over the largest unit too.
     wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))  # Note [comm option bytes]
     comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
-    regathers = 0 if stage.reshards else stage.gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
+    regathers = stage.transient_gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
     backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
     return comm + regathers + backward
 

@@ -55,7 +55,7 @@ def comm_buffer_bytes(policy, compute_bytes: int, reduce_bytes: int, root_full: 
     so the receive buffer alone), under zero3 the full values a step holds at once
     (StagePolicy.gathered_bytes: the root and three units), which zero3 frees into the pool, and `wire`: the
     compressed forms' wire buffers in flight over the largest unit too (quantize.wire_buffer_bytes), bytes."""
-    kept_full = policy.gathered_bytes(compute_bytes, root_full, biggest_full) if policy.reshards else 0
+    kept_full = policy.pooled_gathered_bytes(compute_bytes, root_full, biggest_full)
     return policy.reduce_bytes(reduce_bytes, max(root_full, biggest_full)) + kept_full + wire
 
 

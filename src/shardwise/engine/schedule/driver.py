@@ -99,8 +99,7 @@ class StepDriver:
         self.agreement = Agreement(units, group)  # Note [agreement rides the traffic]
         # zero3's gathers follow each rank's own forward: tagged, so a rank that ran other units is refused
         # before a gathered value is used (Note [gather tags]); zero1/zero2 re-gather in a fixed order.
-        tags = GatherTags(units, units[0].mesh.shard_group, self._where_now, self.agreement) if policy.reshards \
-            else None
+        tags = policy.gather_tags(lambda: GatherTags(units, units[0].mesh.shard_group, self._where_now, self.agreement))
         self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
         self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
         self.sync_grads = True
@@ -173,7 +172,7 @@ class StepDriver:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(unit), mode="any")
-            if not unit.trainable() and self.policy.reshards and unit is not self.root:
+            if self.policy.frees_after_frozen_backward(unit, self.root):
                 # Note [frozen units]: no GatherUnit, so no post_backward frees it; its inputs'
                 # gradients are computed once its backward is done.
                 inputs = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -249,8 +248,7 @@ class StepDriver:
             unit.install_full(list(self.step.fulls[id(unit)]))
         else:  # nothing to differentiate (frozen, or no grad): plain fresh views
             unit.install_full([view.view(view.shape) for view in unit.full_views])
-        if self.policy.reshards:
-            self.gathers.free_idle({id(unit)}, self.step.open_units)
+        self.policy.after_use(self.gathers, unit, self.step.open_units)
         self.gathers.issue(self.gathers.forward_queue)
 
     def _end_forward(self) -> None:
@@ -263,13 +261,7 @@ class StepDriver:
         backward_possible = self._backward_possible()
         if self.step.order:
             self.forward_order = self.step.order
-        if self.policy.reshards:
-            # The last unit is usually the first one backward needs: keep it (as FSDP2 keeps
-            # its root), one gather fewer per step. "Last" by registration, not by this
-            # rank's forward, so every rank keeps the same one (Note [collective order]).
-            last = {id(self.units[-1])} if torch.is_grad_enabled() else set()
-            self.gathers.free_idle({id(self.root)} | last, self.step.open_units)
-            self.gathers.backward_queue = [u for u in reversed(self.prefetch_order) if not u.resident]
+        self.policy.after_forward(self.gathers, self.units, self.prefetch_order, self.step.open_units)
         if not backward_possible:
             self._close_window()
 
@@ -284,7 +276,7 @@ class StepDriver:
             self.step.callback_queued = True
             self.step.graph_task = graph_task_id()
             self.clock.enter(Phase.BACKWARD)
-            if self.sync_grads or self.policy.reshards:  # it reduces or re-gathers: a header first
+            if self.policy.backward_communicates(self.sync_grads):  # a header first
                 self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 

@@ -1,7 +1,7 @@
 """The zero stages as policies: when a unit's full values exist, whether its full gradients are kept,
 what a step leaves behind. The step driver (zero.py), the units (flat_unit.py, unit_grads.py), the gather
 schedule, the owners and the estimator ask a policy, in place of flags tested in each method.
-Uses: freshness, residency, shard_storage.
+Uses: freshness, residency, secondary, shard_storage.
 
 Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under three policies:
 
@@ -14,7 +14,9 @@ Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under 
 Each stage is a class: the base answers for zero1/zero2 (full values kept), `Zero3` overrides what
 zero3 does differently (when the full values exist: `needs_gather`, `free`, `storage`, `freshness`),
 as zero2 vs zero3 is one branch in FSDP2's `FSDPParamGroup.reshard`; `Zero1` overrides what becomes of the
-gradients (`keeps_full_grads`, `reduces_kept_grads`). The same answers size the estimator's rows.
+gradients (`kept_grads`, `reduces_kept_grads`). The same answers size the estimator's rows. The callers
+never test which stage they run: they call the policy's action (`after_use`, `after_forward`,
+`kept_grads`, ...), whose base does what zero1/zero2 do, often nothing.
 
 When a unit's gradient is reduced is no policy's answer: at every stage the step driver issues a unit's
 reduce as that unit's gradients are complete (`post_backward`, after every use, ties included), in the
@@ -29,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from shardwise.engine.unit.freshness import NoKeptValues, StepFreshness
-from shardwise.engine.unit.residency import Residency
+from shardwise.engine.unit.residency import Residency, Residents
+from shardwise.engine.unit.secondary import SecondaryShard
 from shardwise.engine.unit.shard_storage import AliasedShards, OwnShards, OwnShardsKeptFull
 
 
@@ -38,14 +41,6 @@ class StagePolicy:
     unit's full values between uses. Stateless: one per engine, shared by its units."""
 
     name = ""
-    # Whether a unit's full values go after each use (zero3; FSDP2's reshard_after_forward): the step
-    # driver then frees idle units and queues backward's re-gathers.
-    reshards = False
-    # Whether a unit's full gradients are kept across steps (zero1), rank-major: the reduce's input and the
-    # home of its shards' gradients (Note [kept gradients rank-major], unit_grads.py); zero2/zero3 drop
-    # them once reduced (they hold some only after no_sync). Every stage reduces a unit as its backward
-    # ends (the module docstring): this flag says what is kept, never when the reduce is issued.
-    keeps_full_grads = False
     # All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2 one as
     # well, though their full buffers exist anyway (Note [eager re-gathers]).
     gathers_in_flight = 1
@@ -83,12 +78,51 @@ class StagePolicy:
         zero.py)."""
         return list(units)
 
+    def secondary_shard(self, mesh) -> SecondaryShard | None:
+        """hpZ's in-node copy of a unit's full values (Note [secondary shards]): only where they go after a
+        use and come back for backward."""
+        return None
+
+    def counted_in(self, residents: Residents) -> Residents:
+        """The count a unit's residency joins (the engine's `residents`): only units that go and come back
+        are counted; a unit that stays gathered gets a count of its own."""
+        return Residents()
+
+    # ---- what the step driver does around a use ------------------------------------------
+
+    def gather_tags(self, make_tags):
+        """The gathers' tags (Note [gather tags]), made by `make_tags()` where a rank's gathers follow its own
+        forward; zero1/zero2 re-gather in a fixed order, untagged."""
+        return None
+
+    def after_use(self, gathers, unit, open_units: list) -> None:
+        """After `unit`'s use in a forward: the full values are kept."""
+
+    def after_forward(self, gathers, units: list, prefetch_order: list, open_units: list) -> None:
+        """At a forward's end: every unit stays gathered, and backward re-gathers nothing."""
+
+    def frees_after_frozen_backward(self, unit, root) -> bool:
+        """Whether `unit`, which nothing differentiates, is freed once its inputs' gradients are done (Note
+        [frozen units]): not where full values are kept."""
+        return False
+
+    def backward_communicates(self, sync_grads: bool) -> bool:
+        """Whether a backward issues collectives (a header goes first, Note [agreement rides the traffic]):
+        where it reduces."""
+        return sync_grads
+
     # ---- when the gradient is reduced --------------------------------------------------
 
     def reduces_kept_grads(self, unit) -> bool:
         """Whether this backward's gradients join the unit's kept full gradients before the reduce (after
         no_sync micro-batches) rather than being reduced as they come."""
         return unit.grads.holds_full()
+
+    def kept_grads(self, full):
+        """What stays of a unit's full gradients `full` (rank-major, or None) once reduced: zero2/zero3 drop
+        them (they hold some only after no_sync). Every stage reduces a unit as its backward ends (the module
+        docstring): this says what is kept, never when the reduce is issued."""
+        return None
 
     # ---- what the estimator counts (estimate/core.py) ------------------------------------
 
@@ -112,16 +146,29 @@ class StagePolicy:
         re-gathers in flight."""
         return 2 * c * biggest
 
+    def pooled_gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        """The part of `gathered_bytes` the comm pool keeps between steps (Note [reused buffers]): zero1/zero2
+        re-gather into their kept full buffers, none."""
+        return 0
+
+    def transient_gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        """The part of `gathered_bytes` outside the pool: zero1/zero2's re-gathers in flight."""
+        return self.gathered_bytes(c, root, biggest)
+
 
 class Zero1(StagePolicy):
     """Full parameters and full gradients kept; each unit's gradients reduce-scattered as its backward ends,
     the average landing in this rank's rows of the kept full gradients."""
 
     name = "zero1"
-    keeps_full_grads = True
 
     def reduces_kept_grads(self, unit) -> bool:
         return True
+
+    def kept_grads(self, full):
+        """The full gradients, kept across steps, rank-major: the reduce's input and the home of the shards'
+        gradients (Note [kept gradients rank-major], unit_grads.py)."""
+        return full
 
     def gradient_bytes(self, full: int, reduced: int, r: int, m: int) -> int:
         """The kept full gradients (over the whole unit); the shard grads view their rows when r == m."""
@@ -142,7 +189,6 @@ class Zero3(StagePolicy):
     """Full parameters only while used: gathered before, released after (`free`), two gathers in flight."""
 
     name = "zero3"
-    reshards = True
     gathers_in_flight = 2
 
     def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
@@ -175,12 +221,48 @@ class Zero3(StagePolicy):
             order.sort(key=lambda u: position.get(id(u), len(position)))
         return order
 
+    def secondary_shard(self, mesh) -> SecondaryShard | None:
+        return SecondaryShard(mesh.node_group, mesh.node_rank, mesh.node_world) if mesh.node_group is not None \
+            else None
+
+    def counted_in(self, residents: Residents) -> Residents:
+        return residents
+
+    def gather_tags(self, make_tags):
+        return make_tags()
+
+    def after_use(self, gathers, unit, open_units: list) -> None:
+        """Free every other idle unit (FSDP2's reshard_after_forward)."""
+        gathers.free_idle({id(unit)}, open_units)
+
+    def after_forward(self, gathers, units: list, prefetch_order: list, open_units: list) -> None:
+        """Free the idle units but the root and, when backward may come, the last one: usually the first one
+        backward needs (as FSDP2 keeps its root), one gather fewer per step; "last" by registration, not by
+        this rank's forward, so every rank keeps the same one (Note [collective order]). Backward re-gathers
+        the others in the reverse of the forward's order."""
+        last = {id(units[-1])} if torch.is_grad_enabled() else set()
+        gathers.free_idle({id(units[0])} | last, open_units)
+        gathers.backward_queue = [u for u in reversed(prefetch_order) if not u.resident]
+
+    def frees_after_frozen_backward(self, unit, root) -> bool:
+        return not unit.trainable() and unit is not root
+
+    def backward_communicates(self, sync_grads: bool) -> bool:
+        return True  # it re-gathers
+
     def parameter_bytes(self, full: int, shard: int, c: int, m: int) -> tuple[int, int]:
         return 0, m * shard
 
     def gathered_bytes(self, c: int, root: int, biggest: int) -> int:
         """The root (gathered for the whole forward), up to two other units and one more in flight."""
         return c * root + 3 * c * biggest
+
+    def pooled_gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        """All of them: zero3 frees its full values into the pool."""
+        return self.gathered_bytes(c, root, biggest)
+
+    def transient_gathered_bytes(self, c: int, root: int, biggest: int) -> int:
+        return 0
 
 
 _POLICIES = {policy.name: policy for policy in (Zero1, Zero2, Zero3)}

@@ -1,5 +1,5 @@
 """The engine's unit: flat shards, full views, gather and free. Uses: compat, context,
-parallel_layout, param_layout, phase, residency, secondary, shard_param, stage, unit_grads, units.
+parallel_layout, param_layout, phase, residency, shard_param, stage, unit_grads, units.
 
 A `FlatUnit` owns some parameters (see units.py). Each parameter is cut into dim-0
 chunks of `c = ceil(rows / shard_world)` rows over the unit's shard group (a 0-D scalar counts
@@ -38,7 +38,6 @@ from shardwise.engine.layout.param_layout import ParamLayout, lay_out
 from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.stage import StagePolicy
 from shardwise.engine.unit.residency import Residence, Residency, Residents
-from shardwise.engine.unit.secondary import SecondaryShard
 from shardwise.engine.unit.shard_param import make_shard
 from shardwise.engine.unit.unit_grads import UnitGrads
 from shardwise.engine.unit.units import UnitPlan
@@ -80,16 +79,15 @@ class FlatUnit:
         # hpZ: cut into node_world equal chunks (Note [secondary shards]): padded to a multiple of it
         full_numel = -(-mesh.shard_world * self.shard_total // mesh.node_world) * mesh.node_world
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
-        self.secondary = SecondaryShard(mesh.node_group, mesh.node_rank, mesh.node_world) \
-            if mesh.node_group is not None and policy.reshards else None
+        self.secondary = policy.secondary_shard(mesh)
         self.full_views = [self._full_view(layout) for layout in self.layouts]
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
         self.grads = UnitGrads(self)
         self.freshness = policy.freshness(self._master_stamp, len(self.layouts))  # Note [stepped parameters]
         # GATHERED: full_flat is allocated above; zero3 frees it in take_shards. Counted in `residents` (the
-        # engine's): a unit that reshards (zero3), other than the root.
-        self.residence = Residence(self.label, residents if residents is not None and self.path and policy.reshards
+        # engine's, StagePolicy.counted_in): a unit that goes after a use (zero3), other than the root.
+        self.residence = Residence(self.label, policy.counted_in(residents) if residents is not None and self.path
                                    else Residents())
         self.stepped_in_backward = False  # sw.optimizer_in_backward steps it (step_in_backward.py)
 

@@ -149,8 +149,8 @@ class UnitGrads:
             self.used_here = [i in self.used for i in self.indices]
             if self.indices == self._every_index():
                 packed = self.full  # already the reduce's input
-                if unit.policy.keeps_full_grads:  # zero1: the average lands in its kept rows; zero2/zero3
-                    # get fresh rows, so that `full` goes once the reduce lands (no_sync's 4 bytes/param)
+                if unit.policy.kept_grads(packed) is not None:  # zero1: the average lands in its kept rows;
+                    # zero2/zero3 get fresh rows, so `full` goes once the reduce lands (no_sync's 4 bytes/param)
                     self.into_full = self._by_rank()[unit.mesh.shard_rank]
             else:  # frozen parameters in the unit: their rows stay home
                 by_rank = self._by_rank()
@@ -194,8 +194,7 @@ class UnitGrads:
                 self.waiting[column] = rows if in_full else rows.clone()
         self.phase = GradPhase.IDLE
         self.used.clear()
-        if not unit.policy.keeps_full_grads:
-            self.full = None
+        self.full = unit.policy.kept_grads(self.full)
 
     def settle(self, used_by_any: list[bool]) -> None:
         """The rows kept by `land`: a gradient where some rank used the parameter; where none did,
@@ -216,9 +215,10 @@ class UnitGrads:
         """Shard i's averaged rows: added to its gradient, or its gradient (plus what it carried)."""
         unit, shard = self.unit, self.unit.shard_params[i]
         carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
+        kept = unit.policy.kept_grads(self.full)
         if shard.grad is not None:
             shard.grad.add_(rows)
-        elif unit.policy.keeps_full_grads and self.full is not None and self.full.dtype == unit.dtype:
+        elif kept is not None and kept.dtype == unit.dtype:
             # zero1: the shard's grad is a view of its own rows of the kept full grads, so the
             # gradients are stored once, not twice (the all-to-all averaged them there already).
             own = self._own_rows(unit.layouts[i]).view(unit.layouts[i].shard_shape)
@@ -233,8 +233,7 @@ class UnitGrads:
         self.phase = GradPhase.IDLE
         self.carried.clear()
         self.used.clear()
-        if not self.unit.policy.keeps_full_grads:
-            self.full = None
+        self.full = self.unit.policy.kept_grads(self.full)
 
     def drop(self) -> None:
         """A backward that raised midway (Note [aborted backward]): forget this step's gradients."""
