@@ -19,6 +19,7 @@ host-side wait could still be in use by a queued kernel.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -62,6 +63,7 @@ class CommContext:
         self.streams = CommStreams(device) if (on_cuda if streams is None else streams) else None
         self._strategies: dict[tuple[int, bool], TorchForms] = {}
         self.compression = compression  # shard(compression=): the hot path's quantized forms (quantize.py)
+        self.poison = os.environ.get("SHARDWISE_POISON_FREED") == "1"  # Note [poisoned memory]
 
     @classmethod
     def for_group(cls, group, compression=None) -> CommContext:
@@ -102,6 +104,15 @@ class CommContext:
             self.pool.lends += 1
             self.pool.fresh += 1
             storage.resize_(nbytes)
+        if self.poison:
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(0xFF)
+
+    # Note [poisoned memory]: with SHARDWISE_POISON_FREED=1 (a debugging switch, the test suite's default)
+    # the memory a freed unit's gather is about to fill is set to all-ones bytes first: NaN in every float
+    # dtype. A read of full values before their gather landed, or through a view the engine freed and
+    # nothing re-gathered, then shows as NaN instead of as the values the reused memory happened to hold:
+    # the comm pool (Note [reused buffers]) hands a unit back the very memory it freed, so such a read
+    # passed unseen (a gradient penalty's graph reading a unit zero3 did not pin, tests/test_double_backward.py).
 
     def free(self, storage: torch.UntypedStorage) -> None:
         """A unit's full values released (zero3): their memory kept for the next gather, within the bound."""
