@@ -223,3 +223,43 @@ def test_the_replica_average_is_waited_after_the_next_reduces_are_issued(ranks):
         assert len(reduces) >= 3 and set(issued) == set(waited) and len(issued) == len(reduces), events
         last = max(issued, key=issued.get)
         assert all(any(issued[label] < i < waited[label] for i in reduces) for label in issued if label != last), events
+
+
+def _collectives_on_one_rank(strategy):
+    """Two steps of the zoo GPT sharded over a group of one rank: the torch.distributed collectives they issued
+    (by name) and the engine's strategy names."""
+    spec = ZOO["gpt"]
+    model = build("gpt")
+    sw.shard(model, strategy=strategy, units=spec.unit_class)
+    optimizer = make_optimizer(model)
+    issued, real = [], {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            issued.append(name)
+            return real[name](*args, **kwargs)
+        return call
+
+    for name in real:
+        setattr(dist, name, counted(name))
+    try:
+        for step in range(2):
+            x, y = global_batch(spec, step, 4)
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return issued, sorted({s.name for s in engine_of(model).comm._strategies.values()})
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_group_of_one_rank_issues_no_collective(ranks, strategy):
+    """Catches a unit's gather or reduce on a group of one rank (a pipeline stage's shard group of one, a world
+    of one) issued as a collective to itself: each was a gloo call and a wait per unit per micro-batch, and a
+    zero3 stage of one rank stepped 1.4x a whole-copy stage (Note [comm strategies]). Its values stay exact:
+    tests/test_zero_parity.py runs every zoo model at world size 1."""
+    for issued, forms in ranks.run(_collectives_on_one_rank, 1, strategy, timeout=120):
+        assert issued == [], issued
+        assert forms == ["one rank"], forms

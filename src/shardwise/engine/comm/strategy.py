@@ -6,13 +6,15 @@ reduce-scatter; *how* is a strategy object, picked per process group when the en
 (`strategy_for`), so no hot-path call asks the backend again. Both strategies share the code of
 collectives.py and differ in the form they ask for: gloo's broadcasts straight into place and its
 all-to-all summed here (Note [gloo collectives], Note [gathered in place]), NCCL's own all-gather and
-reduce-scatter into one rank-major buffer. A new form (a quantized gather: Note [where the next
-capabilities land], parallel_layout.py) is one more strategy with the same three methods, whose
-`Pending.wait()` leaves full values in place.
+reduce-scatter into one rank-major buffer. A group of one rank (a pipeline stage's shard group of one,
+a world of one) issues no collective at all: its rows are the whole tensor (`OneRankForms`). A new
+form (a quantized gather: Note [where the next capabilities land], parallel_layout.py) is one more
+strategy with the same three methods, whose `Pending.wait()` leaves full values in place.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -49,6 +51,27 @@ class GlooForms(TorchForms):
     gloo = True
 
 
+class OneRankForms(TorchForms):
+    """A group of one rank (a pipeline stage's shard group of one, a world of one): its rows are the whole
+    tensor, so a gather is a copy into the region (none where the rows already are the region's own chunk),
+    and a reduce or an all-reduce the mean of one copy. No collective: on gloo each of them was a broadcast
+    to itself and a wait per unit per micro-batch (a zero3 stage of one rank stepped 1.4x a whole-copy stage)."""
+
+    name = "one rank"
+
+    def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool, what: str,
+                    own_in_place: bool, pool: BufferPool | None) -> coll.Pending:
+        if not own_in_place:
+            for part, region in zip(rows, regions):
+                region.view(-1).copy_(part.reshape(-1))
+        return coll.Pending([], regions[0] if regions else torch.empty(0), what)
+
+    def all_reduce_avg(self, tensor: Tensor, group, what: str) -> coll.Pending:
+        return coll.Pending([], tensor, what)
+
+
 def strategy_for(group) -> TorchForms:
-    """The strategy of `group`'s backend (Note [comm strategies])."""
+    """The strategy of `group`'s size and backend (Note [comm strategies])."""
+    if dist.get_world_size(group) == 1:
+        return OneRankForms()
     return GlooForms() if dist.get_backend(group) == "gloo" else TorchForms()
