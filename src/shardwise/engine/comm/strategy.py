@@ -53,9 +53,11 @@ class GlooForms(TorchForms):
 
 class OneRankForms(TorchForms):
     """A group of one rank (a pipeline stage's shard group of one, a world of one): its rows are the whole
-    tensor, so a gather is a copy into the region (none where the rows already are the region's own chunk),
-    and a reduce or an all-reduce the mean of one copy. No collective: on gloo each of them was a broadcast
-    to itself and a wait per unit per micro-batch (a zero3 stage of one rank stepped 1.4x a whole-copy stage)."""
+    tensor, so a gather is a copy into the region (none where the rows already are the region's own chunk).
+    No collective: on gloo each gather was a broadcast to itself and a wait per unit per micro-batch (a zero3
+    stage of one rank stepped 1.4x a whole-copy stage). Its reduce is collectives.reduce_scatter_avg's own
+    mean of one copy; the replicas' all-reduce never meets a group of one (a mesh with one replica is not
+    hybrid: UnitGrads.land)."""
 
     name = "one rank"
 
@@ -65,9 +67,6 @@ class OneRankForms(TorchForms):
             for part, region in zip(rows, regions):
                 region.view(-1).copy_(part.reshape(-1))
         return coll.Pending([], regions[0] if regions else torch.empty(0), what)
-
-    def all_reduce_avg(self, tensor: Tensor, group, what: str) -> coll.Pending:
-        return coll.Pending([], tensor, what)
 
 
 def strategy_for(group) -> TorchForms:
