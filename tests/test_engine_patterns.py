@@ -217,10 +217,11 @@ def test_zero3_frees_frozen_units_during_backward(ranks):
     assert all(peak <= 2 for peak in ranks.run(_frozen_peak, 2))
 
 
-def _extra_forward_on_rank_0():
+def _extra_forward_on_rank_0(strategy: str, one_unit: bool):
     torch.manual_seed(0)
     model = Net()
-    sw.shard(model, strategy="zero2", units=Block)
+    sw.shard(model, strategy=strategy, units=[model] if one_unit else Block)
+    assert one_unit == (len(engine_of(model).units) == 1)
     x = torch.randn(3, 4)
     try:
         if dist.get_rank() == 0:
@@ -232,10 +233,12 @@ def _extra_forward_on_rank_0():
     return None
 
 
-def test_a_forward_only_some_ranks_run_is_refused_on_every_rank(ranks):
+@pytest.mark.parametrize(("strategy", "one_unit"), [("zero2", False), ("zero3", True)])
+def test_a_forward_only_some_ranks_run_is_refused_on_every_rank(ranks, strategy, one_unit):
     """Catches `if rank == 0: evaluate(model)`, whose collectives paired with the other ranks'
-    next forward and mis-paired everything after."""
-    for message in ranks.run(_extra_forward_on_rank_0, 2, timeout=60):
+    next forward and mis-paired everything after; zero3 with one unit, which sends no gather tags
+    (Note [gather tags]), refused by the header alone."""
+    for message in ranks.run(_extra_forward_on_rank_0, 2, strategy, one_unit, timeout=60):
         assert message is not None and "run different forwards" in message, message
 
 

@@ -13,7 +13,7 @@ from helpers.pipe import GLOBAL_BATCH, MICRO, TIED, batches_of, dataset, gpt, re
 from helpers.pipe_llama import LlamaLayers
 from shardwise.engine import engine_of
 from shardwise.engine.layout.parallel_layout import ParallelLayout
-from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw
+from shardwise.pipeline import PipelineConfig, PipeTrainer, chain_layers, grouped_adamw, sharded
 from shardwise.testing import RunResult, assert_close_runs
 
 # ---- the layout's "pipe" dimension ---------------------------------------------------------
@@ -68,19 +68,25 @@ MODELS = {"gpt": gpt, "llama": LlamaLayers}  # the tied GPT; a Hugging Face Llam
 
 
 def _sharded_trainer(strategy: str, schedule: str, keep_gathered: bool = True, shards: int | None = None,
-                     repack: bool = True, model: str = "gpt") -> PipeTrainer:
+                     repack: bool = True, model: str = "gpt", per_layer: bool = False) -> PipeTrainer:
+    """`per_layer`: each layer a unit, as a stage over STAGE_UNIT_BYTES is cut (Note [a stage as one unit])."""
     inputs, targets = dataset()
     config = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule=schedule, cache=False,
                             strategy=strategy, keep_gathered=keep_gathered, shards=shards, repack=repack)
-    return PipeTrainer(chain_layers(MODELS[model](2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
-                       global_batch_size=GLOBAL_BATCH, config=config)
+    bound = sharded.STAGE_UNIT_BYTES
+    sharded.STAGE_UNIT_BYTES = -1 if per_layer else bound
+    try:
+        return PipeTrainer(chain_layers(MODELS[model](2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
+                           global_batch_size=GLOBAL_BATCH, config=config)
+    finally:
+        sharded.STAGE_UNIT_BYTES = bound
 
 
-def _sharded_on_rank(strategy: str, schedules: list[str], shards: int | None = None, model: str = "gpt"
-                     ) -> list[tuple[RunResult, torch.Tensor | None]]:
+def _sharded_on_rank(strategy: str, schedules: list[str], shards: int | None = None, model: str = "gpt",
+                     per_layer: bool = False) -> list[tuple[RunResult, torch.Tensor | None]]:
     out = []
     for schedule in schedules:
-        trainer = _sharded_trainer(strategy, schedule, shards=shards, model=model)
+        trainer = _sharded_trainer(strategy, schedule, shards=shards, model=model, per_layer=per_layer)
         losses = [trainer.step(b) for b in batches_of(trainer.sampler, STEPS)]
         # this rank's rows of the tied weight, on the first and the last stage
         tie = trainer.local_parameters().get(TIED if model == "gpt" else LLAMA_TIED)
@@ -103,9 +109,15 @@ def test_sharded_stages_match_one_process(ranks, model, strategy):
     _check_sharded_stages(ranks, strategy, model)
 
 
-def _check_sharded_stages(ranks, strategy: str, model: str) -> None:
+def test_sharded_stages_with_a_unit_per_layer_match_one_process(ranks):
+    """The same run with each layer a unit, as a stage over STAGE_UNIT_BYTES is cut (Note [a stage as one
+    unit]): zero3 keeps several units gathered across the micro-batches and reduces each once."""
+    _check_sharded_stages(ranks, "zero3", "gpt", per_layer=True)
+
+
+def _check_sharded_stages(ranks, strategy: str, model: str, per_layer: bool = False) -> None:
     schedules = ["gpipe", "1f1b"]
-    results = ranks.run(_sharded_on_rank, 4, strategy, schedules, None, model, timeout=300)
+    results = ranks.run(_sharded_on_rank, 4, strategy, schedules, None, model, per_layer, timeout=300)
     reference = reference_run(2, num_homes=4, steps=STEPS, build=MODELS[model])
     for k, schedule in enumerate(schedules):
         for rank, r in enumerate(results):
@@ -130,14 +142,14 @@ def test_sharded_stages_with_replicas_match_one_process(ranks):
         assert torch.equal(results[first][0][1], results[last][0][1]), "tie drifted"
 
 
-def _per_step_counts_on_rank(cases: list[tuple[str, bool]]) -> list[dict]:
+def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
     """Each unit's gathers and reduces in one step (the second: the first also gathers what init left)."""
     from shardwise.engine.schedule.reducer import Reducer
     from shardwise.engine.unit.flat_unit import FlatUnit
 
     out = []
-    for strategy, keep_gathered in cases:
-        trainer = _sharded_trainer(strategy, "gpipe", keep_gathered)
+    for strategy, keep_gathered, per_layer in cases:
+        trainer = _sharded_trainer(strategy, "gpipe", keep_gathered, per_layer=per_layer)
         first, second = batches_of(trainer.sampler, 2)
         trainer.step(first)
         gathers, reduces = {}, {}
@@ -163,14 +175,18 @@ def _per_step_counts_on_rank(cases: list[tuple[str, bool]]) -> list[dict]:
 
 
 def test_each_unit_is_reduced_once_per_step_and_zero3_gathers_once(ranks):
-    """Catches a micro-batch's gradient reduced on its own (M reduces a step, or a unit reduced twice) and
-    zero3 gathering every unit again for each micro-batch when told to keep them (keep_gathered): at pipe 2 x
-    shard 2, 4 GPipe micro-batches, each unit of each stage is reduced exactly once in a step under zero1,
-    zero2 and zero3; zero3 with keep_gathered gathers each unit once, without it at least once per
-    micro-batch (the forward's gathers; backward's come on top)."""
-    cases = [("zero1", True), ("zero2", True), ("zero3", True), ("zero3", False)]
+    """Catches a micro-batch's gradient reduced on its own (M reduces a step, or a unit reduced twice),
+    zero3 gathering every unit again for each micro-batch when told to keep them (keep_gathered), and a
+    small stage cut into a unit per layer (Note [a stage as one unit]): at pipe 2 x shard 2, 4 GPipe
+    micro-batches, each unit of each stage is reduced exactly once in a step under zero1, zero2 and zero3;
+    zero3 with keep_gathered gathers each unit once (the stage one unit, or one per layer when told to), without
+    it at least once per micro-batch (the forward's gathers; backward's come on top), each layer a unit."""
+    cases = [("zero1", True, False), ("zero2", True, False), ("zero3", True, False), ("zero3", True, True),
+             ("zero3", False, False)]
     for rank, counts in enumerate(ranks.run(_per_step_counts_on_rank, 4, cases, timeout=180)):
-        for (strategy, keep), got in zip(cases, counts):
+        for (strategy, keep, per_layer), got in zip(cases, counts):
+            one_unit = keep and not per_layer
+            assert (len(got["reduces"]) == 1) == one_unit, f"rank {rank} {strategy} keep={keep}: units {got}"
             assert got["reduces"] and all(n == 1 for n in got["reduces"]), f"rank {rank} {strategy}: {got}"
             if strategy == "zero3":
                 expected = (lambda n: n == 1) if keep else (lambda n: n >= MICRO)

@@ -129,6 +129,17 @@ def test_units_take_instances_names_and_say_what_is_wrong():
         warn_if_root_holds_most(model, [o.param for o in root])
 
 
+def test_the_root_named_as_the_unit_is_not_warned_about():
+    """Catches the root-holds-most warning for a caller who chose the root as its one unit (`units=[model]`:
+    a small pipeline stage, Note [a stage as one unit]), while "auto" and a split that leaves most in the root
+    still get it."""
+    from shardwise.engine.unit.unit_choice import names_the_root
+    model = _Mixed()
+    assert names_the_root(model, [model]) and names_the_root(model, lambda module: module is model)
+    assert not names_the_root(model, "auto") and not names_the_root(model, None)
+    assert not names_the_root(model, model.blocks) and not names_the_root(model, ["blocks.0"])
+
+
 def _save_pretrained(directory):
     model = build_hf("gpt2")
     sw.shard(model, strategy="zero3")

@@ -33,7 +33,7 @@ from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.unit.residency import Residents
 from shardwise.engine.unit.sharding import shard_units
-from shardwise.engine.unit.unit_choice import warn_if_root_holds_most
+from shardwise.engine.unit.unit_choice import names_the_root, warn_if_root_holds_most
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 
@@ -51,7 +51,8 @@ class ZeroEngine(Engine):
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
         self.mesh = ParallelLayout.of_mesh(mesh, group) if mesh is not None else ParallelLayout.flat(group)
         plans = build_units(model, units)
-        warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
+        if not names_the_root(model, units):  # the caller's own choice: nothing to warn about
+            warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
         check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
         self.store = open_store(config.offload, self.rank)

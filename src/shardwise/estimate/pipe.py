@@ -4,10 +4,12 @@ Note [pipe estimate]: a pipeline of S stages over W ranks gives each stage D = W
 the stage's layers are sharded (`PipelineConfig(strategy=, shards=)`: K ranks per shard group, D / K
 replicas). A rank holds its own stage only (Note [stage init] in pipeline/stage_init.py), sharded over K
 ranks as `sw.shard` shards any module, so its model state is `estimate`'s for the stage's module at
-world size K, unit by unit (each layer a unit, as `shard_stage` cuts it; the stage's root holds nothing).
+world size K, unit by unit (the stage one unit, or each layer one, as `shard_stage` cuts it: Note [a stage
+as one unit] in pipeline/sharded.py).
 The stages are cut as the trainer cuts them (balance by parameter count); a weight tied across the first
 and last stage counts on both. A rank's figure is its own stage's; the layout's is the heaviest stage's.
-zero3 with `keep_gathered` (the default) holds the whole stage gathered during a step, counted on top.
+zero3 with `keep_gathered` (the default) holds the whole stage gathered during a step, counted on top
+where the stage has a unit per layer (one unit counts its whole stage already).
 Activations are not counted: a stage holds each micro-batch in flight of its layers' activations (GPipe:
 all M of a step; 1F1B: up to S), which the probe does not measure yet; pass a lower budget for them.
 While the pipeline is built under `sw.deferred_init()`, a rank's peak is its stage's shards plus the
@@ -90,6 +92,7 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
     # (and so sw.estimate_pipe's module) should not pay for.
     from shardwise.pipeline import chain_layers, param_costs
     from shardwise.pipeline.layout import plan_layout
+    from shardwise.pipeline.sharded import stage_is_one_unit
 
     if strategy not in PIPE_STRATEGIES:
         raise ShardwiseError(f"a pipeline's stages are sharded zero1, zero2 or zero3, not {strategy!r}")
@@ -108,9 +111,11 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
     stages, built = [], []
     for start, end in bounds:
         layers = chain.layers[start:end]
-        stage = nn.Sequential(*layers)  # what shard_stage shards: each layer a unit, the root holds nothing
-        est = estimate(stage, strategy, shards, precision, optimizer, units=list(layers), runtime=runtime)
-        if strategy == "zero3" and keep_gathered:
+        stage = nn.Sequential(*layers)  # what shard_stage shards, into the units it chooses
+        one_unit = stage_is_one_unit(layers, strategy, keep_gathered)
+        est = estimate(stage, strategy, shards, precision, optimizer, units=[stage] if one_unit else list(layers),
+                       runtime=runtime)
+        if strategy == "zero3" and keep_gathered and not one_unit:
             est = _kept_gathered(est, stage, shards, precision)
         stages.append(est)
         built.append(_build_bytes(stage, shards, model))

@@ -20,6 +20,21 @@ the weight. The weight's gradient is the sum of its uses, so those rows are summ
 hold it) before the step: each copy takes the same gradient from the same state, one update, and the
 copies stay bitwise equal under zero1, zero2 and zero3.
 
+Note [a stage as one unit]: a sharded stage whose parameters total at most STAGE_UNIT_BYTES is one unit
+(the stage module itself), not one unit per layer, unless it is zero3 re-gathering per micro-batch
+(`keep_gathered=False`, whose point is one layer whole at a time). Within a step every layer of such a
+stage is whole anyway (zero1/zero2 keep full parameters; zero3 under `keep_gathered` holds each unit from
+its first gather to the step's reduce), and every backward but the last runs under `no_sync`, holding the
+full gradients: per-layer units buy no memory there, only collectives (a gather, a tag and a reduce per
+layer and step, each a rendezvous of the stage's ranks). One unit costs one gather and one reduce a step;
+its reduce buffers are the stage's size rather than a layer's, hence the bound: DDP's bucket size
+(`bucket_cap_mb=25`), the size at which DDP issues a collective. A larger stage keeps a unit per layer.
+Measured on the PipeTransformer bench's GPT after its re-pack (pipe 1 x shard 2, 5 blocks of 50K
+parameters, 2 micro-batches; 3 interleaved rounds of 40 steps): zero3 74-106 ms a step as one unit against
+101-122 with a unit per layer (whole copies 73-76); the bench's speedup (`bench/pipetransformer.py
+--strategy zero3`, 3 seeds) went from 1.39x to 1.44x, and to 1.47x once one unit sent no gather tags
+(Note [gather tags]).
+
 Note [frozen shards]: freezing a prefix of sharded stages keeps every layer on its stage (no activation
 cache, no re-pack: those move whole layers, strategy=None's route). Each rank turns `requires_grad` off
 on its shards of the frozen layers (the same on every rank of a stage, which the engine's agreement
@@ -85,15 +100,28 @@ class ShardedStage(PipelineStage):
         self._held.close()
 
 
+STAGE_UNIT_BYTES = 25 * 2**20  # Note [a stage as one unit]: DDP's default bucket size
+
+
+def stage_is_one_unit(layers: Sequence[nn.Module], strategy: str, keep_gathered: bool) -> bool:
+    """Whether a sharded stage of `layers` is one unit rather than one per layer (Note [a stage as one unit])."""
+    if strategy == "zero3" and not keep_gathered:
+        return False
+    params = {id(p): p for layer in layers for p in layer.parameters()}.values()  # a tie counted once
+    return sum(p.numel() * p.element_size() for p in params) <= STAGE_UNIT_BYTES
+
+
 def shard_stage(layers: Sequence[nn.Module], names: dict[int, str], strategy: str, layout,
-                **shard_options) -> tuple[nn.Module, dict[str, str]]:
-    """`layers` as one module sharded under `strategy` over `layout`'s stage ranks (each layer a unit), and
-    the model name of each of its parameter names (`names`: id of each original parameter -> model name)."""
+                keep_gathered: bool = True, **shard_options) -> tuple[nn.Module, dict[str, str]]:
+    """`layers` as one module sharded under `strategy` over `layout`'s stage ranks (the stage one unit, or
+    each layer one: Note [a stage as one unit]), and the model name of each of its parameter names (`names`:
+    id of each original parameter -> model name)."""
     if strategy not in STRATEGIES:
         raise ShardwiseError(f"PipelineConfig.strategy must be one of {STRATEGIES} or None, got {strategy!r}")
     module = nn.Sequential(*layers)
     local = {local_name: names[id(p)] for local_name, p in module.named_parameters()}
-    shard_stage_module(module, strategy, list(layers), layout.shard_arguments(), shard_options)  # Note [stage init]
+    units = [module] if stage_is_one_unit(layers, strategy, keep_gathered) else list(layers)
+    shard_stage_module(module, strategy, units, layout.shard_arguments(), shard_options)  # Note [stage init]
     return module, local
 
 

@@ -298,7 +298,8 @@ class PipeTrainer:
         self.mesh = ParallelLayout.pipelined(grid, ties=tie_sets)
         start, end = layout.bounds[stage]
         self.stage_module, self._local_names = shard_stage(self.chain.layers[start:end], self._names,
-                                                            self.config.strategy, self.mesh)
+                                                            self.config.strategy, self.mesh,
+                                                            keep_gathered=self.config.keep_gathered)
         self._named = [(self._local_names[n], p) for n, p in self.stage_module.named_parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(self._named) if self._named else None
         if states and self.optimizer is not None:

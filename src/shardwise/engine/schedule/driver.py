@@ -99,7 +99,8 @@ class StepDriver:
         self.agreement = Agreement(units, group)  # Note [agreement rides the traffic]
         # zero3's gathers follow each rank's own forward: tagged, so a rank that ran other units is refused
         # before a gathered value is used (Note [gather tags]); zero1/zero2 re-gather in a fixed order.
-        tags = policy.gather_tags(lambda: GatherTags(units, units[0].mesh.shard_group, self._where_now, self.agreement))
+        tags = policy.gather_tags(lambda: GatherTags(units, units[0].mesh.shard_group, self._where_now,
+                                                     self.agreement)) if len(units) > 1 else None  # one: no order
         self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
         self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
         self.sync_grads = True

@@ -17,7 +17,10 @@ units each rank ran. A rank that waits for a header rather than a tag (rank 0 ab
 backward while rank 1 still runs its forward) learns it from the refusing rank's last header
 (Agreement.refuse), then reads its own tags in flight and raises the same words. A tag costs one small
 async all-gather beside each gather, waited for with it (never a barrier of its own); zero1/zero2 need
-none: their gathers follow one fixed queue on every rank.
+none: their gathers follow one fixed queue on every rank. Nor does an engine of one unit (the root alone: a
+small pipeline stage, Note [a stage as one unit] in pipeline/sharded.py): its gathers are all of that unit,
+one order on every rank, and a forward or a phase only some ranks run differs in the header, which is
+confirmed before a gather lands (Note [agreement rides the traffic]).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ the root, gathered for the whole step. `"auto"` (the default) takes, in order:
 If the root then still holds most of the parameters, a `ShardwiseWarning` (rank 0's, once) names the
 largest root-held modules and the `units=` that would split them; unless what makes it most is the
 embeddings and heads (an `nn.Embedding`, and a parameter of an embedding's shape: an untied head),
-which no `units=` splits usefully: then there is nothing to act on, and nothing is said.
+which no `units=` splits usefully, or the caller named the root itself as the unit (`units=[model]`: a
+small pipeline stage, Note [a stage as one unit] in pipeline/sharded.py): then there is nothing to act
+on, and nothing is said.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ def _repeated_class(model: nn.Module) -> type | None:
     # The coarsest class that holds nearly as much (a block of Linears, not the Linears).
     close = [cls for cls, (numel, _) in held.items() if numel >= 0.8 * most]
     return min(close, key=lambda cls: (held[cls][1], -held[cls][0]))
+
+
+def names_the_root(model: nn.Module, units: UnitSpec) -> bool:
+    """Whether `units` chose the root itself as a unit (not "auto", which never does)."""
+    return not (units is None or units == "auto") and unit_predicate(model, units)(model)
 
 
 def warn_if_root_holds_most(model: nn.Module, root_params: list[nn.Parameter]) -> None:
