@@ -1,5 +1,5 @@
 """Ranks agree on what each communicating phase does, on traffic that happens anyway, not in a
-barrier before every forward. Uses: collectives, consistency, flat_unit, groups, small.
+barrier before every forward. Uses: collectives, compat, consistency, flat_unit, groups, small.
 
 Note [agreement rides the traffic]: gloo and NCCL pair collectives by their order of issue (Note
 [collective order], zero.py), so ranks must agree, before the collectives of a forward or a backward
@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.small import start_all_gather_rows
+from shardwise.engine.compat import plain_tensors
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.consistency import digest
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -99,7 +100,9 @@ class Agreement:
             return
         flagged = {id(unit) for unit in regather}
         index = {id(unit): i for i, unit in enumerate(self.units)}
-        trainable = "".join("1" if shard.requires_grad else "0" for unit in self.units for shard in unit.shard_params)
+        with plain_tensors():  # Note [engine reads] (shard_param.py)
+            trainable = "".join("1" if shard.requires_grad else "0"
+                                for unit in self.units for shard in unit.shard_params)
         header = [digest(trainable), num_forwards, phase, digest(repr([index[key] for key in order if key in index]))]
         # Per unit: 0 no re-gather, 1 a re-gather after a step, 2 after a write outside a step (FlatUnit.written).
         flags = [1 + unit.written() if id(unit) in flagged else 0 for unit in self.units]

@@ -49,7 +49,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
-from shardwise.engine.compat import Reach, graph_task_id, in_reentrant_backward, reach
+from shardwise.engine.compat import Reach, graph_task_id, in_reentrant_backward, plain_tensors, reach
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.engine.unit.shard_param import run_grad_hooks
 from shardwise.errors import ShardwiseError
@@ -65,7 +65,8 @@ class GatherUnit(torch.autograd.Function):
         # Fresh view objects every window: autograd attaches this window's graph to them,
         # and a view reused from an earlier window would carry that window's history.
         outputs = tuple(view.view(view.shape) for view in unit.full_views)
-        frozen = [out for out, shard in zip(outputs, unit.shard_params) if not shard.requires_grad]
+        with plain_tensors():  # Note [engine reads] (shard_param.py)
+            frozen = [out for out, shard in zip(outputs, unit.shard_params) if not shard.requires_grad]
         ctx.mark_non_differentiable(*frozen)
         return outputs
 

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from shardwise.config import MixedPrecision
 from shardwise.engine.comm.context import CommContext
-from shardwise.engine.compat import preserve_version_counter
+from shardwise.engine.compat import plain_tensors, preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
 from shardwise.engine.schedule.phase import Clock, Phase
@@ -181,7 +181,8 @@ class FlatUnit:
     def _master_stamp(self) -> int:
         """Moves whenever this rank's master rows are written in place (Note [writes the engine
         must see]): the shards' own version counters plus their flat buffer's."""
-        return self.storage.master_base(self)._version + sum(shard._version for shard in self.shard_params)
+        with plain_tensors():  # Note [engine reads]
+            return self.storage.master_base(self)._version + sum(shard._version for shard in self.shard_params)
 
     # ---- registrations -----------------------------------------------------------
 
@@ -297,4 +298,5 @@ class FlatUnit:
 
     def trainable(self) -> list[int]:
         """The indices of the parameters that require grad (the ones the reduce carries)."""
-        return [i for i, shard in enumerate(self.shard_params) if shard.requires_grad]
+        with plain_tensors():  # Note [engine reads]
+            return [i for i, shard in enumerate(self.shard_params) if shard.requires_grad]
