@@ -144,6 +144,7 @@ def test_sharded_stages_with_replicas_match_one_process(ranks):
 
 def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
     """Each unit's gathers and reduces in one step (the second: the first also gathers what init left)."""
+    from shardwise.engine.schedule.agreement import Agreement
     from shardwise.engine.schedule.reducer import Reducer
     from shardwise.engine.unit.flat_unit import FlatUnit
 
@@ -152,8 +153,8 @@ def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
         trainer = _sharded_trainer(strategy, "gpipe", keep_gathered, per_layer=per_layer)
         first, second = batches_of(trainer.sampler, 2)
         trainer.step(first)
-        gathers, reduces = {}, {}
-        start_gather, launch = FlatUnit.start_gather, Reducer._launch
+        gathers, reduces, headers = {}, {}, []
+        start_gather, launch, open_header = FlatUnit.start_gather, Reducer._launch, Agreement.open
 
         def counted_gather(unit, *args, **kwargs):
             gathers[id(unit)] = gathers.get(id(unit), 0) + 1
@@ -164,13 +165,18 @@ def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
                 reduces[id(unit)] = reduces.get(id(unit), 0) + 1
             return launch(reducer, unit, grads)
 
-        FlatUnit.start_gather, Reducer._launch = counted_gather, counted_reduce
+        def counted_header(agreement, phase, *args):
+            headers.append(phase)
+            return open_header(agreement, phase, *args)
+
+        FlatUnit.start_gather, Reducer._launch, Agreement.open = counted_gather, counted_reduce, counted_header
         try:
             trainer.step(second)
         finally:
-            FlatUnit.start_gather, Reducer._launch = start_gather, launch
+            FlatUnit.start_gather, Reducer._launch, Agreement.open = start_gather, launch, open_header
         units = [id(u) for u in engine_of(trainer.stage_module).units if u.trainable()]
-        out.append({"reduces": [reduces.get(u, 0) for u in units], "gathers": [gathers.get(u, 0) for u in units]})
+        out.append({"reduces": [reduces.get(u, 0) for u in units], "gathers": [gathers.get(u, 0) for u in units],
+                    "headers": len(headers)})
     return out
 
 
@@ -180,12 +186,15 @@ def test_each_unit_is_reduced_once_per_step_and_zero3_gathers_once(ranks):
     small stage cut into a unit per layer (Note [a stage as one unit]): at pipe 2 x shard 2, 4 GPipe
     micro-batches, each unit of each stage is reduced exactly once in a step under zero1, zero2 and zero3;
     zero3 with keep_gathered gathers each unit once (the stage one unit, or one per layer when told to), without
-    it at least once per micro-batch (the forward's gathers; backward's come on top), each layer a unit."""
+    it at least once per micro-batch (the forward's gathers; backward's come on top), each layer a unit. Agreement
+    headers (Note [agreement rides the traffic]): with the units kept, one for the step's first forward and
+    one for its reducing backward, none for the backwards under no_sync that issue no collective."""
     cases = [("zero1", True, False), ("zero2", True, False), ("zero3", True, False), ("zero3", True, True),
              ("zero3", False, False)]
     for rank, counts in enumerate(ranks.run(_per_step_counts_on_rank, 4, cases, timeout=180)):
         for (strategy, keep, per_layer), got in zip(cases, counts):
             one_unit = keep and not per_layer
+            assert got["headers"] == 2 if keep else got["headers"] >= 2 * MICRO, f"rank {rank} {strategy}: {got}"
             assert (len(got["reduces"]) == 1) == one_unit, f"rank {rank} {strategy} keep={keep}: units {got}"
             assert got["reduces"] and all(n == 1 for n in got["reduces"]), f"rank {rank} {strategy}: {got}"
             if strategy == "zero3":

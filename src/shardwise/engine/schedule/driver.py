@@ -277,9 +277,20 @@ class StepDriver:
             self.step.callback_queued = True
             self.step.graph_task = graph_task_id()
             self.clock.enter(Phase.BACKWARD)
-            if self.policy.backward_communicates(self.sync_grads):  # a header first
+            if self._backward_communicates():  # a header first
                 self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
+
+    def _backward_communicates(self) -> bool:
+        """Whether this backward issues collectives (Note [agreement rides the traffic]). One that reduces
+        nothing (no_sync) inside keep_gathered, with every unit of the last forward still whole, issues none:
+        zero3's micro-batches but the last (Note [micro-batches keep their gathers])."""
+        if not self.policy.backward_communicates(self.sync_grads):
+            return False
+        if self.sync_grads or not self.holding:
+            return True
+        by_id = {id(unit): unit for unit in self.units}
+        return any(by_id[key].needs_gather() for key in self.step.order)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         if in_grad_call(unit):  # Note [gradients of inputs] (window.py): not the step's backward
