@@ -92,7 +92,7 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
     # (and so sw.estimate_pipe's module) should not pay for.
     from shardwise.pipeline import chain_layers, param_costs
     from shardwise.pipeline.layout import plan_layout
-    from shardwise.pipeline.sharded import stage_is_one_unit
+    from shardwise.pipeline.sharded import stage_units
 
     if strategy not in PIPE_STRATEGIES:
         raise ShardwiseError(f"a pipeline's stages are sharded zero1, zero2 or zero3, not {strategy!r}")
@@ -112,10 +112,9 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
     for start, end in bounds:
         layers = chain.layers[start:end]
         stage = nn.Sequential(*layers)  # what shard_stage shards, into the units it chooses
-        one_unit = stage_is_one_unit(layers, strategy, keep_gathered)
-        est = estimate(stage, strategy, shards, precision, optimizer, units=[stage] if one_unit else list(layers),
-                       runtime=runtime)
-        if strategy == "zero3" and keep_gathered and not one_unit:
+        units = stage_units(stage, layers, strategy, keep_gathered)
+        est = estimate(stage, strategy, shards, precision, optimizer, units=units, runtime=runtime)
+        if strategy == "zero3" and keep_gathered and units[0] is not stage:
             est = _kept_gathered(est, stage, shards, precision)
         stages.append(est)
         built.append(_build_bytes(stage, shards, model))

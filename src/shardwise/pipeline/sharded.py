@@ -103,12 +103,12 @@ class ShardedStage(PipelineStage):
 STAGE_UNIT_BYTES = 25 * 2**20  # Note [a stage as one unit]: DDP's default bucket size
 
 
-def stage_is_one_unit(layers: Sequence[nn.Module], strategy: str, keep_gathered: bool) -> bool:
-    """Whether a sharded stage of `layers` is one unit rather than one per layer (Note [a stage as one unit])."""
+def stage_units(stage: nn.Module, layers: Sequence[nn.Module], strategy: str, keep_gathered: bool) -> list[nn.Module]:
+    """The units of a sharded `stage` made of `layers`: `[stage]`, or each layer (Note [a stage as one unit])."""
     if strategy == "zero3" and not keep_gathered:
-        return False
+        return list(layers)
     params = {id(p): p for layer in layers for p in layer.parameters()}.values()  # a tie counted once
-    return sum(p.numel() * p.element_size() for p in params) <= STAGE_UNIT_BYTES
+    return [stage] if sum(p.numel() * p.element_size() for p in params) <= STAGE_UNIT_BYTES else list(layers)
 
 
 def shard_stage(layers: Sequence[nn.Module], names: dict[int, str], strategy: str, layout,
@@ -120,7 +120,7 @@ def shard_stage(layers: Sequence[nn.Module], names: dict[int, str], strategy: st
         raise ShardwiseError(f"PipelineConfig.strategy must be one of {STRATEGIES} or None, got {strategy!r}")
     module = nn.Sequential(*layers)
     local = {local_name: names[id(p)] for local_name, p in module.named_parameters()}
-    units = [module] if stage_is_one_unit(layers, strategy, keep_gathered) else list(layers)
+    units = stage_units(module, layers, strategy, keep_gathered)
     shard_stage_module(module, strategy, units, layout.shard_arguments(), shard_options)  # Note [stage init]
     return module, local
 
