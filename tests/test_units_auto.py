@@ -140,6 +140,23 @@ def test_the_root_named_as_the_unit_is_not_warned_about():
     assert not names_the_root(model, model.blocks) and not names_the_root(model, ["blocks.0"])
 
 
+def _warnings_of_shard(units: str) -> list[str]:
+    model = _Mixed()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sw.shard(model, strategy="zero3", units=[model] if units == "root" else model.blocks)
+    return [str(w.message) for w in caught if issubclass(w.category, sw.ShardwiseWarning)]
+
+
+def test_shard_with_the_root_as_its_unit_does_not_warn(ranks):
+    """Catches sw.shard warning that the root holds most of the parameters when the caller named the root as
+    the unit (a small pipeline stage's choice), while a split leaving most in the root still warns."""
+    chosen = ranks.run(_warnings_of_shard, 1, "root", timeout=60)[0]
+    split = ranks.run(_warnings_of_shard, 1, "blocks", timeout=60)[0]
+    assert chosen == [], chosen
+    assert any("root unit holds" in message for message in split), split
+
+
 def _save_pretrained(directory):
     model = build_hf("gpt2")
     sw.shard(model, strategy="zero3")
