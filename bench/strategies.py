@@ -43,6 +43,10 @@ the table gives that bound for each world size as a ratio to DDP, paired per rou
 as zero1/zero2 can be here, measured. On gloo the reduce-scatter and all-gather cost a little
 more than the all-reduce of the same bytes at 2 ranks and a little less at 4 (Note [gloo
 collectives] in shardwise/engine/comm/collectives.py), which moves the true floor by about as much.
+zero3 moves one more all-gather of the parameters (backward gathers each unit again), so its bound
+adds one: the DDP run also times an all-gather of the model's values in the engine's form into a
+buffer allocated once (`raw_gather_seconds`), and zero3's bound is zero1/zero2's plus that time over
+DDP's step, paired per round.
 """
 
 from __future__ import annotations
@@ -255,6 +259,24 @@ def _units_of(model) -> tuple:
     return engine.units if engine is not None else ()
 
 
+def raw_gather_seconds(num_params: int, rank: int, world_size: int, repeats: int = 3) -> float:
+    """Note [engine-free bound]: one all-gather of the model's fp32 values in the engine's gloo form (a broadcast
+    from each rank, in place, Note [gloo collectives]) into a buffer allocated once: no engine, no copy. The
+    median of `repeats` after a warm-up, wall seconds on this rank."""
+    import torch.distributed as dist
+
+    full = torch.zeros(world_size * -(-num_params // world_size)).view(world_size, -1)
+    seconds = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.broadcast(full[src], src=src, async_op=True) for src in range(world_size)]
+        for work in works:
+            work.wait()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
 def run_worker(args) -> None:
     # Before any collective can hang: the launcher kills ranks by this pid on a timeout.
     Path(args.out_dir, f"pid{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
@@ -296,8 +318,9 @@ def run_worker(args) -> None:
         cpu_times.append(time.process_time() - cpu_start)  # every thread of the rank: gloo's too
         losses.append(loss.item())
 
+    gather_s = raw_gather_seconds(num_params, rank, world_size) if args.config == "ddp" else None
     record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times, "cpu_times": cpu_times,
-              "optimizer_times": optimizer_times,
+              "optimizer_times": optimizer_times, "raw_gather_s": gather_s,
               "model_state_bytes": state_bytes,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -405,6 +428,8 @@ def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None
         # The CPU work of a step: each rank's median, summed over the ranks (Note [CPU-bound]).
         cpu_s_per_step=sum(statistics.median(r["cpu_times"][args.warmup:]) for r in ranks),
     )
+    if ranks[0].get("raw_gather_s") is not None:  # ddp's run: Note [engine-free bound]
+        row["raw_gather_s"] = max(r["raw_gather_s"] for r in ranks)
     if ranks[0]["optimizer_times"]:  # not the DeepSpeed arms, whose engine steps inside train_step
         row["optimizer_s"] = statistics.median(
             max(r["optimizer_times"][i] for r in ranks) for i in range(args.warmup, len(step_max)))
@@ -430,6 +455,7 @@ def combine_repeats(repeats: list[dict]) -> dict:
     row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
                cpu_s_per_step=statistics.median(cpu), run_cpu_s=cpu,
                run_optimizer_s=optimizer, optimizer_s=None if None in optimizer else statistics.median(optimizer),
+               run_raw_gather_s=[r.get("raw_gather_s") for r in ok],
                max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
     return row
 

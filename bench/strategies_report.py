@@ -15,12 +15,18 @@ def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> s
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
-def engine_free_bound(ddp: dict | None, world_size: int) -> str | None:
-    """Note [engine-free bound]: DDP's step less (N-1)/N of its optimizer step, per round, as a ratio to DDP's."""
+def engine_free_bound(ddp: dict | None, world_size: int, extra_gather: bool = False) -> str | None:
+    """Note [engine-free bound]: DDP's step less (N-1)/N of its optimizer step, per round, as a ratio to DDP's;
+    with `extra_gather` (zero3's bound) plus one raw all-gather of the model's values, timed in that run."""
     if not ddp or not ddp.get("run_optimizer_s") or None in ddp["run_optimizer_s"]:
         return None
+    steps = ddp["run_medians_s"]
+    gathers = ddp.get("run_raw_gather_s") if extra_gather else [0.0] * len(steps)
+    if not gathers or None in gathers:
+        return None
     share = (world_size - 1) / world_size
-    ratios = [1 - share * optimizer / step for optimizer, step in zip(ddp["run_optimizer_s"], ddp["run_medians_s"])]
+    ratios = [1 - share * optimizer / step + gather / step
+              for optimizer, step, gather in zip(ddp["run_optimizer_s"], steps, gathers)]
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
@@ -69,6 +75,11 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
             lines += ["", f"Engine-free bound for zero1/zero2 at world size {ws} (Note [engine-free bound]): "
                           f"{bound} × DDP. 'optimizer s' is the median over runs of each run's "
                           "median over steps of the slowest rank's optimizer.step()."]
+        bound3 = engine_free_bound(by.get("ddp"), ws, extra_gather=True)
+        if bound3:
+            lines += ["", f"Engine-free bound for zero3 at world size {ws}: {bound3} × DDP (zero1/zero2's plus one "
+                          "all-gather of the model's values in the engine's form, timed in the DDP run: "
+                          "Note [engine-free bound])."]
         compiled = [r for r in group if r["config"].endswith("+compile") and "run_medians_s" in r]
         if compiled:  # Note [compiled arms]
             lines += ["", f"Compiled arms at world size {ws} (backend {args.compile_backend}; compilation in the "

@@ -5,6 +5,9 @@ beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/o
     python bench/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check
     python bench/whole_tensor.py --vocab 4096 --d-model 256 --layers 4 --seq 64 --batch 2 \
         --only zero2_adamw,zero2_muon,zero3_muon,one_muon,ddp_muon          # issue 33's figures, bounded
+    python bench/whole_tensor.py --vocab 4096 --d-model 1024 --layers 2 --seq 64 --batch 2 --steps 2 \
+        --only zero2_adamw,zero2_muon,zero3_muon,one_muon --newton-schulz float32 --name whole_tensor_d1024
+        # a host without a fast bf16 matmul (bench/newton_schulz.py); its floor: bench/owner_bound.py, same flags
 
 Arms: shardwise zero2/zero3 with AdamW (rows, the fast path) and with Muon on 2-D parameters + AdamW
 (the owner shape, inside optimizer.step()); the same optimizers on `Shard(0)` DTensor parameters (step
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import newton_schulz
 import shardwise as sw
 from whole_tensor_arms import PHASES, parity_job, time_arm
 
@@ -73,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hidden: the blocks' 2-D matrices, the standard recipe (default); all-2d: every 2-D "
                         "parameter, the tied embedding/head and pos_emb included")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--newton-schulz", choices=newton_schulz.CHOICES, default="bfloat16",
+                   help="Muon's Newton-Schulz dtype: bfloat16 (torch's own), or float32 on a host without a fast "
+                        "bf16 matmul (bench/newton_schulz.py); pass the same to bench/owner_bound.py")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one launch is killed")
     p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/results)")
     p.add_argument("--name", default="whole_tensor",
@@ -89,6 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_worker(args) -> None:
     Path(args.out_dir, f"pid{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))  # for a kill on timeout
     torch.set_num_threads(1)  # ranks share 2 cores; more threads only fight each other
+    newton_schulz.use(args.newton_schulz)
     sw.init()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world_size,))
@@ -109,7 +117,7 @@ def launch(args, job: str, world_size: int, arms: list[str]) -> dict:
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
             __file__, "--worker", job, "--arms", ",".join(arms)]
     for flag in ("vocab", "d_model", "layers", "heads", "seq", "batch", "steps", "warmup", "seed", "lr",
-                 "muon_lr", "muon_on", "weight_decay"):
+                 "muon_lr", "muon_on", "weight_decay", "newton_schulz"):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -229,14 +237,14 @@ def markdown(args, rows: list[dict], parity: dict, world_sizes: list[int]) -> st
               "every 2-D parameter (tied embedding/head and pos_emb included), AdamW on the rest")
     lines = [
         f"GPT vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, batch "
-        f"{args.batch}/rank; gloo on loopback, 1 thread/rank, 2 CPU cores. Muon (lr {args.muon_lr}, torch.optim.Muon, "
-        f"Newton–Schulz in bf16) on {recipe}. Step s: optimizer.step() only, slowest rank, median of {args.steps} "
-        f"steps after {args.warmup} warm-up per round, then median over {args.rounds} interleaved rounds (range: "
-        "per-round medians). × AdamW rows: per-round ratio to shardwise zero2 AdamW, median. Full step: "
-        "forward+backward+step. zero2's re-gather of updated rows runs at the next forward, so it is in full step, "
-        "not in step s. The machine's load moves absolute numbers: read the paired ratios. Parity: 3 steps on "
-        "fixed random gradients, max |param − one process stepping whole tensors| (owner shape = shardwise zero2; "
-        "worst parameter in brackets)."]
+        f"{args.batch}/rank; gloo on loopback, 1 thread/rank, {os.cpu_count()} CPU cores. Muon (lr {args.muon_lr}, "
+        f"torch.optim.Muon, Newton–Schulz in {args.newton_schulz}) on {recipe}. Step s: optimizer.step() only, "
+        f"slowest rank, median of {args.steps} steps after {args.warmup} warm-up per round, then median over "
+        f"{args.rounds} interleaved rounds (range: per-round medians). × AdamW rows: per-round ratio to shardwise "
+        "zero2 AdamW, median. Full step: forward+backward+step. zero2's re-gather of updated rows runs at the next "
+        "forward, so it is in full step, not in step s. The machine's load moves absolute numbers: read the paired "
+        "ratios. Parity: 3 steps on fixed random gradients, max |param − one process stepping whole tensors| (owner "
+        "shape = shardwise zero2; worst parameter in brackets)."]
     for ws in world_sizes:
         lines += ["", f"### world size {ws}", "",
                   "| arm | median step s | range | × AdamW rows | full step s | full × AdamW rows | parity |",
