@@ -507,6 +507,16 @@ ENGINE_MUTATIONS = [
      'return _SLICE_RECORDS.get(param)',
      'return None',
      'tests/test_slicing.py -k export'),
+    ("issue 47: an elementwise step body runs plain with a full-shape state (a silent broadcast over the rows)",
+     '_rows_alike',
+     '    return all(type(t) in _OURS_OR_PLAIN and (t.dim() == 0 or t.shape == param.shape)',
+     '    return all(type(t) in _OURS_OR_PLAIN',
+     'tests/test_plain_rows_step.py -k full_shape'),
+    ("issue 47: every optimizer step body keeps the shard checks (Note [plain rows step] never applies)",
+     'install',
+     '        on_step_body(_plain_rows_body)',
+     '        pass',
+     'tests/test_plain_rows_step.py -k skips'),
 ]
 
 MUTATIONS = ENGINE_MUTATIONS + COMM_MUTATIONS + CHECKPOINT_MUTATIONS

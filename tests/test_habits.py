@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
+from helpers.two_rows import TwoRows
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import assert_close_runs, global_batch, train
 
@@ -92,17 +93,6 @@ def test_whole_tensor_habits_are_errors_that_name_the_fix(ranks, strategy):
         assert "sw.EMA(model)" in out["deepcopy"] and "sw.EMA(model)" in out["averaged_model"]
         assert "full shape" in out["lerp"] and "full shape" in out["foreach_lerp"] and "full shape" in out["add"]
         assert "none of them a parameter of the model" in out["other_model_optimizer"]
-
-
-class TwoRows(nn.Module):
-    """A weight whose first dimension equals the world size: rows broadcast silently."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.proj(x).sum()
 
 
 def _two_rows_lerp(strategy):

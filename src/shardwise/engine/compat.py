@@ -5,6 +5,7 @@ Uses: nothing of the engine.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
@@ -141,22 +142,66 @@ def _guarded(step):
     return guarded
 
 
-def on_step_error(hook) -> None:
-    """Call `hook(optimizer, error)` when an optimizer's step raises, before the error leaves `step()`
-    (Note [raising step] in whole_step.py): torch offers pre and post step hooks, none for an error.
-    torch wraps each optimizer class's `step` once, at its first instance (`profile_hook_step`, torch
-    2.13); wrapping that wrapper guards every class made from now on, `guard_step` one made before."""
+_STEP_BODY_CONTEXTS: list = []
+_TORCH_WRAPPER_CODE: list = []  # the code of torch's own step wrapper (functools.wraps copies its names)
+
+
+def _in_body_contexts(func):
+    """`func` (a class's own step, beneath torch's hook-running wrapper) run inside the contexts
+    `on_step_body` asked for: the body alone, not the step hooks around it."""
+
+    @functools.wraps(func)
+    def body(*args, **kwargs):
+        with contextlib.ExitStack() as contexts:
+            for context in _STEP_BODY_CONTEXTS:
+                contexts.enter_context(context(args[0]))
+            return func(*args, **kwargs)
+
+    return body
+
+
+def _patch_profile_hook_step() -> None:
+    """torch wraps each optimizer class's `step` once, at its first instance (`profile_hook_step`, torch
+    2.13): wrapping that function puts the error hooks around, and the body contexts beneath, the step of
+    every class made from now on (`guard_step` and `rewrap_step` reach a class made before)."""
     from torch.optim.optimizer import Optimizer
 
-    _STEP_ERROR_HOOKS.append(hook)
     if not getattr(Optimizer.profile_hook_step, "_sw_guarding", False):
         original = Optimizer.profile_hook_step
+        _TORCH_WRAPPER_CODE.append(original(lambda self: None).__code__)  # what rewrap_step recognizes
 
         def profile_hook_step(func):
-            return _guarded(original(func))
+            return _guarded(original(_in_body_contexts(func)))
 
         profile_hook_step._sw_guarding = True
         Optimizer.profile_hook_step = staticmethod(profile_hook_step)
+
+
+def on_step_error(hook) -> None:
+    """Call `hook(optimizer, error)` when an optimizer's step raises, before the error leaves `step()`
+    (Note [raising step] in whole_step.py): torch offers pre and post step hooks, none for an error."""
+    _STEP_ERROR_HOOKS.append(hook)
+    _patch_profile_hook_step()
+
+
+def on_step_body(context) -> None:
+    """Run every optimizer's own step body (not its hooks) inside `context(optimizer)`, a context manager
+    (Note [plain rows step] in optim_hooks.py)."""
+    _STEP_BODY_CONTEXTS.append(context)
+    _patch_profile_hook_step()
+
+
+def rewrap_step(optimizer) -> None:
+    """A class whose `step` torch wrapped before `_patch_profile_hook_step` gets torch's wrapper anew around
+    its own step, now with the body contexts (its next step on). Only torch's own wrapper is replaced: one
+    that another library put around it stays as it is (and runs without them)."""
+    from torch.optim.optimizer import Optimizer
+
+    kind = type(optimizer)
+    step = kind.step
+    if _TORCH_WRAPPER_CODE and getattr(step, "__code__", None) is _TORCH_WRAPPER_CODE[0]:
+        kind.step = Optimizer.profile_hook_step(step.__wrapped__)
+        kind.step.hooked = True
 
 
 def guard_step(optimizer) -> None:

@@ -1,5 +1,5 @@
 """What the engine learns from the user's optimizer: one hook on torch's optimizer steps, dispatching
-to the engine of each parameter the optimizer steps. Uses: compat, offload, whole_step.
+to the engine of each parameter the optimizer steps. Uses: compat, offload, shard_param, whole_step.
 
 Note [one step hook]: the user builds an ordinary torch optimizer (before or after `shard()`), so
 torch's global optimizer hooks are the one place that sees every step without an extra call to
@@ -20,15 +20,32 @@ steps in progress; the hooks find the watches through the optimizer's parameters
   step raises on one rank, every rank stops it (Note [raising step]).
 The one process-wide fact is which watches are alive (`_LIVE`, weak), because torch's hooks are
 process-wide: an optimizer that steps nothing is refused only while some sharded model exists.
+
+Note [plain rows step]: an elementwise optimizer (`StepShape.ROWS`: exactly one of torch's classes in
+`_ELEMENTWISE`, whose step reads each element alone) steps a shard's rows with a few torch calls per
+parameter, and each call on a ShardParameter or its RowsGrad went through their `__torch_function__`
+(Note [rows meet a whole tensor], [rows read whole] in shard_param.py): about 6 per parameter, 10 ms a
+step on the bench GPT at 2 ranks, where its whole AdamW step on rows is 70 ms. Inside such a step the
+only tensors are each parameter, its gradient and its state, and those checks can fire only where a state
+tensor is not of its parameter's shape (a full-shape state loaded with torch's `load_state_dict`). So the
+body of the step, beneath torch's wrapper and its hooks (a user's hook still meets every check), runs
+under `plain_tensors()` once every parameter, gradient and state tensor is a plain tensor or ours and of
+its parameter's shape (0-d state such as `step` aside); else the checks run as before and raise where
+they did. The ops are the same ones, so the step is bitwise what it was. Classes torch wrapped before the
+engine's first `shard()` get torch's wrapper anew at their first step (compat.rewrap_step), the plain body
+from the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
+import torch
+from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from shardwise.engine.compat import guard_step, on_step_error
+from shardwise.engine.compat import get_grad, guard_step, on_step_body, on_step_error, plain_tensors, rewrap_step
 from shardwise.engine.memory.offload import chunked_step, restore_groups
 from shardwise.engine.optim.whole_step import (
     StepShape,
@@ -38,7 +55,10 @@ from shardwise.engine.optim.whole_step import (
     sharded_params,
     step_shape,
 )
+from shardwise.engine.unit.shard_param import RowsGrad, ShardParameter
 from shardwise.errors import ShardwiseError
+
+_OURS_OR_PLAIN = {torch.Tensor, nn.Parameter, ShardParameter, RowsGrad}  # Note [plain rows step]
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the StepWatch of every live engine (Note [one step hook])
 _INSTALLED: list[bool] = []
@@ -73,6 +93,7 @@ def install() -> None:
         register_optimizer_step_pre_hook(_before_step)
         register_optimizer_step_post_hook(_after_step)
         on_step_error(_step_failed)
+        on_step_body(_plain_rows_body)
         _INSTALLED.append(True)
 
 
@@ -108,6 +129,30 @@ def _before_step(optimizer, args, kwargs) -> None:
         watch.mark_stepped(params)
     chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)
     _begin_whole_step(optimizer)
+    if step_shape(optimizer) is StepShape.ROWS:
+        rewrap_step(optimizer)  # Note [plain rows step]
+
+
+def _plain_rows_body(optimizer):
+    """The context of an optimizer's own step body: `plain_tensors()` for an elementwise step over rows whose
+    tensors the shard checks cannot fault, else none (Note [plain rows step])."""
+    if step_shape(optimizer) is not StepShape.ROWS or not _LIVE:
+        return contextlib.nullcontext()
+    with plain_tensors():
+        params = _params(optimizer)
+        if not any(type(param) is ShardParameter for param in params) or not all(
+                _rows_alike(optimizer, param) for param in params):
+            return contextlib.nullcontext()
+    return plain_tensors()
+
+
+def _rows_alike(optimizer, param) -> bool:
+    """`param` (read under plain_tensors), its gradient and its state: plain or ours, all of its shape."""
+    if type(param) not in _OURS_OR_PLAIN:
+        return False
+    tensors = [get_grad(param), *optimizer.state.get(param, {}).values()]  # the stored gradient, no property
+    return all(type(t) in _OURS_OR_PLAIN and (t.dim() == 0 or t.shape == param.shape)
+               for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _after_step(optimizer, args, kwargs) -> None:
