@@ -179,7 +179,7 @@ class ShardParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        unit = self.__dict__.get("_sw_unit")
+        unit = getattr(self, "_sw_unit", None)  # not __dict__: dynamo fails on a tensor's (torch.compile(opt.step))
         if unit is not None and unit.stepped_in_backward:
             refuse_clip_after_step()  # Note [rank-local clipping]
         with plain_tensors():  # Note [engine reads]: the stored gradient object itself
