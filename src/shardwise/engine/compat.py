@@ -160,6 +160,9 @@ def _in_body_contexts(func):
     return body
 
 
+_BODY_CODE = _in_body_contexts(lambda: None).__code__  # what undecorated_step unwraps
+
+
 def _patch_profile_hook_step() -> None:
     """torch wraps each optimizer class's `step` once, at its first instance (`profile_hook_step`, torch
     2.13): wrapping that function puts the error hooks around, and the body contexts beneath, the step of
@@ -212,10 +215,12 @@ def guard_step(optimizer) -> None:
 
 
 def undecorated_step(optimizer):
-    """The optimizer class's `step` without torch's wrapper that runs the step hooks (offload.py
-    steps one chunk at a time inside the user's step and must not re-enter the hooks)."""
+    """The optimizer class's own `step`, without torch's wrapper that runs the step hooks and without the
+    body contexts beneath it (offload.py steps one chunk at a time inside the user's step and must not
+    re-enter the hooks)."""
     step = type(optimizer).step
-    return getattr(step, "__wrapped__", step)
+    step = getattr(step, "__wrapped__", step)
+    return step.__wrapped__ if getattr(step, "__code__", None) is _BODY_CODE else step
 
 
 class Reach(enum.Enum):
