@@ -168,7 +168,8 @@ def _compiled_step(strategy: str) -> float:
     return max((a - b).abs().max().item() for a, b in zip(eager, compiled))
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [pytest.param("zero1", marks=pytest.mark.slow),
+                                      pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_a_compiled_optimizer_step_trains_as_the_eager_one(ranks, strategy):
     """Catches dynamo failing inside ShardParameter.grad (an InternalTorchDynamoError on reading
     `__dict__`), and a compiled step that skips the engine's step hooks (stale full values: an lr-sized
