@@ -166,12 +166,12 @@ _BODY_CODE = _in_body_contexts(lambda: None).__code__  # what undecorated_step u
 def _patch_profile_hook_step() -> None:
     """torch wraps each optimizer class's `step` once, at its first instance (`profile_hook_step`, torch
     2.13): wrapping that function puts the error hooks around, and the body contexts beneath, the step of
-    every class made from now on (`guard_step` and `rewrap_step` reach a class made before)."""
+    every class made from now on (`guard_step` reaches a class made before)."""
     from torch.optim.optimizer import Optimizer
 
     if not getattr(Optimizer.profile_hook_step, "_sw_guarding", False):
         original = Optimizer.profile_hook_step
-        _TORCH_WRAPPER_CODE.append(original(lambda self: None).__code__)  # what rewrap_step recognizes
+        _TORCH_WRAPPER_CODE.append(original(lambda self: None).__code__)  # what guard_step recognizes
 
         def profile_hook_step(func):
             return _guarded(original(_in_body_contexts(func)))
@@ -194,10 +194,11 @@ def on_step_body(context) -> None:
     _patch_profile_hook_step()
 
 
-def rewrap_step(optimizer) -> None:
-    """A class whose `step` torch wrapped before `_patch_profile_hook_step` gets torch's wrapper anew around
-    its own step, now with the body contexts (its next step on). Only torch's own wrapper is replaced: one
-    that another library put around it stays as it is (and runs without them)."""
+def guard_step(optimizer) -> None:
+    """Bring the step of `optimizer`'s class, if torch wrapped it before `_patch_profile_hook_step`, up to
+    date from its next step on: torch's own wrapper is made anew around the class's own step (error hooks
+    around, body contexts beneath); a wrapper another library put around it gets the error hooks around it
+    and runs without the body contexts."""
     from torch.optim.optimizer import Optimizer
 
     kind = type(optimizer)
@@ -205,13 +206,8 @@ def rewrap_step(optimizer) -> None:
     if _TORCH_WRAPPER_CODE and getattr(step, "__code__", None) is _TORCH_WRAPPER_CODE[0]:
         kind.step = Optimizer.profile_hook_step(step.__wrapped__)
         kind.step.hooked = True
-
-
-def guard_step(optimizer) -> None:
-    """Guard the step of `optimizer`'s class if torch wrapped it before `on_step_error` (its next step on)."""
-    kind = type(optimizer)
-    if getattr(kind.step, "hooked", False) and not getattr(kind.step, "_sw_guarded", False):
-        kind.step = _guarded(kind.step)
+    elif getattr(step, "hooked", False) and not getattr(step, "_sw_guarded", False):
+        kind.step = _guarded(step)
 
 
 def undecorated_step(optimizer):

@@ -32,7 +32,7 @@ body of the step, beneath torch's wrapper and its hooks (a user's hook still mee
 under `plain_tensors()` once every parameter, gradient and state tensor is a plain tensor or ours and of
 its parameter's shape (0-d state such as `step` aside); else the checks run as before and raise where
 they did. The ops are the same ones, so the step is bitwise what it was. Classes torch wrapped before the
-engine's first `shard()` get torch's wrapper anew at their first step (compat.rewrap_step), the plain body
+engine's first `shard()` get torch's wrapper anew at their first step (compat.guard_step), the plain body
 from the next one.
 """
 
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from shardwise.engine.compat import get_grad, guard_step, on_step_body, on_step_error, plain_tensors, rewrap_step
+from shardwise.engine.compat import get_grad, guard_step, on_step_body, on_step_error, plain_tensors
 from shardwise.engine.memory.offload import chunked_step, restore_groups
 from shardwise.engine.optim.whole_step import (
     StepShape,
@@ -129,8 +129,6 @@ def _before_step(optimizer, args, kwargs) -> None:
         watch.mark_stepped(params)
     chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)
     _begin_whole_step(optimizer)
-    if step_shape(optimizer) is StepShape.ROWS:
-        rewrap_step(optimizer)  # Note [plain rows step]
 
 
 def _plain_rows_body(optimizer):
@@ -211,12 +209,12 @@ def _begin_whole_step(optimizer) -> None:
     sharded = sharded_params(optimizer)
     if not sharded:
         return
+    guard_step(optimizer)  # a class torch wrapped before (Note [raising step], Note [plain rows step])
     shape = step_shape(optimizer)
     if shape is StepShape.REFUSE:
         refuse_coupled(optimizer)
     if shape is StepShape.WHOLE:
         refuse_compressed(optimizer, sharded)
-        guard_step(optimizer)  # a class torch wrapped before on_step_error (Note [raising step])
         step = WholeStep(optimizer)
         step.begin()
         sharded[0]._sw_watch.whole_steps[id(optimizer)] = step
