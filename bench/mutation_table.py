@@ -522,6 +522,16 @@ ENGINE_MUTATIONS = [
      'unit = getattr(self, "_sw_unit", None)',
      'unit = self.__dict__.get("_sw_unit")',
      "tests/test_compile.py -k 'compiled_optimizer and zero3'"),
+    ("issue 47: a class torch wrapped before `import shardwise` keeps torch's old wrapper (no plain rows body)",
+     'guard_step',
+     '    if _TORCH_WRAPPER_CODE and getattr(step, "__code__", None) is _TORCH_WRAPPER_CODE[0]:',
+     '    if False:',
+     'tests/test_plain_rows_step.py -k wrapped_before'),
+    ("issue 47: guard_step only for rows sharded over ranks (one rank's shards keep torch's old wrapper)",
+     '_before_step',
+     '    if watches:  # any optimizer over shards',
+     '    if watches and sharded_params(optimizer):  # any optimizer over shards',
+     'tests/test_plain_rows_step.py -k wrapped_before'),
 ]
 
 MUTATIONS = ENGINE_MUTATIONS + COMM_MUTATIONS + CHECKPOINT_MUTATIONS

@@ -89,3 +89,45 @@ def test_a_full_shape_optimizer_state_is_still_refused(ranks, strategy):
     [1, 4] rows, and torch raises its own shape error from inside AdamW."""
     for message in ranks.run(_full_state, 2, strategy):
         assert "'proj.weight'" in message and "full shape [2, 4]" in message
+
+
+
+_BUILT_BEFORE = """
+import sys
+import torch
+torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # torch wraps AdamW.step before shardwise is imported
+import torch.distributed as dist
+port, rank, world_size, tests = sys.argv[1:5]
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + port, rank=int(rank), world_size=int(world_size))
+sys.path.insert(0, tests)
+from test_plain_rows_step import _count_checks
+in_hook, total = _count_checks("zero2", torch.optim.AdamW)
+print(in_hook, total)
+"""
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_class_torch_wrapped_before_shardwise_was_imported_skips_the_checks_too(world_size):
+    """compat.guard_step re-makes torch's wrapper of a class built before `import shardwise` (the pooled
+    ranks import it first, so only fresh processes reach this), for every optimizer over shards, one rank's
+    too: fails with that branch removed, or with guard_step called for tensors sharded over ranks only."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    argv = [sys.executable, "-c", _BUILT_BEFORE, str(port), "RANK", str(world_size), str(Path(__file__).parent)]
+    ranks = [subprocess.Popen([str(rank) if word == "RANK" else word for word in argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(world_size)]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (out, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err[-3000:]
+        in_hook, total = (int(word) for word in out.split()[-2:])
+        assert in_hook >= 1 and total == in_hook  # the user's pre-hook read alone was checked

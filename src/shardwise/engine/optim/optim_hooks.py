@@ -32,8 +32,8 @@ body of the step, beneath torch's wrapper and its hooks (a user's hook still mee
 under `plain_tensors()` once every parameter, gradient and state tensor is a plain tensor or ours and of
 its parameter's shape (0-d state such as `step` aside); else the checks run as before and raise where
 they did. The ops are the same ones, so the step is bitwise what it was. Classes torch wrapped before the
-engine's first `shard()` get torch's wrapper anew at their first step (compat.guard_step), the plain body
-from the next one.
+engine's first `shard()` get torch's wrapper anew at the first step of an optimizer over shards, one rank's
+too (compat.guard_step), the plain body from the next one.
 """
 
 from __future__ import annotations
@@ -125,7 +125,10 @@ def _before_step(optimizer, args, kwargs) -> None:
     params = _params(optimizer)
     _refuse_replaced_params(optimizer, params)
     _refuse_optimizer_of_nothing(optimizer, params)
-    for watch in _watches(params):
+    watches = _watches(params)
+    if watches:  # any optimizer over shards, one rank's included: a class torch wrapped before shardwise
+        guard_step(optimizer)  # (Note [raising step], Note [plain rows step])
+    for watch in watches:
         watch.mark_stepped(params)
     chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)
     _begin_whole_step(optimizer)
@@ -209,7 +212,6 @@ def _begin_whole_step(optimizer) -> None:
     sharded = sharded_params(optimizer)
     if not sharded:
         return
-    guard_step(optimizer)  # a class torch wrapped before (Note [raising step], Note [plain rows step])
     shape = step_shape(optimizer)
     if shape is StepShape.REFUSE:
         refuse_coupled(optimizer)
