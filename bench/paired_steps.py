@@ -32,9 +32,13 @@ from pathlib import Path
 import torch
 
 import strategies as S
+from raw_forms import raw_forms_seconds
+from strategies_report import bound_ratio
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("ddp", "zero1", "zero2", "zero3")  # ddp first: every ratio's base
+BOUNDS = (("bound_zero12", False, False), ("bound_zero12_forms", False, True),  # (name, zero3, gloo's forms)
+          ("bound_zero3", True, False), ("bound_zero3_forms", True, True))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,14 +100,18 @@ def run_worker(args) -> None:
             measured = one_step(*built[arm], idx[rows], targets[rows])
             for key, value in zip(("wall", "cpu", "optimizer", "loss"), measured):
                 record[arm][key].append(value)
-    gather_s = S.raw_gather_seconds(S.build_model(args).num_params(), rank, world_size)
+    forms = raw_forms_seconds(S.build_model(args).num_params(), world_size, repeats=9)  # Note [raw forms]
+    for form, seconds in forms.items():  # the slowest rank's, as for the steps
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        forms[form] = slowest.item()
     for arm in arms:  # a step lasts as long as its slowest rank
         for key in ("wall", "optimizer"):
             times = torch.tensor(record[arm][key], dtype=torch.float64)
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             record[arm][key] = times.tolist()
     if rank == 0:
-        Path(args.worker, "record.json").write_text(json.dumps({"arms": record, "raw_gather_s": gather_s}))
+        Path(args.worker, "record.json").write_text(json.dumps({"arms": record, "raw_forms_s": forms}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -120,10 +128,10 @@ def _spread(values: list[float]) -> str:
 def summarize(args, record: dict) -> dict:
     arms, keep = record["arms"], slice(args.warmup, None)
     ddp = {key: arms["ddp"][key][keep] for key in ("wall", "optimizer")}
-    share = (args.world_size - 1) / args.world_size
-    bound = [1 - share * o / w for o, w in zip(ddp["optimizer"], ddp["wall"])]
-    bound3 = [b + record["raw_gather_s"] / w for b, w in zip(bound, ddp["wall"])]
-    summary = {"bound_zero12": bound, "bound_zero3": bound3, "arms": {}}
+    summary = {"raw_forms_s": record["raw_forms_s"], "arms": {}}
+    for name, zero3, gloo_forms in BOUNDS:  # Note [engine-free bound], per round
+        summary[name] = [bound_ratio(w, o, args.world_size, record["raw_forms_s"], zero3=zero3, gloo_forms=gloo_forms)
+                         for o, w in zip(ddp["optimizer"], ddp["wall"])]
     for arm, data in arms.items():
         wall = data["wall"][keep]
         summary["arms"][arm] = {"step_s": wall, "cpu_s": data["cpu"][keep],
@@ -145,8 +153,15 @@ def markdown(args, summary: dict) -> str:
     for arm, row in summary["arms"].items():
         lines.append(f"| {arm} | {statistics.median(row['step_s']):.3f} | {_spread(row['x_ddp'])} | "
                      f"{statistics.median(row['cpu_x_ddp']):.3f} | {row['max_loss_diff_vs_ddp']:.1e} |")
-    lines += ["", f"Engine-free bounds (Note [engine-free bound] in bench/strategies.py), per round: zero1/zero2 "
-                  f"{_spread(summary['bound_zero12'])} × DDP; zero3 {_spread(summary['bound_zero3'])} × DDP."]
+    forms = summary["raw_forms_s"]
+    lines += ["", "Engine-free bounds (Note [engine-free bound] in bench/strategies.py), per round, × DDP: zero1/zero2 "
+                  f"{_spread(summary['bound_zero12'])} optimizer only, {_spread(summary['bound_zero12_forms'])} with "
+                  f"gloo's forms; zero3 {_spread(summary['bound_zero3'])} and {_spread(summary['bound_zero3_forms'])}. "
+                  "The forms, timed once after the rounds with no engine around them, slowest rank, median of 9 "
+                  "(Note [raw forms], bench/raw_forms.py): DDP's bucketed all-reduce "
+                  f"{forms['all_reduce'] * 1e3:.1f} ms, "
+                  f"the engine's reduce-scatter {forms['reduce'] * 1e3:.1f} ms and all-gather "
+                  f"{forms['gather'] * 1e3:.1f} ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +176,7 @@ def plot(summary: dict, path: Path) -> None:
         if arm != "ddp":
             median = statistics.median(row["x_ddp"])
             ax.plot(row["x_ddp"], marker="o", linestyle="-", label=f"{arm} (median {median:.3f})")
-    for key, style in (("bound_zero12", ":"), ("bound_zero3", "--")):
+    for key, style in (("bound_zero12_forms", ":"), ("bound_zero3_forms", "--")):
         ax.axhline(statistics.median(summary[key]), color="grey", linestyle=style, label=key.replace("_", " "))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("round (one step per arm)")

@@ -38,15 +38,17 @@ less Python, a smaller optimizer step.
 Note [engine-free bound]: zero1 and zero2 move the bytes DDP moves (a reduce-scatter and an
 all-gather in place of an all-reduce) and each rank steps 1/N of the optimizer. An engine that
 cost nothing more, over collectives that cost what DDP's all-reduce does, would therefore step in
-DDP's step time less (N-1)/N of DDP's optimizer step. Each run records its optimizer step, and
-the table gives that bound for each world size as a ratio to DDP, paired per round: it is as fast
-as zero1/zero2 can be here, measured. On gloo the reduce-scatter and all-gather cost a little
-more than the all-reduce of the same bytes at 2 ranks and a little less at 4 (Note [gloo
-collectives] in shardwise/engine/comm/collectives.py), which moves the true floor by about as much.
-zero3 moves one more all-gather of the parameters (backward gathers each unit again), so its bound
-adds one: the DDP run also times an all-gather of the model's values in the engine's form into a
-buffer allocated once (`raw_gather_seconds`), and zero3's bound is zero1/zero2's plus that time over
-DDP's step, paired per round.
+DDP's step time less (N-1)/N of DDP's optimizer step: the first bound, "optimizer only". zero3 moves
+one more all-gather of the parameters (backward gathers each unit again), so its bound adds one.
+On gloo the two collectives do not cost what the one all-reduce does: at 2 ranks the reduce-scatter
+and all-gather of the bench GPT's values, in the engine's fastest forms, took 1.23-1.36x DDP's
+bucketed all-reduce of the same bytes (`python -m torch.distributed.run --standalone
+--nproc-per-node=2 bench/raw_forms.py`: 111-118 ms against 87-91). So the DDP run also times the
+three forms with no engine around them (bench/raw_forms.py, Note [raw forms]), and the second
+bound, "with gloo's forms", adds (reduce + gather - all-reduce) over DDP's step: the floor of any
+engine that steps 1/N of the optimizer between a reduce-scatter and an all-gather on these
+collectives, and for zero3 one gather more. Both per round, as ratios to DDP; a first-order floor
+(each form timed on an idle host, where in a step it shares the cores with compute).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import torch
 
 import comm_arms as comm
 import deepspeed_arms as ds
+from raw_forms import raw_forms_seconds
 from strategies_report import markdown, plot
 
 # Note [compiled arms]: "X+compile" is arm X under torch.compile (--compile-backend), each the way its
@@ -95,6 +98,7 @@ FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8)
            **comm.FORMULA, **ds.FORMULA}
 FORMULA.update({f"{c}+compile": FORMULA[c] for c in COMPILED})
 MIB = 2**20
+RAW_FORMS = ("raw_all_reduce_s", "raw_reduce_s", "raw_gather_s")  # the DDP run's (Note [raw forms])
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -259,24 +263,6 @@ def _units_of(model) -> tuple:
     return engine.units if engine is not None else ()
 
 
-def raw_gather_seconds(num_params: int, rank: int, world_size: int, repeats: int = 3) -> float:
-    """Note [engine-free bound]: one all-gather of the model's fp32 values in the engine's gloo form (a broadcast
-    from each rank, in place, Note [gloo collectives]) into a buffer allocated once: no engine, no copy. The
-    median of `repeats` after a warm-up, wall seconds on this rank."""
-    import torch.distributed as dist
-
-    full = torch.zeros(world_size * -(-num_params // world_size)).view(world_size, -1)
-    seconds = []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        works = [dist.broadcast(full[src], src=src, async_op=True) for src in range(world_size)]
-        for work in works:
-            work.wait()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds[1:])
-
-
 def run_worker(args) -> None:
     # Before any collective can hang: the launcher kills ranks by this pid on a timeout.
     Path(args.out_dir, f"pid{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
@@ -318,9 +304,9 @@ def run_worker(args) -> None:
         cpu_times.append(time.process_time() - cpu_start)  # every thread of the rank: gloo's too
         losses.append(loss.item())
 
-    gather_s = raw_gather_seconds(num_params, rank, world_size) if args.config == "ddp" else None
+    forms = raw_forms_seconds(num_params, world_size) if args.config == "ddp" else {}  # Note [raw forms]
     record = {"rank": rank, "num_params": num_params, "losses": losses, "step_times": times, "cpu_times": cpu_times,
-              "optimizer_times": optimizer_times, "raw_gather_s": gather_s,
+              "optimizer_times": optimizer_times, **{f"raw_{form}_s": seconds for form, seconds in forms.items()},
               "model_state_bytes": state_bytes,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -428,8 +414,9 @@ def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None
         # The CPU work of a step: each rank's median, summed over the ranks (Note [CPU-bound]).
         cpu_s_per_step=sum(statistics.median(r["cpu_times"][args.warmup:]) for r in ranks),
     )
-    if ranks[0].get("raw_gather_s") is not None:  # ddp's run: Note [engine-free bound]
-        row["raw_gather_s"] = max(r["raw_gather_s"] for r in ranks)
+    for key in RAW_FORMS:  # ddp's run: Note [engine-free bound]
+        if ranks[0].get(key) is not None:
+            row[key] = max(r[key] for r in ranks)
     if ranks[0]["optimizer_times"]:  # not the DeepSpeed arms, whose engine steps inside train_step
         row["optimizer_s"] = statistics.median(
             max(r["optimizer_times"][i] for r in ranks) for i in range(args.warmup, len(step_max)))
@@ -455,7 +442,7 @@ def combine_repeats(repeats: list[dict]) -> dict:
     row.update(median_step_s=statistics.median(medians), run_medians_s=medians,
                cpu_s_per_step=statistics.median(cpu), run_cpu_s=cpu,
                run_optimizer_s=optimizer, optimizer_s=None if None in optimizer else statistics.median(optimizer),
-               run_raw_gather_s=[r.get("raw_gather_s") for r in ok],
+               **{f"run_{key}": [r.get(key) for r in ok] for key in RAW_FORMS},
                max_loss_diff=max(r.get("max_loss_diff", 0.0) for r in ok))
     return row
 

@@ -15,18 +15,28 @@ def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> s
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
-def engine_free_bound(ddp: dict | None, world_size: int, extra_gather: bool = False) -> str | None:
-    """Note [engine-free bound]: DDP's step less (N-1)/N of its optimizer step, per round, as a ratio to DDP's;
-    with `extra_gather` (zero3's bound) plus one raw all-gather of the model's values, timed in that run."""
+def bound_ratio(step: float, optimizer: float, world_size: int, forms: dict, *, zero3: bool = False,
+                gloo_forms: bool = False) -> float:
+    """Note [engine-free bound], one round, as a ratio to DDP's `step`: DDP's step less (N-1)/N of its
+    `optimizer` step; for zero3 plus one raw all-gather of the model; with `gloo_forms` plus what gloo's
+    reduce-scatter and all-gather cost beyond its all-reduce (`forms`: the DDP run's raw seconds by form,
+    Note [raw forms] in bench/raw_forms.py)."""
+    extra = (forms["gather"] if zero3 else 0.0) + \
+        (forms["reduce"] + forms["gather"] - forms["all_reduce"] if gloo_forms else 0.0)
+    return 1 - (world_size - 1) / world_size * optimizer / step + extra / step
+
+
+def engine_free_bound(ddp: dict | None, world_size: int, *, zero3: bool = False,
+                      gloo_forms: bool = False) -> str | None:
+    """bound_ratio per round of the DDP row's runs: "median (min-max)"."""
     if not ddp or not ddp.get("run_optimizer_s") or None in ddp["run_optimizer_s"]:
         return None
-    steps = ddp["run_medians_s"]
-    gathers = ddp.get("run_raw_gather_s") if extra_gather else [0.0] * len(steps)
-    if not gathers or None in gathers:
+    keys = ("all_reduce", "reduce", "gather")
+    runs = [ddp.get(f"run_raw_{key}_s") for key in keys]
+    if any(not values or None in values for values in runs):
         return None
-    share = (world_size - 1) / world_size
-    ratios = [1 - share * optimizer / step + gather / step
-              for optimizer, step, gather in zip(ddp["run_optimizer_s"], steps, gathers)]
+    ratios = [bound_ratio(step, optimizer, world_size, dict(zip(keys, forms)), zero3=zero3, gloo_forms=gloo_forms)
+              for step, optimizer, *forms in zip(ddp["run_medians_s"], ddp["run_optimizer_s"], *runs)]
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
 
@@ -70,16 +80,15 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
                 f"{fmt(m / fsdp_m if fsdp_m else None, '.2f')} | {r['peak_rss_mib']:.0f} | "
                 f"{fmt(r.get('peak_rss_mmap_mib'), '.0f')} | {fmt(r.get('max_loss_diff'), '.1e')} | "
                 f"{fmt(r.get('max_loss_diff_vs_ddp'), '.1e')} |")
-        bound = engine_free_bound(by.get("ddp"), ws)
-        if bound:
-            lines += ["", f"Engine-free bound for zero1/zero2 at world size {ws} (Note [engine-free bound]): "
-                          f"{bound} × DDP. 'optimizer s' is the median over runs of each run's "
-                          "median over steps of the slowest rank's optimizer.step()."]
-        bound3 = engine_free_bound(by.get("ddp"), ws, extra_gather=True)
-        if bound3:
-            lines += ["", f"Engine-free bound for zero3 at world size {ws}: {bound3} × DDP (zero1/zero2's plus one "
-                          "all-gather of the model's values in the engine's form, timed in the DDP run: "
-                          "Note [engine-free bound])."]
+        bounds = {(zero3, forms): engine_free_bound(by.get("ddp"), ws, zero3=zero3, gloo_forms=forms)
+                  for zero3 in (False, True) for forms in (False, True)}
+        if all(bounds.values()):
+            lines += ["", f"Engine-free bounds at world size {ws} (Note [engine-free bound]), × DDP, median (range) "
+                          f"over rounds: zero1/zero2 {bounds[False, False]} optimizer only, {bounds[False, True]} "
+                          f"with gloo's forms; zero3 {bounds[True, False]} and {bounds[True, True]} (one all-gather "
+                          "of the model more). 'optimizer s' is the median over runs of each run's median over "
+                          "steps of the slowest rank's optimizer.step(); the forms are timed in the DDP run "
+                          "(Note [raw forms], bench/raw_forms.py)."]
         compiled = [r for r in group if r["config"].endswith("+compile") and "run_medians_s" in r]
         if compiled:  # Note [compiled arms]
             lines += ["", f"Compiled arms at world size {ws} (backend {args.compile_backend}; compilation in the "
