@@ -40,6 +40,8 @@ def raw_forms_seconds(num_params: int, world_size: int, repeats: int = 5) -> dic
     """{'all_reduce', 'reduce', 'gather'}: seconds of each form over `num_params` fp32 values (Note [raw forms])."""
     import torch.distributed as dist
 
+    if world_size == 1:  # no collective at all: every form is free
+        return {"all_reduce": 0.0, "reduce": 0.0, "gather": 0.0}
     per_rank = -(-num_params // world_size)
     full = torch.zeros(world_size * per_rank)
     received = torch.empty_like(full)

@@ -41,9 +41,10 @@ cost nothing more, over collectives that cost what DDP's all-reduce does, would 
 DDP's step time less (N-1)/N of DDP's optimizer step: the first bound, "optimizer only". zero3 moves
 one more all-gather of the parameters (backward gathers each unit again), so its bound adds one.
 On gloo the two collectives do not cost what the one all-reduce does: at 2 ranks the reduce-scatter
-and all-gather of the bench GPT's values, in the engine's fastest forms, took 1.23-1.36x DDP's
-bucketed all-reduce of the same bytes (`python -m torch.distributed.run --standalone
---nproc-per-node=2 bench/raw_forms.py`: 111-118 ms against 87-91). So the DDP run also times the
+and all-gather of the bench GPT's values, in the engine's fastest forms, took 1.00-1.44x DDP's
+bucketed all-reduce of the same bytes, median 1.21 over 15 timings in five runs (`python -m
+torch.distributed.run --standalone --nproc-per-node=2 bench/raw_forms.py`: 111-118 ms against 87-91;
+docs/measured.md). So the DDP run also times the
 three forms with no engine around them (bench/raw_forms.py, Note [raw forms]), and the second
 bound, "with gloo's forms", adds (reduce + gather - all-reduce) over DDP's step: the floor of any
 engine that steps 1/N of the optimizer between a reduce-scatter and an all-gather on these

@@ -11,8 +11,9 @@ registers torch's own `allreduce_hook` (default_hooks.py), which issues the same
 bucket through `dist.all_reduce`. The counted configs: torch DDP, shardwise flat zero3, shardwise zero3
 on a 2 x 2 ("replicate", "shard") mesh, FSDP2's HSDP (`fully_shard(..., mesh=2-D)`, the builder
 of bench/strategies.py), which runs on gloo, and the compressed options the engine implements
-(`shard(..., compression=...)`: zero3 with int8 gathers, with int4 reduces, with both). hpZ and qgZ's
-two-hop reduce are modelled only: the engine does not run them (the hpZ row is the other half of issue 47).
+(`shard(..., compression=...)`: zero3 with int8 gathers, with int4 reduces, with both), and hpZ
+(`reshard_after_forward=2`: backward re-gathers inside each simulated node), alone and with both compressions.
+qgZ's two-hop reduce is modelled only: the engine's reduce runs one hop over its flat group.
 
 Note [ring bytes]: bytes are what NCCL's ring algorithms move for the same calls, summed over every
 link of the ring (every rank's sends). A ring runs through the group's ranks in rank order; a link
@@ -56,14 +57,19 @@ from traffic_model import (
 )
 
 COUNTED_NODE = 2
-CONFIGS = ("ddp", "zero3", "zero3_hsdp", "fsdp2_hsdp", "zero3_qwz", "zero3_qgz", "zero3_qwz_qgz")
+CONFIGS = ("ddp", "zero3", "zero3_hsdp", "fsdp2_hsdp", "zero3_qwz", "zero3_qgz", "zero3_qwz_qgz", "zero3_hpz",
+           "zero3_hpz_qwz_qgz")
 LABELS = {"ddp": "torch DDP", "zero3": "shardwise zero3 (flat)", "zero3_hsdp": "shardwise zero3, HSDP N x G",
           "fsdp2_hsdp": "FSDP2 HSDP N x G", "zero3_qwz": "shardwise zero3 + qwZ int8",
-          "zero3_qgz": "shardwise zero3 + qgZ int4 (one hop)", "zero3_qwz_qgz": "shardwise zero3 + qwZ + qgZ"}
+          "zero3_qgz": "shardwise zero3 + qgZ int4 (one hop)", "zero3_qwz_qgz": "shardwise zero3 + qwZ + qgZ",
+          "zero3_hpz": "shardwise zero3 + hpZ", "zero3_hpz_qwz_qgz": "shardwise zero3 + hpZ + qwZ + qgZ (one hop)"}
 MODELLED = {"zero3_hsdp": "zero3_hsdp", "fsdp2_hsdp": "zero3_hsdp", "ddp": "ddp", "zero3": "zero3",
-            "zero3_qwz": "zero3_qwz", "zero3_qgz": "zero3_qgz", "zero3_qwz_qgz": "zero3_qwz_qgz"}
+            "zero3_qwz": "zero3_qwz", "zero3_qgz": "zero3_qgz", "zero3_qwz_qgz": "zero3_qwz_qgz",
+            "zero3_hpz": "zero3_hpz", "zero3_hpz_qwz_qgz": "zero3_hpz_qwz_qgz"}
 COMPRESSION = {"zero3_qwz": {"gather": "int8"}, "zero3_qgz": {"reduce": "int4"},
-               "zero3_qwz_qgz": {"gather": "int8", "reduce": "int4"}}
+               "zero3_qwz_qgz": {"gather": "int8", "reduce": "int4"},
+               "zero3_hpz_qwz_qgz": {"gather": "int8", "reduce": "int4"}}
+ENGINE_OPTIONS = (*COMPRESSION, "zero3_hpz")  # sharded here with the engine's options, not by apply_config
 SHORT = {"ddp": "DDP", "zero3": "flat zero3", "zero3_hsdp": "HSDP zero3", "zero3_hpz": "zero3+hpZ",
          "zero3_qwz": "zero3+qwZ", "zero3_qgz": "zero3+qgZ", "zero3_hpz_qwz_qgz": "zero3+hpZ+qwZ+qgZ"}
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -195,14 +201,14 @@ def run_worker(args) -> None:
         root = num_params - sum(p.numel() for p in model.blocks.parameters())  # the root unit's (and FSDP2's root)
         last = sum(p.numel() for p in model.blocks[-1].parameters())
         try:
-            if config in COMPRESSION:
-                module, optimizer = _compressed(model, config, args)
+            if config in ENGINE_OPTIONS:
+                module, optimizer = _with_options(model, config, args)
             else:
                 module, optimizer = apply_config(model, config, args, world)
         except Exception as exc:  # noqa: BLE001 - an arm that does not run on gloo is reported, not fatal
             table[config] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
-        payload = _unit_payload(model, config, world) if config in COMPRESSION else \
+        payload = _unit_payload(model, config, world) if config in ENGINE_OPTIONS else \
             Payload.of(4 * num_params, 4 * (root + (0 if config.startswith("fsdp2") else last)))
         if config == "ddp":
             module.register_comm_hook(None, allreduce_hook)  # the reducer's all-reduce, through dist.all_reduce
@@ -231,23 +237,26 @@ def run_worker(args) -> None:
     sw.shutdown()
 
 
-def _compressed(model, config: str, args):
-    """zero3 with the engine's quantized collectives (`shard(..., compression=...)`), as apply_config shards."""
+def _with_options(model, config: str, args):
+    """zero3 with the engine's quantized collectives (`shard(..., compression=...)`) and hpZ
+    (`reshard_after_forward=` the simulated node's ranks), as apply_config shards."""
     import shardwise as sw
     from shardwise.models.gpt import Block
 
-    sw.shard(model, strategy="zero3", units=Block, compression={**COMPRESSION[config], "block": BLOCK})
+    compression = {**COMPRESSION[config], "block": BLOCK} if config in COMPRESSION else None
+    sw.shard(model, strategy="zero3", units=Block, compression=compression,
+             reshard_after_forward=COUNTED_NODE if "hpz" in config else True)
     return model, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
 def _unit_payload(model, config: str, world: int) -> Payload:
-    """The bytes the engine's compressed collectives carry per step, unit by unit: each unit's rows per rank
-    padded to whole blocks (`wire_bytes`), one copy per rank; backward re-gathers all but the root and the
-    last block (Note [modelled arms], traffic_model.py)."""
+    """The bytes the engine's collectives carry per step with its options, unit by unit: each unit's rows per
+    rank padded to whole blocks (`wire_bytes`) where quantized, one copy per rank; backward re-gathers all but
+    the root and the last block, unquantized under hpZ (Note [modelled arms], traffic_model.py)."""
     from shardwise.engine.comm.quantize import wire_bytes
     from shardwise.engine.protocol import engine_of
 
-    options = COMPRESSION[config]
+    options = COMPRESSION.get(config, {})
     gather_bits = GATHER_BITS if "gather" in options else None
     reduce_bits = REDUCE_BITS if "reduce" in options else None
 
@@ -256,8 +265,9 @@ def _unit_payload(model, config: str, world: int) -> Payload:
 
     units = engine_of(model).units
     kept = {id(units[0]), *(id(u) for u in units if u.module is model.blocks[-1])}
+    backward_bits = None if "hpz" in config else gather_bits  # Note [secondary shards]: forward's own values
     return Payload(sum(carried(u, gather_bits) for u in units),
-                   sum(carried(u, gather_bits) for u in units if id(u) not in kept),
+                   sum(carried(u, backward_bits) for u in units if id(u) not in kept),
                    sum(carried(u, reduce_bits) for u in units), 4 * sum(world * u.shard_total for u in units))
 
 
@@ -350,15 +360,17 @@ def run_launcher(args) -> None:
         "parameter flags; FSDP2's own) are under 0.1% of the bytes here. The compressed rows are the engine's "
         f"`compression=` (int8 gathers, int4 reduces, blocks of {BLOCK}), modelled from each unit's rows padded "
         "to whole blocks; its reduce is one all-to-all over the flat group, counted as the reduce-scatter it "
-        "stands for (Note [ring bytes]).",
+        "stands for (Note [ring bytes]). The hpZ rows are the engine's `reshard_after_forward=2`: backward "
+        "re-gathers each unit over its node's 2 ranks, from the secondary shards forward left there, unquantized.",
         "",
         *check_table(counted),
         "",
         f"## Model: {args.params / 1e9:g}B parameters, fp32 traffic, nodes of {RANKS_PER_NODE} ranks, "
         f"{args.kept_fraction:.0%} of the parameters not re-gathered for backward",
         "",
-        "hpZ: backward's re-gather inside the node from a secondary shard that forward's gather left there (not "
-        "in the engine yet: modelled only). qwZ: both gathers int8 + one fp32 scale per block of "
+        "hpZ: backward's re-gather inside the node from a secondary shard that forward's gather left there, "
+        "unquantized (the engine's `reshard_after_forward=`, counted above). qwZ: both gathers int8 + one fp32 "
+        "scale per block of "
         f"{BLOCK}. qgZ: the reduce int4 + scales, in ZeRO++'s two hops (an all-to-all inside the node, then "
         "one across nodes of the node's partial sums; the kernel is engine/comm/quantize.py "
         "`quantized_reduce_scatter_avg_2hop`, the engine's flat reduce runs one hop).",

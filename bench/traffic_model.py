@@ -59,9 +59,10 @@ class Payload:
 
     @classmethod
     def of(cls, param_bytes: float, kept_bytes: float, gather_bits: int | None = None,
-           reduce_bits: int | None = None, block: int = 256) -> Payload:
+           reduce_bits: int | None = None, block: int = 256, hpz: bool = False) -> Payload:
+        """`hpz`: backward re-gathers forward's own values from the node, unquantized (Note [secondary shards])."""
         gather = wire_factor(gather_bits, block)
-        return cls(param_bytes * gather, (param_bytes - kept_bytes) * gather,
+        return cls(param_bytes * gather, (param_bytes - kept_bytes) * (1.0 if hpz else gather),
                    param_bytes * wire_factor(reduce_bits, block), param_bytes)
 
 
@@ -123,7 +124,7 @@ def scaling(param_bytes: float, kept_bytes: float) -> dict:
     for strategy in SCALED:
         options = set(strategy.split("_"))
         payload = Payload.of(param_bytes, kept_bytes, GATHER_BITS if "qwz" in options else None,
-                             REDUCE_BITS if "qgz" in options else None, BLOCK)
+                             REDUCE_BITS if "qgz" in options else None, BLOCK, hpz="hpz" in options)
         rows[strategy] = [{"nodes": n, **model_step(strategy, n, RANKS_PER_NODE, payload, reduce_hops=2)}
                           for n in NODES]
     return rows

@@ -93,3 +93,12 @@ def test_a_broadcast_per_rank_is_a_ring_all_gather():
     ranks = [0, 1, 2, 3]
     by_broadcast = [sum(link_bytes("broadcast", S // 4, ranks, 2, root)[i] for root in ranks) for i in (0, 1)]
     assert by_broadcast == pytest.approx(list(link_bytes("all_gather", S, ranks, 2)))
+
+
+def test_hpz_re_gathers_forwards_own_values_unquantized():
+    """Catches a model that quantizes hpZ's in-node re-gather: the engine's secondary shards hold forward's
+    values and travel exact (Note [secondary shards]), so the counted hpZ + qwZ row would disagree with it."""
+    payload = Payload.of(S, KEPT, 8, 4, 256, hpz=True)
+    assert payload.backward == S - KEPT and payload.forward == pytest.approx(S * wire_factor(8, 256))
+    modelled = scaling(S, KEPT)["zero3_hpz_qwz_qgz"][0]  # one node of 8: every byte in the node
+    assert modelled["in_node"] == pytest.approx(model_step("zero3_hpz_qwz_qgz", 1, 8, payload, 2)["in_node"])
