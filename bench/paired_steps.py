@@ -11,7 +11,8 @@ arm is faster. Here each rank builds every arm (the GPT of strategies.py from th
 own AdamW, DDP and the engines side by side) and the arms take one training step each in turn, in an order
 rotated every round, on the same batch; a step's time is its slowest rank's, and a ratio pairs the arm's step
 with DDP's of the same round. The engine-free bounds are strategies.py's (Note [engine-free bound]): DDP's step
-less (N-1)/N of its optimizer step, and for zero3 one raw all-gather of the model more, both per round. What
+less (N-1)/N of its optimizer step, and for zero3 one raw all-gather of the model more; then each with what gloo's
+reduce-scatter and all-gather cost beyond its all-reduce (bench/raw_forms.py, timed after the rounds). What
 this changes against strategies.py: the arms share a process (their memory adds up; the allocator and caches
 are shared), so it measures speed only; memory per strategy is strategies.py's. Writes
 bench/results/NAME.{json,md,png} (`--name`, default paired_steps).

@@ -84,7 +84,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     size = int(sys.argv[1]) if len(sys.argv) > 1 else 29_500_000
     measured = raw_forms_seconds(size, dist.get_world_size(), repeats=9)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and dist.get_world_size() == 1:
+        print("one rank: no collective to time (every form costs nothing); run it with --nproc-per-node=2 or more")
+    elif dist.get_rank() == 0:
         ratio = (measured["reduce"] + measured["gather"]) / measured["all_reduce"]
         print({name: round(value * 1e3, 1) for name, value in measured.items()}, "ms;",
               f"reduce + gather over all_reduce {ratio:.2f}")
