@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import strategies as S
+from _plot import panels, save
 from raw_forms import raw_forms_seconds
 from strategies_report import bound_ratio
 
@@ -167,12 +168,7 @@ def markdown(args, summary: dict) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ((ax,),) = panels(cols=1)
     for arm, row in summary["arms"].items():
         if arm != "ddp":
             median = statistics.median(row["x_ddp"])
@@ -183,8 +179,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_xlabel("round (one step per arm)")
     ax.set_ylabel("step time × DDP's, same round")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path, "Paired steps: each arm's step over DDP's of the same round")
 
 
 def run_launcher(args) -> None:

@@ -25,6 +25,7 @@ import torch
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 * 1024 * 1024  # DistributedDataParallel's bucket_cap_mb=25
+FORMS = ("all_reduce", "reduce", "gather")  # the keys of raw_forms_seconds, everywhere they are read
 
 
 def _buckets(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -37,11 +38,11 @@ def _buckets(flat: torch.Tensor) -> list[torch.Tensor]:
 
 
 def raw_forms_seconds(num_params: int, world_size: int, repeats: int = 5) -> dict[str, float]:
-    """{'all_reduce', 'reduce', 'gather'}: seconds of each form over `num_params` fp32 values (Note [raw forms])."""
+    """{form: seconds} for each of FORMS over `num_params` fp32 values (Note [raw forms])."""
     import torch.distributed as dist
 
     if world_size == 1:  # no collective at all: every form is free
-        return {"all_reduce": 0.0, "reduce": 0.0, "gather": 0.0}
+        return dict.fromkeys(FORMS, 0.0)
     per_rank = -(-num_params // world_size)
     full = torch.zeros(world_size * per_rank)
     received = torch.empty_like(full)
@@ -64,11 +65,10 @@ def raw_forms_seconds(num_params: int, world_size: int, repeats: int = 5) -> dic
         for work in [dist.broadcast(by_rank[src], src=src, async_op=True) for src in range(world_size)]:
             work.wait()
 
-    forms = {"all_reduce": all_reduce, "reduce": reduce, "gather": gather}
-    seconds = {name: [] for name in forms}
-    names = list(forms)
+    forms = dict(zip(FORMS, (all_reduce, reduce, gather)))
+    seconds = {name: [] for name in FORMS}
     for turn in range(repeats + 1):
-        for name in names[turn % 3:] + names[:turn % 3]:  # each form first in its turn: no form always warm
+        for name in FORMS[turn % 3:] + FORMS[:turn % 3]:  # each form first in its turn: no form always warm
             dist.barrier()
             start = time.perf_counter()
             forms[name]()

@@ -71,7 +71,7 @@ import torch
 
 import comm_arms as comm
 import deepspeed_arms as ds
-from raw_forms import raw_forms_seconds
+from raw_forms import FORMS, raw_forms_seconds
 from strategies_report import markdown, plot
 
 # Note [compiled arms]: "X+compile" is arm X under torch.compile (--compile-backend), each the way its
@@ -99,7 +99,7 @@ FORMULA = {"local": (16, 0), "ddp": (16, 0), "ddp_zero": (8, 8), "zero1": (8, 8)
            **comm.FORMULA, **ds.FORMULA}
 FORMULA.update({f"{c}+compile": FORMULA[c] for c in COMPILED})
 MIB = 2**20
-RAW_FORMS = ("raw_all_reduce_s", "raw_reduce_s", "raw_gather_s")  # the DDP run's (Note [raw forms])
+RAW_FORMS = tuple(f"raw_{form}_s" for form in FORMS)  # the DDP run's (Note [raw forms])
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from raw_forms import FORMS
+
 
 def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> str:
     """The paired ratio with its per-round range: "1.03 (0.93-1.12)"."""
@@ -31,11 +33,10 @@ def engine_free_bound(ddp: dict | None, world_size: int, *, zero3: bool = False,
     """bound_ratio per round of the DDP row's runs: "median (min-max)"."""
     if not ddp or not ddp.get("run_optimizer_s") or None in ddp["run_optimizer_s"]:
         return None
-    keys = ("all_reduce", "reduce", "gather")
-    runs = [ddp.get(f"run_raw_{key}_s") for key in keys]
+    runs = [ddp.get(f"run_raw_{form}_s") for form in FORMS]
     if any(not values or None in values for values in runs):
         return None
-    ratios = [bound_ratio(step, optimizer, world_size, dict(zip(keys, forms)), zero3=zero3, gloo_forms=gloo_forms)
+    ratios = [bound_ratio(step, optimizer, world_size, dict(zip(FORMS, forms)), zero3=zero3, gloo_forms=gloo_forms)
               for step, optimizer, *forms in zip(ddp["run_medians_s"], ddp["run_optimizer_s"], *runs)]
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})"
 
