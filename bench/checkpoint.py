@@ -14,7 +14,7 @@ model-state bytes (parameters and AdamW moments, all ranks) per second of the sl
 rank; peak RSS growth is the kernel's high-water mark during the call minus RSS before.
 The ceiling beside them: every rank writes and fsyncs as many bytes as its shardwise file,
 all in parallel, in the same rounds (the raw write speed of this disk), its write and fsync
-timed apart; sw.save's own time split into phases (Note [save phases] in checkpoint/disk.py).
+timed apart; sw.save's own time split into phases (Note [save phases] in checkpoint/write/disk.py).
 Bytes read: after the timed repeats, one more load each from a cold page cache (the files'
 pages dropped with posix_fadvise), counting every rank's /proc/self/io: read_bytes (fetched
 from the disk) and rchar (moved by read syscalls), against the checkpoint's bytes on disk.
@@ -119,8 +119,8 @@ def write_and_fsync(path: Path, payload: torch.Tensor, phases: dict) -> None:
 
 def save_with_phases(path: Path, model, optim, phases: dict) -> None:
     """`sw.save`, keeping its phase times (Note [save phases])."""
-    from shardwise.checkpoint.ranks import group_of
-    from shardwise.checkpoint.save import complete, prepare
+    from shardwise.checkpoint.format.ranks import group_of
+    from shardwise.checkpoint.write.save import complete, prepare
 
     began = time.perf_counter()
     job = prepare(path, model, optim, None, None, True, {})
@@ -169,7 +169,7 @@ def run_worker(args) -> None:
 
     torch.set_num_threads(1)
     if args.no_early_writeback:
-        import shardwise.checkpoint.files as files
+        import shardwise.checkpoint.write.writer as files
 
         files.start_writeback = lambda fd, offset, nbytes: None
     sw.init()
@@ -309,11 +309,11 @@ def phase_table(record: dict) -> list[str]:
     sw_med = {k: statistics.median(p[k] for p in record["phases"]["sw"]) for k in PHASES}
     raw_med = {k: statistics.median(p[k] for p in record["phases"]["raw"]) for k in ("write", "fsync")}
     total = statistics.median(record["seconds"]["sw_save"])
-    lines = ["sw.save by phase (Note [save phases] in checkpoint/disk.py: each phase's seconds on the slowest rank, "
-             "median over the repeats; the phases of one rank need not add up to the save's wall time, which is the "
-             "slowest rank's whole call; start = the checks, the partial directory and its id sent to every rank; "
+    lines = ["sw.save by phase (Note [save phases] in checkpoint/write/disk.py: each phase's seconds on the slowest "
+             "rank, median over the repeats; the phases of one rank need not add up to the save's wall time, which is "
+             "the slowest rank's whole call; start = the checks, the partial directory and its id sent to every rank; "
              "publish = the records gathered, the index written and synced beside the files' fsyncs, the rename and "
-             "the parent's fsync, Note [one wait for the disk] in checkpoint/commit.py; outside the phases = the "
+             "the parent's fsync, Note [one wait for the disk] in checkpoint/write/commit.py; outside the phases = the "
              "rest of that rank's call), beside the ceiling's own write and fsync:", "",
              "| phase | sw.save s | % of the save | ceiling s |", "|---|---:|---:|---:|"]
     for key in PHASES:
@@ -335,7 +335,7 @@ def read_lines(record: dict) -> list[str]:
                    f"({reads['rchar'] / size:.2f}×).")
     return ["Bytes read, counted (/proc/self/io of every rank, one load after the repeats with the files' pages "
             "dropped from the page cache): " + " ".join(out) + " sw.load checks and applies over a map of each file "
-            "(Note [proved unchanged] in checkpoint/mapped.py), so its rows do not pass through read syscalls."]
+            "(Note [proved unchanged] in checkpoint/read/mapped.py), so its rows do not pass through read syscalls."]
 
 
 def async_verdict(args, training: dict) -> list[str]:
@@ -364,7 +364,7 @@ def async_verdict(args, training: dict) -> list[str]:
                "the writer runs at the cheapest priority the OS allows (SCHED_IDLE, else nice 19: training gets the "
                "core whenever both want it) from a staging copy "
                "reused across saves, its fsyncs overlapped (Note [cheap background save] in "
-               "checkpoint/background.py).")]
+               "checkpoint/write/background.py).")]
 
 
 def plot(args, record: dict, path: Path) -> None:

@@ -30,12 +30,13 @@ TIMEOUT_S = 150
 CASES = {
     "latest": "sw.latest(root / 'latest')",
     "load-header": "sw.load(root / 'header', nn.Linear(4, 4))",
-    "inspect-sparse": "from shardwise.checkpoint.files import file_digest; file_digest(root / 'sparse.safetensors')",
+    "inspect-sparse": "from shardwise.checkpoint.read.reader import file_digest; "
+                      "file_digest(root / 'sparse.safetensors')",
     "suggest": "sw.load(root / 'names.safetensors', nn.Sequential(*[nn.Linear(1, 1, bias=False) for _ in range(20)]), "
                "strict=False)",
-    "diff-values": "from shardwise.checkpoint import tools; tools.diff(root / 'a.safetensors', root / 'b.safetensors', "
-                   "values=True)",
-    "diff-row": "from shardwise.checkpoint import tools; tools.diff(root / 'row-a.safetensors', "
+    "diff-values": "from shardwise.checkpoint.interop import tools; "
+                   "tools.diff(root / 'a.safetensors', root / 'b.safetensors', values=True)",
+    "diff-row": "from shardwise.checkpoint.interop import tools; tools.diff(root / 'row-a.safetensors', "
                 "root / 'row-b.safetensors', values=True)",
 }
 

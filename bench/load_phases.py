@@ -6,7 +6,7 @@ another source tree (`--against`), in interleaved rounds.
     python bench/load_phases.py                                   # this tree, 3 rounds of 12 loads
     python bench/load_phases.py --against /tmp/old/src            # and another tree's src/, interleaved
 
-Phases (the functions of checkpoint/load.py, load_plan.py, sources.py and mapped.py they time):
+Phases (the functions of checkpoint/read/load.py, load_plan.py, sources.py and mapped.py they time):
 open = open_source (index.json read, parsed and checked; the rank files listed); verify = every
 chunk's crc32 over the file's map (Source.verify; crc = the crc32 calls themselves); plan = the rest
 of plan_load (names, optimizer groups, settings, RNG); apply = the copies from the map into the model
@@ -78,9 +78,9 @@ def worker(args) -> None:
     path = Path(args.scratch) / "checkpoint"
     sw.save(path, model, optim)
 
-    load = importlib.import_module("shardwise.checkpoint.load")  # the module: sw.load is the function
-    sources = importlib.import_module("shardwise.checkpoint.sources")
-    mapped = importlib.import_module("shardwise.checkpoint.mapped")
+    load = importlib.import_module("shardwise.checkpoint.read.load")  # the module: sw.load is the function
+    sources = importlib.import_module("shardwise.checkpoint.read.sources")
+    mapped = importlib.import_module("shardwise.checkpoint.read.mapped")
     spent: dict[str, float] = {}
     load.open_source = _timed(spent, "open", load.open_source)
     load.plan_load = _timed(spent, "plan", load.plan_load)  # verify's time is taken out below

@@ -5,7 +5,7 @@
     python bench/load_time.py --old-src /tmp/old22/src --model big --loads 3 --rounds 3
 
 `git worktree add /tmp/old22 c6ffb25` gives the tree before issue 22's validate-then-apply load
-(Note [validate, then apply] in checkpoint/load.py). Each round runs one process per tree, this
+(Note [validate, then apply] in checkpoint/read/load.py). Each round runs one process per tree, this
 tree second; each process saves a checkpoint in its own format (once per tree: the formats
 differ), loads it once to warm the page cache, then times `--loads` loads of the model with its
 AdamW state (one process, world size 1) and counts the bytes its `os.pread`/`os.preadv` calls

@@ -160,7 +160,7 @@ def test_accelerate_save_state_resumes_muon_and_adamw_bitwise(ranks, tmp_path):
     them: the resumed steps 3-5 must be bitwise the uninterrupted run's (Note [accelerate state])."""
     path = str(tmp_path / "state")
     expected = ranks.run(_resume, 2, path, "save", timeout=180)
-    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.format.schema import read_index
     assert [o.class_name for o in read_index(tmp_path / "state").optimizers] == ["torch.optim.Muon",
                                                                                    "torch.optim.adamw.AdamW"]
     for (losses, params), (want_losses, want) in zip(ranks.run(_resume, 2, path, "load", timeout=180), expected):

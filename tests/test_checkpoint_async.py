@@ -16,7 +16,7 @@ import torch
 import shardwise as sw
 from helpers.ckpt_ranks import build_model, run_steps
 
-save_module = importlib.import_module("shardwise.checkpoint.save")  # the package's `save` is the function
+save_module = importlib.import_module("shardwise.checkpoint.write.save")  # the package's `save` is the function
 
 
 def _save_in_background_while_training(tmp: str, strategy: str):
@@ -59,7 +59,7 @@ def test_background_save_holds_the_state_at_the_call(ranks, tmp_path, strategy):
 def _host_copy_bytes(tmp: str, strategy: str) -> tuple[int, int]:
     model, optim = build_model("gpt", strategy)
     run_steps(model, optim, "gpt", strategy, 0, 1)
-    background = importlib.import_module("shardwise.checkpoint.background")
+    background = importlib.import_module("shardwise.checkpoint.write.background")
     job = save_module.prepare(f"{tmp}/unused", model, optim, None, None, False, {})
     copy = background._host_copy(job)
     held = sum(info.param.nbytes for info in copy.infos.values())
@@ -80,7 +80,7 @@ def test_the_staging_copy_is_reused_and_refilled(tmp_path):
     """Catches a background save that allocates a fresh host copy each time (each save page-faults its
     whole share again: Note [cheap background save]), and a reused staging copy not refilled (the second
     checkpoint holding the first's values), and a writer whose CPU time is not recorded."""
-    background = importlib.import_module("shardwise.checkpoint.background")
+    background = importlib.import_module("shardwise.checkpoint.write.background")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -160,7 +160,7 @@ def _both_saves(tmp: str, strategy: str) -> dict[str, tuple[bytes, bytes]]:
     checkpoint id and the clock held fixed (they are all a save's own): {file: (save's bytes, async's)}."""
     model, optim = build_model("gpt", strategy)
     run_steps(model, optim, "gpt", strategy, 0, 2)
-    index_module = importlib.import_module("shardwise.checkpoint.index")
+    index_module = importlib.import_module("shardwise.checkpoint.write.index")
     uuid4, clock = save_module.uuid.uuid4, index_module.time.time
     save_module.uuid.uuid4 = lambda: uuid.UUID(int=45)
     index_module.time.time = lambda: 1.0e9

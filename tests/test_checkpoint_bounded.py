@@ -18,10 +18,10 @@ from torch import nn
 
 import shardwise as sw
 from helpers.damage import copy, edit_index, load_small
-from shardwise.checkpoint import tools
-from shardwise.checkpoint.files import file_digest
-from shardwise.checkpoint.report import LoadReport, match
-from shardwise.checkpoint.sources import Source, SourceTensor
+from shardwise.checkpoint.interop import tools
+from shardwise.checkpoint.read.reader import file_digest
+from shardwise.checkpoint.read.report import LoadReport, match
+from shardwise.checkpoint.read.sources import Source, SourceTensor
 
 
 def test_a_sibling_index_of_empty_objects_costs_latest_nothing(small, tmp_path, caplog):
@@ -57,7 +57,7 @@ def test_a_sparse_file_declaring_a_terabyte_is_checked_in_well_under_a_second(tm
     and a hole-skipping crc that differs from zlib's over the same bytes."""
     import zlib
 
-    from shardwise.checkpoint.sparse_crc import crc_of_range
+    from shardwise.checkpoint.format.sparse_crc import crc_of_range
 
     path = tmp_path / "holes.bin"
     with open(path, "wb") as f:

@@ -23,7 +23,7 @@ import shardwise as sw
 from helpers.ckpt_ranks import build_model, full_optimizer_state, run_steps
 from helpers.harness import RankFailed
 
-files_module = importlib.import_module("shardwise.checkpoint.files")
+files_module = importlib.import_module("shardwise.checkpoint.write.writer")
 
 
 def _save_previous(directory: str, name: str) -> dict:

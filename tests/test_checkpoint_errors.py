@@ -10,7 +10,7 @@ import pytest
 
 import shardwise as sw
 from helpers.ckpt_more_ranks import load_gpt_error, save_and_die, save_gpt, save_with_full_disk
-from shardwise.checkpoint.schema import index_digest
+from shardwise.checkpoint.format.schema import index_digest
 from shardwise.models.zoo import build
 
 

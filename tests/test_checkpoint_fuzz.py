@@ -28,7 +28,7 @@ from helpers.damage import (
     trained,
     trained_several,
 )
-from shardwise.checkpoint import tools
+from shardwise.checkpoint.interop import tools
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

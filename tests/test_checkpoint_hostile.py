@@ -23,7 +23,7 @@ from helpers.damage import (
     snapshot,
     trained,
 )
-from shardwise.checkpoint import tools
+from shardwise.checkpoint.interop import tools
 from shardwise.models.zoo import build
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from helpers.ckpt_more_ranks import memory_during_checkpoint, save_one_rank_stack
-from shardwise.checkpoint.files import CHUNK_BYTES
+from shardwise.checkpoint.format.files import CHUNK_BYTES
 
 NUM_UNITS, WIDTH = 8, 1024  # 8 Linear units of 4 MiB: 32 MiB of parameters, 48 MiB of state per rank at 2 ranks
 MIB = 2**20

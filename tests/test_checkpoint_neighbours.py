@@ -16,8 +16,8 @@ import torch
 
 import shardwise as sw
 from helpers.neighbours import held_save, model, step_of
-from shardwise.checkpoint import tools
-from shardwise.checkpoint.owner import MARKER
+from shardwise.checkpoint.interop import tools
+from shardwise.checkpoint.write.owner import MARKER
 from shardwise.errors import ShardwiseError
 
 
@@ -102,7 +102,8 @@ def test_export_never_writes_through_a_planted_symlink(tmp_path):
     sw.save(tmp_path / "ckpt", model(2), step=2)
     tools.export_checkpoint(tmp_path / "ckpt", out)
     assert victim.read_text() == "precious"
-    from shardwise.checkpoint.files import FileWriter, TensorSpec
+    from shardwise.checkpoint.format.files import TensorSpec
+    from shardwise.checkpoint.write.writer import FileWriter
 
     os.symlink(victim, tmp_path / "planted")  # whatever name a writer opens: refused, never followed
     with pytest.raises(ShardwiseError, match="refusing to write through it"):

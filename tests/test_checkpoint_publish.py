@@ -59,7 +59,7 @@ def test_same_name_save_swaps_in_one_step(tmp_path, monkeypatch):
 def test_interrupted_fallback_publish_is_recovered(tmp_path, monkeypatch):
     """Catches sw.latest ignoring the two whole hidden directories (.last.old, .last.partial) that a
     kill between the fallback's renames leaves (a filesystem without RENAME_EXCHANGE)."""
-    from shardwise.checkpoint import publish
+    from shardwise.checkpoint.write import publish
 
     _save(tmp_path / "last", 1)
     monkeypatch.setattr(publish, "_renameat2", None)
@@ -80,7 +80,7 @@ def test_next_save_removes_leftovers(tmp_path):
     else (Note [save ownership])."""
     import fcntl
 
-    from shardwise.checkpoint.owner import MARKER
+    from shardwise.checkpoint.write.owner import MARKER
 
     for name in (".step-3.partial", ".last.old", ".x.partial"):
         (tmp_path / name).mkdir()

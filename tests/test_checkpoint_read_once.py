@@ -1,6 +1,6 @@
 """Checkpoints at the disk's speed (issue 45): a load checks its rows over a map of each file and applies
-from the same map, the file proved unchanged in between (Note [proved unchanged] in checkpoint/mapped.py);
-a durable save starts the disk's writeback as it writes (Note [early writeback] in checkpoint/disk.py)."""
+from the same map, the file proved unchanged in between (Note [proved unchanged] in checkpoint/read/mapped.py);
+a durable save starts the disk's writeback as it writes (Note [early writeback] in checkpoint/write/disk.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from torch import nn
 
 import shardwise as sw
 from helpers.damage import load_small, same, snapshot, trained
-from shardwise.checkpoint.disk import WRITEBACK_BYTES
-from shardwise.checkpoint.files import FileReader, FileWriter, TensorSpec, chunk_rows
-from shardwise.checkpoint.mapped import SETTLE_NS, settled_stamp
+from shardwise.checkpoint.format.files import TensorSpec, chunk_rows
+from shardwise.checkpoint.read.mapped import SETTLE_NS, settled_stamp
+from shardwise.checkpoint.read.reader import FileReader
+from shardwise.checkpoint.write.disk import WRITEBACK_BYTES
+from shardwise.checkpoint.write.writer import FileWriter
 
 
 def _io() -> dict[str, int]:
@@ -113,7 +115,7 @@ def test_a_durable_save_starts_writeback_as_it_writes(tmp_path, monkeypatch, dur
     """Catches a durable save leaving every byte to its final fsync (the disk idle while the save
     checksums: Note [early writeback]) or its tail (the disk idle while the ranks gather), a non-durable
     one asking for writeback at all, and phase times not recorded (Note [save phases])."""
-    files = importlib.import_module("shardwise.checkpoint.files")
+    files = importlib.import_module("shardwise.checkpoint.write.writer")
     ranges = []
     monkeypatch.setattr(files, "start_writeback", lambda fd, offset, nbytes: ranges.append((offset, nbytes)))
     spec = TensorSpec("x", torch.float32, (80, 2**18))  # 80 MiB: two writeback ranges of 32 MiB
@@ -153,7 +155,7 @@ def test_the_fast_crc32_is_zlibs_function():
     round (Note [fast crc32]); and ISA-L installed but not used."""
     import zlib
 
-    from shardwise.checkpoint import crc
+    from shardwise.checkpoint.format import crc
 
     data = os.urandom(3 * 2**20 + 17)
     assert crc.crc32(data) == zlib.crc32(data)

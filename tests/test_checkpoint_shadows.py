@@ -16,7 +16,7 @@ from torch import nn
 
 import shardwise as sw
 from helpers.damage import RANK_FILE, copy, edit_index, header_of, load_small, same, snapshot, trained
-from shardwise.checkpoint.files import file_digest
+from shardwise.checkpoint.read.reader import file_digest
 
 
 def _forge_rank_file(checkpoint, change_header) -> None:
@@ -75,7 +75,7 @@ def test_a_file_rewritten_between_verify_and_apply_is_refused(small, tmp_path, m
     comes before the first row is copied."""
     import importlib
 
-    load = importlib.import_module("shardwise.checkpoint.load")  # the module, not sw.load
+    load = importlib.import_module("shardwise.checkpoint.read.load")  # the module, not sw.load
     checkpoint = copy(small, tmp_path / "c")
     apply_states = load._apply_states
 

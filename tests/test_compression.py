@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from helpers.losses import train_losses
-from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.format.schema import read_index
 from shardwise.config import Compression, ShardConfig
 from shardwise.errors import ShardwiseError
 from shardwise.models.zoo import ZOO, build

@@ -1,5 +1,5 @@
 """torchdata's StatefulDataLoader (two workers per rank) saved and restored by sw.save / sw.load
-(Note [object states] in checkpoint/save.py): it resumes exactly where it stopped. Run under
+(Note [object states] in checkpoint/write/save.py): it resumes exactly where it stopped. Run under
 torchrun: a data loader's workers cannot start inside the test pool's daemon processes."""
 
 from __future__ import annotations

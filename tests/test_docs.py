@@ -32,7 +32,7 @@ def test_docs_build_strict_without_warnings(tmp_path):
 
 def test_api_reference_lists_every_public_name():
     """Catches a name added to `shardwise.__all__` that the API reference never shows. A function
-    that shares its name with the module defining it (`sw.save` in checkpoint/save.py) is listed
+    that shares its name with the module defining it (`sw.save` in checkpoint/write/save.py) is listed
     under that module's path, which mkdocstrings resolves without the clash."""
     page = (ROOT / "docs" / "reference" / "shardwise.md").read_text()
     listed = set(re.findall(r"^::: (\S+)$", page, re.MULTILINE))
@@ -50,7 +50,7 @@ def test_api_reference_lists_every_public_name():
 
 def test_api_entries_under_internal_paths_are_titled_by_their_public_name():
     """Catches the API reference titling `sw.save` or `sw.plan` by the internal path it is listed
-    under (`shardwise.checkpoint.save.save`): every public name not written `::: shardwise.<name>`
+    under (`shardwise.checkpoint.write.save.save`): every public name not written `::: shardwise.<name>`
     sets its heading (and table-of-contents label) to `sw.<name>`."""
     page = (ROOT / "docs" / "reference" / "shardwise.md").read_text()
     untitled = []

@@ -1,6 +1,6 @@
 """What a checkpoint knows about its model, and where every rank writes it: the Hugging Face config
 recorded at save and written by `shardwise ckpt export` and `sw.export` (Note [model config] in
-checkpoint/save.py), and the one shared directory a save needs (Note [one shared directory])."""
+checkpoint/write/save.py), and the one shared directory a save needs (Note [one shared directory])."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_node_local_directories_are_refused_at_the_first_save(ranks, tmp_path):
 @pytest.mark.parametrize("hf", [True, False])
 def test_the_config_is_in_the_index_only_for_hugging_face_models(tmp_path, hf):
     """Catches a config recorded for a model that has none (or lost for one that has one)."""
-    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.format.schema import read_index
     from shardwise.models.zoo import build
 
     model = _llama() if hf else build("reused_block")
@@ -130,7 +130,7 @@ def test_a_model_holding_a_hugging_face_model_exports_no_config(tmp_path, capsys
     `self.config = hf_model.config` recorded its config, the export wrote config.json beside tensors named
     `base_model.model.model...` / `net.model...`, from_pretrained loaded 0 of them, and the CLI said it
     "wrote config.json". Neither the checkpoint nor sw.export writes a config for them, and both say why."""
-    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.format.schema import read_index
 
     model = _wrapped(kind)
     sw.save(tmp_path / "ckpt", model)
@@ -150,7 +150,7 @@ def test_a_model_holding_a_hugging_face_model_exports_no_config(tmp_path, capsys
 
 def test_a_compiled_hugging_face_model_still_records_its_config(tmp_path):
     """Catches the rule above dropping the config of a model whose names only gain `_orig_mod.`."""
-    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.format.schema import read_index
 
     sw.save(tmp_path / "ckpt", torch.compile(_llama()))
     assert read_index(tmp_path / "ckpt").model_config["model_type"] == "llama"

@@ -141,7 +141,7 @@ def test_layers_point_down_with_no_cycles_and_small_modules():
 
 @pytest.mark.parametrize("files, expected", [
     ({"shardwise/__init__.py": "", "shardwise/engine/__init__.py": "",
-      "shardwise/engine/zero.py": "def f():\n    from shardwise.checkpoint import save\n",
+      "shardwise/engine/zero.py": "def f():\n    from shardwise.checkpoint.write import save\n",
       "shardwise/checkpoint/__init__.py": "save = 1\n"},
      "shardwise.engine.zero (layer 2) imports shardwise.checkpoint (layer 3)"),
     ({"shardwise/__init__.py": "", "shardwise/engine/__init__.py": "",
@@ -245,7 +245,7 @@ MAX_MODULES_PER_FOLDER = 12
 
 def shape_problems(root: Path = SRC) -> list[str]:
     """A process group made outside the layout's maker, a `_sw_` stamp read outside the package that
-    writes it, or an engine folder with more than 12 modules."""
+    writes it, or a folder of the package with more than 12 modules (its __init__.py not counted)."""
     problems = []
     for name, path in module_files(root).items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -258,7 +258,7 @@ def shape_problems(root: Path = SRC) -> list[str]:
                     name.startswith(owner) and stamp.startswith(prefix) for owner, prefix in STAMP_OWNERS.items()):
                 problems.append(f"{where} reads the stamp {stamp}: ask the package that writes it")
     folders: dict[Path, int] = {}
-    for path in (root / "shardwise" / "engine").rglob("*.py"):
+    for path in (root / "shardwise").rglob("*.py"):
         if path.name != "__init__.py":
             folders[path.parent] = folders.get(path.parent, 0) + 1
     problems += [f"{folder}: {count} modules in one folder (at most {MAX_MODULES_PER_FOLDER}: split by concept)"
@@ -269,7 +269,7 @@ def shape_problems(root: Path = SRC) -> list[str]:
 def test_groups_stamps_and_folders_keep_their_places():
     """Catches a `dist.new_group` outside the layout (a group made where its timeout and teardown are
     not), a package reading another's `param._sw_*` stamp instead of asking it (checkpoint/ reading
-    `_sw_unit`), and engine/ growing back into one flat room."""
+    `_sw_unit`), and any folder growing back into one flat room (issue 57: checkpoint/ was 25 modules)."""
     assert shape_problems() == []
 
 
@@ -282,3 +282,13 @@ def test_the_shape_checker_sees_each_problem(tmp_path, source):
     (tmp_path / "shardwise" / "__init__.py").write_text("")
     (tmp_path / "shardwise" / "checkpoint" / "__init__.py").write_text(source)
     assert shape_problems(tmp_path)
+
+
+def test_the_folder_rule_holds_outside_the_engine_too(tmp_path):
+    """Catches a folder rule that looks at engine/ alone: a checkpoint/ of 13 flat modules is refused."""
+    folder = tmp_path / "shardwise" / "checkpoint"
+    folder.mkdir(parents=True)
+    (tmp_path / "shardwise" / "__init__.py").write_text("")
+    for number in range(13):
+        (folder / f"m{number}.py").write_text("")
+    assert shape_problems(tmp_path) == [f"{folder}: 13 modules in one folder (at most 12: split by concept)"]

@@ -1,4 +1,4 @@
-"""Any optimizer's state in a checkpoint (Note [optimizer records] in checkpoint/optim_state.py).
+"""Any optimizer's state in a checkpoint (Note [optimizer records] in checkpoint/format/optim_state.py).
 
 Muon + AdamW (two optimizers, Muon's momentum whole on one owner rank each), Hugging Face's
 Adafactor (row and column factors: not parameter-shaped) and BlockQuant (tests/helpers/optim_ckpt.py:
@@ -115,8 +115,8 @@ def test_owner_map_is_recorded_shown_and_checked(ranks, saved):
     """Catches the whole-tensor owner map not recorded in the index, not shown by `shardwise ckpt inspect`,
     or not checked on load (Note [recorded owners]): a Muon built with its matrices in another order puts
     their momenta on other owners at the same shard group size, which must be refused, not loaded."""
-    from shardwise.checkpoint.schema import read_index
-    from shardwise.checkpoint.tools import inspect
+    from shardwise.checkpoint.format.schema import read_index
+    from shardwise.checkpoint.interop.tools import inspect
 
     path, _ = saved("muon", "zero2")
     muon = read_index(Path(path)).optimizers[0]
@@ -170,7 +170,7 @@ def test_several_optimizers_round_trip(tmp_path, form):
 def test_several_optimizers_save_async_keep_last_and_cli(tmp_path):
     """Catches sw.save_async or keep_last dropping a second optimizer, and `shardwise ckpt
     inspect`/`diff` showing one optimizer of several."""
-    from shardwise.checkpoint import tools
+    from shardwise.checkpoint.interop import tools
 
     model, muon, factored = _two()
     for step in (1, 2):
@@ -216,7 +216,7 @@ def test_a_forged_owner_map_is_refused_naming_the_field(tmp_path, owners, proble
     """Catches a recorded owner map (Note [recorded owners]) read without its checks: an owner outside the
     shard group, a group of one, a parameter the index does not hold, a map of another type."""
     from helpers.damage import edit_index, save_small, trained_several
-    from shardwise.checkpoint.schema import read_index
+    from shardwise.checkpoint.format.schema import read_index
 
     path = save_small(tmp_path / "ckpt", trained_several)
     edit_index(path, lambda index: index["optimizers"][0].update(owners=owners))

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import shardwise as sw
 from helpers.ckpt_ranks import build_model, run_steps
-from shardwise.checkpoint import files as _ckpt_files
+from shardwise.checkpoint.write import writer as _ckpt_files
 
 # ---- resume ----------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ def model(value: float) -> nn.Module:
 def held_save(path: str, step: int, started: str, release: str) -> str:
     """sw.save(path) in this process, holding its first write until `release` exists (after touching
     `started`); returns "ok" or the error."""
-    from shardwise.checkpoint import files
+    from shardwise.checkpoint.write import writer as files
 
     write = files._write_chunk
 

@@ -134,7 +134,8 @@ class Fault:
     def install(self, state: dict) -> None:
         """Patch the checkpoint code so that the fault fires inside sw.save / sw.load."""
         if self.kind == "save":
-            save_module = importlib.import_module("shardwise.checkpoint.save")  # the package's `save` is the function
+            # the package's `save` is the function
+            save_module = importlib.import_module("shardwise.checkpoint.write.save")
 
             count = {"n": 0}
             writer_class = save_module.FileWriter
@@ -150,7 +151,7 @@ class Fault:
 
             save_module.FileWriter = KillingWriter
             if self.spec.get("at") == -1:
-                commit_module = importlib.import_module("shardwise.checkpoint.commit")
+                commit_module = importlib.import_module("shardwise.checkpoint.write.commit")
                 fsync_dir = commit_module._fsync_dir
 
                 def killing_fsync_dir(path, durable):
@@ -160,7 +161,7 @@ class Fault:
 
                 commit_module._fsync_dir = killing_fsync_dir
         elif self.kind == "load":
-            load_module = importlib.import_module("shardwise.checkpoint.load")
+            load_module = importlib.import_module("shardwise.checkpoint.read.load")
 
             count = {"n": 0}
             read_into = load_module._read_into

@@ -6,7 +6,7 @@ import re
 import sys
 from pathlib import Path
 
-from shardwise.checkpoint import tools
+from shardwise.checkpoint.interop import tools
 from shardwise.errors import ShardwiseError
 
 
@@ -110,7 +110,7 @@ def _run(args) -> int:
 
 
 def _config_lines(exported: tools.Exported) -> list[str]:
-    """What the export did about config.json (Note [model config] in checkpoint/model_config.py)."""
+    """What the export did about config.json (Note [model config] in checkpoint/format/model_config.py)."""
     written = exported.path
     if exported.config is None:
         return [("no config.json: this checkpoint does not record a Hugging Face config (it was saved from a model "

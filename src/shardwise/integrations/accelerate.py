@@ -34,9 +34,9 @@ from __future__ import annotations
 import accelerate
 import torch.distributed as dist
 
-from shardwise.checkpoint.export import full_state_dict
-from shardwise.checkpoint.load import load
-from shardwise.checkpoint.save import save
+from shardwise.checkpoint.interop.export import full_state_dict
+from shardwise.checkpoint.read.load import load
+from shardwise.checkpoint.write.save import save
 from shardwise.engine.optim.grads import clip_grad_norm_
 from shardwise.engine.unit.info import engine_of
 from shardwise.errors import ShardwiseError

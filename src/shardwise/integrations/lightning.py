@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from shardwise.checkpoint.load import load
-from shardwise.checkpoint.save import save
-from shardwise.checkpoint.schema import read_index
-from shardwise.checkpoint.values import from_json, to_json
+from shardwise.checkpoint.format.schema import read_index
+from shardwise.checkpoint.format.values import from_json, to_json
+from shardwise.checkpoint.read.load import load
+from shardwise.checkpoint.write.save import save
 from shardwise.engine.api import shard
 from shardwise.engine.optim.grads import clip_grad_norm_, no_sync
 from shardwise.errors import ShardwiseError

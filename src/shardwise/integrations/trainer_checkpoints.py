@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.format.schema import read_index
 from shardwise.errors import ShardwiseError
 
 log = logging.getLogger("shardwise.integrations")

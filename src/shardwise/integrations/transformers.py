@@ -31,11 +31,11 @@ from pathlib import Path
 
 import transformers
 
-from shardwise.checkpoint.export import full_state_dict
-from shardwise.checkpoint.load import load
-from shardwise.checkpoint.ranks import group_of
-from shardwise.checkpoint.save import save
-from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.format.ranks import group_of
+from shardwise.checkpoint.format.schema import read_index
+from shardwise.checkpoint.interop.export import full_state_dict
+from shardwise.checkpoint.read.load import load
+from shardwise.checkpoint.write.save import save
 from shardwise.engine.optim.grads import clip_grad_norm_
 from shardwise.engine.optim.step_in_backward import steps_in_backward
 from shardwise.engine.protocol import engine_of

@@ -1,7 +1,7 @@
 """Checkpoints of sharded pipeline stages: one `sw.save` directory for the whole model, written by every
 stage, that loads into any layout (flat zero1/2/3, one process, another pipe x shard) and back.
 
-Note [stage checkpoints]: the format is sw.save's (checkpoint/save.py), by the model's full parameter
+Note [stage checkpoints]: the format is sw.save's (checkpoint/write/save.py), by the model's full parameter
 names, so what loads it does not need to know it was a pipeline. Each rank sees its stage's sharded module
 through a view (`_named_view`: its shards registered under their model names), so the engine's rows of
 each name (its shard coordinate's, Note [rows]) are what the rank writes and reads. A save is one
@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.load import load
-from shardwise.checkpoint.names import persistent_buffers
-from shardwise.checkpoint.optim_state import held_params
-from shardwise.checkpoint.ranks import all_gather_object
-from shardwise.checkpoint.report import LoadReport, match
-from shardwise.checkpoint.save import complete, prepare
-from shardwise.checkpoint.sources import open_source
-from shardwise.checkpoint.values import check_like, from_json, like_current, to_json
+from shardwise.checkpoint.format.names import persistent_buffers
+from shardwise.checkpoint.format.optim_state import held_params
+from shardwise.checkpoint.format.ranks import all_gather_object
+from shardwise.checkpoint.format.values import check_like, from_json, like_current, to_json
+from shardwise.checkpoint.read.load import load
+from shardwise.checkpoint.read.report import LoadReport, match
+from shardwise.checkpoint.read.sources import open_source
+from shardwise.checkpoint.write.save import complete, prepare
 from shardwise.engine.protocol import ShardInfo, engine_of
 from shardwise.engine.unit.info import shard_info
 from shardwise.errors import ShardwiseError

@@ -1,7 +1,7 @@
 """A safetensors file's header, parsed and checked against the file before any of its data is used.
 Uses: nothing of the engine (it sits below it).
 
-The one parser of safetensors headers in shardwise: the checkpoint reader (checkpoint/files.py)
+The one parser of safetensors headers in shardwise: the checkpoint reader (checkpoint/format/files.py)
 and the host copy (host_copy.py, Note [host copy]) both use it. Both trust nothing a header
 says until it has been checked against the file: the host copy makes parameters views of the
 file's bytes at the offsets its header names, so an entry's `data_offsets` that moved by 8
@@ -68,7 +68,7 @@ class Entry:
 @dataclass(frozen=True)
 class Header:
     """A checked header: its entries by name, its `__metadata__`, and its raw bytes (a checkpoint
-    file's digest covers them, Note [chunk checksums] in checkpoint/files.py)."""
+    file's digest covers them, Note [chunk checksums] in checkpoint/format/files.py)."""
 
     entries: dict[str, Entry]
     metadata: dict[str, str]

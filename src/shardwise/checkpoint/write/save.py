@@ -55,13 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.commit import SHARED_MARKER, finish_commit, start_commit
-from shardwise.checkpoint.disk import SavePhases
-from shardwise.checkpoint.files import FileWriter, TensorSpec, chunk_rows, dtype_code
-from shardwise.checkpoint.index import INDEX, next_order
-from shardwise.checkpoint.model_config import model_config
-from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import (
+from shardwise.checkpoint.format.files import TensorSpec, chunk_rows, dtype_code
+from shardwise.checkpoint.format.model_config import model_config
+from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.checkpoint.format.optim_state import (
     SEVERAL,
     class_name,
     full_info,
@@ -73,9 +70,13 @@ from shardwise.checkpoint.optim_state import (
     scalar_state_keys,
     split_state,
 )
-from shardwise.checkpoint.owner import SaveLock, claim_partial
-from shardwise.checkpoint.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
-from shardwise.checkpoint.values import capture_rng, to_json
+from shardwise.checkpoint.format.ranks import broadcast_object, gather_object, group_of, is_sharded, rows_to_write
+from shardwise.checkpoint.format.values import capture_rng, to_json
+from shardwise.checkpoint.write.commit import SHARED_MARKER, finish_commit, start_commit
+from shardwise.checkpoint.write.disk import SavePhases
+from shardwise.checkpoint.write.index import INDEX, next_order
+from shardwise.checkpoint.write.owner import SaveLock, claim_partial
+from shardwise.checkpoint.write.writer import FileWriter
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info

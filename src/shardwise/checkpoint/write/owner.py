@@ -25,7 +25,7 @@ import stat
 import time
 from pathlib import Path
 
-from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.format.schema import read_index
 from shardwise.errors import ShardwiseError
 
 MARKER = ".shardwise-save"  # inside a `.NAME.partial` while its save runs

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.checkpoint.load_plan import LoadJob, LoadPlan, plan_load
-from shardwise.checkpoint.names import Rename, make_renamer
-from shardwise.checkpoint.optim_state import named_optimizers
-from shardwise.checkpoint.ranks import all_gather_object, group_of
-from shardwise.checkpoint.report import LoadReport
-from shardwise.checkpoint.sources import open_source
-from shardwise.checkpoint.values import from_json, restore_rng
+from shardwise.checkpoint.format.names import Rename, make_renamer
+from shardwise.checkpoint.format.optim_state import named_optimizers
+from shardwise.checkpoint.format.ranks import all_gather_object, group_of
+from shardwise.checkpoint.format.values import from_json, restore_rng
+from shardwise.checkpoint.read.load_plan import LoadJob, LoadPlan, plan_load
+from shardwise.checkpoint.read.report import LoadReport
+from shardwise.checkpoint.read.sources import open_source
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shardwise.checkpoint.names import clean_name
-from shardwise.checkpoint.values import to_json
+from shardwise.checkpoint.format.names import clean_name
+from shardwise.checkpoint.format.values import to_json
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
 from shardwise.engine.optim.whole_step import StepShape, owner_map, owners_layout, step_shape, unwrapped

@@ -11,9 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.checkpoint.names import clean_name
-from shardwise.checkpoint.optim_state import class_name, optimizer_names, placements, scalar_state_keys, split_state
-from shardwise.checkpoint.ranks import is_sharded
+from shardwise.checkpoint.format.names import clean_name
+from shardwise.checkpoint.format.optim_state import (
+    class_name,
+    optimizer_names,
+    placements,
+    scalar_state_keys,
+    split_state,
+)
+from shardwise.checkpoint.format.ranks import is_sharded
 from shardwise.engine.unit.info import ShardInfo, as_dtensor, shard_info
 from shardwise.errors import ShardwiseError
 

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from shardwise.checkpoint.files import FileReader
-from shardwise.checkpoint.names import clean_name
-from shardwise.checkpoint.schema import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord, read_index
+from shardwise.checkpoint.format.names import clean_name
+from shardwise.checkpoint.format.schema import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord, read_index
+from shardwise.checkpoint.read.reader import FileReader
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 

@@ -9,11 +9,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardwise.checkpoint.export import partial_name
-from shardwise.checkpoint.files import FileWriter, TensorSpec, dtype_code, file_digest
-from shardwise.checkpoint.model_config import prepare_config, write_config
-from shardwise.checkpoint.schema import INDEX, read_index
-from shardwise.checkpoint.sources import CheckpointDir, SourceTensor, open_source
+from shardwise.checkpoint.format.files import TensorSpec, dtype_code
+from shardwise.checkpoint.format.model_config import prepare_config, write_config
+from shardwise.checkpoint.format.schema import INDEX, read_index
+from shardwise.checkpoint.interop.export import partial_name
+from shardwise.checkpoint.read.reader import file_digest
+from shardwise.checkpoint.read.sources import CheckpointDir, SourceTensor, open_source
+from shardwise.checkpoint.write.writer import FileWriter
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 

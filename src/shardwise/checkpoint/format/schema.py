@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.bounded_json import Fields, parse_json, read_bounded
+from shardwise.checkpoint.format.bounded_json import Fields, parse_json, read_bounded
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import DTYPE_OF_CODE

@@ -24,8 +24,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from shardwise.checkpoint.index import INDEX, build_index, list_checkpoints
-from shardwise.checkpoint.publish import clean_leftovers, publish
+from shardwise.checkpoint.write.index import INDEX, build_index, list_checkpoints
+from shardwise.checkpoint.write.publish import clean_leftovers, publish
 from shardwise.errors import ShardwiseError
 
 SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory] in save.py

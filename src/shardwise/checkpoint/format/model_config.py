@@ -31,7 +31,7 @@ from pathlib import Path
 
 from torch import nn
 
-from shardwise.checkpoint.names import clean_name
+from shardwise.checkpoint.format.names import clean_name
 from shardwise.errors import ShardwiseError
 
 

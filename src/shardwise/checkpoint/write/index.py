@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from shardwise._version import __version__
-from shardwise.checkpoint.files import dtype_code
-from shardwise.checkpoint.names import clean_name
-from shardwise.checkpoint.publish import recover_interrupted
-from shardwise.checkpoint.schema import FORMAT, INDEX, VERSION, index_digest, read_index
+from shardwise.checkpoint.format.files import dtype_code
+from shardwise.checkpoint.format.names import clean_name
+from shardwise.checkpoint.format.schema import FORMAT, INDEX, VERSION, index_digest, read_index
+from shardwise.checkpoint.write.publish import recover_interrupted
 from shardwise.engine.unit.info import engine_of
 from shardwise.errors import ShardwiseError
 

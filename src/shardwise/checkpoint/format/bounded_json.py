@@ -121,7 +121,7 @@ def read_bounded(file: Path, limit: int, *, not_found) -> bytes:
             raise ShardwiseError(f"{file} is not a regular file")
         if info.st_size > limit:
             raise ShardwiseError(f"{file} is {info.st_size} bytes, more than any index shardwise writes "
-                                 f"({limit}, shardwise.checkpoint.schema.MAX_INDEX_BYTES): it is damaged "
+                                 f"({limit}, shardwise.checkpoint.format.schema.MAX_INDEX_BYTES): it is damaged "
                                  "or not an index")
         chunks, left = [], limit + 1
         while left > 0:

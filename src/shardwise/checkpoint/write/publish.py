@@ -27,8 +27,8 @@ import re
 import shutil
 from pathlib import Path
 
-from shardwise.checkpoint.owner import remove_if_dead
-from shardwise.checkpoint.schema import read_index
+from shardwise.checkpoint.format.schema import read_index
+from shardwise.checkpoint.write.owner import remove_if_dead
 from shardwise.errors import ShardwiseError
 
 _LEFTOVER = re.compile(r"\.(.+)\.(partial|old)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 
-from shardwise.checkpoint.crc import crc32
+from shardwise.checkpoint.format.crc import crc32
 
 PIECE_BYTES = 4 * 2**20  # read at a time
 MIN_HOLE_BYTES = 2**20  # shorter holes are read (as zeros) rather than skipped

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.optim_state import (
+from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.checkpoint.format.optim_state import (
     StateShapes,
     check_group_keys,
     class_name,
@@ -19,10 +19,10 @@ from shardwise.checkpoint.optim_state import (
     placements,
     same_class,
 )
-from shardwise.checkpoint.report import LoadReport, match
-from shardwise.checkpoint.schema import OptimizerRecord
-from shardwise.checkpoint.sources import Source, SourceTensor
-from shardwise.checkpoint.values import check_like, check_rng, from_json, like_current
+from shardwise.checkpoint.format.schema import OptimizerRecord
+from shardwise.checkpoint.format.values import check_like, check_rng, from_json, like_current
+from shardwise.checkpoint.read.report import LoadReport, match
+from shardwise.checkpoint.read.sources import Source, SourceTensor
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.optim.whole_step import owners_layout
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info

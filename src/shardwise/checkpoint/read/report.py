@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 
-from shardwise.checkpoint.sources import Source, SourceTensor
+from shardwise.checkpoint.read.sources import Source, SourceTensor
 
 
 @dataclass

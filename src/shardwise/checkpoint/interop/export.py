@@ -11,10 +11,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardwise.checkpoint.files import FileWriter, TensorSpec
-from shardwise.checkpoint.model_config import held_config, model_config, prepare_config, write_config
-from shardwise.checkpoint.names import clean_name, persistent_buffers
-from shardwise.checkpoint.ranks import broadcast_object, group_of, is_sharded
+from shardwise.checkpoint.format.files import TensorSpec
+from shardwise.checkpoint.format.model_config import held_config, model_config, prepare_config, write_config
+from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.checkpoint.format.ranks import broadcast_object, group_of, is_sharded
+from shardwise.checkpoint.write.writer import FileWriter
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import ShardInfo, shard_info

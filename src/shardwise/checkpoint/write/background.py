@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.checkpoint.ranks import group_of, is_sharded, rows_to_write
-from shardwise.checkpoint.save import SaveJob, _background, complete, prepare
+from shardwise.checkpoint.format.ranks import group_of, is_sharded, rows_to_write
+from shardwise.checkpoint.write.save import SaveJob, _background, complete, prepare
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError

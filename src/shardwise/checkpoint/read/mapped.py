@@ -31,7 +31,7 @@ import mmap
 import os
 import time
 
-from shardwise.checkpoint.crc import crc32
+from shardwise.checkpoint.format.crc import crc32
 from shardwise.errors import ShardwiseError
 
 WINDOW_BYTES = 4 * 2**20  # mapped and touched at a time; dropped from RSS after

@@ -1,200 +1,24 @@
-"""safetensors files written one tensor at a time and read one row range at a time.
-
-The format (https://github.com/huggingface/safetensors) is an 8-byte little-endian
-header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__":
-{str: str}}`, then the raw bytes. We write and read it here rather than through
-`safetensors.torch`, for three reasons:
-
-- Writing: the header needs only shapes and dtypes, so tensors can be produced and written one at
-  a time (an export gathers one full parameter, writes it, frees it) instead of all being alive at
-  once, and every byte is checksummed while it is hot in cache (Note [chunk checksums]).
-- Reading: a load checks the chunks holding the rows a rank needs over a map of the file and copies
-  exactly those rows from it into its shard, each window's pages leaving the process's RSS once used
-  (Note [proved unchanged] in mapped.py); a plain `safe_open` map would count every touched page in
-  RSS while the file stays open. Other reads `pread` straight into the destination tensor.
-- Errors: a truncated file, a header that does not parse, a missing tensor, or a checksum mismatch
-  each become a `ShardwiseError` that names the file and the fix. The header is parsed and checked
-  against the file by wire/st_header.py, the one safetensors header parser (the host copy of frozen
-  weights uses it too).
-
-Files written here are ordinary safetensors files: `safetensors.safe_open` and `load_file` read them.
-
-Note [chunk checksums]: each tensor's bytes are checksummed (crc32: 1.5 GB/s, ten times that with
-ISA-L, Note [fast crc32] in crc.py; sha256 1.0 GB/s) in chunks of whole rows of about CHUNK_BYTES.
-A rank that loads rows a..b of a slice reads and verifies only the chunks that hold them, so a
-reshard load never reads whole files to check them, and a verified read costs at most two chunks
-more than the rows themselves. The file's own digest (in the index, checked by `shardwise ckpt
-inspect`) is sha256 over the header bytes and every chunk's crc32, so it changes with any byte.
-"""
+"""The reader of a safetensors file: row ranges by `pread`, or checked and copied over a map of the file
+(Note [proved unchanged] in mapped.py); a file's digest recomputed from its bytes (Note [chunk checksums] in
+format/files.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import stat
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from shardwise.checkpoint.crc import crc32
-from shardwise.checkpoint.disk import WRITEBACK_BYTES, SavePhases, start_writeback
-from shardwise.checkpoint.mapped import MappedFile
-from shardwise.checkpoint.sparse_crc import crc_of_range
-from shardwise.engine.layout.rows import num_rows, row_numel
+from shardwise.checkpoint.format.crc import crc32
+from shardwise.checkpoint.format.files import DTYPES, as_bytes, chunk_rows
+from shardwise.checkpoint.format.sparse_crc import crc_of_range
+from shardwise.checkpoint.read.mapped import MappedFile
 from shardwise.errors import ShardwiseError
-from shardwise.wire.st_header import CODE_OF_DTYPE, Entry, read_header
-
-CHUNK_BYTES = 4 * 2**20
-
-DTYPES = CODE_OF_DTYPE  # dtype -> its safetensors name ("F32"); st_header.DTYPE_OF_CODE is the reverse
-
-
-def dtype_code(dtype: torch.dtype) -> str:
-    """The safetensors name of `dtype` ("F32", "BF16", ...)."""
-    if dtype not in DTYPES:
-        raise ShardwiseError(f"dtype {dtype} cannot be stored in a safetensors file; cast it first")
-    return DTYPES[dtype]
-
-
-def chunk_rows(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Rows per checksum chunk for a tensor of `shape` (Note [chunk checksums])."""
-    row_bytes = row_numel(shape) * dtype.itemsize
-    return max(1, CHUNK_BYTES // row_bytes) if row_bytes else max(1, num_rows(shape))
-
-
-def as_bytes(tensor: Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-def _write_chunk(file, data: memoryview) -> None:  # the one place bytes reach the disk (tests patch it)
-    file.write(data)
-
-
-@dataclass
-class TensorSpec:
-    """One tensor of a file: its key, dtype and shape (known before its bytes exist)."""
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass
-class WrittenFile:
-    """What a finished file's index entry needs: size, digest and per-tensor chunk crcs."""
-
-    name: str
-    nbytes: int
-    digest: str
-    crcs: dict[str, list[int]] = field(default_factory=dict)
-
-
-class FileWriter:
-    """Write a safetensors file tensor by tensor, in the order of `specs`.
-
-    `write_next(tensor)` takes the next tensor (any device, contiguous or not); the file is complete
-    after `close()`. `durable=True` fsyncs it, so that a machine crash cannot leave an index pointing
-    at bytes that never reached the disk. The file must not exist: it is created with O_EXCL |
-    O_NOFOLLOW, so a symlink or a file planted at its name (a shared directory) is refused."""
-
-    def __init__(self, path: Path, specs: list[TensorSpec], metadata: dict[str, str], *, durable: bool = True,
-                 phases: SavePhases | None = None):
-        self.path, self.specs, self.durable = Path(path), specs, durable
-        self.phases = phases = phases if phases is not None else SavePhases()
-        with phases.timed("serialize"):
-            encoded = _encode_header(specs, metadata)
-        self.nbytes = 8 + len(encoded) + sum(spec.nbytes for spec in specs)
-        self._digest = hashlib.sha256(encoded)
-        self._next = self._written = self._kicked = 0
-        self.crcs: dict[str, list[int]] = {}
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            raise ShardwiseError(f"{self.path} already exists (a file, or a symlink someone planted): refusing to "
-                                 "write through it. Remove it, or write elsewhere.") from None
-        self._file = os.fdopen(fd, "wb")
-        try:
-            self._write(memoryview(struct.pack("<Q", len(encoded)) + encoded))
-        except BaseException:
-            self._file.close()
-            raise
-
-    def write_next(self, tensor: Tensor) -> None:
-        spec = self.specs[self._next]
-        tensor = tensor.detach()
-        if tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
-            raise ShardwiseError(f"internal: {spec.key} is {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"the header says {spec.shape} {spec.dtype}")
-        with self.phases.timed("gather"):
-            tensor = tensor.cpu().contiguous()  # a copy only for a GPU or strided tensor: one at a time
-        data = as_bytes(tensor)
-        step = chunk_rows(spec.shape, spec.dtype) * (spec.nbytes // max(1, num_rows(spec.shape)))
-        crcs = []
-        for start in range(0, len(data), max(step, 1)):
-            chunk = data[start : start + step]
-            with self.phases.timed("checksum"):
-                crcs.append(crc32(chunk))
-            self._write(chunk)
-        self.crcs[spec.key] = crcs
-        for crc in crcs:
-            self._digest.update(crc.to_bytes(4, "little"))
-        self._next += 1
-
-    def _write(self, data: memoryview) -> None:
-        with self.phases.timed("write"):
-            _write_chunk(self._file, data)
-            self._written += len(data)
-            if self.durable and self._written - self._kicked >= WRITEBACK_BYTES:  # Note [early writeback]
-                self._file.flush()
-                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
-                self._kicked = self._written
-
-    def close(self) -> WrittenFile:
-        """`finish()`, then `sync()`."""
-        return (self.finish(), self.sync())[0]
-
-    def finish(self) -> WrittenFile:
-        """Every byte handed to the kernel; the file left open for `sync()` (Note [one wait for the disk])."""
-        if self._next != len(self.specs):
-            self.abort()
-            raise ShardwiseError(f"internal: {self.path.name} closed after {self._next} of {len(self.specs)} tensors")
-        with self.phases.timed("write"):
-            self._file.flush()  # the caller aborts on a failure, as after any write
-            if self.durable:  # the tail too: the disk writes it while the ranks gather (Note [early writeback])
-                start_writeback(self._file.fileno(), self._kicked, self._written - self._kicked)
-        return WrittenFile(self.path.name, self.nbytes, "sha256:" + self._digest.hexdigest(), self.crcs)
-
-    def sync(self) -> None:
-        """fsync the finished file when durable, and close it."""
-        try:
-            if self.durable:
-                with self.phases.timed("fsync"):
-                    os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
-
-    def abort(self) -> None:
-        self._file.close()  # closing twice is a no-op: abort after a sync is safe
-
-
-def _encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
-    header, offset = {"__metadata__": dict(metadata)}, 0
-    for spec in specs:
-        header[spec.key] = {"dtype": dtype_code(spec.dtype), "shape": list(spec.shape),
-                            "data_offsets": [offset, offset + spec.nbytes]}
-        offset += spec.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    return encoded + b" " * (-len(encoded) % 8)  # safetensors pads the header to 8 bytes
+from shardwise.wire.st_header import Entry, read_header
 
 
 class FileReader:
