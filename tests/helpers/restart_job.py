@@ -151,15 +151,15 @@ class Fault:
 
             save_module.FileWriter = KillingWriter
             if self.spec.get("at") == -1:
-                commit_module = importlib.import_module("shardwise.checkpoint.write.commit")
-                fsync_dir = commit_module._fsync_dir
+                commit_module = importlib.import_module("shardwise.checkpoint.write.commit")  # the partial directory
+                fsync_dir = commit_module.fsync_dir
 
                 def killing_fsync_dir(path, durable):
                     fsync_dir(path, durable)
                     if fault.armed and state["step"] >= fault.spec["step"] and path.name.endswith(".partial"):
                         fault.fire(f"sw.save at step {state['step']}, index written, before the rename")
 
-                commit_module._fsync_dir = killing_fsync_dir
+                commit_module.fsync_dir = killing_fsync_dir
         elif self.kind == "load":
             load_module = importlib.import_module("shardwise.checkpoint.read.load")
 

@@ -1,99 +1,15 @@
-"""Reading a JSON file that may be damaged or hostile: bounded in size and in nesting, never
-through a symlink, with typed field access whose errors name the file and the field."""
+"""Reading a JSON file that may be damaged or hostile: bounded in size and in nesting, never through a
+symlink (`read_json`); schema.py's `Fields` then checks each field's type and bounds."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from pathlib import Path
 
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import check_json_cost
-
-
-class Fields:
-    """Typed, bounded access to the fields of one parsed JSON file; errors name the file and the field."""
-
-    def __init__(self, file: Path):
-        self.file = file
-
-    def fail(self, where, what: str) -> ShardwiseError:
-        return ShardwiseError(f"{self.file}: field {where} {what}: the file is damaged or was edited. Load an "
-                              "earlier checkpoint.")
-
-    # Each accessor checks first and names the field only on failure: an index holds thousands of
-    # fields (a crc per 4 MiB chunk), and formatting each one's path cost a load more than its checks.
-    def _get(self, obj, key, at: str):
-        if isinstance(obj, dict):
-            if key in obj:
-                return obj[key]
-        elif isinstance(obj, list) and isinstance(key, int):
-            if 0 <= key < len(obj):
-                return obj[key]
-        else:
-            raise self.fail(at or "(the whole file)", f"is {short(obj)}, not an object")
-        raise self.fail(self.where(key, at), "is missing")
-
-    @staticmethod
-    def where(key, at: str) -> str:
-        """The path of field `key` of the value at path `at`, as errors name it."""
-        return f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else str(key)
-
-    def dict(self, obj, key, at: str = "") -> dict:
-        value = self._get(obj, key, at)
-        if not isinstance(value, dict):
-            raise self.fail(self.where(key, at), f"is a {type(value).__name__}, not an object")
-        return value
-
-    def list(self, obj, key, at: str = "", *, limit: int | None = None) -> list:
-        value = self._get(obj, key, at)
-        if not isinstance(value, list) or limit is not None and len(value) > limit:
-            raise self.fail(self.where(key, at),
-                            f"is {short(value)}, not a list" + (f" of at most {limit}" if limit else ""))
-        return value
-
-    def int(self, obj, key, lo: int, hi: int, at: str = "") -> int:
-        value = self._get(obj, key, at)
-        if type(value) is not int or not lo <= value <= hi:
-            raise self.fail(self.where(key, at), f"is {short(value)}, not an integer in {lo}..{hi}")
-        return value
-
-    def ints(self, values: list, lo: int, hi: int, at: str) -> tuple[int, ...]:
-        """Every item of list `values` (at path `at`) an integer in lo..hi, checked in one pass."""
-        if all(type(value) is int and lo <= value <= hi for value in values):
-            return tuple(values)
-        return tuple(self.int(values, i, lo, hi, at) for i in range(len(values)))  # names the first bad one
-
-    def number(self, obj, key, lo: float, hi: float, at: str = "") -> float:
-        value = self._get(obj, key, at)
-        if type(value) not in (int, float) or not lo <= value <= hi:
-            raise self.fail(self.where(key, at), f"is {short(value)}, not a number in {lo:g}..{hi:g}")
-        return float(value)
-
-    def bool(self, obj, key, at: str = "") -> bool:
-        value = self._get(obj, key, at)
-        if type(value) is not bool:
-            raise self.fail(self.where(key, at), f"is {short(value)}, not true or false")
-        return value
-
-    def str(self, obj, key, limit: int, at: str = "") -> str:
-        value = self._get(obj, key, at)
-        if not isinstance(value, str) or len(value) > limit:
-            raise self.fail(self.where(key, at), f"is {short(value)}, not a string of at most {limit} characters")
-        return value
-
-    def match(self, obj, key, pattern: re.Pattern, at: str = "") -> str:
-        value = self.str(obj, key, 256, at)
-        if not pattern.fullmatch(value):
-            raise self.fail(f"{at}.{key}" if at else key, f"is {short(value)}, not of the form {pattern.pattern}")
-        return value
-
-    def name(self, value, where: str, limit: int = 4096) -> str:
-        if not isinstance(value, str) or not 0 < len(value) <= limit:
-            raise self.fail(where, f"holds {short(value)}, not a name")
-        return value
 
 
 def short(value) -> str:
@@ -162,3 +78,9 @@ def parse_json(file: Path, raw: bytes, max_depth: int):
 
 
 _CONTAINERS = frozenset((dict, list))  # what json.loads builds that holds values
+
+
+def read_json(file: Path, limit: int, max_depth: int, *, not_found):
+    """`file` read (`read_bounded`) and parsed (`parse_json`): one call for a JSON file that may be hostile."""
+    raw = read_bounded(file, limit, not_found=not_found)
+    return parse_json(file, raw, max_depth)

@@ -1,15 +1,13 @@
-"""index.json as typed records, read and checked before anything else of a checkpoint is.
+"""index.json read and checked into records.py's typed records, before anything else of a checkpoint is read.
 
-Note [index records]: a checkpoint directory is read through these records only. `read_index`
-opens index.json (a regular file, never through a symlink, at most MAX_INDEX_BYTES, read
-bounded), parses it (nesting at most MAX_DEPTH), checks its digest (Note [index digest]),
-then every field: its type, its bounds, and its agreement with the other fields (a slice
-names a listed file, its rows lie inside its tensor and tile it, one crc per chunk; a file
-name is a plain name inside the directory, Note [contained names]; each kind of record names
-tensors in its own namespace, `param/`, `buffer/`, `optim/`, `rng/`, so that no record can
-stand in for another's header check). Any violation is a
-ShardwiseError naming the file and the field; the code after this never meets a raw dict
-of the index, so it has no second set of checks to keep in step.
+Note [index records]: a checkpoint directory is read through these records only. `read_index` opens index.json
+(a regular file, never through a symlink, at most MAX_INDEX_BYTES, read bounded), parses it (nesting at most
+MAX_DEPTH), checks its digest (Note [index digest]), then every field: its type, its bounds, and its agreement
+with the other fields (a slice names a listed file, its rows lie inside its tensor and tile it, one crc per
+chunk; a file name is a plain name inside the directory, Note [contained names]; each kind of record names
+tensors in its own namespace, `param/`, `buffer/`, `optim/`, `rng/`, so that no record can stand in for
+another's header check). Any violation is a ShardwiseError naming the file and the field; the code after this
+never meets a raw dict of the index, so it has no second set of checks to keep in step.
 
 Note [index digest]: "digest" is the sha256 of every other field, encoded canonically (sorted
 keys, no spaces, `index_digest`), so a changed value anywhere (an `lr`, a `step`, a dtype) is
@@ -19,7 +17,7 @@ directory can recompute it, which is why every field is still checked for what i
 Note [contained names]: a file named by the index is a plain name (letters, digits, `_ . -`,
 ending in `.safetensors`): no separator, no `..`, no absolute path, so a load reads only
 inside the checkpoint directory; the files themselves are opened without following symlinks
-(files.py).
+(read/reader.py).
 """
 
 from __future__ import annotations
@@ -28,19 +26,26 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from shardwise.checkpoint.format.bounded_json import Fields, parse_json, read_bounded
+from shardwise.checkpoint.format.bounded_json import read_json, short
+from shardwise.checkpoint.format.records import (
+    FORMAT,
+    INDEX,
+    VERSION,
+    FileRecord,
+    GroupRecord,
+    Index,
+    OptimizerRecord,
+    RngRecord,
+    SliceRecord,
+    StateRecord,
+    TensorRecord,
+)
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import DTYPE_OF_CODE
 
-INDEX = "index.json"
-FORMAT = "shardwise-checkpoint"
-VERSION = 2  # 2: the index carries its digest (Note [index digest])
 MAX_INDEX_BYTES = 64 * 2**20  # far above any real index (crcs are 4 bytes per 4 MiB of data)
 MAX_DEPTH = 64  # JSON nesting: Lightning's state and a data loader's are under 12
 _MAX_DIM = 2**48
@@ -51,118 +56,100 @@ _NOW_BOUND = 1e11  # seconds since 1970: the year 5138
 
 
 def index_digest(index: dict) -> str:
-    """The digest of `index` without its "digest" field (Note [index digest])."""
+    """The digest of `index` without its \"digest\" field (Note [index digest]): the reader checks it, the writer
+    (write/index.py) computes it."""
     body = {k: v for k, v in index.items() if k != "digest"}
     return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class SliceRecord:
-    """Rows lo:hi of a tensor, stored as tensor `key` of `file`, with a crc32 per `chunk` rows."""
+class Fields:
+    """Typed, bounded access to the fields of one parsed JSON file; errors name the file and the field."""
 
-    file: str
-    key: str
-    lo: int
-    hi: int
-    chunk: int
-    crcs: tuple[int, ...]
+    def __init__(self, file: Path):
+        self.file = file
 
+    def fail(self, where, what: str) -> ShardwiseError:
+        return ShardwiseError(f"{self.file}: field {where} {what}: the file is damaged or was edited. Load an "
+                              "earlier checkpoint.")
 
-@dataclass(frozen=True)
-class TensorRecord:
-    """A parameter, buffer or optimizer-state tensor: full shape, dtype, and the slices holding it."""
+    # Each accessor checks first and names the field only on failure: an index holds thousands of
+    # fields (a crc per 4 MiB chunk), and formatting each one's path cost a load more than its checks.
+    def _get(self, obj, key, at: str):
+        if isinstance(obj, dict):
+            if key in obj:
+                return obj[key]
+        elif isinstance(obj, list) and isinstance(key, int):
+            if 0 <= key < len(obj):
+                return obj[key]
+        else:
+            raise self.fail(at or "(the whole file)", f"is {short(obj)}, not an object")
+        raise self.fail(self.where(key, at), "is missing")
 
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    slices: tuple[SliceRecord, ...]
-    aliases: tuple[str, ...] = ()
-    requires_grad: bool | None = None
+    @staticmethod
+    def where(key, at: str) -> str:
+        """The path of field `key` of the value at path `at`, as errors name it."""
+        return f"{at}.{key}" if at and isinstance(key, str) else f"{at}[{key}]" if at else str(key)
 
-    @property
-    def rows(self) -> int:
-        return num_rows(self.shape)
+    def dict(self, obj, key, at: str = "") -> dict:
+        value = self._get(obj, key, at)
+        if not isinstance(value, dict):
+            raise self.fail(self.where(key, at), f"is a {type(value).__name__}, not an object")
+        return value
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+    def list(self, obj, key, at: str = "", *, limit: int | None = None) -> list:
+        value = self._get(obj, key, at)
+        if not isinstance(value, list) or limit is not None and len(value) > limit:
+            raise self.fail(self.where(key, at),
+                            f"is {short(value)}, not a list" + (f" of at most {limit}" if limit else ""))
+        return value
 
+    def int(self, obj, key, lo: int, hi: int, at: str = "") -> int:
+        value = self._get(obj, key, at)
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.fail(self.where(key, at), f"is {short(value)}, not an integer in {lo}..{hi}")
+        return value
 
-@dataclass(frozen=True)
-class FileRecord:
-    nbytes: int
-    digest: str
+    def ints(self, values: list, lo: int, hi: int, at: str) -> tuple[int, ...]:
+        """Every item of list `values` (at path `at`) an integer in lo..hi, checked in one pass."""
+        if all(type(value) is int and lo <= value <= hi for value in values):
+            return tuple(values)
+        return tuple(self.int(values, i, lo, hi, at) for i in range(len(values)))  # names the first bad one
 
+    def number(self, obj, key, lo: float, hi: float, at: str = "") -> float:
+        value = self._get(obj, key, at)
+        if type(value) not in (int, float) or not lo <= value <= hi:
+            raise self.fail(self.where(key, at), f"is {short(value)}, not a number in {lo:g}..{hi:g}")
+        return float(value)
 
-@dataclass(frozen=True)
-class GroupRecord:
-    params: tuple[str, ...]
-    options: dict  # JSON (values.from_json turns it into values)
+    def bool(self, obj, key, at: str = "") -> bool:
+        value = self._get(obj, key, at)
+        if type(value) is not bool:
+            raise self.fail(self.where(key, at), f"is {short(value)}, not true or false")
+        return value
 
+    def str(self, obj, key, limit: int, at: str = "") -> str:
+        value = self._get(obj, key, at)
+        if not isinstance(value, str) or len(value) > limit:
+            raise self.fail(self.where(key, at), f"is {short(value)}, not a string of at most {limit} characters")
+        return value
 
-@dataclass(frozen=True)
-class StateRecord:
-    """One parameter's optimizer state (Note [optimizer records] in optim_state.py): JSON scalars,
-    param-shaped tensors stored as rows, and whole tensors of other shapes (row/column factors, scales)."""
+    def match(self, obj, key, pattern: re.Pattern, at: str = "") -> str:
+        value = self.str(obj, key, 256, at)
+        if not pattern.fullmatch(value):
+            raise self.fail(f"{at}.{key}" if at else key, f"is {short(value)}, not of the form {pattern.pattern}")
+        return value
 
-    scalars: dict  # JSON
-    tensors: dict[str, TensorRecord]
-    whole: dict[str, TensorRecord] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class OptimizerRecord:
-    class_name: str
-    groups: tuple[GroupRecord, ...]
-    state: dict[str, StateRecord]
-    name: str | None = None  # its key when several were saved as a dict
-    owners: dict[str, int] = field(default_factory=dict)  # whole-tensor owners by name (Note [recorded owners])
-    owner_world: int = 0  # the shard group's size the owners were chosen for; 0: none recorded
-
-
-@dataclass(frozen=True)
-class RngRecord:
-    """One rank's RNG states: tensors in `file` ({key: (chunk, crcs)}) and JSON scalars."""
-
-    file: str
-    tensors: dict[str, tuple[int, tuple[int, ...]]]
-    scalars: dict
-
-
-@dataclass(frozen=True)
-class Index:
-    path: Path  # the checkpoint directory
-    id: str
-    saved_at: float
-    shardwise_version: str
-    torch_version: str
-    strategy: str
-    world_size: int
-    files: dict[str, FileRecord]
-    params: dict[str, TensorRecord]
-    buffers: dict[str, TensorRecord]
-    optimizers: tuple[OptimizerRecord, ...]  # none, one, or several (saved as a list or a dict)
-    several: bool  # saved as a list or a dict ("optimizers"), not as one ("optimizer")
-    scheduler: dict | None
-    rng: tuple[RngRecord, ...]
-    objects: dict
-    objects_by_rank: tuple[dict, ...] | None
-    extra: dict
-    order: tuple[int, int] | None = None  # (step, save counter): Note [newest]
-    model_config: dict | None = None  # a Hugging Face model's config.json (Note [model config] in model_config.py)
-    compression: dict | None = None  # the run's quantized collectives (config.Compression.record), if it used any
-
-    @property
-    def newness(self) -> tuple:
-        """What orders checkpoints, newest last (Note [newest]): the saver's sequence; `saved_at`
-        only between checkpoints saved before shardwise wrote one."""
-        return (*(self.order or (-1, -1)), self.saved_at)
+    def name(self, value, where: str, limit: int = 4096) -> str:
+        if not isinstance(value, str) or not 0 < len(value) <= limit:
+            raise self.fail(where, f"holds {short(value)}, not a name")
+        return value
 
 
 def read_index(path: Path) -> Index:
     """Read, parse and check `path/index.json` (Note [index records]); a ShardwiseError names what is wrong."""
     path = Path(path)
-    raw = read_bounded(path / INDEX, MAX_INDEX_BYTES, not_found=lambda: _not_a_checkpoint(path))
-    return parse_index(path, parse_json(path / INDEX, raw, MAX_DEPTH))
+    parsed = read_json(path / INDEX, MAX_INDEX_BYTES, MAX_DEPTH, not_found=lambda: _not_a_checkpoint(path))
+    return parse_index(path, parsed)
 
 
 def parse_index(path: Path, index) -> Index:

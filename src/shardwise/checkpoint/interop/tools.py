@@ -11,7 +11,8 @@ from pathlib import Path
 
 from shardwise.checkpoint.format.files import TensorSpec, dtype_code
 from shardwise.checkpoint.format.model_config import prepare_config, write_config
-from shardwise.checkpoint.format.schema import INDEX, read_index
+from shardwise.checkpoint.format.records import INDEX
+from shardwise.checkpoint.format.schema import read_index
 from shardwise.checkpoint.interop.export import partial_name
 from shardwise.checkpoint.read.reader import file_digest
 from shardwise.checkpoint.read.sources import CheckpointDir, SourceTensor, open_source

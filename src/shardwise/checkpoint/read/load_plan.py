@@ -19,7 +19,7 @@ from shardwise.checkpoint.format.optim_state import (
     placements,
     same_class,
 )
-from shardwise.checkpoint.format.schema import OptimizerRecord
+from shardwise.checkpoint.format.records import OptimizerRecord
 from shardwise.checkpoint.format.values import check_like, check_rng, from_json, like_current
 from shardwise.checkpoint.read.report import LoadReport, match
 from shardwise.checkpoint.read.sources import Source, SourceTensor

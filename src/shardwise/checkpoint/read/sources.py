@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from shardwise.checkpoint.format.names import clean_name
-from shardwise.checkpoint.format.schema import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord, read_index
+from shardwise.checkpoint.format.records import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord
+from shardwise.checkpoint.format.schema import read_index
 from shardwise.checkpoint.read.reader import FileReader
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError

@@ -22,10 +22,9 @@ import json
 import os
 import shutil
 import threading
-from pathlib import Path
 
-from shardwise.checkpoint.write.index import INDEX, build_index, list_checkpoints
-from shardwise.checkpoint.write.publish import clean_leftovers, publish
+from shardwise.checkpoint.write.index import INDEX, build_index, remove_older
+from shardwise.checkpoint.write.publish import fsync_dir, publish
 from shardwise.errors import ShardwiseError
 
 SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory] in save.py
@@ -48,7 +47,7 @@ class IndexSync:
             finally:
                 os.close(fd)
             self.job.lock.unmark()  # index.json, on the disk, marks it from here on (Note [save ownership])
-            _fsync_dir(self.job.partial, self.job.durable)
+            fsync_dir(self.job.partial, self.job.durable)
         except Exception as error:  # noqa: BLE001 - reported by finish_commit
             self.error = f"{type(error).__name__}: {error}"
 
@@ -98,16 +97,12 @@ def finish_commit(job, started: IndexSync | str, synced: list) -> str | None:
         _discard(job)
         return outcome
     try:
-        publish(job.partial, job.path, job.checkpoint_id)  # Note [atomic publish]
-        _fsync_dir(job.path.parent, job.durable)
+        publish(job.partial, job.path, job.durable)  # Note [atomic publish], Note [leftovers]
     except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
         _discard(job)
         return f"{type(error).__name__}: {error}"
     if job.keep_last is not None:
-        for old in list_checkpoints(job.path.parent)[:-job.keep_last]:
-            if old != job.path:
-                shutil.rmtree(old, ignore_errors=True)
-    clean_leftovers(job.path.parent)  # Note [leftovers]
+        remove_older(job.path, job.keep_last)
     return None
 
 
@@ -120,11 +115,3 @@ def _discard(job) -> None:
     shutil.rmtree(job.partial, ignore_errors=True)
 
 
-def _fsync_dir(path: Path, durable: bool) -> None:
-    """Make `path`'s entries durable (tests/helpers/restart_job.py kills a save here)."""
-    if durable:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -12,6 +12,7 @@ checkpoints saved before shardwise wrote `order` (which all sort before those th
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -20,12 +21,13 @@ import torch
 from shardwise._version import __version__
 from shardwise.checkpoint.format.files import dtype_code
 from shardwise.checkpoint.format.names import clean_name
-from shardwise.checkpoint.format.schema import FORMAT, INDEX, VERSION, index_digest, read_index
+from shardwise.checkpoint.format.records import FORMAT, INDEX, VERSION
+from shardwise.checkpoint.format.schema import index_digest, read_index
 from shardwise.checkpoint.write.publish import recover_interrupted
 from shardwise.engine.unit.info import engine_of
 from shardwise.errors import ShardwiseError
 
-__all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints", "next_order"]
+__all__ = ["FORMAT", "INDEX", "VERSION", "build_index", "latest", "list_checkpoints", "next_order", "remove_older"]
 log = logging.getLogger("shardwise.checkpoint")
 
 
@@ -116,6 +118,13 @@ def scan_checkpoints(directory: Path) -> list:
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete shardwise checkpoints directly inside `directory`, oldest first (Note [newest])."""
     return [child for _, child in scan_checkpoints(directory)]
+
+
+def remove_older(path: Path, keep_last: int) -> None:
+    """`keep_last`: remove all but the newest `keep_last` checkpoints beside `path`, never `path` itself."""
+    for old in list_checkpoints(path.parent)[:-keep_last]:
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def next_order(directory: Path, step) -> tuple[int, int]:

@@ -52,8 +52,26 @@ def hidden(path: Path, kind: str) -> Path:
     return path.parent / f".{path.name}.{kind}"
 
 
-def publish(partial: Path, path: Path, checkpoint_id: str) -> None:
-    """Make finished directory `partial` the checkpoint `path` (Note [atomic publish])."""
+def publish(partial: Path, path: Path, durable: bool) -> None:
+    """Make finished directory `partial` the checkpoint `path` (Note [atomic publish]), the rename on the disk
+    when `durable`; then remove what dead saves left beside it (Note [leftovers])."""
+    _rename_into_place(partial, path)
+    fsync_dir(path.parent, durable)
+    clean_leftovers(path.parent)
+
+
+def fsync_dir(path: Path, durable: bool) -> None:
+    """Make `path`'s entries durable (tests/helpers/restart_job.py kills a save here)."""
+    if durable:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _rename_into_place(partial: Path, path: Path) -> None:
+    made = _identity(partial)  # the directory itself, whatever name it has by the end
     if not os.path.lexists(path):
         os.rename(partial, path)
         return
@@ -68,7 +86,7 @@ def publish(partial: Path, path: Path, checkpoint_id: str) -> None:
     try:
         os.rename(partial, path)
     except FileNotFoundError:
-        if _id_of(path) != checkpoint_id:  # else a sw.latest elsewhere recovered it for us
+        if _identity(path) != made:  # else a sw.latest elsewhere recovered it for us
             raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -85,11 +103,13 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
-def _id_of(path: Path) -> str | None:
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which directory `path` names now (device, inode), or None: a rename keeps it."""
     try:
-        return read_index(path).id
-    except ShardwiseError:
+        info = os.lstat(path)
+    except OSError:
         return None
+    return info.st_dev, info.st_ino
 
 
 def _whole(path: Path):

@@ -103,6 +103,7 @@ class SaveJob:
     world: int
     keep_last: int | None
     durable: bool
+    sharded: bool  # rows split across ranks (ranks.is_sharded): each rank writes its own
     lock: SaveLock | None = None  # rank 0's hold on `partial` (Note [save ownership] in owner.py)
     order: tuple[int, int] | None = None  # rank 0: (step, save counter), Note [newest] in index.py
     model_config: dict | None = None  # a Hugging Face model's config, JSON (Note [model config] in model_config.py)
@@ -160,7 +161,8 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra, group=None
     path = Path(path).absolute()
     partial = path.parent / f".{path.name}.partial"
     infos = shard_info(model)
-    plans = [_optimizer_plan(one, name, infos, rank, world, is_sharded(model)) for name, one in optimizers]
+    sharded = is_sharded(model)
+    plans = [_optimizer_plan(one, name, infos, rank, world, sharded) for name, one in optimizers]
     scheduler_state = to_json(scheduler.state_dict(), "scheduler.state_dict()") if scheduler is not None else None
     objects = {k: to_json(v.state_dict(), f"{k}.state_dict()") for k, v in extra.items() if _is_stateful(v)}
     values = {k: to_json(v, f"extra value {k}=") for k, v in extra.items() if not _is_stateful(v)}
@@ -178,7 +180,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra, group=None
     if checkpoint_id.startswith("error:"):
         raise ShardwiseError(checkpoint_id.removeprefix("error:"))
     return SaveJob(path, partial, model, infos, plans, form, scheduler_state, objects, values,
-                   persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable,
+                   persistent_buffers(model), capture_rng(), checkpoint_id, rank, world, keep_last, durable, sharded,
                    lock, order, model_config(model) if rank == 0 else None,
                    SavePhases(start=time.perf_counter() - began))
 
@@ -306,8 +308,7 @@ def _optimizer_plan(optim, label: str | None, infos: dict[str, ShardInfo], rank:
 def _write_rank_file(job: SaveJob) -> tuple[FileWriter, dict]:
     """Write this rank's rows, optimizer rows and RNG states; return the writer, its file written but not
     yet synced (`FileWriter.sync`, Note [one wait for the disk] in commit.py), and what the index needs."""
-    infos, rank, world = job.infos, job.rank, job.world
-    sharded = is_sharded(job.model)
+    infos, rank, world, sharded = job.infos, job.rank, job.world, job.sharded
     specs, producers, slices = [], [], []
 
     def add(kind, name, key, tensor, info, lo, hi, state_key=None, optim=None):
