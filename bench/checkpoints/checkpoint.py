@@ -1,8 +1,8 @@
 """Benchmark: `sw.save` / `sw.load` against `torch.distributed.checkpoint` (DCP) on the same
 sharded model, in the same run, and the cost of checkpointing to a training loop.
 
-    python bench/checkpoint.py                                    # 29.5M GPT, zero3, 2 ranks
-    python bench/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2 --rounds 3
+    python bench/checkpoints/checkpoint.py                                    # 29.5M GPT, zero3, 2 ranks
+    python bench/checkpoints/checkpoint.py --d-model 128 --layers 2 --vocab 1024 --repeats 2 --rounds 3
 
 The launcher starts `--world-size` ranks under `torch.distributed.run`; each rank builds
 the GPT, shards it, takes one AdamW step (so optimizer state exists), then, `--repeats`
@@ -23,8 +23,8 @@ from the disk) and rchar (moved by read syscalls), against the checkpoint's byte
 
 Then the same ranks train with a checkpoint every N steps, `--saves-per-period` saves to a period,
 and compare sw.save_async with the blocking sw.save by the periods' wall time, paired within each
-round, and by the saves' own clocks (Note [training arms] in bench/checkpoint_training.py), each
-beside its noise row. Results: bench/results/checkpoint.{json,md,png}.
+round, and by the saves' own clocks (Note [training arms] in bench/checkpoints/checkpoint_training.py), each
+beside its noise row. Results: bench/checkpoints/results/checkpoint.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_training import ARM_LABELS, ARMS, overheads, step_costs, train_arms, training_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.checkpoints.checkpoint_training import ARM_LABELS, ARMS, overheads, step_costs, train_arms, training_table  # noqa: E402
+from bench.common.launch import rss_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB, MIB = 1e6, 2**20
@@ -75,15 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ---- one rank ----------------------------------------------------------------------
-
-
-def rss_bytes(field: str) -> int:
-    """A /proc/self/status memory field (VmRSS, VmHWM, ...) in bytes; 0 where there is none."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _timed(fn) -> tuple[float, int]:

@@ -1,4 +1,4 @@
-"""The training arms of bench/checkpoint.py: what a checkpoint every N steps costs a training loop.
+"""The training arms of bench/checkpoints/checkpoint.py: what a checkpoint every N steps costs a training loop.
 
 Note [training arms]: the load of a shared machine swings 2x within minutes, so the arms run
 inside the same ranks, interleaved period by period. A period is `--saves-per-period` times one
@@ -191,7 +191,7 @@ def training_table(args, training: dict) -> list[str]:
     plain = statistics.median(training["none"]["steps_s"]) / (args.save_every * saves)
     over, costs = overheads(training), step_costs(args, training)
     lines = [f"Training with a checkpoint every {args.save_every} steps (Note [training arms] in "
-             f"bench/checkpoint_training.py): "
+             f"bench/checkpoints/checkpoint_training.py): "
              f"in the same ranks, {rounds} rounds after {args.warmup_rounds} warm-up, each round a no-save period "
              f"between every two saving periods, {saves} saves per period, the saving arms' order rotating each "
              f"round; a plain step took {plain:.3f} s (median). Overhead per step = a saving period's extra time "

@@ -1,10 +1,10 @@
-"""Where `sw.load`'s CPU goes, per phase, on bench/checkpoint.py's load (29.5M GPT, zero3, 2 ranks,
+"""Where `sw.load`'s CPU goes, per phase, on bench/checkpoints/checkpoint.py's load (29.5M GPT, zero3, 2 ranks,
 AdamW: 354 MB of model state, loaded in place from the page cache the save filled). Each phase's
 thread CPU time, not wall time, so that a busy host can still compare two trees: this tree against
 another source tree (`--against`), in interleaved rounds.
 
-    python bench/load_phases.py                                   # this tree, 3 rounds of 12 loads
-    python bench/load_phases.py --against /tmp/old/src            # and another tree's src/, interleaved
+    python bench/checkpoints/load_phases.py                                   # this tree, 3 rounds of 12 loads
+    python bench/checkpoints/load_phases.py --against /tmp/old/src            # and another tree's src/, interleaved
 
 Phases (the functions of checkpoint/load.py, load_plan.py, sources.py and mapped.py they time):
 open = open_source (index.json read, parsed and checked; the rank files listed); verify = every
@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    arms = {"this tree": str(HERE.parent / "src")}
+    arms = {"this tree": str(HERE.parents[1] / "src")}
     if args.against:
         arms["against"] = args.against
     runs: dict[str, list] = {arm: [] for arm in arms}

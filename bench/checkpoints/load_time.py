@@ -1,8 +1,8 @@
 """How long `sw.load` takes and how many bytes it reads, here and in another source tree.
 
-    python bench/load_time.py                                   # this tree: the zoo GPT, 5 rounds
-    python bench/load_time.py --old-src /tmp/old22/src          # interleaved with an older tree
-    python bench/load_time.py --old-src /tmp/old22/src --model big --loads 3 --rounds 3
+    python bench/checkpoints/load_time.py                                   # this tree: the zoo GPT, 5 rounds
+    python bench/checkpoints/load_time.py --old-src /tmp/old22/src          # interleaved with an older tree
+    python bench/checkpoints/load_time.py --old-src /tmp/old22/src --model big --loads 3 --rounds 3
 
 `git worktree add /tmp/old22 c6ffb25` gives the tree before issue 22's validate-then-apply load
 (Note [validate, then apply] in checkpoint/load.py). Each round runs one process per tree, this
@@ -109,7 +109,7 @@ def main() -> None:
     if args.child:
         return child(args)
     trees = {"old": args.old_src} if args.old_src else {}
-    trees["this"] = str(Path(__file__).resolve().parents[1] / "src")
+    trees["this"] = str(Path(__file__).resolve().parents[2] / "src")
     load_before = os.getloadavg()
     results: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,14 +1,14 @@
 """Benchmark: the collectives the engine could use for a unit's gather and reduce, per backend.
 
-    python bench/collectives.py                       # gloo, 2 and 4 ranks, 1-64 MiB
-    python bench/collectives.py --world-sizes 2 --sizes-mib 1 4 --repeats 3
-    python bench/collectives.py --sizes-mib 0.125 0.25 0.5 1     # small units
+    python bench/comm/collectives.py                       # gloo, 2 and 4 ranks, 1-64 MiB
+    python bench/comm/collectives.py --world-sizes 2 --sizes-mib 1 4 --repeats 3
+    python bench/comm/collectives.py --sizes-mib 0.125 0.25 0.5 1     # small units
 
 Each size runs every form in interleaved rounds inside the same ranks (the machine's load
 swings), one thread per rank, a barrier before each call; the table is the median over
 rounds of the slowest rank's time. It is the measurement behind Note [gloo collectives]
 (engine/comm/collectives.py): which form of all-gather and reduce-scatter the engine issues on gloo.
-Results: bench/results/collectives.{json,md}.
+Results: bench/comm/results/collectives.{json,md}.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _launch import publish, run_per_world_size
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import publish, run_per_world_size  # noqa: E402
 
 FORMS = {"all_gather": "all-gather (torch's)", "broadcasts": "one broadcast per rank",
          "reduce_scatter": "reduce-scatter (torch's, AVG)", "all_reduce": "all-reduce + own rows",
@@ -109,7 +111,7 @@ def launch(args) -> dict:
 
 def report(table: dict, args) -> str:
     lines = [f"{args.backend}, one thread per rank, loopback; median of {args.repeats} interleaved rounds of the "
-             "slowest rank's time, ms. `python bench/collectives.py`", "",
+             "slowest rank's time, ms. `python bench/comm/collectives.py`", "",
              "| ranks | MiB | " + " | ".join(FORMS.values()) + " | gather ÷ | reduce ÷ |",
              "|---:|---:|" + "---:|" * (len(FORMS) + 2)]
     for world_size, sizes in table.items():
@@ -128,7 +130,7 @@ def main(argv=None) -> None:
     if args.worker:
         return worker(args)
     table = launch(args)
-    publish("collectives", report(table, args), table)
+    publish(Path(__file__).resolve().parent / "results", "collectives", report(table, args), table)
 
 
 if __name__ == "__main__":

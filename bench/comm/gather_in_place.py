@@ -1,15 +1,15 @@
 """Benchmark: a unit's gather on gloo, packed or with large parameters broadcast straight into place.
 
-    python bench/gather_in_place.py                   # 2 and 4 ranks, the bench GPT's block (d_model 512)
-    python bench/gather_in_place.py --world-sizes 2 --repeats 3
+    python bench/comm/gather_in_place.py                   # 2 and 4 ranks, the bench GPT's block (d_model 512)
+    python bench/comm/gather_in_place.py --world-sizes 2 --repeats 3
 
 Runs the engine's own `collectives.gather_into` on one GPT block's 12 parameters (4 matrices, 8
-vectors), 9 units per call as in bench/strategies.py's model, under three values of
+vectors), 9 units per call as in bench/speed/strategies.py's model, under three values of
 GLOO_IN_PLACE_FROM_BYTES: every parameter packed (the form before Note [gathered in place]), the
 engine's threshold, and every parameter in place. The forms alternate inside the same ranks, round
 after round (the machine's load swings); the table gives the median over rounds with the range,
 of the slowest rank's wall time and of the ranks' mean process CPU (gloo's threads included).
-Results: bench/results/gather_in_place.md.
+Results: bench/comm/results/gather_in_place.md.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from _launch import publish, run_per_world_size
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import publish, run_per_world_size  # noqa: E402
 
 UNITS = 9  # the bench GPT: 8 blocks and the root, each refilled once per step (zero1/zero2)
 
@@ -88,7 +90,7 @@ def spread(values: list[float], spec: str = ".1f") -> str:
 
 def report(table: dict, args) -> str:
     lines = [f"gloo, one thread per rank, loopback; {UNITS} GPT blocks (d_model {args.d_model}) gathered per call; "
-             f"median of {args.repeats} interleaved rounds (range), ms. `python bench/gather_in_place.py`", "",
+             f"median of {args.repeats} interleaved rounds (range), ms. `python bench/comm/gather_in_place.py`", "",
              "| ranks | MiB per rank per unit | form | wall (slowest rank) | CPU per rank | wall ÷ packed |",
              "|---:|---:|---|---:|---:|---:|"]
     for world_size, result in table.items():
@@ -107,7 +109,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    publish("gather_in_place", report(launch(args), args))
+    publish(Path(__file__).resolve().parent / "results", "gather_in_place", report(launch(args), args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Traffic you can read: the bytes each strategy's collectives move per step, in-node and across nodes,
 counted at ws 4 and modelled over 1-64 nodes of 8 ranks (issue 34 point 5; issue 47: hpZ, qwZ, qgZ).
 
-    python bench/traffic.py                          # count at ws 4 (2 simulated nodes of 2), model, plot
-    python bench/traffic.py --steps 1 --vocab 256 --d-model 64 --layers 2     # smoke run
+    python bench/comm/traffic.py                          # count at ws 4 (2 simulated nodes of 2), model, plot
+    python bench/comm/traffic.py --steps 1 --vocab 256 --d-model 64 --layers 2     # smoke run
 
 The counter wraps torch.distributed's collective functions (all_reduce, broadcast, all_gather*,
 reduce_scatter*, all_to_all_single, gather, scatter) for the counted steps and records, for each call,
@@ -10,7 +10,7 @@ its group's ranks and its payload. DDP's C++ reducer calls its process group dir
 registers torch's own `allreduce_hook` (default_hooks.py), which issues the same all-reduce of each
 bucket through `dist.all_reduce`. The counted configs: torch DDP, shardwise flat zero3, shardwise zero3
 on a 2 x 2 ("replicate", "shard") mesh, FSDP2's HSDP (`fully_shard(..., mesh=2-D)`, the builder
-of bench/strategies.py), which runs on gloo, and the compressed options the engine implements
+of bench/speed/strategies.py), which runs on gloo, and the compressed options the engine implements
 (`shard(..., compression=...)`: zero3 with int8 gathers, with int4 reduces, with both), and hpZ
 (`reshard_after_forward=2`: backward re-gathers inside each simulated node), alone and with both compressions.
 qgZ's two-hop reduce is modelled only: the engine's reduce runs one hop over its flat group.
@@ -26,23 +26,22 @@ all-to-all (Note [gloo collectives], engine/comm/collectives.py): the broadcasts
 all-gather's chunks, and the all-to-all is counted as the reduce-scatter it stands for (pairwise, gloo
 itself sends 2/3 of it across nodes at 2 x 2 instead of a ring's 1/2).
 
-The model is bench/traffic_model.py's closed forms (Note [modelled arms] there).
-Results: bench/results/traffic.{md,json,png}.
+The model is bench/comm/traffic_model.py's closed forms (Note [modelled arms] there).
+Results: bench/comm/results/traffic.{md,json,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from _launch import main_of, publish, run_per_world_size
-from _plot import panels, save
-from shardwise.testing import watch_collectives
-from traffic_model import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.comm.traffic_model import (  # noqa: E402
     BLOCK,
     GATHER_BITS,
     LINK_ACROSS,
@@ -55,6 +54,9 @@ from traffic_model import (
     model_step,
     scaling,
 )
+from bench.common.launch import main_of, publish, run_per_world_size  # noqa: E402
+from bench.common.plot import panels, save  # noqa: E402
+from shardwise.testing import watch_collectives
 
 COUNTED_NODE = 2
 CONFIGS = ("ddp", "zero3", "zero3_hsdp", "fsdp2_hsdp", "zero3_qwz", "zero3_qgz", "zero3_qwz_qgz", "zero3_hpz",
@@ -188,7 +190,7 @@ def run_worker(args) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     import shardwise as sw
-    from strategies import apply_config, build_model, global_batch
+    from bench.speed.strategies import apply_config, build_model, global_batch
 
     torch.set_num_threads(1)
     sw.init()
@@ -345,9 +347,10 @@ def run_launcher(args) -> None:
     text = "\n".join([
         "# Traffic per step: counted at ws 4, modelled to 64 nodes (issue 34 point 5, issue 47)",
         "",
-        f"Reproduce: `python bench/traffic.py {' '.join(worker_args)} --params {args.params:g} "
+        f"Reproduce: `python bench/comm/traffic.py {' '.join(worker_args)} --params {args.params:g} "
         f"--kept-fraction {args.kept_fraction:g}`. How bytes are "
-        "counted and modelled: Note [ring bytes] in bench/traffic.py, Note [modelled arms] in bench/traffic_model.py. "
+        "counted and modelled: Note [ring bytes] in bench/comm/traffic.py, Note [modelled arms] in "
+        "bench/comm/traffic_model.py. "
         "Counting bytes is not timing: these "
         "numbers do not depend on the machine's load.",
         "",
@@ -386,12 +389,12 @@ def run_launcher(args) -> None:
         "",
     ])
     plot(rows, RESULTS / "traffic.png")
-    publish("traffic", text, {"counted_ws4": counted, "model": rows, "links": {"in_node": LINK_IN_NODE,
+    publish(RESULTS, "traffic", text, {"counted_ws4": counted, "model": rows, "links": {"in_node": LINK_IN_NODE,
                                                                                  "across": LINK_ACROSS}})
 
 
 def main(argv=None) -> None:
-    main_of(__file__, parse_args, run_worker, run_launcher, argv)
+    main_of(parse_args, run_worker, run_launcher, argv)
 
 
 if __name__ == "__main__":

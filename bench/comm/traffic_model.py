@@ -1,4 +1,4 @@
-"""The closed forms of bench/traffic.py: bytes per step, in-node and across nodes, and the bandwidth time, of
+"""The closed forms of bench/comm/traffic.py: bytes per step, in-node and across nodes, and the bandwidth time, of
 each strategy's collectives over N nodes of G ranks (Note [ring bytes] in traffic.py says how a call's bytes
 are summed over links; this file applies it to whole steps).
 

@@ -1,11 +1,11 @@
 """How far clipped training drifts from one process: shardwise's `sw.clip_grad_norm_` under
 zero2/zero3 beside torch DDP + `torch.nn.utils.clip_grad_norm_` (issue 20, Note [clip arithmetic]).
 
-    python bench/clip_parity.py          # OPT (ReLU) from a config, 5 clipped AdamW steps, 2 ranks
+    python bench/correctness/clip_parity.py          # OPT (ReLU) from a config, 5 clipped AdamW steps, 2 ranks
 
 Each arm trains the same model from the same seed on the same global batch, each rank its half;
 the single process trains on the whole batch. Reported: the largest parameter difference from the
-single process after the last step. Writes bench/results/clip_parity.md.
+single process after the last step. Writes bench/correctness/results/clip_parity.md.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STEPS, BATCH, SEQ, MAX_NORM = 5, 8, 32, 0.05
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build():
@@ -86,9 +86,9 @@ def main() -> None:
         print(rows[-1], flush=True)
     table = ("| arm (2 ranks) | max abs parameter difference from one process after 5 clipped AdamW steps |\n"
              "|---|---|\n" + "\n".join(rows) + "\n")
-    (ROOT / "bench" / "results" / "clip_parity.md").write_text(
+    (Path(__file__).resolve().parent / "results" / "clip_parity.md").write_text(
         f"OPT from a config (ReLU, 2 layers, d 64), clip at {MAX_NORM}, lr 1e-3, global batch {BATCH} x {SEQ}.\n"
-        f"Command: `python bench/clip_parity.py`.\n\n" + table)
+        f"Command: `python bench/correctness/clip_parity.py`.\n\n" + table)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@ built from a config (transformers' LlamaForCausalLM, a tiny LlamaConfig) under z
 collectives (`shard(..., compression=...)`, Note [quantized collectives]) against fp32 and bf16, several seeds,
 the final gap to fp32 and its spread over seeds.
 
-    python bench/loss_curves.py                                  # ws 2, 300 steps, 3 seeds, tiny GPT and Llama
-    python bench/loss_curves.py --steps 20 --seeds 1             # smoke run
-    python bench/loss_curves.py --models llama                   # one model (the results hold what ran)
+    python bench/correctness/loss_curves.py                       # ws 2, 300 steps, 3 seeds, tiny GPT and Llama
+    python bench/correctness/loss_curves.py --steps 20 --seeds 1  # smoke run
+    python bench/correctness/loss_curves.py --models llama                   # one model (the results hold what ran)
 
 The Llama is `LlamaConfig(vocab_size=--vocab, hidden_size=--d-model, intermediate_size=2*--d-model,
 num_hidden_layers=--layers, num_attention_heads=--heads, num_key_value_heads=--heads/2, untied head)`, sharded
@@ -16,7 +16,7 @@ each sequence walks a fixed sparse transition table (every token has 4 likely su
 --data-seed), so the loss falls from ln(vocab) towards the table's entropy (ln 4 = 1.39 nats) and a
 perturbation of the training shows as a gap. Every arm and seed sees the same batches; a seed changes the
 initial weights only. The final loss is the mean of the last --tail steps' losses (averaged over ranks).
-Results: bench/results/loss_curves.{md,json,png}. Counting losses, not timing: the machine's load does not
+Results: bench/correctness/results/loss_curves.{md,json,png}. Counting losses, not timing: the machine's load does not
 change these numbers (gloo sums in a fixed order: a rerun gives the same curves).
 """
 
@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from _launch import main_of, publish, run_per_world_size
-from _plot import panels, save
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import main_of, publish, run_per_world_size  # noqa: E402
+from bench.common.plot import panels, save  # noqa: E402
 
 ARMS = {  # name -> shard() keywords on top of strategy="zero3"
     "fp32": {},
@@ -189,7 +191,7 @@ def run_launcher(args) -> None:
     lines = [
         "# Loss curves: quantized collectives against fp32 and bf16 (issue 47 point 3)",
         "",
-        f"Reproduce: `python bench/loss_curves.py --world-size {args.world_size} {' '.join(worker_args)} "
+        f"Reproduce: `python bench/correctness/loss_curves.py --world-size {args.world_size} {' '.join(worker_args)} "
         f"--tail {args.tail}`. zero3 at ws {args.world_size}; the bench GPT (vocab {args.vocab}, d_model "
         f"{args.d_model}, {args.layers} layers) and an HF Llama from a config (LlamaForCausalLM, hidden "
         f"{args.d_model}, {args.layers} layers, module docstring), AdamW lr {args.lr}, {args.steps} steps, seeds "
@@ -201,11 +203,11 @@ def run_launcher(args) -> None:
     for name, model_rows in rows.items():
         lines += table(name, model_rows)
     plot(curves, RESULTS / "loss_curves.png")
-    publish("loss_curves", "\n".join(lines), {"curves": curves, "summary": rows})
+    publish(RESULTS, "loss_curves", "\n".join(lines), {"curves": curves, "summary": rows})
 
 
 def main(argv=None) -> None:
-    main_of(__file__, parse_args, run_worker, run_launcher, argv)
+    main_of(parse_args, run_worker, run_launcher, argv)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ function, text, replacement, tests to run). This file holds the engine's rows; t
 exports' and the integrations' in mutation_table_checkpoint.py. bench/mutations.py explains the fields and runs them.
 """
 
-from mutation_table_checkpoint import CHECKPOINT_MUTATIONS  # in bench/ beside this file
-from mutation_table_comm import COMM_MUTATIONS
+from bench.correctness.mutation_table_checkpoint import CHECKPOINT_MUTATIONS  # in bench/correctness/ beside this file
+from bench.correctness.mutation_table_comm import COMM_MUTATIONS
 
 ENGINE_MUTATIONS = [
     ('skip the stale mark of an optimizer step (fused kernels unseen)',

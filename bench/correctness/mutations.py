@@ -1,14 +1,14 @@
 """Deliberate mutations of the engine, and the test that must catch each (issue 10's table).
 
-    python bench/mutations.py            # every mutation: copy src/, apply it, run its tests
-    python bench/mutations.py --jobs 2   # two at a time (each in its own copy of src/)
+    python bench/correctness/mutations.py            # every mutation: copy src/, apply it, run its tests
+    python bench/correctness/mutations.py --jobs 2   # two at a time (each in its own copy of src/)
 
 Each mutation is (name, function, text, replacement, tests to run). The function is named by
 its qualified name (`FlatUnit.needs_gather`, `StepDriver.pre_forward`, `any_rank`)
 and found wherever it lives under src/shardwise, and the text must occur exactly once in it: a
 refactor that moves code between files keeps every mutation; one that rewrites the marked line
 says which mutation and function to update. A mutation no test catches is a missing test.
-The table is bench/mutation_table.py. Writes bench/results/mutations.md.
+The table is bench/correctness/mutation_table.py. Writes bench/correctness/results/mutations.md.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from mutation_table import MUTATIONS  # the table, in bench/ beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.correctness.mutation_table import MUTATIONS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def locate(package: Path, function: str, old: str) -> tuple[Path, int, int] | str:
@@ -101,7 +102,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     if not wanted:  # the whole table only
         table = "| mutation | function | tests run | result |\n|---|---|---|---|\n" + "\n".join(rows) + "\n"
-        (ROOT / "bench" / "results" / "mutations.md").write_text(table)
+        (Path(__file__).resolve().parent / "results" / "mutations.md").write_text(table)
 
 
 if __name__ == "__main__":

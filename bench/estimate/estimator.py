@@ -1,10 +1,10 @@
 """Benchmark: `shardwise estimate` against the measured peak RSS of Hugging Face models under zero3.
 
-    python bench/estimator.py                          # 4 architectures x 2 batches, ws 2 (~12 min here)
-    python bench/estimator.py --archs gpt2 --batches 4 # one case
+    python bench/estimate/estimator.py                          # 4 architectures x 2 batches, ws 2 (~12 min here)
+    python bench/estimate/estimator.py --archs gpt2 --batches 4 # one case
 
 For each architecture (GPT-2, BERT, Llama, T5, built from small configs) and batch, the
-estimate is what `shardwise estimate --model bench/estimator.py:ARCH --strategy zero3
+estimate is what `shardwise estimate --model bench/estimate/estimator.py:ARCH --strategy zero3
 --world-size 2 --batch B --seq S --json` prints in a fresh process (its activations from
 the probe on meta tensors, its runtime with the RSS that importing transformers and
 building the model added); the measurement is 3 AdamW steps of `model(**batch).loss`
@@ -12,9 +12,9 @@ on 2 fresh gloo ranks under torchrun (one thread each, the model built under
 `sw.deferred_init()` (Llama eagerly: see EAGER), `sw.shard(model, strategy="zero3")` with
 units="auto"), each rank
 reporting its peak RSS (ru_maxrss). Every rank runs with MALLOC_MMAP_THRESHOLD_=65536, as
-bench/max_model.py (Note [allocator] there): blocks over 64 KiB are mmap'd and returned to
+bench/memory/max_model.py (Note [allocator] there): blocks over 64 KiB are mmap'd and returned to
 the system on free, so RSS follows the bytes tensors hold. Writes
-bench/results/estimator.{json,md,png}.
+bench/estimate/results/estimator.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
 VOCAB, WIDTH, LAYERS, HEADS, FFN = 8192, 256, 6, 4, 1024
 ARCHS = ("gpt2", "bert", "llama", "t5")
 
 
-# ---- the models (MODEL for `shardwise estimate`: bench/estimator.py:gpt2, ...) ------------
+# ---- the models (MODEL for `shardwise estimate`: bench/estimate/estimator.py:gpt2, ...) ------------
 
 
 def gpt2():
@@ -103,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ---- one rank (bench/estimator_grid.py runs its cases through this worker too) -----------------
+# ---- one rank (bench/estimate/estimator_grid.py runs its cases through this worker too) -----------------
 
 
 def build(arch: str):
@@ -175,7 +176,7 @@ def measure_ranks(world: int, worker_args: list[str], timeout: float, *, mmap_th
     """Run this file's worker on `world` fresh gloo ranks under torchrun; each rank's record and the peak.
     `mmap_threshold`: the ranks run with MALLOC_MMAP_THRESHOLD_=65536 (what the estimate assumes); False:
     glibc's default, which keeps freed blocks resident (the variable removed if the shell set it)."""
-    from strategies import run_logged  # sibling script: bench/ is on sys.path when run as a script
+    from bench.common.launch import run_logged
 
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
     if not mmap_threshold:
@@ -195,7 +196,7 @@ def markdown(rows: list[dict], args) -> str:
              f"from small configs (vocab {VOCAB}, width {WIDTH}, {LAYERS} blocks, {HEADS} heads, FFN {FFN}; T5 "
              f"{LAYERS // 2} encoder + {LAYERS // 2} decoder blocks), seq {args.seq}, zero3, world size "
              f"{args.world_size}, units=\"auto\", fp32 AdamW, {args.steps} steps, gloo, 1 thread per rank, "
-             "MALLOC_MMAP_THRESHOLD_=65536. Reproduce: `python bench/estimator.py`.", "",
+             "MALLOC_MMAP_THRESHOLD_=65536. Reproduce: `python bench/estimate/estimator.py`.", "",
              "| architecture | params | batch/rank | estimated MiB | measured MiB | error | est. activations MiB "
              "| step: est. / measured MiB | between steps: est. / measured MiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -217,7 +218,7 @@ def markdown(rows: list[dict], args) -> str:
               "step). Between steps: runtime + parameters + optimizer state (estimated; the runtime row "
               "includes what importing transformers and building the model added to the estimating "
               "process) against RSS after the last step. The step is the probe's; what is over is mostly "
-              "the runtime constant (330 MiB, fitted on bench/max_model.py's deep GPTs)."]
+              "the runtime constant (330 MiB, fitted on bench/memory/max_model.py's deep GPTs)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,13 +1,13 @@
 """Benchmark: `shardwise estimate` against measured peak RSS per rank, with and without activation
 checkpointing, for zero1/2/3 at world sizes 2 and 4, on the zoo GPT and three Hugging Face families.
 
-    python bench/estimator_grid.py                                  # the whole grid (~40 min on 2 busy cores)
-    python bench/estimator_grid.py --archs qwen2 --strategies zero3 --world-sizes 2   # a slice of it
+    python bench/estimate/estimator_grid.py                                  # the whole grid (~40 min on 2 busy cores)
+    python bench/estimate/estimator_grid.py --archs qwen2 --strategies zero3 --world-sizes 2   # a slice of it
 
-Each case is what bench/estimator.py does for one configuration: the estimate is what `shardwise
-estimate --model bench/estimator_grid.py:ARCH --strategy S --world-size W --batch B --seq S --json
-[--checkpoint-activations]` prints in a fresh process; the measurement is bench/estimator.py's worker
-(`--arch bench/estimator_grid.py:ARCH --eager [--recompute]`): 2 AdamW steps of the loss on W fresh
+Each case is what bench/estimate/estimator.py does for one configuration: the estimate is what `shardwise
+estimate --model bench/estimate/estimator_grid.py:ARCH --strategy S --world-size W --batch B --seq S --json
+[--checkpoint-activations]` prints in a fresh process; the measurement is bench/estimate/estimator.py's worker
+(`--arch bench/estimate/estimator_grid.py:ARCH --eager [--recompute]`): 2 AdamW steps of the loss on W fresh
 gloo ranks under torchrun (one thread each, MALLOC_MMAP_THRESHOLD_=65536, the model built eagerly,
 `sw.shard(model, strategy=S, checkpoint_activations=...)` with units="auto"), each rank reporting
 its peak RSS. Results are appended case by case to OUT/estimator_grid.json (a rerun
@@ -23,13 +23,14 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
 VOCAB, WIDTH, LAYERS, HEADS, FFN, SEQ = 8192, 256, 6, 4, 1024, 256
 ARCHS = ("gpt", "qwen2", "gpt_neox", "phi")
 
 
-# ---- the models (MODEL for `shardwise estimate`: bench/estimator_grid.py:qwen2, ...) ----------
+# ---- the models (MODEL for `shardwise estimate`: bench/estimate/estimator_grid.py:qwen2, ...) ----------
 
 
 def gpt():
@@ -94,8 +95,9 @@ def estimated(args, arch, strategy, world, recompute) -> dict:
 
 
 def measured(args, arch, strategy, world, recompute) -> dict:
-    """bench/estimator.py's worker on this file's model, built eagerly, with this strategy and checkpointing."""
-    from estimator import measure_ranks  # sibling script: bench/ is on sys.path when run as a script
+    """bench/estimate/estimator.py's worker on this file's model, built eagerly, with this strategy and
+    checkpointing."""
+    from bench.estimate.estimator import measure_ranks
 
     return measure_ranks(world, ["--arch", f"{__file__}:{arch}", "--strategy", strategy, "--batch", str(args.batch),
                                  "--seq", str(SEQ), "--steps", str(args.steps), "--eager"]
@@ -109,7 +111,7 @@ def markdown(rows: list[dict], args) -> str:
              f"{args.batch} per rank, fp32 AdamW, {args.steps} steps, units=\"auto\", gloo, 1 thread per rank, "
              "MALLOC_MMAP_THRESHOLD_=65536. Peak RSS, not time: other jobs loading the machine (load average 12-14 on "
              "2 cores for the ws-4 GPT-NeoX, Phi and Qwen2 zero3-checkpointing rows) do not change it. Reproduce: "
-             "`python bench/estimator_grid.py` (a rerun measures only the cases missing from the .json).", "",
+             "`python bench/estimate/estimator_grid.py` (a rerun measures only the cases missing from the .json).", "",
              "| model | strategy | ranks | checkpointing | estimated MiB | measured MiB | error | est. activations |",
              "|---|---|---:|---|---:|---:|---:|---:|"]
     for r in rows:

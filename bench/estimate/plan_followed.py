@@ -1,13 +1,13 @@
 """Benchmark: the planner's advice, followed exactly, fits the budget it was given.
 
-    python bench/plan_followed.py             # Qwen2 (bench/estimator_grid.py), 720 MiB per rank, ws 2 (~2 min)
-    python bench/plan_followed.py --model bench/estimator_grid.py:phi --memory 740MiB
-    python bench/plan_followed.py --malloc both   # also under glibc's default allocator settings
+    python bench/estimate/plan_followed.py         # Qwen2 (estimate/estimator_grid.py), 720 MiB per rank, ws 2 (~2 min)
+    python bench/estimate/plan_followed.py --model bench/estimate/estimator_grid.py:phi --memory 740MiB
+    python bench/estimate/plan_followed.py --malloc both   # also under glibc's default allocator settings
 
 Runs `shardwise plan MODEL --memory M --world-size W --batch B --seq S --json
 [--checkpoint-activations]` in a fresh process, takes the row it chooses (the first that fits:
 the cheapest), then runs that row exactly (its strategy, precision, checkpointing, this batch and
-seq) as bench/estimator.py's worker on W fresh gloo ranks (one thread each, the model built
+seq) as bench/estimate/estimator.py's worker on W fresh gloo ranks (one thread each, the model built
 eagerly, AdamW) and records each rank's peak RSS against the budget. `--malloc mmap` (the default)
 runs the ranks with MALLOC_MMAP_THRESHOLD_=65536, the environment the estimate assumes and the plan's
 "run:" line prints; `--malloc glibc` runs them with glibc's default, which keeps freed blocks (zero3's
@@ -26,7 +26,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))  # the repo root, for `bench.` imports: bench/README.md
 MIB = 2**20
 
 
@@ -64,7 +65,7 @@ def plan(args) -> tuple[dict, int]:
 
 def follow(args, row: dict, mmap_threshold: bool = True) -> dict:
     """The chosen row run as it says, on fresh ranks: each rank's record and the peak."""
-    from estimator import measure_ranks  # sibling script: bench/ is on sys.path when run as a script
+    from bench.estimate.estimator import measure_ranks
 
     est = row["estimate"]
     if est["offload"]:
@@ -80,7 +81,7 @@ def markdown(rows: list[dict]) -> str:
              "fresh gloo ranks, 1 thread each, fp32 AdamW masters; peak RSS per rank against the budget the plan was "
              "given. malloc: `mmap` = MALLOC_MMAP_THRESHOLD_=65536 (what the estimate assumes, printed on the plan's "
              "`run:` line), `glibc` = glibc's default (freed blocks stay resident). Reproduce: "
-             "`python bench/plan_followed.py --malloc both` (one row; `--help` for the others).", "",
+             "`python bench/estimate/plan_followed.py --malloc both` (one row; `--help` for the others).", "",
              "| model | ranks | batch x seq | checkpointing | budget MiB | chosen | estimated MiB | malloc "
              "| measured MiB per rank | fits |", "|---|---:|---|---|---:|---|---:|---|---|---|"]
     for r in rows:

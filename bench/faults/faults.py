@@ -1,7 +1,7 @@
 """Benchmark: restarts under torchrun. Faults injected at seeded random points; does the job finish, equal?
 
-    python bench/faults.py                                   # the issue's trial counts (about 40 min here)
-    python bench/faults.py --trials sigkill=3,save=2 --seed 1
+    python bench/faults/faults.py                                   # the issue's trial counts (about 40 min here)
+    python bench/faults/faults.py --trials sigkill=3,save=2 --seed 1
 
 Every trial runs tests/helpers/restart_job.py (zero3 GPT, saves every 3 of 12 steps,
 resumes from `sw.latest()`) under torchrun and makes it fail once (or twice):
@@ -26,7 +26,7 @@ run (same world size), or, for elastic, within 1e-5 (max abs difference) of the 
 how far an uninterrupted 2-rank run of the same job ends from the 4-rank one.
 "resumed from" is the checkpoint step each restart loaded, "restart cost" the seconds from
 the fault to the first step of the restarted job, "time lost" the trial's wall time minus
-the uninterrupted run's. Results: bench/results/faults.{json,md,png}.
+the uninterrupted run's. Results: bench/faults/results/faults.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers.launch import new_launch, processes, run, start_agent, torchrun_argv, wait  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -303,7 +303,7 @@ def markdown(table: list[dict], rows: list[dict], args, references: dict) -> str
     lines = [
         "# Restarts under torchrun: faults x trials",
         "",
-        f"`python bench/faults.py --trials {args.trials} --seed {args.seed}`; torch {torch.__version__}, gloo, "
+        f"`python bench/faults/faults.py --trials {args.trials} --seed {args.seed}`; torch {torch.__version__}, gloo, "
         "CPU, 2 cores shared with other work (so seconds are noisy). Job: tests/helpers/restart_job.py, zero3 GPT, "
         f"{STEPS} steps (elastic: {ELASTIC_STEPS} steps, {ELASTIC_SLEEP} s sleep each), checkpoint every "
         f"{SAVE_EVERY}. Uninterrupted runs: 2 ranks {references['2']:.1f} s, 4 ranks (elastic) "

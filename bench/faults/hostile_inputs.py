@@ -1,8 +1,8 @@
 """Time and peak RSS of shardwise on oversized hostile inputs (issue 35 finding 11): each case runs in a
 fresh process, measured with os.wait4 (peak RSS of that process, Python and torch included: ~270 MB).
 
-    python bench/hostile_inputs.py                      # this checkout
-    PYTHONPATH=/path/to/other/src python bench/hostile_inputs.py   # another version, same inputs
+    python bench/faults/hostile_inputs.py                      # this checkout
+    PYTHONPATH=/path/to/other/src python bench/faults/hostile_inputs.py   # another version, same inputs
 
 Cases: `latest` (sw.latest beside a 64 MiB `[{},{},...]` index.json), `load-header` (sw.load of a
 checkpoint whose rank-file header is 99 MiB of `{}`, index forged to match), `inspect-sparse` (the
@@ -11,7 +11,7 @@ digest `ckpt inspect` computes of a 4 KiB sparse file declaring one row of 2^28 
 (`ckpt diff --values` of two 256 MiB tensors), `diff-row` (the same of two 256 MiB tensors of one row,
 [1, 2^26]). Prints one line per case; measures, asserts nothing.
 
-    python bench/hostile_inputs.py diff-values diff-row   # some cases only
+    python bench/faults/hostile_inputs.py diff-values diff-row   # some cases only
 """
 
 from __future__ import annotations

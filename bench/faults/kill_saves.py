@@ -1,8 +1,8 @@
 """SIGKILL during checkpoint saves: does `sw.latest` always name a whole checkpoint, and does the
 next save leave no leftovers? (Note [atomic publish], Note [leftovers].)
 
-    python bench/kill_saves.py                       # 10 trials of each mode: 30 kills
-    python bench/kill_saves.py --trials 4 --seed 1
+    python bench/faults/kill_saves.py                       # 10 trials of each mode: 30 kills
+    python bench/faults/kill_saves.py --trials 4 --seed 1
 
 Each trial starts 2 ranks (gloo, zero3, a 4 MB model whose every value is the step) that save in
 a loop, one mode per trial: `save` (sw.save to step-N, keep_last=2), `async` (sw.save_async to

@@ -1,7 +1,7 @@
 """Stress: many torchrun launches that only join the group (sw.init) and all-reduce once.
 
-    python bench/rendezvous.py                        # 60 launches of 4 ranks
-    python bench/rendezvous.py --launches 30 --nproc 4 --timeout 200
+    python bench/faults/rendezvous.py                        # 60 launches of 4 ranks
+    python bench/faults/rendezvous.py --launches 30 --nproc 4 --timeout 200
 
 The join of sw.init (dist.py, Note [restart keys]) is a small protocol on the store; a race in it
 shows as one launch in tens that hangs, more often while the machine is loaded (run it beside a
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers.launch import run  # noqa: E402  (the tests' launcher: tags, stacks, kill)

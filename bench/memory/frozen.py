@@ -1,8 +1,8 @@
 """Benchmark: a frozen GPT base (>= 200M parameters) with small LoRA adapters, 4 local ranks:
 host memory and step time for torch DDP, FSDP2, shardwise zero3 and shardwise with the host copy.
 
-    python bench/frozen.py                                    # full: 210M base, 4 ranks, 3 rounds
-    python bench/frozen.py --d-model 128 --layers 2 --vocab 512 --rounds 1 --steps 2   # a quick check
+    python bench/memory/frozen.py                                    # full: 210M base, 4 ranks, 3 rounds
+    python bench/memory/frozen.py --d-model 128 --layers 2 --vocab 512 --rounds 1 --steps 2   # a quick check
 
 Host memory is the sum over the ranks of PSS (/proc/<pid>/smaps_rollup), which counts a page
 that N processes map as 1/N in each: a frozen base that every rank maps once counts once.
@@ -14,7 +14,7 @@ otherwise glibc keeps them and PSS shows what was once held, not what is held).
 
 Configs run in interleaved rounds (every config once per round), so a burst of load on this
 shared machine hits them alike; each ratio to DDP is taken within a round, and the table gives
-the median over rounds with the spread (min-max). Writes bench/results/frozen.{json,md,png}.
+the median over rounds with the spread (min-max). Writes bench/memory/results/frozen.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from strategies import run_logged  # noqa: E402 - the bench folder's own launcher helper
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import run_logged  # noqa: E402
 
 CONFIGS = ("ddp", "fsdp2", "zero3", "host")
 LABELS = {"ddp": "torch DDP", "fsdp2": "FSDP2 fully_shard", "zero3": "shardwise zero3",

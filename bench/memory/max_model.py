@@ -1,12 +1,12 @@
 """Benchmark: the largest GPT each configuration trains within a fixed per-rank memory budget.
 
-    python bench/max_model.py                  # world size 4, 2 GiB of RSS per rank (~20 min here)
-    python bench/max_model.py --quick          # 1 GiB per rank, fewer probes (a few minutes)
-    python bench/max_model.py --budget 3GiB --configs zero3,zero3_bf16
-    python bench/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
-    python bench/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
-    python bench/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
-    python bench/max_model.py --merge /tmp/mm                                    # then added to the results
+    python bench/memory/max_model.py                  # world size 4, 2 GiB of RSS per rank (~20 min here)
+    python bench/memory/max_model.py --quick          # 1 GiB per rank, fewer probes (a few minutes)
+    python bench/memory/max_model.py --budget 3GiB --configs zero3,zero3_bf16
+    python bench/memory/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
+    python bench/memory/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
+    python bench/memory/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
+    python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
@@ -16,7 +16,7 @@ and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy rout
 max_model_pipe.py). `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
-bench/results/max_model.{json,md,png}.
+bench/memory/results/max_model.{json,md,png}.
 
 Note [allocator]: glibc malloc keeps freed blocks resident, so on CPU a sharded
 strategy's savings would not show in RSS; every rank runs with MALLOC_MMAP_THRESHOLD_=65536
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import rss_bytes  # sibling scripts: bench/ is on sys.path when run as a script
-from max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total
-from strategies import run_logged
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import rss_bytes, run_logged  # noqa: E402
+from bench.memory.max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB, GIB = 2**20, 2**30

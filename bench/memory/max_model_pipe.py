@@ -1,4 +1,4 @@
-"""bench/max_model.py's pipeline arms: shardwise.pipeline's PipeTrainer at 2 stages, how each is built,
+"""bench/memory/max_model.py's pipeline arms: shardwise.pipeline's PipeTrainer at 2 stages, how each is built,
 estimated and described in the report (Note [pipeline arms]).
 
 Note [pipeline arms]: PipeTrainer at 2 stages (world size / 2 ranks each), the global batch of the flat
@@ -26,8 +26,8 @@ PIPE_CONFIGS = {
     "pipe2_whole": ("shardwise pipeline: pipe 2 × 2 replicas, whole copy per rank", "ddp", "fp32", False),
 }
 PIPELINES = {"pipe2_zero3": "zero3", "pipe2_whole": None}  # each arm's PipelineConfig.strategy
-REPORT_NOTE = ("pipeline rows (Note [pipeline arms], bench/max_model_pipe.py): PipeTrainer at 2 stages over the 4 "
-               "ranks, the flat rows' global batch in one GPipe micro-batch (1F1B would keep as many: a stage "
+REPORT_NOTE = ("pipeline rows (Note [pipeline arms], bench/memory/max_model_pipe.py): PipeTrainer at 2 stages over "
+               "the 4 ranks, the flat rows' global batch in one GPipe micro-batch (1F1B would keep as many: a stage "
                "rank's 2 sequences are at most 2 = S micro-batches); pipe 2 × zero3 2 built under "
                "sw.deferred_init() (each rank materializes its stage's rows only) with keep_gathered=False, "
                "estimated by sw.estimate_pipe; the whole-copy row (strategy=None) has no estimator: its estimated "

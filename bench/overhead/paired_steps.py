@@ -1,10 +1,10 @@
 """Benchmark: zero1/zero2/zero3 against torch DDP with every arm in the same processes, stepping in turn, so
 each ratio pairs steps taken seconds apart (Note [paired steps]).
 
-    python bench/paired_steps.py                                   # bench GPT, 2 ranks, 24 rounds (9 min)
-    python bench/paired_steps.py --rounds 4 --warmup 1 --d-model 64 --layers 2 --vocab 256   # quick check
+    python bench/overhead/paired_steps.py                                   # bench GPT, 2 ranks, 24 rounds (9 min)
+    python bench/overhead/paired_steps.py --rounds 4 --warmup 1 --d-model 64 --layers 2 --vocab 256   # quick check
 
-Note [paired steps]: bench/strategies.py launches each arm as a run of its own and pairs ratios per round of
+Note [paired steps]: bench/speed/strategies.py launches each arm as a run of its own and pairs ratios per round of
 runs, a minute apart. On this shared 2-core host the machine's speed moves by more than the arms differ
 between such runs (±10% from round to round, docs/measured.md), so two runs of the same code disagree on which
 arm is faster. Here each rank builds every arm (the GPT of strategies.py from the same seed, each arm with its
@@ -12,10 +12,10 @@ own AdamW, DDP and the engines side by side) and the arms take one training step
 rotated every round, on the same batch; a step's time is its slowest rank's, and a ratio pairs the arm's step
 with DDP's of the same round. The engine-free bounds are strategies.py's (Note [engine-free bound]): DDP's step
 less (N-1)/N of its optimizer step, and for zero3 one raw all-gather of the model more; then each with what gloo's
-reduce-scatter and all-gather cost beyond its all-reduce (bench/raw_forms.py, timed after the rounds). What
+reduce-scatter and all-gather cost beyond its all-reduce (bench/speed/raw_forms.py, timed after the rounds). What
 this changes against strategies.py: the arms share a process (their memory adds up; the allocator and caches
 are shared), so it measures speed only; memory per strategy is strategies.py's. Writes
-bench/results/NAME.{json,md,png} (`--name`, default paired_steps).
+bench/overhead/results/NAME.{json,md,png} (`--name`, default paired_steps).
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-import strategies as S
-from _plot import panels, save
-from raw_forms import raw_forms_seconds
-from strategies_report import bound_ratio
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+import bench.speed.strategies as S  # noqa: E402
+from bench.common.plot import panels, save  # noqa: E402
+from bench.speed.raw_forms import raw_forms_seconds  # noqa: E402
+from bench.speed.strategies_report import bound_ratio  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("ddp", "zero1", "zero2", "zero3")  # ddp first: every ratio's base
@@ -148,19 +149,20 @@ def markdown(args, summary: dict) -> str:
     lines = [f"GPT vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, seq {args.seq}, batch "
              f"{args.batch}/rank, fp32 AdamW, gloo, 1 thread/rank, {args.world_size} ranks on {os.cpu_count()} cores; "
              f"every arm in the same processes, one step each per round in a rotated order, {args.rounds} rounds after "
-             f"{args.warmup} dropped (Note [paired steps], bench/paired_steps.py). Step: the slowest rank's, from a "
-             "barrier; × DDP: that step over DDP's step of the same round, median (quartiles, range) over rounds; "
-             "CPU: rank 0's process CPU seconds in the step (gloo's threads too).", "",
+             f"{args.warmup} dropped (Note [paired steps], bench/overhead/paired_steps.py). Step: the slowest rank's, "
+             "from a barrier; × DDP: that step over DDP's step of the same round, median (quartiles, range) over "
+             "rounds; CPU: rank 0's process CPU seconds in the step (gloo's threads too).", "",
              "| arm | step s | × DDP | CPU × DDP (rank 0) | max loss diff vs DDP |", "|---|---:|---:|---:|---:|"]
     for arm, row in summary["arms"].items():
         lines.append(f"| {arm} | {statistics.median(row['step_s']):.3f} | {_spread(row['x_ddp'])} | "
                      f"{statistics.median(row['cpu_x_ddp']):.3f} | {row['max_loss_diff_vs_ddp']:.1e} |")
     forms = summary["raw_forms_s"]
-    lines += ["", "Engine-free bounds (Note [engine-free bound] in bench/strategies.py), per round, × DDP: zero1/zero2 "
-                  f"{_spread(summary['bound_zero12'])} optimizer only, {_spread(summary['bound_zero12_forms'])} with "
-                  f"gloo's forms; zero3 {_spread(summary['bound_zero3'])} and {_spread(summary['bound_zero3_forms'])}. "
+    lines += ["", "Engine-free bounds (Note [engine-free bound] in bench/speed/strategies.py), per round, × DDP: "
+                  f"zero1/zero2 {_spread(summary['bound_zero12'])} optimizer only, "
+                  f"{_spread(summary['bound_zero12_forms'])} with gloo's forms; "
+                  f"zero3 {_spread(summary['bound_zero3'])} and {_spread(summary['bound_zero3_forms'])}. "
                   "The forms, timed once after the rounds with no engine around them, slowest rank, median of 9 "
-                  "(Note [raw forms], bench/raw_forms.py): DDP's bucketed all-reduce "
+                  "(Note [raw forms], bench/speed/raw_forms.py): DDP's bucketed all-reduce "
                   f"{forms['all_reduce'] * 1e3:.1f} ms, "
                   f"the engine's reduce-scatter {forms['reduce'] * 1e3:.1f} ms and all-gather "
                   f"{forms['gather'] * 1e3:.1f} ms."]

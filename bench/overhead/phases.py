@@ -1,12 +1,12 @@
 """Where a step's time goes, per config: forward, backward and `optimizer.step()` timed apart, with
-each rank's user and system CPU and minor page faults, on bench/strategies.py's GPT and data.
+each rank's user and system CPU and minor page faults, on bench/speed/strategies.py's GPT and data.
 Interleaved rounds of A/B arms: this tree against another source tree (`--against`) or against
 environment variables (`--env`), so a change is measured beside what it replaces.
 
-    python bench/phases.py --configs ddp,zero2 --rounds 3
-    python bench/phases.py --configs zero2 --against /tmp/old/src           # old engine vs this one
-    python bench/phases.py --configs ddp,zero2 --env MALLOC_TRIM_THRESHOLD_=68719476736
-    python bench/phases.py --configs zero2 --model-args='--d-model 128 --layers 4'   # a smaller GPT
+    python bench/overhead/phases.py --configs ddp,zero2 --rounds 3
+    python bench/overhead/phases.py --configs zero2 --against /tmp/old/src           # old engine vs this one
+    python bench/overhead/phases.py --configs ddp,zero2 --env MALLOC_TRIM_THRESHOLD_=68719476736
+    python bench/overhead/phases.py --configs zero2 --model-args='--d-model 128 --layers 4'   # a smaller GPT
 
 Prints a table (median over rounds of each run's median step, ms per rank) and each arm's step over
 the first arm's, paired per round. Times are not asserted anywhere: a benchmark, not a test.
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repo root, for `bench.` imports: bench/README.md
 FIELDS = ("forward", "backward", "optimizer", "step", "user", "sys", "minflt")
 CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3")  # DeepSpeed steps otherwise
 WARMUP_STEPS = 2
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--against", help="a second source tree (its src/ directory) to run as arm 'against'")
     p.add_argument("--env", nargs="*", default=[], help="NAME=VALUE pairs for arm 'env'")
     p.add_argument("--model-args", default="",
-                   help="bench/strategies.py's model flags, e.g. --model-args='--d-model 128 --layers 2'")
+                   help="bench/speed/strategies.py's model flags, e.g. --model-args='--d-model 128 --layers 2'")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)  # the worker's one config
     args = p.parse_args(argv)
@@ -64,7 +65,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     import shardwise as sw
-    import strategies  # this script's folder is the first on sys.path
+    from bench.speed import strategies
 
     config = args.config
     sw.init()
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
         return worker(args)
     from tqdm import tqdm
 
-    this_src = str(HERE.parent / "src")
+    this_src = str(HERE.parents[1] / "src")
     arm_env = dict(pair.split("=", 1) for pair in args.env)
     plain = {name: value for name, value in os.environ.items() if name not in arm_env}  # the others' baseline
     arms = {"this tree": (this_src, plain)}

@@ -1,8 +1,8 @@
 """Benchmark: `sw.hogwild` with 1, 2 and 4 processes beside one plain process and torch DDP (2 and 4
 ranks), on scikit-learn's digits (8x8 images, 10 classes), at the same number of samples.
 
-    python bench/hogwild.py                      # 3 interleaved rounds, 30 epochs
-    python bench/hogwild.py --rounds 1 --epochs 3    # a quick check
+    python bench/parallel/hogwild.py                      # 3 interleaved rounds, 30 epochs
+    python bench/parallel/hogwild.py --rounds 1 --epochs 3    # a quick check
 
 Every config trains the same MLP (64-128-10, the same seeded init) with plain SGD, batch 16 per
 process, on the same 1437 training images for `--epochs` epochs in total: a Hogwild worker or a
@@ -12,7 +12,7 @@ excluded). The held-out loss (360 images) is read every `--eval-every` samples b
 for Hogwild from the shared parameters while the others keep writing, against a shared count of
 the samples all workers have stepped on (they do not run in step: a worker the scheduler holds
 back finds the others thousands of samples ahead). Writes
-bench/results/hogwild.{json,md,png}.
+bench/parallel/results/hogwild.{json,md,png}.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Benchmark: the same GPT on 4 ranks as zero3 (4 x 1), slicing + zero3 (2 x 2) and slicing (1 x 4),
 and a wide-MLP variant (d_ff = 16 x d_model), at the same global batch, in one run.
 
-    MALLOC_MMAP_THRESHOLD_=65536 python bench/slicing.py                      # the full run
-    python bench/slicing.py --d-model 64 --layers 2 --vocab 256 --seq 32 --steps 2 --warmup 1  # a quick look
+    MALLOC_MMAP_THRESHOLD_=65536 python bench/parallel/slicing.py                      # the full run
+    python bench/parallel/slicing.py --d-model 64 --layers 2 --vocab 256 --seq 32 --steps 2 --warmup 1  # a quick look
 
 Without `--worker` the script is the launcher: every (model, layout) runs as 4 fresh ranks under
 `torch.distributed.run` (and one single process per model for the loss check), then it writes
-bench/results/slicing.{json,md,png}. With `--worker` it is one rank and writes its numbers.
+bench/parallel/results/slicing.{json,md,png}. With `--worker` it is one rank and writes its numbers.
 Every run sets MALLOC_MMAP_THRESHOLD_=65536 so that freed memory leaves the process and peak
 RSS shows what a layout holds (DESIGN: glibc keeps freed blocks otherwise); steps are slower
 for it, the same for every layout.

@@ -1,11 +1,11 @@
 """Benchmark: a step of shardwise's sharded pipeline against torch.distributed.pipelining + FSDP2 per stage
 (torchtitan's recipe) and against shardwise's whole-copy pipeline, at 4 ranks, same model and data.
 
-    python bench/pipe_speed.py                          # the quiet run: 8 rounds of 3 steps per arm
-    python bench/pipe_speed.py --rounds 2 --steps 1 --out /tmp/pipe_speed   # a smoke run
+    python bench/pipeline/pipe_speed.py                          # the quiet run: 8 rounds of 3 steps per arm
+    python bench/pipeline/pipe_speed.py --rounds 2 --steps 1 --out /tmp/pipe_speed   # a smoke run
 
 Without `--worker` the script is the launcher: it starts `--nproc` ranks under torch.distributed.run,
-waits, and writes bench/results/pipe_speed.{json,md,png}. With `--worker` it is one rank.
+waits, and writes bench/pipeline/results/pipe_speed.{json,md,png}. With `--worker` it is one rank.
 
 Note [arms]: every arm is a 2-stage GPipe pipeline over the 4 ranks with `--micro` micro-batches, the same
 GPT (same seed) and the same global batch of the same tokens:
@@ -205,7 +205,7 @@ def markdown(args, result: dict, summary: dict, command: str) -> str:
     lines = [f"Step time at {args.nproc} ranks (gloo, 1 thread each): GPT d_model {args.d_model}, {args.layers} "
              f"blocks, vocab {args.vocab}, seq {args.seq}; global batch {args.batch}, {args.micro} GPipe "
              f"micro-batches; {args.rounds} timed rounds of {args.steps} steps per arm, order rotated per round "
-             "(Note [arms] in bench/pipe_speed.py).", "", f"Command: `{command}`", "",
+             "(Note [arms] in bench/pipeline/pipe_speed.py).", "", f"Command: `{command}`", "",
              "| arm | median step (s) | sharded / this arm, per round: median [min, max] |", "|---|---:|---:|"]
     for arm in result["arms"]:
         ratio = summary["ratios"].get(arm)
@@ -242,7 +242,7 @@ def plot(result: dict, summary: dict, path: Path) -> None:
 
 
 def run_launcher(args) -> None:
-    command = "python bench/pipe_speed.py " + " ".join(sys.argv[1:])
+    command = "python bench/pipeline/pipe_speed.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",

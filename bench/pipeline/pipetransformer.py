@@ -1,11 +1,11 @@
 """Benchmark: progressive freezing + activation cache + re-packing (PipeTransformer) against
 a plain pipeline + data parallel, on the same GPT, data and seed, in one run.
 
-    python bench/pipetransformer.py                       # 3 whole runs, ~2-3 min each on 2 CPU cores
-    python bench/pipetransformer.py --epochs 2 --samples 256 --runs 1 --out /tmp/pt   # smoke run
+    python bench/pipeline/pipetransformer.py                       # 3 whole runs, ~2-3 min each on 2 CPU cores
+    python bench/pipeline/pipetransformer.py --epochs 2 --samples 256 --runs 1 --out /tmp/pt   # smoke run
 
 Without `--worker` the script is the launcher: it starts `--nproc` ranks under
-`torch.distributed.run`, waits, and writes bench/results/pipetransformer.{json,md,png}.
+`torch.distributed.run`, waits, and writes bench/pipeline/results/pipetransformer.{json,md,png}.
 With `--worker` it is one rank: it builds two trainers on the same ranks, (a) "plain"
 (a fixed `--stages`-stage pipeline; the other factor of the world size is data-parallel
 replicas) and (b) "freeze" (PipeTransformer's automatic freeze rule, the activation

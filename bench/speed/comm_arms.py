@@ -1,4 +1,4 @@
-"""Issue 47's arms of bench/strategies.py: shardwise zero3 with hpZ, and with hpZ and compression, on 2
+"""Issue 47's arms of bench/speed/strategies.py: shardwise zero3 with hpZ, and with hpZ and compression, on 2
 simulated nodes of N/2 ranks (N = 4: 2 x 2), beside flat zero3 and HSDP zero3 (strategies.py's own arms).
 
 Note [comm arms]: on one host every link is loopback, so "nodes" are simulated: ranks 0..N/2-1 are node 0,
@@ -7,9 +7,9 @@ the rest node 1 (torchrun's numbering, the layout's node groups). hpZ (`reshard_
 over N/2 ranks instead of N; compression (`sw.Compression`, Note [quantized collectives]) sends forward's
 gathers int8 and the gradient reduce int8 or int4. The bytes these save cross a slow link on real nodes;
 here they cross the same loopback, so a step time shows the CPU cost of each option (the quantize and
-dequantize kernels, the smaller in-node gathers), not its saving at scale: bench/traffic.py models that.
+dequantize kernels, the smaller in-node gathers), not its saving at scale: bench/comm/traffic.py models that.
 The compressed arms are not exact by design: their loss differs from the reference's, by the loss-curve
-gaps of bench/results/loss_curves.md.
+gaps of bench/correctness/results/loss_curves.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2/3 as arms of bench/strategies.py: the same GPT, data, seed and fp32 AdamW.
+"""DeepSpeed ZeRO 1/2/3 as arms of bench/speed/strategies.py: the same GPT, data, seed and fp32 AdamW.
 
 DeepSpeed 0.19.8 runs on CPU with the pinned torch (`pip install -e '.[bench]' -c constraints.txt`,
 with DS_BUILD_OPS=0 so nothing is compiled at install time). The launcher sets
@@ -20,7 +20,7 @@ import torch
 
 CONFIGS = ("ds_zero1", "ds_zero2", "ds_zero3")
 LABELS = {c: f"DeepSpeed ZeRO-{c[-1]}" for c in CONFIGS}
-FORMULA = {"ds_zero1": (8, 8), "ds_zero2": (4, 12), "ds_zero3": (0, 16)}  # as bench/strategies.py's FORMULA
+FORMULA = {"ds_zero1": (8, 8), "ds_zero2": (4, 12), "ds_zero3": (0, 16)}  # as bench/speed/strategies.py's FORMULA
 TESTED_VERSION = "0.19.8"
 
 

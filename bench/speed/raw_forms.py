@@ -1,5 +1,5 @@
 """Note [raw forms]: what the collectives of one training step cost with no engine around them, in the form
-each side uses on gloo, for the engine-free bounds of bench/strategies.py and bench/paired_steps.py (Note
+each side uses on gloo, for the engine-free bounds of bench/speed/strategies.py and bench/overhead/paired_steps.py (Note
 [engine-free bound]). Over the model's fp32 values, into buffers allocated once, at this world size:
 
 - all_reduce: DDP's gradient all-reduce, in DDP's buckets (a first one of 1 MiB, then 25 MiB: torch's defaults),
@@ -12,7 +12,7 @@ each side uses on gloo, for the engine-free bounds of bench/strategies.py and be
 zero1 and zero2 move `reduce` and `gather` where DDP moves `all_reduce`; zero3 one `gather` more. Each is the
 median over `repeats` rounds after one warm-up, the three taking turns in each round, wall seconds on this rank.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/raw_forms.py   # the bench GPT's size
+    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/speed/raw_forms.py   # the bench GPT's size
 """
 
 from __future__ import annotations

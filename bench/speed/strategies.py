@@ -2,23 +2,23 @@
 FSDP2 `fully_shard` and DeepSpeed ZeRO 1/2/3, on the same GPT, the same data and the same seed,
 in one run.
 
-    python bench/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
-    python bench/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
-    python bench/strategies.py --configs ddp,zero3,ds_zero3      # a subset of the arms
-    python bench/strategies.py --world-sizes 4 \
+    python bench/speed/strategies.py                                   # full: 29.5M GPT, ws 2 and 4
+    python bench/speed/strategies.py --d-model 64 --layers 2 --vocab 256 --steps 3 --world-sizes 2
+    python bench/speed/strategies.py --configs ddp,zero3,ds_zero3      # a subset of the arms
+    python bench/speed/strategies.py --world-sizes 4 --out bench/comm/results \
         --configs local,ddp,zero3,zero3_hsdp,zero3_hpz,zero3_hpz_q8,zero3_hpz_q4 --name strategies_comm_ws4
-                                                                 # issue 47's arms, 2 x 2 nodes (bench/comm_arms.py)
-    python bench/strategies.py --world-sizes 2 \
+                                                                 # issue 47's arms, 2 x 2 nodes (comm_arms.py)
+    python bench/speed/strategies.py --world-sizes 2 \
         --configs ddp,fsdp2,zero2,zero3,ddp+compile,fsdp2+compile,zero1+compile,zero2+compile,zero3+compile
                                                                  # compiled arms (--compile-backend, default inductor)
 
-The DeepSpeed arms (bench/deepspeed_arms.py) are skipped, with the reason printed, where
+The DeepSpeed arms (bench/speed/deepspeed_arms.py) are skipped, with the reason printed, where
 deepspeed is not installed.
 
 Without `--worker` the script is the launcher: every (config, world size) runs as
 fresh ranks under `torch.distributed.run`, so each peak RSS is that config's own (the timed
 runs go in rounds, each round in its own shuffled order: Note [round order]), then the
-launcher writes bench/results/strategies.{json,md,png} (`--name NAME`: NAME.{json,md,png}; which
+launcher writes bench/speed/results/strategies.{json,md,png} (`--name NAME`: NAME.{json,md,png}; which
 file answers which question: bench/README.md). With `--worker` it is one rank (or the single-process
 reference) and writes its numbers to `--out-dir`.
 
@@ -43,9 +43,9 @@ one more all-gather of the parameters (backward gathers each unit again), so its
 On gloo the two collectives do not cost what the one all-reduce does: at 2 ranks the reduce-scatter
 and all-gather of the bench GPT's values, in the engine's fastest forms, took 1.00-1.44x DDP's
 bucketed all-reduce of the same bytes, median 1.21 over 15 timings in five runs (`python -m
-torch.distributed.run --standalone --nproc-per-node=2 bench/raw_forms.py`: 111-118 ms against 87-91;
+torch.distributed.run --standalone --nproc-per-node=2 bench/speed/raw_forms.py`: 111-118 ms against 87-91;
 docs/measured.md). So the DDP run also times the
-three forms with no engine around them (bench/raw_forms.py, Note [raw forms]), and the second
+three forms with no engine around them (bench/speed/raw_forms.py, Note [raw forms]), and the second
 bound, "with gloo's forms", adds (reduce + gather - all-reduce) over DDP's step: the floor of any
 engine that steps 1/N of the optimizer between a reduce-scatter and an all-gather on these
 collectives, and for zero3 one gather more. Both per round, as ratios to DDP; a first-order floor
@@ -59,9 +59,7 @@ import json
 import os
 import random
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,10 +67,12 @@ from pathlib import Path
 
 import torch
 
-import comm_arms as comm
-import deepspeed_arms as ds
-from raw_forms import FORMS, raw_forms_seconds
-from strategies_report import markdown, plot
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+import bench.speed.comm_arms as comm  # noqa: E402
+import bench.speed.deepspeed_arms as ds  # noqa: E402
+from bench.common.launch import run_logged  # noqa: E402
+from bench.speed.raw_forms import FORMS, raw_forms_seconds  # noqa: E402
+from bench.speed.strategies_report import markdown, plot  # noqa: E402
 
 # Note [compiled arms]: "X+compile" is arm X under torch.compile (--compile-backend), each the way its
 # users compile it: torch DDP and shardwise compile the whole model (`torch.compile(model)`); FSDP2
@@ -121,14 +121,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "them all alike; the median of the per-run medians is reported (default: 3)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated arms (default: all but {','.join(comm.CONFIGS)}, which need "
-                        "--world-sizes 4: bench/comm_arms.py)")
+                        "--world-sizes 4: bench/speed/comm_arms.py)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the X+compile arms")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--no-mmap-run", action="store_true", help="skip the MALLOC_MMAP_THRESHOLD_ RSS runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one run is killed")
-    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/speed/results)")
     p.add_argument("--name", default="strategies",
                    help="file name stem: writes OUT/NAME.{json,md,png}; one name per question, bench/README.md")
     # Set by the launcher only.
@@ -360,38 +360,6 @@ def launch(args, config: str, world_size: int, *, warmup: int, steps: int, mmap:
             return {"error": error, "output_tail": log[-3000:]}
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     return {"ranks": sorted(ranks, key=lambda r: r["rank"])}
-
-
-def run_logged(cmd: list[str], env: dict, out_dir: str, timeout: float) -> tuple[str | None, str]:
-    """Run `cmd` (torchrun) with its output in OUT_DIR/output.log; (error or None, the log).
-
-    A file, not a pipe: a rank left behind can never block the launcher's read."""
-    log = Path(out_dir, "output.log")
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=timeout)
-            error = None if proc.returncode == 0 else f"exit status {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout:.0f} s"
-            stop(proc, out_dir)
-    return error, log.read_text()
-
-
-def stop(proc: subprocess.Popen, out_dir: str) -> None:
-    """End a run that timed out: torchrun stops its ranks on SIGTERM; any rank still alive
-    after that (torchrun starts them in their own sessions) is killed by the pid it wrote."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for pid_file in Path(out_dir).glob("pid*"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def summarize(args, config: str, world_size: int, timed: dict, mmap: dict | None, reference: dict | None) -> dict:

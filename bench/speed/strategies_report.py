@@ -1,4 +1,4 @@
-"""bench/strategies.py's report: the markdown table (ratios paired per round, with their range; the
+"""bench/speed/strategies.py's report: the markdown table (ratios paired per round, with their range; the
 engine-free bound) and the PNG plot, from the rows the launcher summarized."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from raw_forms import FORMS
+from bench.speed.raw_forms import FORMS
 
 
 def paired_text(row: dict, anchor: dict | None, key: str = "run_medians_s") -> str:
@@ -22,7 +22,7 @@ def bound_ratio(step: float, optimizer: float, world_size: int, forms: dict, *, 
     """Note [engine-free bound], one round, as a ratio to DDP's `step`: DDP's step less (N-1)/N of its
     `optimizer` step; for zero3 plus one raw all-gather of the model; with `gloo_forms` plus what gloo's
     reduce-scatter and all-gather cost beyond its all-reduce (`forms`: the DDP run's raw seconds by form,
-    Note [raw forms] in bench/raw_forms.py)."""
+    Note [raw forms] in bench/speed/raw_forms.py)."""
     extra = (forms["gather"] if zero3 else 0.0) + \
         (forms["reduce"] + forms["gather"] - forms["all_reduce"] if gloo_forms else 0.0)
     return 1 - (world_size - 1) / world_size * optimizer / step + extra / step
@@ -89,7 +89,7 @@ def markdown(rows: list[dict], world_sizes: list[int], args, mmap_run: bool) -> 
                           f"with gloo's forms; zero3 {bounds[True, False]} and {bounds[True, True]} (one all-gather "
                           "of the model more). 'optimizer s' is the median over runs of each run's median over "
                           "steps of the slowest rank's optimizer.step(); the forms are timed in the DDP run "
-                          "(Note [raw forms], bench/raw_forms.py)."]
+                          "(Note [raw forms], bench/speed/raw_forms.py)."]
         compiled = [r for r in group if r["config"].endswith("+compile") and "run_medians_s" in r]
         if compiled:  # Note [compiled arms]
             lines += ["", f"Compiled arms at world size {ws} (backend {args.compile_backend}; compilation in the "

@@ -2,7 +2,7 @@
 
 torch.optim.Muon orthogonalizes each update in bfloat16 (torch/optim/_muon.py). On a CPU without
 AVX512-BF16 or AMX, oneDNN has no fast bf16 kernel: on this project's AVX2-only host a 1024^2 bf16 matmul
-takes 2.3 s on one thread against 0.032 s in float32, so one Muon step of bench/whole_tensor.py's d_model
+takes 2.3 s on one thread against 0.032 s in float32, so one Muon step of bench/whole_tensor/whole_tensor.py's d_model
 1024 GPT would take minutes and measure nothing but that slow path. `--newton-schulz float32` (in
 whole_tensor.py and owner_bound.py alike, so a bound and the run it bounds do the same work) runs the same
 quintic iteration, the same coefficients and steps, in float32. It changes the arithmetic of every arm

@@ -1,9 +1,9 @@
-"""Benchmark: the least time the owner step of bench/whole_tensor.py can take on this host, against one
+"""Benchmark: the least time the owner step of bench/whole_tensor/whole_tensor.py can take on this host, against one
 process's step (issue 33's ratio targets), for the standard Muon recipe (Muon on the blocks' matrices).
 
-    python bench/owner_bound.py                      # vocab 4096, d_model 256, 4 layers, ws 2 and 4
-    python bench/owner_bound.py --d-model 1024 --layers 2
-    python bench/owner_bound.py --d-model 1024 --layers 2 --newton-schulz float32   # a host without fast bf16
+    python bench/whole_tensor/owner_bound.py                # vocab 4096, d_model 256, 4 layers, ws 2 and 4
+    python bench/whole_tensor/owner_bound.py --d-model 1024 --layers 2
+    python bench/whole_tensor/owner_bound.py --d-model 1024 --layers 2 --newton-schulz float32  # no fast bf16 matmul
 
 An owner step cannot beat: the busiest owner's Newton-Schulz (each matrix stepped alone, one thread, owners
 balanced by `step_cost` as the engine balances them) plus moving the step's bytes (each owner's gradient
@@ -27,7 +27,9 @@ import math
 import os
 import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -35,9 +37,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-import newton_schulz
 from shardwise.engine.optim.whole_step import _owners
 from shardwise.models.gpt import GPT, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.whole_tensor import newton_schulz  # noqa: E402
 
 
 def hidden_shapes(args) -> list[tuple[int, int]]:
@@ -145,9 +149,10 @@ def main(argv=None) -> None:
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--world-sizes", default="2,4")
     p.add_argument("--newton-schulz", choices=newton_schulz.CHOICES, default="bfloat16",
-                   help="Muon's Newton-Schulz dtype, as the run it bounds (bench/whole_tensor.py --newton-schulz)")
+                   help="Muon's Newton-Schulz dtype, as the run it bounds "
+                        "(bench/whole_tensor/whole_tensor.py --newton-schulz)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # as each rank of bench/whole_tensor.py
+    torch.set_num_threads(1)  # as each rank of bench/whole_tensor/whole_tensor.py
     newton_schulz.use(args.newton_schulz)
     shapes = hidden_shapes(args)
     world_sizes = [int(w) for w in args.world_sizes.split(",")]

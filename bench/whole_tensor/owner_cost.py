@@ -1,7 +1,8 @@
 """Benchmark: what each matrix's Muon step really costs on this machine, beside the cost the owners are
-balanced by (Note [owner cost], engine/optim/whole_step.py: m·n·min(m, n)), for the GPT of bench/whole_tensor.py.
+balanced by (Note [owner cost], engine/optim/whole_step.py: m·n·min(m, n)), for the GPT of
+bench/whole_tensor/whole_tensor.py.
 
-    python bench/owner_cost.py                       # vocab 4096, d_model 256, 4 layers (issue 33's figures)
+    python bench/whole_tensor/owner_cost.py                 # vocab 4096, d_model 256, 4 layers (issue 33's figures)
 
 With one owner per matrix, the busiest rank cannot do less than the largest matrix's share of the time:
 that share bounds the owner step's busiest-rank CPU from below, whatever the world size. One thread, each
@@ -26,7 +27,7 @@ def main(argv=None) -> None:
                           ("repeats", 3)):
         p.add_argument(f"--{flag}", type=int, default=default)
     args = p.parse_args(argv)
-    torch.set_num_threads(1)  # as each rank of bench/whole_tensor.py
+    torch.set_num_threads(1)  # as each rank of bench/whole_tensor/whole_tensor.py
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
                           n_heads=args.heads))
     names_by_shape: dict[tuple, list[str]] = {}

@@ -1,13 +1,13 @@
 """Benchmark: Muon's step on the zoo GPT, whole-tensor owner shape against DTensor `Shard(0)`,
 beside AdamW on rows, at world sizes 2 and 4 (Note [whole-tensor step], engine/optim/whole_step.py).
 
-    python bench/whole_tensor.py                                        # bench GPT (29.5M), ws 2 and 4
-    python bench/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check
-    python bench/whole_tensor.py --vocab 4096 --d-model 256 --layers 4 --seq 64 --batch 2 \
+    python bench/whole_tensor/whole_tensor.py                                        # bench GPT (29.5M), ws 2 and 4
+    python bench/whole_tensor/whole_tensor.py --d-model 64 --layers 2 --vocab 256 --rounds 1 --steps 2   # quick check
+    python bench/whole_tensor/whole_tensor.py --vocab 4096 --d-model 256 --layers 4 --seq 64 --batch 2 \
         --only zero2_adamw,zero2_muon,zero3_muon,one_muon,ddp_muon          # issue 33's figures, bounded
-    python bench/whole_tensor.py --vocab 4096 --d-model 1024 --layers 2 --seq 64 --batch 2 --steps 2 \
+    python bench/whole_tensor/whole_tensor.py --vocab 4096 --d-model 1024 --layers 2 --seq 64 --batch 2 --steps 2 \
         --only zero2_adamw,zero2_muon,zero3_muon,one_muon --newton-schulz float32 --name whole_tensor_d1024
-        # a host without a fast bf16 matmul (bench/newton_schulz.py); its floor: bench/owner_bound.py, same flags
+        # a host without a fast bf16 matmul (newton_schulz.py); its floor: owner_bound.py beside it, same flags
 
 Arms: shardwise zero2/zero3 with AdamW (rows, the fast path) and with Muon on 2-D parameters + AdamW
 (the owner shape, inside optimizer.step()); the same optimizers on `Shard(0)` DTensor parameters (step
@@ -20,10 +20,10 @@ paired: the Muon+AdamW step's wall time over one process's and the redundant sha
 rank's CPU seconds in the step over one process's (ws 4: four ranks on two cores), and the bytes the most
 receiving rank gets per training step (counted at torch.distributed's calls: shardwise.testing.count_received)
 over AdamW zero2's. A parity job compares 3 steps on fixed gradients with one process on whole tensors.
-The arms, one rank's side, are in bench/whole_tensor_arms.py.
-Writes bench/results/whole_tensor.{json,md,png} (`--name NAME`: NAME.{json,md,png}, as whole_tensor_d1024 and
-whole_tensor_all2d; bench/README.md says which file answers which question); `--worker` (set by the launcher)
-makes it one rank.
+The arms, one rank's side, are in bench/whole_tensor/whole_tensor_arms.py.
+Writes bench/whole_tensor/results/whole_tensor.{json,md,png} (`--name NAME`: NAME.{json,md,png}, as
+whole_tensor_d1024 and whole_tensor_all2d; bench/README.md says which file answers which question); `--worker`
+(set by the launcher) makes it one rank.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import newton_schulz
 import shardwise as sw
-from whole_tensor_arms import PHASES, parity_job, time_arm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.whole_tensor import newton_schulz  # noqa: E402
+from bench.whole_tensor.whole_tensor_arms import PHASES, parity_job, time_arm  # noqa: E402
 
 ARMS = ("zero2_adamw", "zero2_muon", "zero3_adamw", "zero3_muon", "dtensor_adamw", "dtensor_muon", "one_muon",
         "ddp_muon")
@@ -62,7 +64,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("vocab", 8192), ("d-model", 512), ("layers", 8), ("heads", 8), ("seq", 128),
-                          ("batch", 4)):  # the bench GPT of bench/strategies.py; batch: sequences per rank
+                          ("batch", 4)):  # the bench GPT of bench/speed/strategies.py; batch: sequences per rank
         p.add_argument(f"--{flag}", type=int, default=default)
     p.add_argument("--steps", type=int, default=3, help="timed steps per arm per round (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
@@ -79,9 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--newton-schulz", choices=newton_schulz.CHOICES, default="bfloat16",
                    help="Muon's Newton-Schulz dtype: bfloat16 (torch's own), or float32 on a host without a fast "
-                        "bf16 matmul (bench/newton_schulz.py); pass the same to bench/owner_bound.py")
+                        "bf16 matmul (bench/whole_tensor/newton_schulz.py); pass the same to owner_bound.py beside it")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before one launch is killed")
-    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="folder of the results (default bench/whole_tensor/results)")
     p.add_argument("--name", default="whole_tensor",
                    help="file name stem: writes OUT/NAME.{json,md,png}; one name per question, bench/README.md")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # "timing" or "parity"

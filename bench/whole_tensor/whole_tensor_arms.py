@@ -1,4 +1,4 @@
-"""The arms of bench/whole_tensor.py, one rank's side: the optimizers, one arm's timed steps (wall time,
+"""The arms of bench/whole_tensor/whole_tensor.py, one rank's side: the optimizers, one arm's timed steps (wall time,
 CPU seconds and bytes received, Note [owner traffic] in engine/optim/whole_step.py), the parity job.
 """
 
