@@ -7,7 +7,7 @@ each ratio pairs steps taken seconds apart (Note [paired steps]).
 Note [paired steps]: bench/speed/strategies.py launches each arm as a run of its own and pairs ratios per round of
 runs, a minute apart. On this shared 2-core host the machine's speed moves by more than the arms differ
 between such runs (±10% from round to round, docs/measured.md), so two runs of the same code disagree on which
-arm is faster. Here each rank builds every arm (the GPT of strategies.py from the same seed, each arm with its
+arm is faster. Here each rank builds every arm (the GPT of speed/strategies.py from the same seed, each arm with its
 own AdamW, DDP and the engines side by side) and the arms take one training step each in turn, in an order
 rotated every round, on the same batch; a step's time is its slowest rank's, and a ratio pairs the arm's step
 with DDP's of the same round. The engine-free bounds are strategies.py's (Note [engine-free bound]): DDP's step
