@@ -39,7 +39,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: $(STAMP)
-	$(PY) bench/strategies.py
+	$(PY) bench/speed/strategies.py
 
 clean:
 	rm -rf .venv build src/*.egg-info .pytest_cache

@@ -41,51 +41,19 @@ def test_the_demo_says_what_its_losses_depend_on(capsys):
     assert f"Python {sys.version_info.major}.{sys.version_info.minor} standard library" in capsys.readouterr().out
 
 
-RESULTS = ROOT / "bench" / "results"
-# A results path a page names: bench/results/NAME, NAME possibly with {a,b} alternatives. Preceded by
-# "COMMIT:" it is an older run read from git history (`git show 16009dd:bench/results/...`), not a file.
-_RESULT_PATH = re.compile(r"(?<![0-9a-f]:)bench/results/([A-Za-z0-9_.{},-]+)")
-
-
-def _expand(name: str) -> list[str]:
-    """`strategies.{md,png}` -> strategies.md, strategies.png (one brace group at a time)."""
-    match = re.search(r"\{([^{}]*)\}", name)
-    if match is None:
-        return [name]
-    return [n for alt in match.group(1).split(",") for n in _expand(name[:match.start()] + alt + name[match.end():])]
-
-
-def _named_results() -> dict[str, list[str]]:
-    """{results file name: the files that name it} over README, docs/, src/, bench/ and tests/."""
-    sources = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "src").rglob("*.py"),
-               *(ROOT / "bench").rglob("*.py"), *(ROOT / "bench").rglob("*.md"), *(ROOT / "tests").rglob("*.py")]
-    named: dict[str, list[str]] = {}
-    for source in sources:
-        for raw in _RESULT_PATH.findall(source.read_text()):
-            for name in _expand(raw.rstrip(".,")):
-                if name.islower() or not any(c.isalpha() for c in name):  # STEM.md: a placeholder
-                    named.setdefault(name, []).append(str(source.relative_to(ROOT)))
-    return named
-
-
-def test_every_results_file_a_page_names_exists():
-    """Catches a bench/results file renamed or deleted (an older run moved to git history) while the
-    README, docs/, a docstring or a bench script still names it."""
-    named = _named_results()
-    assert "strategies_ws2.md" in named, "the pattern no longer finds the README's results paths"
-    missing = {name: sources for name, sources in named.items() if not (RESULTS / name).is_file()}
-    assert missing == {}, missing
-
-
 def test_results_are_named_by_what_they_measure_and_listed_in_the_bench_readme():
     """Catches a results file named by its issue, commit, round count or host (strategies_issue21_ws2_bdad9d0.md,
     whole_tensor_prev_host.md) instead of by what it measures, or one bench/README.md does not place in its
-    question table (one current file per question; older runs are in git history)."""
+    question table (one current file per question; older runs are in git history). That every results file a page
+    names exists: tests/test_bench_layout.py."""
     readme = (ROOT / "bench" / "README.md").read_text()
     table = readme.split("## Which file answers which question")[1].split("\n## ")[0]
-    for path in sorted(RESULTS.iterdir()):
+    results = sorted((ROOT / "bench").glob("*/results/*"))
+    assert len(results) > 50, "the results moved: bench/FOLDER/results/ is where each bench writes"
+    for path in results:
         assert not re.search(r"issue\d|_[0-9a-f]{7,}(_|$)|_r\d+(_|$)|prev|host", path.stem), path.name
-        assert f"`{path.stem}.md`" in table, f"{path.name}: no row of bench/README.md's table names it"
+        named = f"`{path.parent.parent.name}/results/{path.stem}.md`"
+        assert named in table, f"{path.name}: no row of bench/README.md's table names it as {named}"
 
 
 def test_no_page_refuses_what_works():

@@ -78,7 +78,7 @@ def test_a_deferred_pipeline_refuses_whole_copies_and_timed_balance(ranks):
 
 PEAK_SCRIPT = textwrap.dedent("""
     import sys
-    sys.path.insert(0, sys.argv[2])  # the test's own shardwise (a mutated copy under bench/mutations.py)
+    sys.path.insert(0, sys.argv[2])  # the test's own shardwise (a mutated copy under bench/correctness/mutations.py)
     import faulthandler, json, pathlib, resource, signal, torch, torch.nn.functional as F, shardwise as sw
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from shardwise.engine import engine_of

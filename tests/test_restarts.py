@@ -3,7 +3,7 @@
 Each trial launches tests/helpers/restart_job.py (a zero3 GPT that saves every 3 steps and
 resumes from `sw.latest()`) with `torchrun --standalone --nproc-per-node 2 --max-restarts 1`,
 SIGKILLs one rank at a step drawn from a seeded RNG, and checks that the restarted job
-finishes with the uninterrupted run's parameters, bit for bit. bench/faults.py runs the
+finishes with the uninterrupted run's parameters, bit for bit. bench/faults/faults.py runs the
 long version (more trials, and faults during save, load, the first step, SIGSTOP and
 scale-down/up). Every launch has a timeout that kills all its processes and names the
 ranks that were still there (helpers/launch.py).
@@ -45,7 +45,7 @@ def reference(tmp_path_factory):
     return result
 
 
-# make test runs the first trial (about 30 s of two launches); make test-all the other two, and bench/faults.py
+# make test runs the first trial (about 30 s of two launches); make test-all the other two, and bench/faults/faults.py
 # the long version (30 kills at drawn steps, during save and load too).
 @pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_sigkill_restart_resumes_bitwise(reference, tmp_path, trial):

@@ -1,7 +1,7 @@
-"""bench/traffic.py's arithmetic: the ring attribution of a call to in-node and across-node links, and the
-closed-form model (bench/traffic_model.py), agree with each other on the calls each strategy makes (issue 34
+"""bench/comm/traffic.py's arithmetic: the ring attribution of a call to in-node and across-node links, and the
+closed-form model (bench/comm/traffic_model.py), agree with each other on the calls each strategy makes (issue 34
 point 5, issue 47's hpZ / qwZ / qgZ arms). In-process, no ranks: the counted run itself is the bench
-(`python bench/traffic.py`)."""
+(`python bench/comm/traffic.py`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench folders import as `bench.` (bench/README.md)
 
-from traffic import link_bytes  # noqa: E402
-from traffic_model import Payload, model_step, scaling, wire_factor  # noqa: E402
+from bench.comm.traffic import link_bytes  # noqa: E402
+from bench.comm.traffic_model import Payload, model_step, scaling, wire_factor  # noqa: E402
 
 S, KEPT = 1_000_000, 100_000
 

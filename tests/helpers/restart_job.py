@@ -26,7 +26,7 @@ purpose, in the attempt given by "attempt" (default 0, i.e. the first;
 rank then writes the host-copy files it maps (from /proc/self/maps) to `--out/maps-RANK.json`;
 `--host-name` makes `socket.gethostname()` answer NAME in this process, so that two agents on one
 machine act as two hosts (tests/test_nodes.py).
-This file is a script, not part of the library: tests and bench/faults.py launch it.
+This file is a script, not part of the library: tests and bench/faults/faults.py launch it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,568 @@
+"""Benchmark: the largest GPT each configuration trains within a fixed per-rank memory budget.
+
+    python bench/memory/max_model.py                  # world size 4, 2 GiB of RSS per rank (~20 min here)
+    python bench/memory/max_model.py --quick          # 1 GiB per rank, fewer probes (a few minutes)
+    python bench/memory/max_model.py --budget 3GiB --configs zero3,zero3_bf16
+    python bench/memory/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
+    python bench/memory/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
+    python bench/memory/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
+    python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
+
+At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
+every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
+exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
+shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward,
+and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
+max_model_pipe.py). `sw.estimate` picks
+the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
+thread per rank) and the search brackets the answer (Note [search]). Writes
+bench/memory/results/max_model.{json,md,png}.
+
+Note [allocator]: glibc malloc keeps freed blocks resident, so on CPU a sharded
+strategy's savings would not show in RSS; every rank runs with MALLOC_MMAP_THRESHOLD_=65536
+(blocks over 64 KiB are mmap'd and returned to the system on free).
+
+Note [init]: torch DDP and shardwise ddp build the model eagerly (they hold it whole
+anyway). shardwise zero* build it under `sw.deferred_init()` when this version has it, so
+no rank ever holds the full model; FSDP2 uses its own documented equivalent (build on
+the meta device, `fully_shard`, `to_empty`, then initialize the local shards).
+
+Note [search]: the estimator's total is affine in depth, so two estimates (8 and 16
+blocks, _SLOPE_DEPTHS) give its predicted maximum depth: the first probe. A probe that fits raises the
+lower bound, one that does not (over budget, or crashed) lowers the upper bound. A probe
+runs to its end unless a rank passes `--kill-at` budgets, so its true peak RSS is known,
+and the next depth is where a line through the last two measured peaks (or one peak and
+the estimator's bytes per block) meets the budget, kept strictly between the bounds. The
+search ends when no depth is left between them or after `--max-runs` probes; the table
+shows the bracket. zero3 + offload stops once it fits `--offload-cap` × zero3's
+parameters (reported as "≥"), to bound run time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
+from bench.common.launch import rss_bytes, run_logged  # noqa: E402
+from bench.memory.max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB, GIB = 2**20, 2**30
+# config: (label, estimator strategy, precision, offload)
+CONFIGS = {
+    "torch_ddp": ("torch DDP", "ddp", "fp32", False),
+    "fsdp2": ("FSDP2 fully_shard", "zero3", "fp32", False),
+    "ddp": ("shardwise ddp", "ddp", "fp32", False),
+    "zero1": ("shardwise zero1", "zero1", "fp32", False),
+    "zero2": ("shardwise zero2", "zero2", "fp32", False),
+    "zero3": ("shardwise zero3", "zero3", "fp32", False),
+    "zero3_bf16": ("shardwise zero3 + bf16", "zero3", "bf16", False),
+    "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
+    "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
+    "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
+    **PIPE_CONFIGS,  # Note [pipeline arms], max_model_pipe.py
+}
+# Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
+# whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
+# model it (its figures for these rows are plain zero3's); the search still brackets the depth.
+OPTIMIZER_IN_BACKWARD = {"zero3_oib", "zero3_bf16_oib"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", default=None, help="peak RSS per rank, e.g. 2GiB (default: 2GiB; --quick: 1GiB)")
+    p.add_argument("--quick", action="store_true", help="a 1 GiB budget (about 40%% of the default's run time)")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
+    p.add_argument("--d-model", type=int, default=512, help="fixed width; the scan varies depth (default: 512)")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=32, help="tokens per sequence (default: 32)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default: 1)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max-runs", type=int, default=None,
+                   help="probes per config (default: 2: the estimator's depth, then where its measured peak points)")
+    p.add_argument("--offload-cap", type=float, default=2.2,
+                   help="stop zero3 + offload once it fits this many times zero3's parameters (default: 2.2)")
+    p.add_argument("--offload-dir", default=None, help="where offload files go (default: a temporary dir)")
+    p.add_argument("--kill-at", type=float, default=1.25,
+                   help="stop a probe once a rank's RSS passes this many budgets; below it a probe runs to "
+                        "the end, so its true peak guides the next depth (default: 1.25)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before one probe is killed")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--resume", action="store_true",
+                   help="start from the probes in OUT/max_model.json (same settings): each config in "
+                        "--configs gets --max-runs more probes; the others keep their earlier rows")
+    p.add_argument("--redo", action="store_true",
+                   help="with --resume: forget the earlier probes of the configs in --configs (after a "
+                        "change to the code they measure) and search them again from the start")
+    p.add_argument("--report", action="store_true",
+                   help="run nothing: rewrite OUT/max_model.{md,png} from OUT/max_model.json, with the "
+                        "estimates recomputed by this version's sw.estimate")
+    p.add_argument("--merge", default=None, metavar="DIR",
+                   help="run nothing: add the rows of DIR/max_model.json (made with the same settings, e.g. "
+                        "by --out DIR --configs ...) to OUT's, replacing rows of the same configs, and rewrite "
+                        "OUT/max_model.{md,png} without recomputing the estimates")
+    # Set by the launcher only.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    p.add_argument("--num-params", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    from shardwise.cli.estimate import parse_bytes
+
+    args.budget_bytes = args.budget_bytes or parse_bytes(args.budget or ("1GiB" if args.quick else "2GiB"))
+    args.max_runs = args.max_runs or 2
+    return args
+
+
+def gpt_config(args, layers: int):
+    from shardwise.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=layers,
+                     n_heads=max(1, args.d_model // 64))
+
+
+# ---- one rank ----------------------------------------------------------------------
+
+
+def _watch_rss(budget: int, out_dir: str, rank: int) -> None:
+    """Stop this rank the moment its RSS passes `budget` (here the launcher's budget times
+    `--kill-at`): the probe has failed by far, and the rest of it would only spend time.
+    A probe that ends is judged by ru_maxrss against the budget itself."""
+    def watch():
+        while True:
+            rss = rss_bytes("VmRSS")
+            if rss > budget:
+                Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "over_budget": True,
+                                                                         "peak_rss_bytes": rss}))
+                os._exit(17)
+            time.sleep(0.02)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def build(args, rank: int, world_size: int):
+    """The model, the callable to train and its optimizer, per Note [init]."""
+    import shardwise as sw
+    from shardwise.models.gpt import GPT, Block
+
+    cfg = gpt_config(args, args.layers)
+    torch.manual_seed(0)
+    adamw = dict(lr=1e-4, weight_decay=0.1)
+    if args.config == "torch_ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        module = DDP(GPT(cfg))  # torch's defaults, as a user writes it
+        return module, torch.optim.AdamW(module.parameters(), **adamw), "eager"
+    if args.config == "fsdp2":
+        return _build_fsdp2(cfg, world_size, adamw)
+    if args.config in PIPELINES:
+        return build_pipeline(args, cfg, world_size, adamw)
+    if args.config == "ddp":
+        model = sw.shard(GPT(cfg), strategy="ddp")
+        return model, torch.optim.AdamW(model.parameters(), **adamw), "eager"
+    label, strategy, precision, offload = CONFIGS[args.config]
+    deferred = hasattr(sw, "deferred_init")
+    if deferred:
+        with sw.deferred_init():
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    options = {"offload": f"disk:{args.offload_dir}/rank{rank}"} if offload else {}
+    sw.shard(model, strategy=strategy, units=Block, precision=precision, **options)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    if args.config in OPTIMIZER_IN_BACKWARD:
+        sw.optimizer_in_backward(model, optimizer)
+    return model, optimizer, "deferred" if deferred else "eager"
+
+
+def _build_fsdp2(cfg, world_size: int, adamw: dict):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardwise.models.gpt import GPT
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # root last: embeddings, tied head, ln_f
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # the GPT's init, on each rank's local shard
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            if name.endswith("bias"):
+                local.zero_()
+            elif ".ln_" in name or name.startswith("ln_f"):
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02)
+    return model, torch.optim.AdamW(model.parameters(), **adamw), "meta + to_empty"
+
+
+def run_worker(args) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    Path(args.out_dir, f"pid{rank}").write_text(str(os.getpid()))  # the launcher kills by pid on a timeout
+    torch.set_num_threads(1)
+    _watch_rss(int(args.budget_bytes * args.kill_at), args.out_dir, rank)
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    sw.init()
+    world_size = dist.get_world_size()
+    rss_runtime = rss_bytes("VmRSS")
+    started = time.perf_counter()
+    module, optimizer, init = build(args, rank, world_size)
+    built_s = time.perf_counter() - started
+    rss_built = rss_bytes("VmRSS")
+    num_params = args.num_params
+    gen = torch.Generator().manual_seed(1000 + rank)
+    losses, step_s = [], []
+    for _ in range(args.steps):
+        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
+        start = time.perf_counter()
+        if optimizer is None:  # a pipeline: its trainer runs the whole step (Note [pipeline arms])
+            losses.append(module())
+            step_s.append(time.perf_counter() - start)
+            continue
+        loss = module(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_s.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    record = {"rank": rank, "num_params": num_params, "init": init, "losses": losses, "step_s": step_s,
+              "build_s": built_s, "rss_runtime_bytes": rss_runtime, "rss_built_bytes": rss_built,
+              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    dist.barrier()
+    Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+# ---- launcher ----------------------------------------------------------------------
+
+
+def num_params_of(args, layers: int) -> int:
+    d, v = args.d_model, args.vocab
+    block = 12 * d * d + 10 * d  # qkv (no bias), attn_proj, mlp with biases, two LayerNorms
+    return v * d + args.seq * d + layers * block + 2 * d
+
+
+def estimated_total(args, config: str, layers: int) -> int:
+    """sw.estimate's per-rank total for `config` at `layers` (torch DDP: plus its own gradient
+    buckets, which it keeps apart from the gradients by default)."""
+    import shardwise as sw
+    from shardwise.models.gpt import GPT
+
+    _, strategy, precision, offload = CONFIGS[config]
+    with torch.device("meta"):
+        model = GPT(gpt_config(args, layers))
+    if config == "pipe2_zero3":  # Note [pipeline arms]
+        return estimated_pipe_total(model, args.world_size)
+    est = sw.estimate(model, strategy, args.world_size, precision, "adamw",
+                      "disk:/tmp" if offload else None, args.batch, args.seq)
+    return est.total + (est.gradients if config == "torch_ddp" else 0)
+
+
+def predicted_layers(args, config: str) -> tuple[int, int]:
+    """Note [search]: the estimator's deepest model within the budget, and its total."""
+    base, per_layer = _affine(args, config)
+    layers = max(1, int((args.budget_bytes - base) // per_layer))
+    return layers, base + layers * per_layer
+
+
+# The estimator is affine in depth only once a few units exist (from 1 to 2 blocks it adds the
+# second gathered unit's buffers too: 52 MiB against 12 per block after), so the line goes
+# through two deeper points.
+_SLOPE_DEPTHS = (8, 16)
+
+
+def _affine(args, config: str) -> tuple[int, int]:
+    """(bytes at depth 0, bytes per block) of the estimator's line through _SLOPE_DEPTHS."""
+    low, high = _SLOPE_DEPTHS
+    at_low, at_high = estimated_total(args, config, low), estimated_total(args, config, high)
+    per_layer = (at_high - at_low) // (high - low)
+    return at_low - low * per_layer, per_layer
+
+
+def probe(args, config: str, layers: int) -> dict:
+    """Run `config` at depth `layers` on fresh ranks; say whether every rank stayed in budget."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")  # Note [allocator]
+    started = time.time()
+    with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory(dir=args.offload_dir) as off:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
+               __file__, "--worker", "--config", config, "--layers", str(layers), "--out-dir", out_dir,
+               "--budget-bytes", str(args.budget_bytes), "--kill-at", str(args.kill_at), "--offload-dir", off,
+               "--num-params",
+               str(num_params_of(args, layers))]
+        for flag in ("d_model", "vocab", "seq", "batch", "steps"):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        error, log = run_logged(cmd, env, out_dir, args.timeout)  # kills stray ranks on a timeout
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
+        tail = log[-2000:]
+    over = [r for r in ranks if r.get("over_budget") or r["peak_rss_bytes"] > args.budget_bytes]
+    result = {"layers": layers, "num_params": num_params_of(args, layers), "wall_s": time.time() - started,
+              "ranks": sorted(ranks, key=lambda r: r["rank"])}
+    if over:
+        result["verdict"] = "over budget"
+    elif error or len(ranks) < args.world_size:
+        result.update(verdict="failed", error=error or "a rank wrote no result", output_tail=tail)
+    else:
+        result["verdict"] = "fits"
+    if ranks:
+        result["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ranks)
+    return result
+
+
+def search(args, config: str, cap_params: int | None, log, earlier: list[dict] = ()) -> dict:
+    """Note [search]. `earlier`: probes of a previous run (--resume), counted as if just made."""
+    predicted, predicted_total = predicted_layers(args, config)
+    per_layer = _affine(args, config)[1]
+    layers_per_param = 1 / (num_params_of(args, 1) - num_params_of(args, 0))
+    cap_layers = None
+    if cap_params is not None:
+        cap_layers = max(1, math.ceil((cap_params - num_params_of(args, 0)) * layers_per_param))
+    fit, fail, probes, measured = None, None, [], []
+    nxt = min(predicted, cap_layers or predicted)
+    pending = list(earlier)
+    while pending or len(probes) - len(earlier) < args.max_runs:
+        if pending:
+            result = pending.pop(0)
+            nxt = result["layers"]
+        else:
+            result = probe(args, config, nxt)
+            result["estimated_total_bytes"] = estimated_total(args, config, nxt)
+        probes.append(result)
+        log(f"  {config} L={nxt} ({result['num_params'] / 1e6:.0f}M): {result['verdict']}, peak RSS "
+            f"{result.get('peak_rss_bytes', 0) / MIB:.0f} MiB (estimated {result['estimated_total_bytes'] / MIB:.0f}), "
+            f"{result['wall_s']:.0f} s" + (" (earlier run)" if result in earlier else ""))
+        if result["verdict"] == "fits":
+            fit = nxt if fit is None else max(fit, nxt)
+            if cap_layers is not None and nxt >= cap_layers:
+                break
+        else:
+            fail = nxt if fail is None else min(fail, nxt)
+        if "peak_rss_bytes" in result:
+            measured.append((nxt, result["peak_rss_bytes"]))
+        nxt = _next_depth(args, measured, per_layer, fit, fail, cap_layers)
+        if nxt is None and not pending:
+            break
+    best = next((p for p in probes if p["layers"] == fit), None)
+    capped = bool(cap_layers is not None and fit is not None and fit >= cap_layers)
+    return {"config": config, "label": CONFIGS[config][0], "predicted_layers": predicted,
+            "predicted_params": num_params_of(args, predicted), "predicted_total_bytes": predicted_total,
+            "max_layers": fit, "max_params": best["num_params"] if best else None, "first_fail_layers": fail,
+            "capped": capped, "init": best["ranks"][0].get("init") if best else None,
+            "peak_rss_bytes": best.get("peak_rss_bytes") if best else None, "probes": probes}
+
+
+def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
+    """The depth where the measured peaks say the budget is reached (a secant through the last
+    two probes, or the estimator's per-layer bytes through one), kept strictly between the
+    bounds; None when no depth is left between them (Note [search])."""
+    if not measured:  # only crashes so far: no peak to steer by
+        return None if fail == 1 else ((fail - 1) if fit is None else (fit + fail) // 2)
+    (l1, p1) = measured[-1]
+    slope = per_layer
+    if len(measured) >= 2 and measured[-2][0] != l1:
+        l0, p0 = measured[-2]
+        slope = max((p1 - p0) / (l1 - l0), per_layer / 4)  # guard against noise flattening it
+    target = l1 + math.floor((args.budget_bytes - p1) / slope)
+    low = (fit or 0) + 1
+    high = (fail - 1) if fail is not None else None
+    if cap_layers is not None:
+        high = cap_layers if high is None else min(high, cap_layers)
+    if high is not None and low > high:
+        return None
+    target = max(low, target if high is None else min(high, target))
+    return target
+
+
+def merge_rows(args) -> None:
+    """--merge: DIR's rows into OUT's report, the estimates as each run recorded them."""
+    mine, theirs = (json.loads(Path(d, "max_model.json").read_text()) for d in (args.out, args.merge))
+    differ = [k for k in _SAME if mine["settings"].get(k) != theirs["settings"].get(k)]
+    if differ:
+        sys.exit(f"--merge: {args.merge} was made with other settings ({', '.join(differ)})")
+    added = {row["config"]: row for row in theirs["rows"]}
+    rows = [added.pop(row["config"], row) for row in mine["rows"]] + list(added.values())
+    rows.sort(key=lambda row: list(CONFIGS).index(row["config"]))
+    meta = dict(mine["meta"], merged=sorted({row["config"] for row in theirs["rows"]}))
+    out = Path(args.out)
+    (out / "max_model.json").write_text(json.dumps({"settings": mine["settings"], "meta": meta, "rows": rows},
+                                                   indent=1))
+    (out / "max_model.md").write_text(markdown(rows, args, meta))
+    plot(rows, args, out / "max_model.png")
+    print((out / "max_model.md").read_text())
+
+
+def run_launcher(args) -> None:
+    if args.merge:
+        return merge_rows(args)
+    configs = [] if args.report else [c for c in args.configs.split(",") if c]
+    args.resume = args.resume or args.report
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        sys.exit(f"--configs: unknown {sorted(unknown)}; pick from {','.join(CONFIGS)}")
+    has_offload = _has_offload()
+    started = time.time()
+    rows, by = [], {}
+    earlier = _earlier_rows(args) if args.resume else {}
+    for config in sorted(set(configs) | set(earlier), key=list(CONFIGS).index):  # zero3 before its offload
+        if config not in configs:  # --resume: kept as it was
+            rows.append(earlier[config])
+            by[config] = earlier[config]
+            continue
+        if config == "zero3_offload" and not has_offload:
+            rows.append({"config": config, "label": CONFIGS[config][0], "unavailable":
+                         "not available: this version's sw.shard has no offload="})
+            print(f"{config}: not available (sw.shard has no offload=)", flush=True)
+            continue
+        cap = None
+        if config == "zero3_offload" and by.get("zero3", {}).get("max_params"):
+            cap = int(args.offload_cap * by["zero3"]["max_params"])
+        print(f"{config} ({time.time() - started:.0f} s in)", flush=True)
+        kept = [] if args.redo else earlier.get(config, {}).get("probes", [])
+        row = search(args, config, cap, lambda text: print(text, flush=True), kept)
+        row["wall_s"] = sum(p["wall_s"] for p in row["probes"])
+        rows.append(row)
+        by[config] = row
+        write_results(args, rows, started, has_offload)  # after every config: a crash keeps the rest
+    print(write_results(args, rows, started, has_offload))
+
+
+_SAME = ("budget_bytes", "world_size", "d_model", "vocab", "seq", "batch", "steps")
+
+
+def _earlier_rows(args) -> dict:
+    """--resume: the rows of the last run, by config, if it used the same settings."""
+    path = Path(args.out, "max_model.json")
+    earlier = json.loads(path.read_text())
+    differ = [k for k in _SAME if earlier["settings"].get(k) != getattr(args, k)]
+    if differ:
+        sys.exit(f"--resume: {path} was made with other settings ({', '.join(differ)})")
+    rows = {row["config"]: row for row in earlier["rows"] if "unavailable" not in row}
+    for config, row in rows.items():  # the estimator may have changed since: recompute its figures
+        row["predicted_layers"], row["predicted_total_bytes"] = predicted_layers(args, config)
+        row["predicted_params"] = num_params_of(args, row["predicted_layers"])
+        for result in row["probes"]:
+            result["estimated_total_bytes"] = estimated_total(args, config, result["layers"])
+    return rows
+
+
+def write_results(args, rows: list[dict], started: float, has_offload: bool) -> str:
+    import shardwise as sw
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items()
+                if k not in ("worker", "config", "layers", "out_dir", "num_params", "resume", "redo", "report")}
+    meta = {"torch": torch.__version__, "cpus": os.cpu_count(), "wall_s": time.time() - started,
+            "deferred_init": hasattr(sw, "deferred_init"), "offload": has_offload,
+            "allocator": "MALLOC_MMAP_THRESHOLD_=65536"}
+    (out / "max_model.json").write_text(json.dumps({"settings": settings, "meta": meta, "rows": rows}, indent=1))
+    table = markdown(rows, args, meta)
+    (out / "max_model.md").write_text(table)
+    plot(rows, args, out / "max_model.png")
+    return table
+
+
+def _has_offload() -> bool:
+    """Whether the shardwise under test takes `offload=` (this script also measures older checkouts)."""
+    import inspect
+
+    from shardwise import shard
+
+    return "offload" in inspect.signature(shard).parameters
+
+
+def markdown(rows: list[dict], args, meta: dict) -> str:
+    by = {r["config"]: r for r in rows}
+
+    def ratio(row, anchor):
+        a = by.get(anchor, {}).get("max_params")
+        return f"{row['max_params'] / a:.2f}" if a and row.get("max_params") else "—"
+
+    lines = [f"Largest GPT (d_model {args.d_model}, vocab {args.vocab}, depth scanned) that trains {args.steps} "
+             f"AdamW steps at world size {args.world_size} with every rank's peak RSS within "
+             f"{args.budget_bytes / GIB:.2f} GiB; batch {args.batch} × seq {args.seq} per rank, gloo, 1 thread per "
+             f"rank, {meta['allocator']}. shardwise zero* built under "
+             f"{'sw.deferred_init()' if meta['deferred_init'] else 'eager init (no sw.deferred_init yet)'}; "
+             f"FSDP2 on meta + to_empty. Max layers: the deepest probe that fit (≥: the scan stopped at the "
+             f"offload cap); first depth over: the shallowest probe over budget (—: none was probed); estimated: "
+             f"sw.estimate's peak at the max depth; estimator's depth: its own prediction. "
+             f"{sum(len(r.get('probes', [])) for r in rows)} probes, "
+             f"{sum(p['wall_s'] for r in rows for p in r.get('probes', [])) / 60:.0f} min of probe time.",
+             "", "| config | max layers | max params | × torch DDP | × shardwise ddp | × FSDP2 | peak RSS MiB "
+             "| estimated MiB | first depth over | estimator's depth | probes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if "unavailable" in row:
+            lines.append(f"| {row['label']} | {row['unavailable']} |" + " |" * 9)
+            continue
+        if row["max_params"] is None:
+            lines.append(f"| {row['label']} | none fit | | | | | | | {row['first_fail_layers']} | "
+                         f"{row['predicted_layers']} | {len(row['probes'])} |")
+            continue
+        best = next(p for p in row["probes"] if p["layers"] == row["max_layers"])
+        ge = "≥ " if row["capped"] else ""
+        lines.append(
+            f"| {row['label']} | {ge}{row['max_layers']} | {ge}{row['max_params'] / 1e6:.0f}M | "
+            f"{ratio(row, 'torch_ddp')} | {ratio(row, 'ddp')} | {ratio(row, 'fsdp2')} | "
+            f"{row['peak_rss_bytes'] / MIB:.0f} | {best['estimated_total_bytes'] / MIB:.0f} | "
+            f"{row['first_fail_layers'] or '—'} | {row['predicted_layers']} | {len(row['probes'])} |")
+    z3, off = by.get("zero3", {}), by.get("zero3_offload", {})
+    if off.get("max_params") and z3.get("max_params"):
+        lines += ["", f"zero3 + disk offload / zero3: {'≥ ' if off['capped'] else ''}"
+                      f"{off['max_params'] / z3['max_params']:.2f}×"]
+    if any(by.get(c, {}).get("max_params") for c in PIPELINES):
+        lines += ["", REPORT_NOTE]
+    if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
+        lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
+                      "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.get("max_params")]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.5))
+    labels = [r["label"] for r in rows]
+    values = [r["max_params"] / 1e6 if r.get("max_params") else 0 for r in rows]
+    colors = ["tab:gray" if r["config"] in ("torch_ddp", "fsdp2") else "tab:blue" for r in rows]
+    bars = ax.barh(labels, values, color=colors)
+    for bar, row in zip(bars, rows):
+        text = ("≥ " if row.get("capped") else "") + f"{bar.get_width():.0f}M" if row.get("max_params") else \
+            row.get("unavailable", "none fit")[:40]
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("largest GPT trained (million parameters)")
+    ax.set_title(f"{args.budget_bytes / GIB:.2f} GiB peak RSS per rank, world size {args.world_size} "
+                 f"(gray: torch anchors)")
+    if shown:
+        ax.set_xlim(0, max(values) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    cli = parse_args()
+    run_worker(cli) if cli.worker else run_launcher(cli)
