@@ -19,36 +19,6 @@ _BENCH_PATH = re.compile(r"(?<![0-9a-f]:)(?<![\w.-])bench/([\w./{},-]*[\w}])")
 # NAME, STEM, FOLDER, SCRIPT, COMMIT: a placeholder in a path, not a file.
 _PLACEHOLDER = re.compile(r"(?<![a-z])(?!README)[A-Z]{3,}")
 
-# Quotes of bench files by their old place (bench/NAME, bench/results/NAME) in files this branch must not edit:
-# src/ is being moved under issue 57 point 1 at the same time, the mutation tables are edited elsewhere, and
-# docs/estimator.md shows the line `shardwise plan` prints (src/shardwise/cli/estimate.py). Each must become its
-# new path (bench/README.md's map) at the merge, and its entry leaves this table; a new stale quote fails.
-# Keyed by file name, not path, so that checkpoint/'s modules moving into subpackages keep their entries; the
-# quoted paths are written without their "bench/" so this file does not quote them itself.
-NOT_YET_MOVED = {
-    "estimator.md": {"plan_followed.py"},  # docs/: cli/estimate.py's printed line, shown as its output
-    # src/shardwise/checkpoint/
-    "background.py": {"checkpoint.py"}, "commit.py": {"checkpoint.py"}, "disk.py": {"checkpoint.py"},
-    # src/shardwise/: cli/, the top, engine/comm/, engine/optim/, engine/schedule/, engine/unit/
-    "estimate.py": {"plan_followed.py"},
-    "collective_watch.py": {"traffic.py"},
-    "buffers.py": {"max_model.py"},
-    "collectives.py": {"collectives.py", "phases.py", "gather_in_place.py", "results/collectives.md",
-                       "results/gather_in_place.md"},
-    "owner_traffic.py": {"results/whole_tensor_d1024.md"},
-    "step_in_backward.py": {"max_model.py"},
-    "whole_step.py": {"owner_cost.py", "results/whole_tensor.md"},
-    "driver.py": {"max_model.py"}, "reducer.py": {"max_model.py"}, "stage.py": {"phases.py"},
-    "shard_param.py": {"whole_tensor.py"}, "unit_grads.py": {"results/collectives.md"},
-    # src/shardwise/estimate/, src/shardwise/pipeline/
-    "core.py": {"estimator.py", "max_model.py", "plan_followed.py"},
-    "probe.py": {"estimator_grid.py"},
-    "sharded.py": {"pipetransformer.py"},
-    # bench/correctness/: mutation_table.py's rows 108/110 are driver.py's comment, character for character
-    "mutation_table.py": {"mutations.py", "max_model.py"},
-    "mutation_table_checkpoint.py": {"mutations.py"},
-    "mutation_table_comm.py": {"mutations.py"},
-}
 
 
 def _expand(name: str) -> list[str]:
@@ -86,8 +56,7 @@ def test_every_bench_path_a_page_names_exists():
     (`git show COMMIT:bench/results/...`) are not files."""
     stale = stale_quotes(_sources())
     assert "README.md" not in stale and (BENCH / "speed" / "strategies.py").is_file()
-    unexpected = {f: names - NOT_YET_MOVED.get(Path(f).name, set()) for f, names in stale.items()}
-    assert {f: sorted(names) for f, names in unexpected.items() if names} == {}
+    assert {f: sorted(names) for f, names in stale.items() if names} == {}
 
 
 def test_the_checker_finds_a_stale_quote(tmp_path):

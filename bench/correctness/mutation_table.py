@@ -1,7 +1,8 @@
-"""The table of bench/mutations.py: each deliberate mutation and the test that must catch it, as (name,
+"""The table of bench/correctness/mutations.py: each deliberate mutation and the test that must catch it, as (name,
 function, text, replacement, tests to run). This file holds the engine's rows; the communication layer's
 (engine/comm/: buffers, forms, hpZ, quantized collectives) are in mutation_table_comm.py, checkpoints',
-exports' and the integrations' in mutation_table_checkpoint.py. bench/mutations.py explains the fields and runs them.
+exports' and the integrations' in mutation_table_checkpoint.py. bench/correctness/mutations.py explains the
+fields and runs them.
 """
 
 from bench.correctness.mutation_table_checkpoint import CHECKPOINT_MUTATIONS  # in bench/correctness/ beside this file
@@ -105,9 +106,9 @@ ENGINE_MUTATIONS = [
      "tests/test_engine_patterns.py -k 'branches and zero1'"),
     ("keep a zero3 unit's full values after its backward",
      'StepDriver.post_backward',
-     '            # worth less at the backward peak; bench/max_model.py). zero1/zero2 keep theirs (policy.free).\n'
+     'zero1/zero2 keep theirs (policy.free).\n'
      '            unit.free()',
-     '            # worth less at the backward peak; bench/max_model.py). zero1/zero2 keep theirs (policy.free).\n'
+     'zero1/zero2 keep theirs (policy.free).\n'
      '            pass',
      'tests/test_zero_engine.py'),
     ("no hooks on the root unit's modules (an embedding called alone reads this rank's rows)",

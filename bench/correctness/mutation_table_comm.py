@@ -1,4 +1,4 @@
-"""bench/mutations.py's table, its communication-layer part: mutations of engine/comm/ (the comm context's
+"""bench/correctness/mutations.py's table, its communication-layer part: mutations of engine/comm/ (the comm context's
 reused buffers and its bound, the forms a group's collectives take, hpZ's secondary shards, quantized gathers
 and reduces), each with the test that must catch it. Fields as in mutation_table.py, which joins the parts
 into MUTATIONS.

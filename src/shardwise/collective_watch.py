@@ -1,6 +1,6 @@
 """Watch torch.distributed's collective functions: every call inside a block, its arguments bound by
 name. One watcher serves every counter of traffic (shardwise.testing.count_received, the slicing
-traffic counter, bench/traffic.py), which each used to wrap the same functions their own way.
+traffic counter, bench/comm/traffic.py), which each used to wrap the same functions their own way.
 """
 
 from __future__ import annotations

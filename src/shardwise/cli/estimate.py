@@ -240,8 +240,8 @@ def _print_plan(model, extra: dict, args) -> int:
           f'{offload}{recompute})')
     print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
     print(f"run: {ALLOCATOR} torchrun ... (on CPU: the estimate is peak RSS with it set, as "
-          "bench/plan_followed.py measures; glibc's default keeps freed blocks resident and can exceed the plan "
-          "by 16-30%: Note [allocator] in estimate/core.py)")
+          "bench/estimate/plan_followed.py measures; glibc's default keeps freed blocks resident and can exceed the "
+          "plan by 16-30%: Note [allocator] in estimate/core.py)")
     return 0
 
 

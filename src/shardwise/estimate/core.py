@@ -40,7 +40,7 @@ largest parameter's gradient before it lands in its bucket. When the probe measu
 activations (Note [activations]), the backward's gradient buffers are left out (and ddp's
 copy): the probe's peak, at the start of backward, already holds the gradients autograd makes
 there (the head's, one unit's); only the gathered parameters come on top. Measured in
-bench/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
+bench/estimate/estimator.py: a zero3 step's peak exceeds the probe's by 13-18 MiB where the root plus
 three units come to 17-20 MiB, and the backward term would add 15-20 MiB more. The engine's comm pool
 keeps the reduce's buffers and zero3's freed units between steps (Note [reused buffers], bound
 `comm_buffer_bytes`), so the reduce in flight counts with the probe too. hpZ's chunks and compression's
@@ -63,22 +63,22 @@ Note [peak]: `total` is the predicted peak RSS of a rank. ddp and zero1 keep the
 gradient buffers across steps, so gradients and activations add up. zero2/zero3 create
 each unit's gradient shard in backward, just as that unit's activations are freed, and
 `zero_grad()` drops them, so at any moment the two together are at most the larger of
-the two: the peak counts max(gradients, activations). Checked against bench/max_model.py's
+the two: the peak counts max(gradients, activations). Checked against bench/memory/max_model.py's
 measured peaks (within 5% at every probe of its 2 GiB run, offload included).
 
 `runtime` is Python + torch + shardwise + a gloo process group: 270 MiB of RSS per rank
 right after `sw.init()`, and about 60 MiB more once steps run (malloc arenas of small
 blocks, oneDNN scratch, gloo's buffers, autograd's graph), so 330 MiB per rank (224 MiB
-for one process without a group): torch 2.13 CPU, fitted on bench/max_model.py's probes.
+for one process without a group): torch 2.13 CPU, fitted on bench/memory/max_model.py's probes.
 
 Note [allocator]: every figure above is peak RSS with MALLOC_MMAP_THRESHOLD_=65536, the environment
 the estimate was fitted in: glibc's malloc then returns each freed block of 64 KiB or more to the
 system at once. Under glibc's default threshold (which grows with the blocks freed) freed blocks stay
 resident (zero3's gathered units, the step's temporaries), and the same run peaked 16-30% above the
-plan (bench/plan_followed.py --malloc both: zero2 planned 704 MiB, 698 measured with the setting, 912
+plan (bench/estimate/plan_followed.py --malloc both: zero2 planned 704 MiB, 698 measured with the setting, 912
 without; issue 44: zero3+bf16+offload planned 957 MiB, measured 1111; zero2 1216, measured 1450). That
 retention depends on the order of frees, not on the model's sizes, so it is not modelled: `shardwise
-plan` prints the environment its promise holds in on its `run:` line, and bench/plan_followed.py
+plan` prints the environment its promise holds in on its `run:` line, and bench/estimate/plan_followed.py
 `--malloc both` measures the chosen row both ways.
 """
 

@@ -115,7 +115,7 @@ def _flash_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return None
     # Grouped-query attention (fewer key/value heads: Qwen2, Mistral, Llama 3): the CPU flash kernel
     # takes it as it is, without repeating keys and values (what torch runs for enable_gqa=True); the
-    # math path would keep each head's [seq, seq] weights (+12% on a 6-block Qwen2, bench/estimator_grid.py).
+    # math path would keep each head's [seq, seq] weights (+12% on a 6-block Qwen2, bench/estimate/estimator_grid.py).
 
     def tiny(tensor):  # the same dims, dtype and head width on CPU: what the choice reads
         return torch.zeros((1,) * (tensor.dim() - 1) + tensor.shape[-1:], dtype=tensor.dtype)

@@ -31,7 +31,7 @@ its reduce buffers are the stage's size rather than a layer's, hence the bound: 
 (`bucket_cap_mb=25`), the size at which DDP issues a collective. A larger stage keeps a unit per layer.
 Measured on the PipeTransformer bench's GPT after its re-pack (pipe 1 x shard 2, 5 blocks of 50K
 parameters, 2 micro-batches; 3 interleaved rounds of 40 steps): zero3 74-106 ms a step as one unit against
-101-122 with a unit per layer (whole copies 73-76); the bench's speedup (`bench/pipetransformer.py
+101-122 with a unit per layer (whole copies 73-76); the bench's speedup (`bench/pipeline/pipetransformer.py
 --strategy zero3`, 3 seeds) went from 1.39x to 1.44x, and to 1.47x once one unit sent no gather tags
 (Note [gather tags]).
 

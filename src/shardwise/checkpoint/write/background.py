@@ -37,7 +37,7 @@ disk.py), and its index and directory fsyncs overlap the files' (Note [one wait 
 commit.py). The price of (1): the staging copy stays allocated between saves (one copy of this
 rank's share of the checkpoint), where before it was freed after each write. `pending.cpu_s` is
 the writer thread's CPU time: with no core to spare, what the background write can take from
-training at most (bench/checkpoint.py prints it beside the blocking save's time).
+training at most (bench/checkpoints/checkpoint.py prints it beside the blocking save's time).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 directory published (Note [atomic save] in save.py).
 
 Note [one wait for the disk]: each fsync of a file or a directory waits for a journal commit and a
-disk cache flush (about 4 to 8 ms each on the ext4 disk bench/checkpoint.py ran on). The save used
+disk cache flush (about 4 to 8 ms each on the ext4 disk bench/checkpoints/checkpoint.py ran on). The save used
 to pay them one after the other: every rank's file fsync, then rank 0's index fsync, then the partial
 directory's fsync, then the rename and the parent directory's fsync. What a crash may not reorder
 is only this: every file's bytes (the rank files, index.json) and the partial directory's entries

@@ -7,7 +7,7 @@ GPU), serialize (the rank file's header; the index's JSON counts in publish), ch
 every chunk), write (into the page cache), fsync (waiting for the disk to hold this rank's file) and
 publish (the ranks' records gathered, the index written, the ranks' fsyncs reported, the directory
 renamed and its parent fsynced: Note [one wait for the disk] in commit.py). `SavePhases` adds them
-up for one save on one rank; bench/checkpoint.py prints them beside the disk's write+fsync ceiling.
+up for one save on one rank; bench/checkpoints/checkpoint.py prints them beside the disk's write+fsync ceiling.
 
 Note [early writeback]: a durable save's last fsync waits for every byte the kernel has not yet
 written, so a save that leaves all of it to that fsync pays crc + write + the whole disk time one

@@ -23,7 +23,7 @@ block), and under zero3 the full values of the units gathered at once,
 the rows the estimator counts (Note [transient buffers], estimate/core.py): what the pool keeps between
 steps is memory forward and backward held anyway, but not the optimizer step, where a CPU step peaks with
 nothing in flight and the engine without a pool had given it back to the OS; kept, it adds up to the bound
-to that peak (flat zero3 at 4 ranks and 2 GiB: 128 blocks of bench/max_model.py's GPT, 133 before the
+to that peak (flat zero3 at 4 ranks and 2 GiB: 128 blocks of bench/memory/max_model.py's GPT, 133 before the
 pool). Releasing the kept buffers when backward ends would give that back for one round of first-touch
 faults a step; not done. The reduce and the wire buffers are sized over the largest
 unit, the root included: the root's reduce is issued every step like any other (last in backward), and

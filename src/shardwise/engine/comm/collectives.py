@@ -104,8 +104,8 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 
 # Note [gloo collectives]: gloo's all-gather and reduce-scatter are slow next to its broadcast,
 # all-reduce and all-to-all (one thread per rank, loopback, interleaved rounds, ms;
-# `python bench/collectives.py --sizes-mib 0.002 0.008 0.03 0.125 0.5 1 4 16 64`,
-# bench/results/collectives.md, median of 7 on a quiet machine):
+# `python bench/comm/collectives.py --sizes-mib 0.002 0.008 0.03 0.125 0.5 1 4 16 64`,
+# bench/comm/results/collectives.md, median of 7 on a quiet machine):
 #
 #   ranks  MiB    all-gather  w broadcasts  |  reduce-scatter  all-reduce + own rows  all-to-all + sum
 #     2    0.002     0.3         0.3        |       0.4              0.3                  0.3
@@ -131,7 +131,7 @@ def any_rank(flags: list[bool], host_group) -> list[bool]:
 # 9-15 rounds, gave 1.5-5x and 3.6-7x). It was 512 KiB, set when an all-reduce was the form; on a
 # GPT of d_model 128 (4 layers, units of 0.4 MiB per rank at 2 ranks) the old threshold stepped at
 # 1.10 / 1.04 / 1.15 x this one's for zero1 / zero2 / zero3 at 2 ranks and 1.05 / 1.05 / 1.08 at 4
-# (5 interleaved rounds: `python bench/phases.py --configs zero1,zero2,zero3 --against OLD/src
+# (5 interleaved rounds: `python bench/overhead/phases.py --configs zero1,zero2,zero3 --against OLD/src
 # --model-args='--d-model 128 --layers 4 --vocab 1024 --heads 4'`). Units under 1 KiB per rank (a
 # few norms; not measured) keep torch's form, NCCL's, which test_zero_parity.py also runs for every
 # unit (tests/helpers/forms.py).
@@ -175,7 +175,7 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
 # out. Smaller parameters travel together through `all_gather` and a copy-out (one broadcast per
 # rank for all of them: a broadcast of a few KiB costs its latency, not its bytes). Measured on a
 # GPT block's 12 parameters (4 matrices, 8 vectors), 9 units, in interleaved rounds
-# (`python bench/gather_in_place.py`, bench/results/gather_in_place.md): in isolation, where the
+# (`python bench/comm/gather_in_place.py`, bench/comm/results/gather_in_place.md): in isolation, where the
 # packed buffer comes back from the allocator's cache, the gather takes 0.86x the packed time at 2
 # ranks (0.78-1.22 over 7 rounds) and 1.14x at 4 (more broadcasts to issue); every parameter in
 # place is 1.8-2x (the vectors' latency). In a training step (3 interleaved rounds, 2 ranks) zero2

@@ -137,8 +137,9 @@ def scatter_from_owners(pieces: list[Piece], wholes: dict, mesh) -> None:
 # Note [owner broadcast] for a large tensor: packing it into the batch's buffer and unpacking it on every
 # rank costs two copies into freshly allocated memory, which on CPU means page faults per step; one
 # broadcast of its own, straight into the full view, costs one more gloo call instead. Bitwise the same.
-# Measured (bench/results/whole_tensor_d1024.md, 4-16 MiB matrices, ws 2): the broadcast phase 0.189 s -> 0.070 s,
-# the step 0.95x -> 0.72x one process's; a 256 KiB threshold gained nothing on the d_model 256 bench.
+# Measured (bench/whole_tensor/results/whole_tensor_d1024.md, 4-16 MiB matrices, ws 2): the broadcast phase
+# 0.189 s -> 0.070 s, the step 0.95x -> 0.72x one process's; a 256 KiB threshold gained nothing on the
+# d_model 256 bench.
 ALONE_BYTES = 4 * 2**20
 
 

@@ -6,7 +6,7 @@ Note [optimizer in backward]: a zero model holds, per parameter and rank, 4/N by
 8/N of AdamW moments and 4/N of gradient, and all three live together from the end of backward
 to the step. Stepping each unit right after its reduce lands and dropping its gradient keeps
 only the units in flight with a gradient: 12/N bytes per parameter instead of 16/N, so a third
-more model fits the same memory (bench/max_model.py, "+ optimizer in backward" rows). torchtune
+more model fits the same memory (bench/memory/max_model.py, "+ optimizer in backward" rows). torchtune
 calls this `optimizer_in_bwd`; torch has the experimental `_apply_optimizer_in_backward`.
 
 It is exact because every torch optimizer's update of a parameter reads only that parameter,

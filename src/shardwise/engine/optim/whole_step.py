@@ -30,8 +30,9 @@ AdamW row step at ws 2 (60.9x at ws 4), every rank doing the whole work. The own
 for Muon and Adafactor at ws 2 and 4. With the standard recipe (Muon on the blocks' matrices) on a host
 whose bf16 matmul was slow (compute-bound), its step took 0.51x one process's at ws 2 and the busiest
 rank's CPU 0.31x at ws 4 (0d8f929:bench/results/whole_tensor_prev_host.md); where bf16 matmul is fast the step
-is bound by the owner traffic on loopback (bench/results/whole_tensor.md, owner_bound.md: 1.18x, bound
-0.81x). With one owner per matrix the largest matrix's share of the work is the floor (bench/owner_cost.py).
+is bound by the owner traffic on loopback (bench/whole_tensor/results/whole_tensor.md, owner_bound.md: 1.18x,
+bound 0.81x). With one owner per matrix the largest matrix's share of the work is the floor
+(bench/whole_tensor/owner_cost.py).
 
 Note [owner traffic]: only the owner needs a parameter whole, so its rows and gradient rows are
 gathered to the owner alone (`dist.gather`) and the updated rows scattered back (`dist.scatter`),

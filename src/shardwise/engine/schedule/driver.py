@@ -317,7 +317,7 @@ class StepDriver:
         if unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
-            # worth less at the backward peak; bench/max_model.py). zero1/zero2 keep theirs (policy.free).
+            # worth less at the backward peak; bench/memory/max_model.py). zero1/zero2 keep theirs (policy.free).
             unit.free()
         self.agreement.confirm()  # before the first reduce: a rank that froze a parameter reduces another size
         if not self.sync_grads:

@@ -19,7 +19,7 @@ from shardwise.engine.unit.flat_unit import FlatUnit
 
 # Reduce-scatters allowed in flight during backward. One overlaps the previous unit's
 # reduce with this unit's backward compute, as FSDP2 does; a second kept one more packed
-# unit-sized gradient buffer alive at the backward peak (bench/max_model.py: zero3's peak
+# unit-sized gradient buffer alive at the backward peak (bench/memory/max_model.py: zero3's peak
 # 815-825 MiB with 2, 805 with 1, FSDP2 803) for no step-time gain we could measure. Measured again
 # at 2 ranks on the bench GPT, 2 against 1 in interleaved rounds: zero2 0.95 (0.84-1.06, 12 rounds),
 # zero1 1.03 (0.93-1.13, 6 rounds); the per-round spread is larger than any gain.

@@ -277,7 +277,7 @@ def policy_of(strategy: str) -> StagePolicy:
 # post-step hook before zero_grad and the next forward's agreement. Tried and not taken (bench GPT,
 # 2 ranks, gloo, 3 interleaved rounds, step time of each form over the window of one: at once
 # zero2 0.98/1.03/0.99 and zero1 1.04/0.98/0.99; post-step zero2 0.99/1.01/1.06 and zero1
-# 1.07/0.97/1.03; `python bench/phases.py --configs zero1,zero2 --against OTHER/src` with the form
+# 1.07/0.97/1.03; `python bench/overhead/phases.py --configs zero1,zero2 --against OTHER/src` with the form
 # patched into one tree). On two busy cores the gathers' CPU moves, it does not shrink, and the
 # post-step form would need the next forward's agreement to check that every rank issued the same
 # gathers. Worth measuring again on NCCL, where the gathers leave the CPU.

@@ -48,7 +48,7 @@ error from deep inside torch, or, where the first dimension equals the world siz
 broadcast of one row over all. Every torch function that takes a shard and such a tensor (also
 paired in foreach lists) raises instead, naming the fix. It runs for ops on shards only, i.e. in
 the optimizer step, outside forward and backward (which see full views): measured in
-bench/whole_tensor.py beside the step.
+bench/whole_tensor/whole_tensor.py beside the step.
 
 Note [parameter hooks]: autograd never delivers a gradient to a shard (the forward used the
 unit's full views; GatherUnit), so a hook registered on it would never run, or run with None.

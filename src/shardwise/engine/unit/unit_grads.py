@@ -22,7 +22,7 @@ non-empty gradient in the reduce dtype: no zeroing, no add; otherwise a zero fil
 per parameter), a later one adds a packed copy; the reduce then sends `full` itself, and
 on gloo's all-to-all form averages the copies it receives into this rank's own rows of `full`,
 of which each shard's gradient is a view. So zero1 reduces as zero2 does: half the bytes of the
-in-place all-reduce it used before (bench/results/collectives.md), no pack, no copy of its rows.
+in-place all-reduce it used before (bench/comm/results/collectives.md), no pack, no copy of its rows.
 The receive buffer (one unit, while the reduce is in flight) is what it costs on gloo; the
 estimator counts it. Where it reduces with torch's reduce-scatter (NCCL, small units) it now
 packs nothing and holds no packed copy (a unit with frozen parameters still packs its trainable
