@@ -14,19 +14,20 @@ PATHS = ["zero1-bf16", "zero3-bf16", "zero1-muon", "zero3-muon", "zero2-hybrid",
          "zero3-in-backward", "zero3-hpz", "zero3-compressed", "zero2-compiled", "zero3-stage"]
 DEFERRED = "zero3-deferred"
 SCALER = "zero2-fp16-scaler"
-MUTANTS = ["zero2-ws2:cpu-mask", "zero1-ws2:copied-mask", "zero3-ws4:item"]
+MUTANTS = ["zero2-ws2:cpu-mask", "zero1-ws2:copied-mask", "zero3-ws4:item", "streams:free-early"]
 COUNTED_STEPS = 2  # fake_gpu_run.STEPS less the first
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_in_child(*ZERO, *PATHS, DEFERRED, SCALER, *MUTANTS)
+    return run_in_child(*ZERO, *PATHS, DEFERRED, SCALER, "streams", *MUTANTS)
 
 
 def _clean(report):
     assert report["ok"], report["error"]
     assert report["collectives"] == [], report["collectives"]
     assert report["host_tensors"] == {}, report["host_tensors"]
+    assert report["hazards"] == [], report["hazards"]
     # the checks saw the step: its forward, its backward (run on autograd's device thread) and its update
     seen = report["device_ops"]
     for op in ("addmm.default", "threshold_backward.default", "embedding_dense_backward.default"):
@@ -96,3 +97,14 @@ def test_a_host_to_device_copy_in_a_step_is_counted(reports):
     syncs = report["syncs"]
     assert all(where.startswith("host-to-device") for where in syncs), syncs
     assert sum(syncs.values()) == 2 * COUNTED_STEPS, syncs
+
+
+def test_a_buffer_freed_before_its_readers_event_is_caught(reports):
+    """Catches a stream model that cannot fail (Note [modelled streams], helpers/fake_streams.py): a buffer
+    read on a side stream and freed on the compute stream after waiting for the reader's event is clean;
+    freed without that wait it is a hazard. The engine has no streams on an accelerator other than CUDA yet
+    (engine/comm/context.py), so its runs above are checked on one stream only."""
+    assert reports["streams"]["ok"] and reports["streams"]["hazards"] == [], reports["streams"]
+    report = reports["streams:free-early"]
+    assert report["ok"], report["error"]
+    assert len(report["hazards"]) == 1 and "before stream" in report["hazards"][0], report["hazards"]

@@ -31,9 +31,11 @@ The parts:
 - checks (`StepChecks`, a dispatch mode over the counted steps): a read of a device value on the host
   (`_local_scalar_dense`, `is_nonzero`, `equal`, `nonzero`, a device-to-host copy) is counted by the
   shardwise function that made it and answered with a dummy, so the run goes on and the test reports
-  every site; a real CPU tensor of more than one element meeting a device tensor in one op is a tensor
-  that belongs on the device (0-dim CPU scalars mix as torch allows); FakeTensorMode itself raises on a
-  device mismatch.
+  every site; a blocking host-to-device copy (torch waits for the stream) counts too; a real CPU tensor of
+  more than one element meeting a device tensor in one op is a tensor that belongs on the device (0-dim CPU
+  scalars mix as torch allows); FakeTensorMode itself raises on a device mismatch.
+- streams: torch's device-generic streams and events, modelled (helpers/fake_streams.py, Note [modelled
+  streams]): a storage freed before every other stream's op on it is known done is a hazard.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def fake_world(world_size: int):
 
 # ---- host tensors stay real -----------------------------------------------------------------------------
 
-def _tensors(args, kwargs):
+def tensors_of(args, kwargs):
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
 
@@ -213,7 +213,7 @@ class HostStaysReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_of(args, kwargs)
         device = kwargs.get("device")
         to_device = device is not None and torch.device(device).type != "cpu"
         if all(not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in tensors):
@@ -277,7 +277,7 @@ class StepChecks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = _tensors(args, kwargs)
+        tensors = tensors_of(args, kwargs)
         on_device = [t for t in tensors if isinstance(t, FakeTensor) and t.device.type == DEVICE]
         if _from_host(func, args, kwargs):
             self.syncs[f"host-to-device {func.__name__} at {_caller()}"] += 1

@@ -16,10 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from helpers import fake_gpu  # noqa: E402
+from helpers import fake_gpu, fake_streams  # noqa: E402
 from helpers.fake_gpu import DEVICE, StepChecks, fake_device, fake_parameters, fake_world  # noqa: E402
 
 fake_gpu.install()
+fake_streams.install()
 import shardwise as sw  # noqa: E402
 
 WIDTH = 8
@@ -197,6 +198,23 @@ class _Both:
             optimizer.zero_grad()
 
 
+def side_stream_read(wait=True):
+    """A buffer written on the current stream, read on a side stream, freed on the current stream after it
+    waited for the side stream (`wait=False`: freed before the reader's event, the mutation)."""
+    buffer = torch.empty(64, device=DEVICE).fill_(1.0)
+    side, compute = torch.Stream(DEVICE), torch.accelerator.current_stream()
+    side.wait_stream(compute)
+    with side:
+        sent = buffer * 2  # the reader: a collective's copy-in, say
+        done = torch.Event(DEVICE)
+        done.record(side)
+    if wait:
+        compute.wait_event(done)
+    buffer.untyped_storage().resize_(0)
+    del sent
+    return StepChecks()
+
+
 SCENARIOS = {}
 for _strategy in ("zero1", "zero2", "zero3"):
     for _ws in (2, 4):
@@ -211,6 +229,7 @@ SCENARIOS["zero3-in-backward"] = (2, lambda: train_in_backward("zero3"))
 SCENARIOS["zero3-deferred"] = (2, lambda: train_deferred("zero3"))
 SCENARIOS["zero2-compiled"] = (2, lambda: train_compiled("zero2"))
 SCENARIOS["zero3-stage"] = (2, lambda: train_stage("zero3"))
+SCENARIOS["streams"] = (2, side_stream_read)
 SCENARIOS["zero3-hpz"] = (4, lambda: train("zero3", shard={"reshard_after_forward": 2}))
 SCENARIOS["zero3-compressed"] = (2, lambda: train("zero3", shard={"compression": {"gather": "int8", "reduce": "int4"}}))
 
@@ -220,8 +239,9 @@ def run(name: str) -> dict:
     world_size, scenario = SCENARIOS[base]
     report = {"name": name, "ok": False, "syncs": {}, "host_tensors": {}, "collectives": [], "error": ""}
     fake_gpu.COLLECTIVE_ERRORS.clear()
+    fake_streams.HAZARDS.clear()
     try:
-        with fake_world(world_size), fake_device():
+        with fake_world(world_size), fake_device(), fake_streams.StreamOrder():
             checks = scenario() if not mutation else MUTATIONS[mutation](scenario)
         report.update(ok=True, syncs=dict(checks.syncs), host_tensors=dict(checks.host_tensors),
                       device_ops=dict(checks.device_ops))
@@ -230,6 +250,7 @@ def run(name: str) -> dict:
                   or "/tests/" in f.filename]
         report["error"] = f"{type(error).__name__}: {str(error)[:300]}\n" + "".join(traceback.format_list(frames[-8:]))
     report["collectives"] = list(fake_gpu.COLLECTIVE_ERRORS)
+    report["hazards"] = list(fake_streams.HAZARDS)
     return report
 
 
@@ -288,7 +309,7 @@ def _mutated(mutation):
 
 
 MUTATIONS = {"cpu-mask": _mutated(_cpu_mask), "copied-mask": _mutated(lambda: _cpu_mask(on_device=True)),
-             "item": _mutated(_item_in_step)}
+             "item": _mutated(_item_in_step), "free-early": lambda scenario: side_stream_read(wait=False)}
 
 if __name__ == "__main__":
     for scenario_name in sys.argv[1:]:
