@@ -269,3 +269,13 @@ def reparametrized(module: torch.nn.Module, tensors: dict[str, torch.Tensor]):
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, tensors, tie_weights=True)
+
+
+def compute_device() -> torch.device:
+    """The device this process computes on when the model says none (deferred init's meta parameters): torch's
+    current accelerator (CUDA, or any other torch names: XPU, MPS, a PrivateUse1 backend) at its current
+    index, else the CPU. Asking `torch.cuda` alone put every other accelerator's shards on the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -82,17 +82,22 @@ def _per_parameter_norms(model: nn.Module, read, norm_type: float) -> dict[str, 
     named = [(name, p, value) for name, p, value in named if value is not None]
     if not named:
         return {}
-    norms = tensor_norms([value for _, _, value in named], norm_type)
+    norms = list(tensor_norms([value for _, _, value in named], norm_type).unbind())
     if engine is not None and engine.shards_rows and dist.get_world_size(engine.mesh.norm_group) > 1:
-        rows = torch.tensor([getattr(p, "_sw_unit", None) is not None for _, p, _ in named])  # host-shared: whole
-        if norm_type == float("inf"):
-            summed = torch.where(rows, norms, torch.zeros_like(norms))
-            all_reduce_max(summed, engine.mesh.norm_group, "the per-parameter norms")
-        else:
-            summed = torch.where(rows, norms.pow(norm_type), torch.zeros_like(norms))
-            all_reduce_sum(summed, engine.mesh.norm_group, "the per-parameter norms")
-            summed = summed.pow(1.0 / norm_type)
-        norms = torch.where(rows, summed, norms)
+        # Picked by index on the host, never by a mask tensor: a CPU mask beside device norms is a device
+        # mismatch in torch.where, and a mask copied to the device a host-to-device copy per call (issue 58).
+        # A host-shared (frozen="host") parameter is whole on every rank: its own norm stands.
+        rows = [i for i, (_, p, _) in enumerate(named) if getattr(p, "_sw_unit", None) is not None]
+        if rows:
+            summed = torch.stack([norms[i] for i in rows])
+            if norm_type == float("inf"):
+                all_reduce_max(summed, engine.mesh.norm_group, "the per-parameter norms")
+            else:
+                summed = summed.pow(norm_type)
+                all_reduce_sum(summed, engine.mesh.norm_group, "the per-parameter norms")
+                summed = summed.pow(1.0 / norm_type)
+            for i, norm in zip(rows, summed.unbind()):
+                norms[i] = norm
     return {name: norm for (name, _, _), norm in zip(named, norms)}
 
 

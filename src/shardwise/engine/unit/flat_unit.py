@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from shardwise.config import MixedPrecision
 from shardwise.engine.comm.context import CommContext
-from shardwise.engine.compat import plain_tensors, preserve_version_counter
+from shardwise.engine.compat import compute_device, plain_tensors, preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.layout.param_layout import ParamLayout, lay_out
 from shardwise.engine.schedule.phase import Clock, Phase
@@ -68,8 +68,7 @@ class FlatUnit:
         reference = plan.params[0].param if plan.params else torch.empty(0)
         self.dtype, self.device = reference.dtype, reference.device  # the shards' (master) dtype
         if self.device.type == "meta":  # deferred init: the shards are born on the compute device
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
+            self.device = compute_device()
         self.comm = self.comm or CommContext(self.device)
         self.compute_dtype = precision.param_dtype if self.dtype.is_floating_point else self.dtype
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
