@@ -46,7 +46,8 @@ LONGEST_FIRST = ("test_doc_blocks.py", "test_zero_parity.py", "test_examples.py"
                  "test_exit.py", "test_lightning.py", "test_restarts.py", "test_compile.py", "test_accelerate.py",
                  "test_optimizers.py", "test_hsdp.py", "test_deferred.py", "test_slicing.py", "test_estimate.py",
                  "test_dist.py", "test_launch_helpers.py", "test_optimizer_in_backward.py", "test_estimate_probe.py",
-                 "test_pipe_memory.py", "test_compression.py", "test_checkpoint.py", "test_precision.py")
+                 "test_pipe_memory.py", "test_compression.py", "test_checkpoint.py", "test_precision.py",
+                 "test_fake_gpu.py")
 
 
 def pytest_collection_modifyitems(items):
