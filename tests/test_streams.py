@@ -83,9 +83,9 @@ def test_each_consumer_waits_for_its_own_collectives_event_only(ranks):
 
 
 class _Chain(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, num_units: int = 3, width: int = 64) -> None:
         super().__init__()
-        self.blocks = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+        self.blocks = nn.Sequential(*[nn.Linear(width, width) for _ in range(num_units)])
 
     def forward(self, x):
         return self.blocks(x).pow(2).mean()
@@ -124,3 +124,55 @@ def test_the_engine_waits_for_events_never_for_a_stream(ranks, strategy):
         assert all(kind == "wait_event" and event in recorded for kind, _, event in compute_waits), compute_waits
         landed = [event for _, _, event in compute_waits if recorded[event] != "compute"]
         assert landed and all(recorded[event].startswith("side") for event in landed), (compute_waits, recorded)
+
+
+def _deep() -> nn.Module:
+    return _Chain(num_units=6, width=16)
+
+
+def _in_flight(prefetch):
+    """Losses of three zero3 steps at `prefetch`, and the most gathers ever issued ahead of use."""
+    from shardwise.engine import engine_of
+
+    torch.manual_seed(0)
+    model = _deep()
+    sw.shard(model, strategy="zero3", units=nn.Linear, prefetch=prefetch)
+    gathers = engine_of(model).driver.gathers
+    most, issue = [0], gathers.issue
+
+    def counting(queue, up_to=None):
+        issue(queue, up_to)
+        most[0] = max(most[0], len(gathers.prefetching))
+
+    gathers.issue = counting
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = model(torch.full((4, 16), 0.1 * (step + 1 + dist.get_rank())))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, most[0]
+
+
+def test_prefetch_sets_the_gathers_in_flight_and_changes_no_value(ranks):
+    """Catches `prefetch=` not reaching the gather schedule (the depth fixed at the stage's), or a depth that
+    changes what is computed: zero3 keeps at most `prefetch` gathers issued ahead of use, reaches that many
+    on a model of six units, and its losses are bitwise the default's."""
+    default = ranks.run(_in_flight, 2, None, timeout=60)
+    assert {most for _, most in default} == {2}  # Note [prefetch depth]: PREFETCH
+    for prefetch in (1, 4):
+        for (losses, most), (reference, _) in zip(ranks.run(_in_flight, 2, prefetch, timeout=60), default):
+            assert most == prefetch
+            assert losses == reference
+
+
+def test_the_estimate_counts_each_prefetched_unit():
+    """Catches an estimate (and a comm pool bound) that ignores `prefetch`: each gather more in flight holds one
+    more unit's full values."""
+    model = _deep()
+    peaks = [sw.estimate(model, strategy="zero3", world_size=2, prefetch=p, runtime=0).gather_buffers
+             for p in (1, 2, 3)]
+    unit = 16 * 16 * 4 + 16 * 4  # one Linear's full values, fp32 (padding: none at 2 ranks)
+    assert peaks[1] - peaks[0] == peaks[2] - peaks[1] >= unit, peaks
