@@ -99,10 +99,13 @@ def _engine_stream_calls(strategy: str):
         apis.append(RecordingApi())
         return apis[-1]
 
-    context.device_api = recording  # this rank process only
-    torch.manual_seed(0)
-    model = _Chain()
-    sw.shard(model, strategy=strategy, units=nn.Linear)
+    original, context.device_api = context.device_api, recording  # this rank process, this engine only
+    try:
+        torch.manual_seed(0)
+        model = _Chain()
+        sw.shard(model, strategy=strategy, units=nn.Linear)
+    finally:
+        context.device_api = original  # the pool's rank processes run later tests
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         model(torch.ones(4, 64)).backward()

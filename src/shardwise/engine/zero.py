@@ -69,7 +69,8 @@ class ZeroEngine(Engine):
                                  comm=self.comm)
         self.root = self.units[0]
         self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
-        self.step_watch = StepWatch(self.units)  # Note [one step hook]
+        # Note [one step hook]; zero3's tags on a device are compared before any step (Note [tags on the device])
+        self.step_watch = StepWatch(self.units, before_step=lambda: self.driver.gathers.settle_tags())
         install_state_dict_hooks(model, self)  # Note [state dict]
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a

@@ -29,6 +29,7 @@ from torch import Tensor
 import shardwise.engine.comm.collectives as coll
 from shardwise.engine.comm.buffers import BufferPool
 from shardwise.engine.comm.quantize import QuantizedForms
+from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.comm.strategy import TorchForms, strategy_for
 from shardwise.engine.comm.streams import GATHER, REDUCE, REPLICA, CommStreams, device_api
 
@@ -38,6 +39,7 @@ class CommContext:
 
     def __init__(self, device: torch.device, compression=None, api=None) -> None:
         """`api`: the device's streams and events (streams.device_api); a test may pass its own."""
+        self.device = torch.device(device)
         self.api = api if api is not None else device_api(device)
         self.pool = BufferPool(0, api=self.api)  # its bound is set once the units are built (`bound_buffers`)
         self.streams = CommStreams(self.api)
@@ -127,6 +129,15 @@ class CommContext:
         """Issue the in-place average of `tensor` over `group` (a hybrid mesh's replicas): the handle."""
         with self.streams.issue(REPLICA) as stream:
             return self._landed_on(self.strategy(group).all_reduce_avg(tensor, group, what), stream)
+
+    def gather_rows(self, sent: Tensor, world_size: int, group, what: str) -> coll.Pending:
+        """Issue the gather of every rank's small `sent` (zero3's tags on a device: Note [tags on the device],
+        gather_tags.py) on the gathers' stream, after the gather it describes: the handle of the rank-major rows."""
+        received = torch.empty(world_size * sent.numel(), dtype=sent.dtype, device=sent.device)
+        with self.streams.issue(GATHER) as stream:
+            with coll.named_failure(what):
+                work = start_all_gather_rows(received, sent, group)
+            return self._landed_on(coll.Pending([work], received, what, sent=sent), stream)
 
     def _pool(self) -> BufferPool | None:
         return self.pool if self.pool.bound else None
