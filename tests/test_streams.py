@@ -26,6 +26,43 @@ def test_this_cpu_build_gets_the_host_order():
     assert event.query()
 
 
+def test_the_accelerator_gets_torchs_streams_and_the_cpu_the_host_order(monkeypatch):
+    """Catches a device-specific branch beside `device_api` picking the streams (Note [one device path]): with an
+    accelerator present its device gets torch's generic streams and events, the CPU still the host's order."""
+    from shardwise.engine.comm.streams import DeviceApi
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    assert isinstance(device_api(torch.device("cuda", 0)), DeviceApi)
+    assert isinstance(device_api(torch.device("cpu")), HostApi)
+
+
+def test_pooled_memory_is_taken_only_after_its_last_readers_event():
+    """Catches a buffer reused before the stream that read it passed its event (Note [streams per collective]):
+    zero3's freed full values go to the pool with an event recorded on the compute stream that read them, a
+    collective's buffer with the collective's own event; the next taker's stream waits for exactly that event
+    before it writes."""
+    from shardwise.engine.comm.buffers import BufferPool
+
+    api = RecordingApi()
+    pool = BufferPool(bound=1 << 20, smallest=0, api=api)
+    freed = torch.empty(1000, dtype=torch.uint8).untyped_storage()
+    pool.keep_memory(freed)  # a unit's full values, read on the compute stream
+    ((_, freed_event, stream),) = [entry for entry in api.log if entry[0] == "record"]
+    assert stream == "compute"
+    refill = torch.UntypedStorage(0)
+    start = len(api.log)
+    pool.fill(refill, 1000)
+    assert api.log[start:] == [("wait_event", "compute", freed_event)]
+    lent = pool.lend(250, torch.float32, "cpu")
+    collective = api.new_event()
+    with api.new_stream() as side:
+        collective.record(side)  # the collective that read `lent`, landed on its stream
+    pool.give_back(lent, after=collective)
+    start = len(api.log)
+    pool.lend(250, torch.float32, "cpu")
+    assert api.log[start:] == [("wait_event", "compute", collective.id)]
+
+
 def _handles_and_events():
     """Two gathers, a reduce and a replica all-reduce issued through one context, landed out of their issue
     order; then a lend of the gathers' buffer size. Returns what each wait asked the streams."""
