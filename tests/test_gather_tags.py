@@ -52,9 +52,10 @@ def _tags(on_device: bool):
         gather_tags.tags_on_device = original  # the pool's rank processes run later tests
 
 
-def _train(on_device: bool, order: str = NAMES, steps: int = 3):
-    """`steps` SGD steps; per step the host waits on tags before the step (forward and backward) and at it, the
-    losses, the parameters after; or the error and the parameters when it was raised."""
+def _train(on_device: bool, order: str = NAMES, steps: int = 3, evaluate: bool = False):
+    """`steps` SGD steps (or, `evaluate`, forwards without grad and no step); per step the host waits on tags
+    before the step (forward and backward) and at it, the losses, the parameters after; or the error and the
+    parameters when it was raised."""
     torch.manual_seed(0)
     model = _Chain()
     with _tags(on_device):
@@ -68,10 +69,14 @@ def _train(on_device: bool, order: str = NAMES, steps: int = 3):
     waits, losses, error = [], [], None
     for _ in range(steps):
         before = tags.host_waits
-        loss = model(x)
-        loss.backward()
-        during = tags.host_waits - before
         try:
+            if evaluate:
+                with torch.no_grad():
+                    model(x)
+                continue
+            loss = model(x)
+            loss.backward()
+            during = tags.host_waits - before
             optim.step()
         except sw.ShardwiseError as raised:
             error = str(raised)
@@ -99,9 +104,10 @@ def test_tags_on_a_device_block_the_host_nowhere_before_the_step(ranks):
         assert all(torch.equal(params[name], host_params[name]) for name in params)
 
 
-def _train_with_a_forged_tag(forged_at: int):
-    """One step with the tags on the device, rank 1's `forged_at`-th tag naming another unit (its gathers pair as
-    every rank's do: only the tag differs); (parameters unchanged, the error at the step, host waits)."""
+def _train_with_a_forged_tag(forged_at: int, evaluate: bool = False):
+    """One step (`evaluate`: forwards without grad, no step) with the tags on the device, rank 1's
+    `forged_at`-th tag naming another unit (its gathers pair as every rank's do: only the tag differs);
+    (parameters unchanged, the error, host waits)."""
     from shardwise.engine.unit.flat_unit import FlatUnit
 
     original, sent = gather_tags.GatherTags._row, []
@@ -115,7 +121,7 @@ def _train_with_a_forged_tag(forged_at: int):
 
     gather_tags.GatherTags._row = forged
     try:
-        waits, _, _, error, unchanged = _train(True, steps=1)
+        waits, _, _, error, unchanged = _train(True, steps=10 if evaluate else 1, evaluate=evaluate)
     finally:
         gather_tags.GatherTags._row = original  # the pool's rank processes run later tests
     return unchanged, error, waits
@@ -135,3 +141,12 @@ def test_tags_on_a_device_refuse_the_step_of_a_mismatched_gather_on_every_rank(r
     for unchanged, _, waits in results:
         assert unchanged, "the refused step wrote parameters"
         assert waits == [], waits  # refused at its first step
+
+
+def test_tags_on_a_device_are_compared_in_a_loop_without_steps(ranks):
+    """Catches tags on the device left unread where no optimizer step comes (an evaluation loop, generate()): a
+    mismatched gather's tag is compared after at most SETTLE_STEPS steps' worth of gathers, and refused on every
+    rank with the same words."""
+    results = ranks.run(_train_with_a_forged_tag, 2, 2, True, timeout=60)
+    messages = {message for _, message, _ in results}
+    assert len(messages) == 1 and "different orders" in str(next(iter(messages))), messages

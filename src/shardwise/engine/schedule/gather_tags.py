@@ -33,7 +33,7 @@ gather, so it pairs in issue order exactly as the gathers do and never blocks th
 wait per unit. As a unit's gather lands, its tag's rows are copied to host memory on the gathers' stream,
 right behind the tag (a non-blocking copy and an event: the host queues them and goes on). The host reads
 them at `settle()`: before every optimizer step over the engine's parameters (optim_hooks.StepWatch:
-in-backward and whole-tensor steps go through the same hook), and after SETTLE_EVERY tags without a step
+in-backward and whole-tensor steps go through the same hook), and after SETTLE_STEPS steps' worth of tags without a step
 (evaluation, generate()); by then the copies have long passed (the gathers' stream is as far as the step's
 last gather, not the backward's end), so a step applies nothing computed from a mismatched gather, and every
 rank raises the same words, as every rank reads the same tags in the same order. Ranks whose gathers stop
@@ -65,7 +65,9 @@ from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
 ORDER_SLOTS = 12  # the last units run, named in the error (earlier ones are elided)
-SETTLE_EVERY = 256  # tags on the device compared without an optimizer step at least this often
+# Tags on the device compared without an optimizer step at least every SETTLE_STEPS steps' worth (a step tags
+# at most two gathers a unit): evaluation and generate() loops, never in the middle of a training step.
+SETTLE_STEPS = 2
 _PHASES = {0: "forward", 1: "the backward of forward"}
 
 
@@ -167,6 +169,7 @@ class TagsOnDevice(GatherTags):
         self.in_flight: list[_TagInFlight] = []  # in issue order
         self.of_unit: dict[int, _TagInFlight] = {}  # id(unit) -> its last tag, until that lands
         self.host_waits = 0
+        self.settle_every = SETTLE_STEPS * 2 * len(units)
 
     def send(self, unit: FlatUnit) -> None:
         sent = torch.tensor(self._row(unit), dtype=torch.int64).to(self.comm.device, non_blocking=True)
@@ -174,7 +177,7 @@ class TagsOnDevice(GatherTags):
             sent, self.world, self.group, f"the tag of the all-gather of unit {unit.label} ({unit.where})"))
         self.in_flight.append(tag)
         self.of_unit[id(unit)] = tag
-        if len(self.in_flight) >= SETTLE_EVERY:
+        if len(self.in_flight) >= self.settle_every:
             self.settle()
 
     def check(self, unit: FlatUnit) -> None:
