@@ -33,13 +33,13 @@ gather, so it pairs in issue order exactly as the gathers do and never blocks th
 wait per unit. As a unit's gather lands, its tag's rows are copied to host memory on the gathers' stream,
 right behind the tag (a non-blocking copy and an event: the host queues them and goes on). The host reads
 them at `settle()`: before every optimizer step over the engine's parameters (optim_hooks.StepWatch:
-in-backward and whole-tensor steps go through the same hook), and after SETTLE_STEPS steps' worth of tags without a step
-(evaluation, generate()); by then the copies have long passed (the gathers' stream is as far as the step's
+in-backward and whole-tensor steps go through the same hook), and after SETTLE_STEPS steps' worth of tags
+without a step (evaluation, generate()); by then the copies have long passed (the gathers' stream is as far as the step's
 last gather, not the backward's end), so a step applies nothing computed from a mismatched gather, and every
 rank raises the same words, as every rank reads the same tags in the same order. Ranks whose gathers stop
 pairing at all (one rank re-gathers a unit the others do not: a backward waiting for a collective no rank
 issues) leave the device waiting, not the host: the host reaches the step, whose tags before the stuck
-gather already name the order that differs. What it gives up against the per-unit check: a loss computed
+gather already name the order that differs (as designed: no GPU has run it yet). What it gives up against the per-unit check: a loss computed
 from another unit's rows may reach the user before the error (the step is refused, the parameters stay as
 they were), and the process group is spent after such an error, as after any mismatched collective. FSDP2
 has no such check at all. On gloo the per-unit check stays: the host waits for each gather there anyway, and
