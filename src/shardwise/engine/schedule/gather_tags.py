@@ -27,25 +27,24 @@ confirmed before a gather lands (Note [agreement rides the traffic]).
 per tagged gather. On gloo that is cheap, since the host waits for the gather itself there anyway; on a
 device it is a host rendezvous per unit on the GPU's critical path, which Note [tags on the device] removes.
 
-Note [tags on the device]: where the engine's gathers run on a device (NCCL), `TagsOnDevice` sends each tag as
-a small all-gather on the gathers' own group and stream (comm.gather_rows), issued right after the unit's
-gather, so it pairs in issue order exactly as the gathers do and never blocks the host: no host group, no
-wait per unit. As a unit's gather lands, its tag's rows are copied to host memory on the gathers' stream,
-right behind the tag (a non-blocking copy and an event: the host queues them and goes on). The host reads
-them at `settle()`: before every optimizer step over the engine's parameters (optim_hooks.StepWatch:
-in-backward and whole-tensor steps go through the same hook), and after SETTLE_STEPS steps' worth of tags
-without a step (evaluation, generate()); by then the copies have long passed (the gathers' stream is as far as the step's
-last gather, not the backward's end), so a step applies nothing computed from a mismatched gather, and every
-rank raises the same words, as every rank reads the same tags in the same order. Ranks whose gathers stop
-pairing at all (one rank re-gathers a unit the others do not: a backward waiting for a collective no rank
-issues) leave the device waiting, not the host: the host reaches the step, whose tags before the stuck
-gather already name the order that differs (as designed: no GPU has run it yet). What it gives up against the per-unit check: a loss computed
-from another unit's rows may reach the user before the error (the step is refused, the parameters stay as
-they were), and the process group is spent after such an error, as after any mismatched collective. FSDP2
-has no such check at all. On gloo the per-unit check stays: the host waits for each gather there anyway, and
-a tag costs no rendezvous the gather did not already cost (tests/test_gather_tags.py counts both; forced onto
-gloo, the device form waits once a step, at the step, and its backward can wait for a gather no rank issued,
-where the host form refuses first).
+Note [tags on the device]: where the engine's gathers run on a device (NCCL), `TagsOnDevice` sends each tag as a
+small all-gather on the gathers' own group and stream (comm.gather_rows), issued right after the unit's gather,
+so it pairs in issue order exactly as the gathers do and never blocks the host: no host group, no wait per unit.
+As a unit's gather lands, its tag's rows are copied to host memory on the gathers' stream, right behind the tag
+(a non-blocking copy and an event: the host queues them and goes on). The host reads them at `settle()`: before
+every optimizer step over the engine's parameters (optim_hooks.StepWatch: in-backward and whole-tensor steps go
+through the same hook), and after SETTLE_STEPS steps' worth of tags without a step (evaluation, generate()); by
+then the copies have long passed (the gathers' stream is as far as the step's last gather, not the backward's
+end), so a step applies nothing computed from a mismatched gather, and every rank raises the same words, as
+every rank reads the same tags in the same order. Ranks whose gathers stop pairing at all (one rank re-gathers a
+unit the others do not: a backward waiting for a collective no rank issues) leave the device waiting, not the
+host: the host reaches the step, whose tags before the stuck gather already name the order that differs (as
+designed: no GPU has run it yet). What it gives up against the per-unit check: a loss computed from another
+unit's rows may reach the user before the error (the step is refused, the parameters stay as they were), and the
+process group is spent after such an error, as after any mismatched collective. FSDP2 has no such check at all.
+On gloo the per-unit check stays: the host waits for each gather there anyway, and a tag costs no rendezvous the
+gather did not already cost (tests/test_gather_tags.py counts both; forced onto gloo, the device form waits once
+a step, at the step, and its backward can wait for a gather no rank issued, where the host form refuses first).
 """
 
 from __future__ import annotations
