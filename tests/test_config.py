@@ -24,6 +24,8 @@ RULES = [
     ({"strategy": "zero3", "offload": "ram"}, "is not understood: use None or 'disk:PATH'"),
     ({"strategy": "zero3", "offload": "cpu"}, "this model computes on the CPU already"),
     ({"strategy": "zero3", "precision": "fp8"}, "or a MixedPrecision(...)"),
+    ({"strategy": "zero2", "prefetch": 3}, "so there is nothing to gather ahead of use"),
+    ({"strategy": "zero3", "prefetch": 0}, "an int of at least 1 (default 2)"),
 ]
 # How a message is spelled in the source where it is formatted from a constant.
 SOURCE_FORM = {RULES[0][1]: "is not one of {STRATEGIES}"}

@@ -197,6 +197,7 @@ class ShardConfig:
     # (hpZ: Note [secondary shards], engine/unit/secondary.py)
     reshard_after_forward: bool | int = True
     compression: Compression | None = None
+    prefetch: int | None = None  # zero3: gathers issued ahead of use; None: 2 (Note [prefetch depth], stage.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -223,6 +224,19 @@ class ShardConfig:
                                  "parameters whose own rows are the fp32 masters, which a quantized gather would "
                                  "overwrite; use Compression(reduce=...) alone with it")
         self._check_reshard_after_forward()
+        self._check_prefetch()
+
+    def _check_prefetch(self) -> None:
+        value = self.prefetch
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ShardwiseError(f"prefetch={value!r}: pass the number of unit gathers zero3 keeps issued ahead of "
+                                 "use, an int of at least 1 (default 2), or leave it out")
+        if self.strategy != "zero3":
+            raise ShardwiseError(f"prefetch={value} is a zero3 option: {self.strategy} keeps every unit's full "
+                                 "parameters, so there is nothing to gather ahead of use. Use strategy='zero3', or "
+                                 "drop prefetch")
 
     def _check_reshard_after_forward(self) -> None:
         value = self.reshard_after_forward
@@ -249,11 +263,12 @@ class ShardConfig:
            offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
            find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None,
            reshard_after_forward: bool | int = True,
-           compression: Compression | dict | None = None) -> ShardConfig:
+           compression: Compression | dict | None = None, prefetch: int | None = None) -> ShardConfig:
         """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
         return cls(strategy, resolve_precision(precision), resolve_offload(offload),
                    bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen),
-                   compression=resolve_compression(compression), reshard_after_forward=reshard_after_forward)
+                   compression=resolve_compression(compression), reshard_after_forward=reshard_after_forward,
+                   prefetch=prefetch)
 
     @property
     def label(self) -> str:

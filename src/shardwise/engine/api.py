@@ -37,6 +37,7 @@ def shard(
     mesh=None,
     reshard_after_forward: bool | int = True,
     compression: Compression | dict | None = None,
+    prefetch: int | None = None,
 ) -> nn.Module:
     """Apply `strategy` to `model` in place and return the same model object.
 
@@ -83,12 +84,17 @@ def shard(
     reduce-scatters quantized over an all-to-all, summed in fp32 (qgZ); the fp32 master shards are never
     quantized. `sw.describe` and the checkpoint index record it. An optimizer stepped on whole tensors
     (Muon, Adafactor, ...) is refused with it. Note [quantized collectives] in engine/comm/quantize.py.
+    `prefetch` (zero3): how many units' all-gathers are kept issued ahead of use, each on the gathers' own
+    stream (default 2; 1 issues the next only once this one landed); each more holds one more unit's full
+    parameters and buys overlap where a unit computes faster than the next one gathers. The result is
+    unchanged. Note [prefetch depth] in engine/schedule/stage.py.
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,
                             checkpoint_activations=checkpoint_activations,
                             find_unused_parameters=find_unused_parameters, frozen=frozen,
-                            reshard_after_forward=reshard_after_forward, compression=compression)
+                            reshard_after_forward=reshard_after_forward, compression=compression,
+                            prefetch=prefetch)
     if engine_of(model) is not None:
         raise ShardwiseError(
             f"this model is already sharded with strategy={engine_of(model).strategy!r}: "

@@ -45,7 +45,7 @@ class ZeroEngine(Engine):
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None, mesh=None):
         self.config, self.strategy, self.group = config, config.strategy, group  # group: every rank of the mesh
-        self.policy, self.precision, self.clock = policy_of(config.strategy), config.precision, Clock()
+        self.policy, self.precision, self.clock = policy_of(config.strategy, config.prefetch), config.precision, Clock()
         self.compression = config.compression  # quantized collectives (Note [quantized collectives]), or None
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.
@@ -69,7 +69,8 @@ class ZeroEngine(Engine):
                                  comm=self.comm)
         self.root = self.units[0]
         self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
-        self.step_watch = StepWatch(self.units)  # Note [one step hook]
+        # Note [one step hook]; zero3's tags on a device are compared before any step (Note [tags on the device])
+        self.step_watch = StepWatch(self.units, before_step=lambda: self.driver.gathers.settle_tags())
         install_state_dict_hooks(model, self)  # Note [state dict]
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a

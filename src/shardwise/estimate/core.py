@@ -204,6 +204,7 @@ def estimate(
     inputs: InputMaker | None = None,
     reshard_after_forward: bool | int = True,
     compression=None,
+    prefetch: int | None = None,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -219,12 +220,14 @@ def estimate(
     `runtime`: bytes of Python + torch per rank (default: measured, see RUNTIME_BYTES).
     `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
     [activations]); Hugging Face models need none. `reshard_after_forward`, `compression`: as shard()'s (hpZ's
-    chunks and the wire buffers, Note [comm option bytes] in comm_options.py).
+    chunks and the wire buffers, Note [comm option bytes] in comm_options.py); `prefetch`: as shard()'s (zero3's
+    gathers in flight, each one more unit's full values, Note [prefetch depth]).
     """
     # The same rules as shard(), from the same place (shardwise/config.py).
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
                                   checkpoint_activations=checkpoint_activations,
-                                  reshard_after_forward=reshard_after_forward, compression=compression)
+                                  reshard_after_forward=reshard_after_forward, compression=compression,
+                                  prefetch=prefetch)
     policy, offload = shard_config.precision, shard_config.offload
     precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
@@ -330,7 +333,7 @@ def _units_of_count(num_params: int, world_size: int, unit_params: int | None, n
 
 def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
     """(parameters, gradients, optimizer state, offloaded) for zero1/2/3 (module docstring table)."""
-    stage, offload = policy_of(config.strategy), config.offload is not None
+    stage, offload = policy_of(config.strategy, config.prefetch), config.offload is not None
     parameters = gradients = optimizer_state = offloaded = 0
     for u in plan_units:
         # zero1/2 at c == m: the shards are views of the kept full buffer (shard_storage.AliasedShards).
@@ -360,7 +363,7 @@ def _zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with
     """Note [transient buffers]."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
-    stage = policy_of(config.strategy)
+    stage = policy_of(config.strategy, config.prefetch)
     # The comm pool (Note [reused buffers]): the reduce in flight over the largest unit, the root included (input
     # and receive buffer; zero1: receive only) and zero3's gathered units, kept between steps, so counted with the
     # probe too; compression's wire buffers, over the largest unit too.

@@ -1,5 +1,5 @@
 """The buffers a collective writes or reads for one use only, reused across units and steps within a
-stated bound. Uses: compat.
+stated bound. Uses: compat, streams.
 
 Note [reused buffers]: on CPU a fresh large buffer costs its page faults on first touch (issue 33's
 note: a copy into a fresh 48 MiB buffer 23 ms, into a reused one 7 ms), and every step made the same
@@ -8,8 +8,9 @@ receive buffer, the packed gather of a unit's small parameters, and under compre
 forms' uint8 wire buffers (sent and received, Note [quantized collectives], quantize.py). A `BufferPool`
 lends them instead and takes them back when the collective that used them has landed (`Pending.wait`, collectives.py): a
 buffer is never lent twice at once, so a reuse cannot read or write rows another collective still
-sends or receives. CUDA's caching allocator already does this on a GPU; there the pool changes no
-bytes, only who keeps them.
+sends or receives. On a GPU a buffer goes back with the event after which every stream that read it is
+done, and its next taker's stream waits for that event before writing (Note [streams per collective],
+streams.py): the host gives a buffer back when it has *queued* the last read, not when the read ran.
 
 zero3 also frees each unit's full values after each use and allocated them again at the next gather
 (twice a step per unit, the largest fresh buffers of all): its freed memory goes to the pool instead
@@ -44,6 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardwise.engine.comm.streams import HOST_ORDER
 from shardwise.engine.compat import swap_storage_memory
 
 
@@ -69,10 +71,12 @@ class BufferPool:
     """Flat byte buffers lent out by size and given back once their collective landed (Note [reused
     buffers]). One per engine and device: no global state."""
 
-    def __init__(self, bound: int, smallest: int = HEAP_BYTES) -> None:
+    def __init__(self, bound: int, smallest: int = HEAP_BYTES, api=HOST_ORDER) -> None:
         self.bound = bound  # most bytes lent + kept
         self.smallest = smallest  # smaller requests are malloc's (HEAP_BYTES)
+        self.api = api  # the device's streams and events (Note [one device path], streams.py)
         self.kept: list[Tensor] = []  # free buffers (uint8), smallest first
+        self.released: dict[int, list] = {}  # id(kept buffer) -> the events its last readers recorded
         self.lent: dict[int, Tensor] = {}  # data_ptr -> the lent buffer's backing storage
         self.lends = self.fresh = 0  # counts: every lend, and those served by a new allocation
 
@@ -98,12 +102,20 @@ class BufferPool:
         self.lent[view.data_ptr()] = backing
         return view
 
-    def give_back(self, buffer: Tensor) -> None:
-        """`buffer` (a view `lend` returned) is free again: its collective has landed."""
+    def give_back(self, buffer: Tensor, after=None) -> None:
+        """`buffer` (a view `lend` returned) is free again once `after` has passed: the event of the collective
+        that read it last (None: the current stream's, recorded now)."""
         backing = self.lent.pop(buffer.data_ptr(), None)
         if backing is not None:
-            self.kept.append(backing)
-            self.kept.sort(key=Tensor.numel)
+            self._keep(backing, after)
+
+    def _keep(self, backing: Tensor, after) -> None:
+        if after is None:  # read last by the current stream, queued up to now
+            after = self.api.new_event()
+            after.record(self.api.current())
+        self.released[id(backing)] = [after]
+        self.kept.append(backing)
+        self.kept.sort(key=Tensor.numel)
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty `storage` `nbytes` of memory: a kept buffer's if one is large enough (it leaves the
@@ -126,15 +138,20 @@ class BufferPool:
             return
         spare = torch.UntypedStorage(0, device=storage.device)
         swap_storage_memory(spare, storage)
-        self.kept.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(spare))
-        self.kept.sort(key=Tensor.numel)
+        # Read by the compute stream's work queued so far (the unit's forward or backward): reused after it.
+        self._keep(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(spare), None)
 
     def is_lent(self, buffer: Tensor) -> bool:
         return buffer.data_ptr() in self.lent
 
     def _take_kept(self, nbytes: int, device: torch.device) -> Tensor | None:
+        """The best-fitting kept buffer, if any, once the stream that takes it (the current one, which writes
+        it first) waits for every event its last readers recorded (Note [streams per collective])."""
         for i, backing in enumerate(self.kept):  # smallest first: the best fit
             if backing.numel() >= nbytes and backing.device == torch.device(device):
+                taker = self.api.current()
+                for event in self.released.pop(id(backing), []):
+                    taker.wait_event(event)
                 return self.kept.pop(i)
         return None
 
@@ -143,7 +160,7 @@ class BufferPool:
         buffers alone leave no room for them (Note [reused buffers])."""
         lent = sum(b.numel() for b in self.lent.values())
         while self.kept and self.held + nbytes > self.bound >= lent + nbytes:
-            self.kept.pop(0)
+            self.released.pop(id(self.kept.pop(0)), None)  # freed: the allocator orders it (DeviceApi.keep_for)
 
     def describe(self) -> str:
         mib = 2**20

@@ -1,5 +1,5 @@
 """The two collectives of the engine, and the layout changes around them.
-Uses: buffers, compat.
+Uses: buffers, compat, streams.
 
 A unit's shards travel as one flat, rank-major buffer: rank r's rows of every
 parameter, one parameter after another (`S` elements per rank). Full values live
@@ -14,7 +14,7 @@ Every call names its process group: nothing here reads global state.
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.comm.buffers import BufferPool
+from shardwise.engine.comm.streams import HOST_ORDER
 from shardwise.engine.compat import chunk_cat
 from shardwise.errors import ShardwiseError
 
@@ -45,24 +46,31 @@ class Pending:
     sent: Tensor | list[Tensor] | None = None
     lent: list[Tensor] = field(default_factory=list)  # buffers of `pool` this collective reads or writes
     pool: BufferPool | None = None
-    streams: object = None  # CUDA: the context's side stream (Note [comm context], context.py); None on CPU
+    # Where it was issued (Note [streams per collective], streams.py): the device's API and the stream of its
+    # kind; the host's order for a collective issued outside a comm context. `event`: recorded when it landed.
+    api: object = HOST_ORDER
+    stream: object = HOST_ORDER.current()
+    event: object = None
 
     def wait(self) -> Tensor:
+        """Land it: the consumer (the current stream) can read `output` once this collective's own event has
+        passed, and waits for that event alone, not for the stream it ran on."""
         works, self.works = self.works, []
-        with self._on_side_stream():
+        with self.stream:
             with named_failure(self.what):
                 for work in works:
                     work.wait()
-            if self.finish is not None:  # the copy-out, on the side stream where there is one
+            if self.finish is not None:  # the copy-out, on the collective's own stream
                 self.output, self.finish = self.finish(self.output), None
-        if self.streams is not None:
-            self.streams.landed(self)
+            if self.event is None:
+                self.event = self.api.new_event()
+                self.event.record(self.stream)
+        consumer = self.api.current()
+        consumer.wait_event(self.event)
+        self.api.keep_for(self.output, consumer)
         self.sent = None
-        self._give_back()  # Note [reused buffers]: only now, every work landed and the copy-out done
+        self._give_back()  # Note [reused buffers]: only now, every work landed and the copy-out queued
         return self.output
-
-    def _on_side_stream(self):
-        return torch.cuda.stream(self.streams.side) if self.streams is not None else nullcontext()
 
     def lend_to(self, pool: BufferPool | None, *buffers: Tensor) -> Pending:
         """`buffers` were lent by `pool` for this collective: given back once it has landed."""
@@ -74,7 +82,7 @@ class Pending:
     def _give_back(self) -> None:
         lent, self.lent = self.lent, []
         for buffer in lent:
-            self.pool.give_back(buffer)
+            self.pool.give_back(buffer, after=self.event)  # reused once this collective's stream passed it
 
 
 @contextmanager
@@ -219,6 +227,9 @@ def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, grou
         return output
 
     pending = Pending(works, regions[0] if regions else torch.empty(0), what, finish=finish, sent=rows)
+    if small is not None:  # its buffer is read by this handle's copy-out: given back with this handle's event
+        small.lent, adopted = [], small.lent
+        pending.lend_to(pool, *adopted)
     if not async_op:
         pending.wait()
     return pending

@@ -1,6 +1,6 @@
-"""An engine's communication context: the strategy of each group, the buffers reused across steps, and on
-CUDA the stream its collectives run on. Units ask it for a handle and wait on the handle.
-Uses: buffers, collectives, quantize, strategy.
+"""An engine's communication context: the strategy of each group, the buffers reused across steps, and the
+streams its collectives run on. Units ask it for a handle and wait on the handle.
+Uses: buffers, collectives, quantize, strategy, streams.
 
 Note [comm context]: every collective a unit issues on the hot path (its gather, its gradient reduce, the
 replica average of a hybrid mesh) goes through one `CommContext`, built by the engine (zero.py) and handed
@@ -9,18 +9,18 @@ returns a `Pending` the unit waits on. What the rest of a step exchanges (agreem
 norms, overflow flags, the owners' traffic) goes through comm/small.py and comm/owner_traffic.py:
 nothing outside comm/ calls torch.distributed's collectives (tests/test_comm.py greps for it).
 
-Streams (Note [where the next capabilities land] (c)): on CUDA the context owns a side stream; a
-collective is issued on it after it waited for the compute stream (so it sends finished values), the
-handle's copy-out runs on it too, and `wait()` makes the compute stream wait for the side stream
-instead of the host. On CPU there is no stream: the same code, `streams is None`. The pool lends nothing
-on CUDA (bound 0), where the caching allocator reuses memory already and a buffer given back after a
-host-side wait could still be in use by a queued kernel.
+Streams (Note [where the next capabilities land] (c)): the context owns one stream per kind of collective
+(gather, reduce, replica average: Note [streams per collective], streams.py), through the device-generic
+API (Note [one device path]): a collective is issued on its kind's stream after that stream waited for the
+compute stream, the handle's copy-out runs there too, and `Pending.wait()` records the handle's own event
+and makes the compute stream wait for that event, not the host and not the whole stream. On CPU the same
+calls go to the host's order, where they do nothing. The pool lends on every device: a buffer goes back
+with the event of its last reader, and its next taker's stream waits for it.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,38 +29,20 @@ from torch import Tensor
 import shardwise.engine.comm.collectives as coll
 from shardwise.engine.comm.buffers import BufferPool
 from shardwise.engine.comm.quantize import QuantizedForms
+from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.comm.strategy import TorchForms, strategy_for
-
-
-class CommStreams:
-    """CUDA only: the side stream collectives run on (Note [comm context])."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.side = torch.cuda.Stream(device=device)
-
-    @contextmanager
-    def issue(self):
-        """Run the enclosed issue on the side stream, after everything the compute stream queued so far."""
-        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-        with torch.cuda.stream(self.side):
-            yield
-
-    def landed(self, pending: coll.Pending) -> None:
-        """`pending` was waited on the side stream: the compute stream waits for it, not the host."""
-        compute = torch.cuda.current_stream(self.side.device)
-        compute.wait_stream(self.side)
-        if pending.output.is_cuda:
-            pending.output.record_stream(compute)
+from shardwise.engine.comm.streams import GATHER, REDUCE, REPLICA, CommStreams, device_api
 
 
 class CommContext:
     """One engine's collectives (Note [comm context])."""
 
-    def __init__(self, device: torch.device, streams: bool | None = None, compression=None) -> None:
-        on_cuda = torch.device(device).type == "cuda"
-        self.pool = BufferPool(0)  # its bound is set once the units are built (`bound_buffers`)
-        self.reuse = not on_cuda
-        self.streams = CommStreams(device) if (on_cuda if streams is None else streams) else None
+    def __init__(self, device: torch.device, compression=None, api=None) -> None:
+        """`api`: the device's streams and events (streams.device_api); a test may pass its own."""
+        self.device = torch.device(device)
+        self.api = api if api is not None else device_api(device)
+        self.pool = BufferPool(0, api=self.api)  # its bound is set once the units are built (`bound_buffers`)
+        self.streams = CommStreams(self.api)
         self._strategies: dict[tuple[int, bool], TorchForms] = {}
         self.compression = compression  # shard(compression=): the hot path's quantized forms (quantize.py)
         self.poison = os.environ.get("SHARDWISE_POISON_FREED") == "1"  # Note [poisoned memory]
@@ -69,13 +51,14 @@ class CommContext:
     def for_group(cls, group, compression=None) -> CommContext:
         """The context of an engine whose collectives run on `group` (NCCL: the current GPU); `compression`: the
         config.Compression the hot path's gathers and reduces use (Note [quantized collectives]), or None."""
-        nccl = dist.get_backend(group) == "nccl"
-        return cls(torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu"),
-                   compression=compression)
+        accelerator = torch.accelerator.current_accelerator()
+        on_device = dist.get_backend(group) == "nccl" and accelerator is not None
+        return cls(torch.device(accelerator.type, torch.accelerator.current_device_index()) if on_device
+                   else torch.device("cpu"), compression=compression)
 
     def bound_buffers(self, bound: int) -> None:
-        """The most bytes the pool keeps (comm_buffer_bytes): 0 on CUDA (Note [comm context])."""
-        self.pool.bound = bound if self.reuse else 0
+        """The most bytes the pool keeps (comm_buffer_bytes, Note [reused buffers])."""
+        self.pool.bound = bound
 
     def strategy(self, group, exact: bool = False) -> TorchForms:
         """`group`'s strategy, decided once (Note [comm strategies]): with compression, its quantized forms
@@ -88,8 +71,8 @@ class CommContext:
         return self._strategies[key]
 
     def lend(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-        """A buffer for a collective's input (a packed reduce), given back when it lands; None on CUDA."""
-        return self.pool.lend(numel, dtype, device) if self.reuse and self.pool.bound else None
+        """A buffer for a collective's input (a packed reduce), given back when it lands; None without a pool."""
+        return self.pool.lend(numel, dtype, device) if self.pool.bound else None
 
     def give_back(self, buffer: Tensor) -> None:
         """A buffer `lend` gave, no longer read by anything (not a collective's: those go back on landing)."""
@@ -98,7 +81,7 @@ class CommContext:
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Memory for a freed unit's full values before its gather: reused where the pool keeps some
         (Note [reused buffers])."""
-        if self.reuse and self.pool.bound:
+        if self.pool.bound:
             self.pool.fill(storage, nbytes)
         else:  # counted as a fresh lend, as the pool counts its own
             self.pool.lends += 1
@@ -116,17 +99,14 @@ class CommContext:
 
     def free(self, storage: torch.UntypedStorage) -> None:
         """A unit's full values released (zero3): their memory kept for the next gather, within the bound."""
-        if self.reuse and self.pool.bound:
+        if self.pool.bound:
             self.pool.keep_memory(storage)
         else:
             storage.resize_(0)
 
-    def _issue(self):
-        return self.streams.issue() if self.streams is not None else nullcontext()
-
-    def _on_wait(self, pending: coll.Pending) -> coll.Pending:
-        if self.streams is not None:
-            pending.streams = self.streams
+    def _landed_on(self, pending: coll.Pending, stream) -> coll.Pending:
+        """`pending` was issued on `stream`: its wait records its event there (Note [streams per collective])."""
+        pending.api, pending.stream = self.api, stream
         return pending
 
     def gather_into(self, rows: list[Tensor], regions: list[Tensor], world_size: int, group, what: str,
@@ -134,27 +114,35 @@ class CommContext:
         """Issue the gather of every rank's `rows` into `regions` (collectives.gather_into): the handle. `exact`:
         never quantized, whatever the compression: the masters' full values, and hpZ's in-node re-gather of the
         values forward used (backward computes with exactly the weights forward did)."""
-        with self._issue():
-            return self._on_wait(self.strategy(group, exact).gather_into(rows, regions, world_size, group, True, what,
-                                                                  own_in_place, self._pool()))
+        with self.streams.issue(GATHER) as stream:
+            return self._landed_on(self.strategy(group, exact).gather_into(rows, regions, world_size, group, True,
+                                                                           what, own_in_place, self._pool()), stream)
 
     def reduce_scatter_avg(self, packed: Tensor, world_size: int, group, what: str,
                            out: Tensor | None = None) -> coll.Pending:
         """Issue the average of the rank-major `packed` over `group`: the handle of this rank's rows."""
-        with self._issue():
-            return self._on_wait(self.strategy(group).reduce_scatter_avg(packed, world_size, group, True, what, out,
-                                                                         self._pool()))
+        with self.streams.issue(REDUCE) as stream:
+            return self._landed_on(self.strategy(group).reduce_scatter_avg(packed, world_size, group, True, what, out,
+                                                                           self._pool()), stream)
 
     def all_reduce_avg(self, tensor: Tensor, group, what: str) -> coll.Pending:
         """Issue the in-place average of `tensor` over `group` (a hybrid mesh's replicas): the handle."""
-        with self._issue():
-            return self._on_wait(self.strategy(group).all_reduce_avg(tensor, group, what))
+        with self.streams.issue(REPLICA) as stream:
+            return self._landed_on(self.strategy(group).all_reduce_avg(tensor, group, what), stream)
+
+    def gather_rows(self, sent: Tensor, world_size: int, group, what: str) -> coll.Pending:
+        """Issue the gather of every rank's small `sent` (zero3's tags on a device: Note [tags on the device],
+        gather_tags.py) on the gathers' stream, after the gather it describes: the handle of the rank-major rows."""
+        received = torch.empty(world_size * sent.numel(), dtype=sent.dtype, device=sent.device)
+        with self.streams.issue(GATHER) as stream:
+            with coll.named_failure(what):
+                work = start_all_gather_rows(received, sent, group)
+            return self._landed_on(coll.Pending([work], received, what, sent=sent), stream)
 
     def _pool(self) -> BufferPool | None:
-        return self.pool if self.reuse and self.pool.bound else None
+        return self.pool if self.pool.bound else None
 
     def describe(self) -> str:
         """A line for sw.describe: the strategies, the buffers held against their bound, the streams."""
         forms = sorted({strategy.name for strategy in self._strategies.values()}) or ["none yet"]
-        streams = "a side stream (CUDA)" if self.streams is not None else "no streams"
-        return f"{self.pool.describe()}; forms: {', '.join(forms)}; {streams}"
+        return f"{self.pool.describe()}; forms: {', '.join(forms)}; {self.api.name}"

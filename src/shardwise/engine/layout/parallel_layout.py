@@ -38,12 +38,13 @@ features in one subpackage; the issues that build them are held to this page.
     `free`, `kept_grads`) and the step driver's `no_sync` (schedule/driver.py). The feature
     lands in pipeline/ (stage construction, schedules, freezing, cache, re-packing), with the
     micro-batch switch as a policy in engine/schedule/; pipeline/ keeps no data-parallel code.
-(c) A stream-overlapped prefetch on a GPU. The gather scheduler (schedule/gather_schedule.py) already
-    issues the next unit's gather ahead of use and lands it before use; on CUDA the collective and its
-    copy-outs run on a comm stream, and `Pending.wait` makes the compute stream wait on the handle's
-    event instead of the host. It lands in engine/comm/ (a stream and an event per handle, buffers
-    reused by a comm context within a stated bound); the scheduler's order and the residency machine
-    (unit/residency.py) are unchanged.
+(c) A stream-overlapped prefetch on a GPU (landed: Note [streams per collective], comm/streams.py). The
+    gather scheduler (schedule/gather_schedule.py) issues the next units' gathers ahead of use (as many as
+    `sw.shard(prefetch=)`) and lands each before use; the collective and its copy-out run on the gathers'
+    stream, and `Pending.wait` makes the compute stream wait on the handle's own event instead of the host.
+    Reduce-scatters and replica all-reduces have streams of their own; buffers are reused by the comm
+    context within a stated bound, each after its last reader's event. The scheduler's order and the
+    residency machine (unit/residency.py) did not change.
 
 Note [pipe dimension]: a pipelined layout is `pipe x replicate x shard`, given as a grid of global ranks
 `grid[stage][replica][shard]` (`ParallelLayout.pipelined`). A rank's *stage* is its place along "pipe";

@@ -9,6 +9,8 @@ steps in progress; the hooks find the watches through the optimizer's parameters
 - before a step: an optimizer still holding a parameter that `shard()` had to replace
   (deferred init, Note [kept parameter objects]) is refused, since it would step tensors
   the model no longer uses and train nothing; so is one holding nothing of any live engine's;
+- before a step: the engine's checks still in flight are settled (zero3's gather tags on a device: Note
+  [tags on the device], gather_tags.py), so a step never applies values computed from a mismatched gather;
 - before a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]); before, not after, so that a step that raised midway, on
@@ -68,8 +70,9 @@ class StepWatch:
     """One engine's side of its optimizers' steps (Note [one step hook]): its units, and the whole-tensor
     steps in progress over its parameters."""
 
-    def __init__(self, units) -> None:
+    def __init__(self, units, before_step=None) -> None:
         self.whole_steps: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
+        self.before_step = before_step  # the engine's checks to settle before any step (Note [one step hook])
         for unit in units:
             for shard, layout in zip(unit.shard_params, unit.layouts):
                 shard._sw_unit, shard._sw_layout, shard._sw_watch = unit, layout, self
@@ -128,6 +131,9 @@ def _before_step(optimizer, args, kwargs) -> None:
     watches = _watches(params)
     if watches:  # any optimizer over shards, one rank's included: a class torch wrapped before shardwise
         guard_step(optimizer)  # (Note [raising step], Note [plain rows step])
+    for watch in watches:  # every engine's checks first: a refused step marks nothing
+        if watch.before_step is not None:
+            watch.before_step()
     for watch in watches:
         watch.mark_stepped(params)
     chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)

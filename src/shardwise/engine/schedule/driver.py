@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_flatten
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
 from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
-from shardwise.engine.schedule.gather_tags import GatherTags
+from shardwise.engine.schedule.gather_tags import make_tags
 from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
@@ -99,8 +99,8 @@ class StepDriver:
         self.agreement = Agreement(units, group)  # Note [agreement rides the traffic]
         # zero3's gathers follow each rank's own forward: tagged, so a rank that ran other units is refused
         # before a gathered value is used (Note [gather tags]); zero1/zero2 re-gather in a fixed order.
-        tags = policy.gather_tags(lambda: GatherTags(units, units[0].mesh.shard_group, self._where_now,
-                                                     self.agreement)) if len(units) > 1 else None  # one: no order
+        tags = policy.gather_tags(lambda: make_tags(units, units[0].mesh.shard_group, self._where_now,
+                                                    self.agreement)) if len(units) > 1 else None  # one: no order
         self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
         self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
         self.sync_grads = True

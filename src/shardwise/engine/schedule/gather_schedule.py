@@ -39,6 +39,11 @@ class GatherScheduler:
                 self.tags.check(unit)
         self.before_landing()
 
+    def settle_tags(self) -> None:
+        """Before an optimizer step: every tag still unchecked compared (Note [tags on the device])."""
+        if self.tags is not None:
+            self.tags.settle()
+
     def reset(self) -> None:
         self.prefetching: dict[int, FlatUnit] = {}  # gathers in flight, in issue order
         self.forward_queue: list[FlatUnit] = []  # units to gather in this forward, fixed order

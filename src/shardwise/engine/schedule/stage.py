@@ -9,7 +9,7 @@ Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under 
 |-------|------------------|--------------------------------|-------------------|
 | zero1 | yes              | yes: reduce-scattered per unit | 1 (re-gathers after a step) |
 | zero2 | yes              | no: reduce-scattered per unit  | 1 |
-| zero3 | no: per use      | no                             | 2 (the current unit and one prefetched) |
+| zero3 | no: per use      | no                             | `prefetch` (default 2: Note [prefetch depth]) |
 
 Each stage is a class: the base answers for zero1/zero2 (full values kept), `Zero3` overrides what
 zero3 does differently (when the full values exist: `needs_gather`, `free`, `storage`, `freshness`),
@@ -185,11 +185,25 @@ class Zero2(StagePolicy):
     name = "zero2"
 
 
+# Note [prefetch depth]: zero3 keeps up to `prefetch` gathers issued ahead of use (sw.shard(prefetch=N), default
+# PREFETCH = 2): while a unit computes, the next two units' gathers are in flight on the gathers' stream (Note
+# [streams per collective], comm/streams.py), in forward and in backward (FSDP2's implicit prefetch keeps one
+# ahead; its `set_modules_to_forward_prefetch` more). Each more costs one unit's full values in memory (the pool's
+# bound and the estimator count 1 + prefetch units beside the root) and buys overlap where one unit's compute is
+# shorter than the next unit's gather (small units, a slow network). 1 gathers the next unit only once this one
+# landed. The order of the gathers is the same on every rank whatever the depth (Note [collective order]).
+PREFETCH = 2
+
+
 class Zero3(StagePolicy):
-    """Full parameters only while used: gathered before, released after (`free`), two gathers in flight."""
+    """Full parameters only while used: gathered before, released after (`free`), `prefetch` gathers in flight."""
 
     name = "zero3"
-    gathers_in_flight = 2
+    gathers_in_flight = PREFETCH
+
+    def __init__(self, prefetch: int | None = None) -> None:
+        if prefetch is not None:
+            self.gathers_in_flight = prefetch
 
     def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
         return OwnShards()  # the all-gather's input, rank-major
@@ -254,8 +268,9 @@ class Zero3(StagePolicy):
         return 0, m * shard
 
     def gathered_bytes(self, c: int, root: int, biggest: int) -> int:
-        """The root (gathered for the whole forward), up to two other units and one more in flight."""
-        return c * root + 3 * c * biggest
+        """The root (gathered for the whole forward), the unit in use and `prefetch` more in flight (Note
+        [prefetch depth])."""
+        return c * root + (1 + self.gathers_in_flight) * c * biggest
 
     def pooled_gathered_bytes(self, c: int, root: int, biggest: int) -> int:
         """All of them: zero3 frees its full values into the pool."""
@@ -268,9 +283,10 @@ class Zero3(StagePolicy):
 _POLICIES = {policy.name: policy for policy in (Zero1, Zero2, Zero3)}
 
 
-def policy_of(strategy: str) -> StagePolicy:
-    """The policy of a zero strategy ("zero1" | "zero2" | "zero3")."""
-    return _POLICIES[strategy]()
+def policy_of(strategy: str, prefetch: int | None = None) -> StagePolicy:
+    """The policy of a zero strategy ("zero1" | "zero2" | "zero3"); `prefetch`: zero3's gathers in flight
+    (None: PREFETCH, Note [prefetch depth])."""
+    return Zero3(prefetch) if strategy == "zero3" else _POLICIES[strategy]()
 
 
 # Note [eager re-gathers]: zero1/zero2 could issue every re-gather at once, or from the optimizer's
