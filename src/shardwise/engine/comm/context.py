@@ -1,6 +1,6 @@
 """An engine's communication context: the strategy of each group, the buffers reused across steps, and the
 streams its collectives run on. Units ask it for a handle and wait on the handle.
-Uses: buffers, collectives, quantize, strategy, streams.
+Uses: buffers, collectives, quantize, small, strategy, streams.
 
 Note [comm context]: every collective a unit issues on the hot path (its gather, its gradient reduce, the
 replica average of a hybrid mesh) goes through one `CommContext`, built by the engine (zero.py) and handed

@@ -23,7 +23,7 @@ small pipeline stage, Note [a stage as one unit] in pipeline/sharded.py): its ga
 one order on every rank, and a forward or a phase only some ranks run differs in the header, which is
 confirmed before a gather lands (Note [agreement rides the traffic]).
 
-`host_waits` counts the times the host thread blocked on tags (tests and bench/tag_cost.py read it): here one
+`host_waits` counts the times the host thread blocked on tags (tests and bench/overhead/tag_cost.py read it): here one
 per tagged gather. On gloo that is cheap, since the host waits for the gather itself there anyway; on a
 device it is a host rendezvous per unit on the GPU's critical path, which Note [tags on the device] removes.
 

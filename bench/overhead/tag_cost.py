@@ -12,8 +12,8 @@ forms in turn on fresh models (same seed); the report gives the median over roun
 step, and the per-round range. On gloo the device form still waits once a step, at the step; on NCCL its waits
 are stream waits and the count is 0 (no host group).
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/tag_cost.py [--rounds 5 --steps 10]
-    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/tag_cost.py --rounds 1 --steps 2 \\
+    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/overhead/tag_cost.py [--rounds 5 --steps 10]
+    python -m torch.distributed.run --standalone --nproc-per-node=2 bench/overhead/tag_cost.py --rounds 1 --steps 2 \\
         --d-model 32 --layers 2   # does it run
 """
 
