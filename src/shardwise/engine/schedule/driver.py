@@ -72,10 +72,10 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
+from shardwise.engine.phase import Clock, Phase
 from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import GatherTags
-from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
 from shardwise.engine.schedule.window import (
