@@ -10,7 +10,7 @@ import torch
 
 import shardwise as sw
 from shardwise.config import ZERO_STRATEGIES, DiskOffload, ShardConfig
-from shardwise.engine.schedule.stage import policy_of
+from shardwise.engine.unit.stage import policy_of
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "shardwise"
 

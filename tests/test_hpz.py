@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import shardwise as sw
 from helpers.parity import check_parity, run_on_rank
 from shardwise.engine import engine_of
-from shardwise.engine.schedule.phase import Phase
+from shardwise.engine.phase import Phase
 from shardwise.errors import ShardwiseError
 from shardwise.models.zoo import ZOO, build
 from shardwise.testing import global_batch, make_optimizer, rank_slice

@@ -292,3 +292,79 @@ def test_the_folder_rule_holds_outside_the_engine_too(tmp_path):
     for number in range(13):
         (folder / f"m{number}.py").write_text("")
     assert shape_problems(tmp_path) == [f"{folder}: 13 modules in one folder (at most 12: split by concept)"]
+
+
+# Issue 57: inside a package, its subpackages stand in an order, lowest first, and a module imports only from its
+# own entry or a lower one. An entry names a subpackage or a module directly in the package; a tuple holds peers,
+# which may import each other (a cycle is still caught above). Every child of a listed package must be placed, so a
+# new one is put somewhere on purpose.
+SUBPACKAGE_ORDER = {
+    "shardwise.engine": [
+        ("compat", "guards", "phase"),  # torch's internals, the copy guard, the engine's clock: nothing of the engine
+        "protocol",  # what the layers above may ask of an engine
+        "layout",  # ranks, rows, groups
+        "comm",  # the collectives
+        "memory",  # precision, offload, host copies
+        "unit",  # a unit's shards, full views, lifecycle, gradients and stage policy
+        "schedule",  # the window, the order of gathers and reduces, the agreement
+        "optim",  # the optimizer's side
+        "init",  # set-up: a model's units built, deferred init replayed
+        ("state_dict", "describe", "ddp"),  # the user-facing views; torch's DDP
+        "zero",  # the zero engine: builds all of the above
+        "api",  # shard()
+    ],
+    "shardwise.checkpoint": [
+        "format",  # what a checkpoint is on disk, and its checks
+        "write",  # a save
+        "read",  # a load
+        "interop",  # exports, DCP, the offline tools
+    ],
+}
+
+
+def _child(package: str, module: str) -> str | None:
+    """The entry of `package` (a subpackage or module directly in it) that holds `module`; None for the package."""
+    return module[len(package) + 1:].split(".")[0] if module.startswith(package + ".") else None
+
+
+def order_problems(root: Path = SRC, order: dict[str, list] = SUBPACKAGE_ORDER) -> list[str]:
+    """Every import from a lower subpackage to a higher one of a package in `order`, and every child it omits."""
+    files = module_files(root)
+    problems = []
+    for package, entries in order.items():
+        rank = {name: i for i, entry in enumerate(entries) for name in ((entry,) if isinstance(entry, str) else entry)}
+        children = {_child(package, name) for name in files} - {None}
+        problems += [f"{package}.{child}: not in SUBPACKAGE_ORDER (place it among {package}'s subpackages)"
+                     for child in sorted(children - set(rank))]
+        for name, path in files.items():
+            mine = _child(package, name)
+            for target in sorted(imports_of(name, path, set(files))):
+                theirs = _child(package, target)
+                if mine in rank and theirs in rank and rank[theirs] > rank[mine]:
+                    problems.append(f"{name} imports {target}: {package}.{mine} sits below {package}.{theirs} "
+                                    "(move what it needs down to where it belongs)")
+    return problems
+
+
+def test_subpackages_import_only_lower_ones():
+    """Catches an import that runs back up between a package's subpackages (unit/ importing the stage policies
+    from schedule/ while schedule/ imports unit/, memory/ asking optim/), and a new subpackage nobody placed."""
+    assert order_problems() == []
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"shardwise/engine/low/a.py": "from shardwise.engine.high import b\n", "shardwise/engine/high/b.py": ""},
+     "shardwise.engine.low.a imports shardwise.engine.high.b: shardwise.engine.low sits below shardwise.engine.high"),
+    ({"shardwise/engine/low/a.py": "def f():\n    from shardwise.engine.high.b import g\n",
+      "shardwise/engine/high/b.py": "g = 1\n"}, "shardwise.engine.low.a imports shardwise.engine.high.b"),
+    ({"shardwise/engine/new/a.py": ""}, "shardwise.engine.new: not in SUBPACKAGE_ORDER"),
+])
+def test_the_order_checker_sees_each_problem(tmp_path, files, expected):
+    """Catches an order checker that cannot fail: an import up (at the top and inside a function), a child unplaced."""
+    files = {"shardwise/__init__.py": "", "shardwise/engine/__init__.py": "", "shardwise/engine/low/__init__.py": "",
+             "shardwise/engine/high/__init__.py": "", **files}
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    problems = order_problems(tmp_path, {"shardwise.engine": ["low", "high"]})
+    assert any(expected in problem for problem in problems), problems

@@ -52,7 +52,7 @@ def test_a_deferred_pipeline_materializes_its_stage_only_and_matches_one_process
     at ws 4, the tied GPT built under sw.deferred_init(), zero3, 3 AdamW steps under 1F1B with 4
     micro-batches equal the eagerly built one-process run (fp32 1e-5 / 1e-6); every parameter outside a
     rank's stage is still on the meta device."""
-    strategies = ["zero3"]  # zero1 and zero2 take the same replay (engine/unit/sharding.py)
+    strategies = ["zero3"]  # zero1 and zero2 take the same replay (engine/init/sharding.py)
     reports = ranks.run(_deferred_on_rank, 4, strategies, timeout=180)
     reference = reference_run(2, num_homes=4, steps=STEPS)
     for rank, per_strategy in enumerate(reports):

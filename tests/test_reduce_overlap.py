@@ -1,7 +1,7 @@
 """When each unit's gradient reduce is issued, counted against backward's own hooks: every stage, zero1
 included, issues a unit's reduce as that unit's gradients are complete (its `post_backward`), so the reduce
 overlaps the rest of backward, and the step moves the same reduce bytes at every stage (Note [stages],
-schedule/stage.py). Events, not times: this host's timings are noise under load."""
+unit/stage.py). Events, not times: this host's timings are noise under load."""
 
 import pytest
 import torch

@@ -87,7 +87,7 @@ def shard(
     `prefetch` (zero3): how many units' all-gathers are kept issued ahead of use, each on the gathers' own
     stream (default 2; 1 issues the next only once this one landed); each more holds one more unit's full
     parameters and buys overlap where a unit computes faster than the next one gathers. The result is
-    unchanged. Note [prefetch depth] in engine/schedule/stage.py.
+    unchanged. Note [prefetch depth] in engine/unit/stage.py.
     The option rules live in `shardwise.config.ShardConfig`.
     """
     config = ShardConfig.of(strategy, precision=precision, offload=offload,

@@ -3,7 +3,7 @@
 precision, protocol, quantize, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
 sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
-`ZeroEngine` builds, in this order: the layout (Note [mesh info]), the units (unit/sharding.py), the
+`ZeroEngine` builds, in this order: the layout (Note [mesh info]), the units (init/sharding.py), the
 step hooks' watch (Note [one step hook]), the state-dict hooks (Note [state dict]) and the step driver
 (schedule/driver.py), which then runs every forward and backward; what the layers above may ask of it is
 the `Engine` protocol (protocol.py).
@@ -19,20 +19,20 @@ from shardwise.config import ShardConfig
 from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.comm.context import CommContext
 from shardwise.engine.comm.quantize import wire_buffer_bytes
+from shardwise.engine.init.sharding import shard_units
 from shardwise.engine.layout.groups import host_group_of, new_node_group, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import StepWatch
+from shardwise.engine.phase import Clock
 from shardwise.engine.protocol import Engine, slicing_of
 from shardwise.engine.schedule.consistency import check_same_model_on_every_rank, layout_words
 from shardwise.engine.schedule.driver import StepDriver
-from shardwise.engine.schedule.phase import Clock
-from shardwise.engine.schedule.stage import policy_of
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit.info import ShardInfo, module_paths, units_shard_info
 from shardwise.engine.unit.residency import Residents
-from shardwise.engine.unit.sharding import shard_units
+from shardwise.engine.unit.stage import policy_of
 from shardwise.engine.unit.unit_choice import names_the_root, warn_if_root_holds_most
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError

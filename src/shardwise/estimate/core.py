@@ -94,7 +94,7 @@ from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.comm.quantize import wire_buffer_bytes
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
-from shardwise.engine.schedule.stage import policy_of
+from shardwise.engine.unit.stage import policy_of
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.comm_options import gather_note, secondary_bytes

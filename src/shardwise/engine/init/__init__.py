@@ -1,5 +1,6 @@
-"""Deferred (meta-device) initialization: a model built without memory, materialized one unit
-at a time by `shard()`.
+"""Set-up: a model's parameters turned into units of shards, one unit at a time, and deferred
+(meta-device) initialization, a model built without memory and materialized by `shard()`.
 
-Read: deferred.py.
+Read in this order: sharding.py (the units built; eager values from rank 0 or the init replayed) →
+deferred.py (recording and replaying a model's init).
 """

@@ -34,7 +34,7 @@ features in one subpackage; the issues that build them are held to this page.
     data-parallel ranks: this object gains the "pipe" dimension (its group made in groups.py like
     every other), and each stage's `replicate x shard` part is `ParallelLayout.of_mesh(mesh["replicate",
     "shard"], ...)` over the stage's ranks. What a schedule flips per micro-batch (keep full values across
-    the micro-batches of a step, reduce once per step) is a stage policy's answer (schedule/stage.py:
+    the micro-batches of a step, reduce once per step) is a stage policy's answer (unit/stage.py:
     `free`, `kept_grads`) and the step driver's `no_sync` (schedule/driver.py). The feature
     lands in pipeline/ (stage construction, schedules, freezing, cache, re-packing), with the
     micro-batch switch as a policy in engine/schedule/; pipeline/ keeps no data-parallel code.

@@ -1,5 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
-Uses: compat, protocol, small, step_in_backward.
+Uses: compat, protocol, small.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_map
 
 from shardwise.engine.comm.small import all_reduce_max
 from shardwise.engine.compat import plain_tensors, unwrap_compiled
-from shardwise.engine.optim.step_in_backward import NO_SCALING, steps_in_backward
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 
@@ -35,6 +34,12 @@ def cast_floating_inputs(dtype: torch.dtype):
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook
+
+
+# Raised by both sides: a loss scaler refuses a model stepped in backward, and sw.optimizer_in_backward a scaled one.
+NO_SCALING = ("sw.optimizer_in_backward with a loss scaler: each unit is stepped during backward, before "
+               "the scaler could unscale its gradients or skip an overflowing step. Use precision='bf16' or "
+               "'fp32' without a scaler, or no optimizer_in_backward.")
 
 
 class LossScaler:
@@ -57,7 +62,7 @@ class LossScaler:
         self.group = engine.group if engine is not None else None
         if slicing_of(model) is not None:  # sliced (sw.slice): tensor ranks hold other
             self.group = None  # gradients than their data group's, so the whole mesh (the world) agrees
-        if steps_in_backward(model):
+        if engine is not None and engine.steps_in_backward():
             raise ShardwiseError(NO_SCALING)
         model._sw_loss_scaler = True  # read by sw.optimizer_in_backward, which refuses it
         self.model = model

@@ -1,6 +1,6 @@
 """`sw.optimizer_in_backward(model, optimizer)`: each unit's shards are stepped as soon as their
 gradient is reduced, and the gradient is dropped at once.
-Uses: compat, protocol, whole_step.
+Uses: compat, precision, protocol, whole_step.
 
 Note [optimizer in backward]: a zero model holds, per parameter and rank, 4/N bytes of values,
 8/N of AdamW moments and 4/N of gradient, and all three live together from the end of backward
@@ -29,13 +29,10 @@ import torch
 from torch import nn
 
 from shardwise.engine.compat import unwrap_compiled
+from shardwise.engine.memory.precision import NO_SCALING
 from shardwise.engine.optim.whole_step import StepShape, step_shape
 from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
-
-NO_SCALING = ("sw.optimizer_in_backward with a loss scaler: each unit is stepped during backward, before "
-               "the scaler could unscale its gradients or skip an overflowing step. Use precision='bf16' or "
-               "'fp32' without a scaler, or no optimizer_in_backward.")
 
 
 class UnitStepper:

@@ -16,7 +16,8 @@ The hooks, in FSDP2's verbs (a unit's states are residency.py's Note [unit lifec
 - finalize_backward: `_finalize_backward`: reduce what is left in the fixed order, wait for
   every reduce, reinstall the shards.
 
-Notes [unit window], [aborted backward], [one backward at a time], [gradients of inputs]: window.py.
+Notes [unit window], [window states], [aborted backward], [one backward at a time], [gradients of inputs]:
+window.py (the window's states and their transitions are there, in `Window.move`).
 Note [outer calls]: a unit, or a module of the root unit (an embedding, a final norm, T5's
 encoder that `generate()` calls by itself), may be called outside the model's forward. The
 outermost hooked module called then opens a pass as the model's forward would: the same header
@@ -62,7 +63,6 @@ unused by every rank and branches inside a unit may still differ.
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from functools import partial
 
@@ -71,21 +71,14 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
+from shardwise.engine.compat import outside_graph, queue_backward_callback
+from shardwise.engine.phase import Clock, Phase
 from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import make_tags
-from shardwise.engine.schedule.phase import Clock, Phase
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
-from shardwise.engine.schedule.window import (
-    GatherUnit,
-    StepState,
-    Use,
-    in_backward,
-    in_grad_call,
-    refuse_nested_backward,
-)
+from shardwise.engine.schedule.window import Window, WindowState, in_backward, in_grad_call, refuse_nested_backward
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.engine.unit.units import root_scope_modules
 
@@ -108,11 +101,11 @@ class StepDriver:
         self.num_forwards = 0  # root forwards, counted in every header
         self.forward_order: list[int] = []  # units in the order the last forward used them
         self.prefetch_order: list[FlatUnit] = list(units)  # alike on every rank (_begin_forward)
-        self.step = StepState()
+        self.window = Window(clock)  # Note [window states]
 
     def _where_now(self) -> tuple[int, int, list[int]]:
         """For zero3's gather tags (Note [gather tags]): forwards so far, forward (0) or backward (1), units run."""
-        return self.num_forwards, int(self.clock.phase is Phase.BACKWARD), self.step.order
+        return self.num_forwards, int(self.clock.phase is Phase.BACKWARD), self.window.order
 
     def install(self, model: nn.Module, checkpoint_activations: bool) -> None:
         """Register the hooks on the units' modules and on the root unit's own modules (Note [outer calls])."""
@@ -133,7 +126,7 @@ class StepDriver:
         if in_backward():  # Note [recompute] (recompute.py)
             self.prepare_recompute(unit)
             return
-        if not self.step.open_units:  # the outermost call: the root's forward, or Note [outer calls]
+        if not self.window.open_units:  # the outermost call: the root's forward, or Note [outer calls]
             self._begin_forward()
             if unit is not self.root:
                 self._open_outer_call(module)
@@ -144,31 +137,31 @@ class StepDriver:
         if in_backward():  # a recompute: the forward's own hooks already did this
             return output
         self._close_unit(unit, args, output)
-        if self.step.outer_call is module:
+        if self.window.outer_call is module:
             self._close_unit(self.root, args, output)
         return output
 
     def root_scope_pre_forward(self, module, args) -> None:
         """A module of the root unit called outside the model's forward (Note [outer calls])."""
-        if not self.step.open_units and not in_backward():
+        if not self.window.open_units and not in_backward():
             self._begin_forward()
             self._open_outer_call(module)
 
     def root_scope_post_forward(self, module, args, output):
-        if self.step.outer_call is module and not in_backward():
+        if self.window.outer_call is module and not in_backward():
             self._close_unit(self.root, args, output)
         return output
 
     def _open_outer_call(self, module: nn.Module) -> None:
-        self.step.outer_call = module
+        self.window.outer_call = module
         self._open_unit(self.root)
 
     def _open_unit(self, unit: FlatUnit) -> None:
-        self.step.open_units.append(unit)
+        self.window.open_units.append(unit)
         self._enter_unit(unit)
 
     def _close_unit(self, unit: FlatUnit, args, output) -> None:
-        self.step.open_units.pop()
+        self.window.open_units.pop()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
@@ -180,16 +173,16 @@ class StepDriver:
                 if inputs:
                     register_multi_grad_hook(inputs, lambda grads: self._frozen_backward_done(unit), mode="all")
         if unit is self.root:
-            self.step.outer_call = None
+            self.window.outer_call = None
             self._end_forward()
 
     def prepare_recompute(self, unit: FlatUnit) -> None:
         """Note [recompute]: the unit's full values present and registered, nothing else."""
-        refuse_nested_backward(self.step, recompute=True)
+        refuse_nested_backward(self.window, recompute=True)
         self._ensure_gathered(unit, self.gathers.backward_queue)
         if self.holding:  # Note [micro-batches keep their gathers]
             unit.pin()
-        fulls = self.step.fulls.get(id(unit))
+        fulls = self.window.fulls.get(id(unit))
         if fulls is None:  # the window closed after an earlier backward: leaves that, like the
             # forward's views, require grad, so the recompute saves what the forward saved
             fulls = [view.detach().requires_grad_(shard.requires_grad)
@@ -197,18 +190,14 @@ class StepDriver:
         unit.install_full(list(fulls))
 
     def _begin_forward(self) -> None:
-        if self.step.callback_queued and not self._backward_possible():
+        if self.window.state is WindowState.BACKWARD:
             # Note [aborted backward]: a backward started and raised before its end; its partial
             # gradients are dropped (the user skips such a step), and the reduce order restarts.
             self.reducer.abandon()
             self._close_window()
-        elif self.step.in_window and not self._backward_possible():
-            self._close_window()  # evaluation or a dropped loss: no backward can come
         for unit in self.units:  # hpZ: a chunk serves only the forward that cut it (Note [secondary shards])
             unit.drop_secondary()
-        self.step.in_window = True
-        self.step.pass_uses, self.step.order = {}, []
-        self.clock.enter(Phase.FORWARD)
+        self.window.open_or_join(self.units)  # Note [window states]
         self.num_forwards += 1
         # zero3 prefetches in the last forward's order once every rank's header reported it (registration
         # order otherwise): forward gathers in that order, backward gathers in its reverse.
@@ -224,59 +213,45 @@ class StepDriver:
             if any(unit.written() for unit in queue):  # only the writers know: agreed before re-gathering
                 self.agreement.confirm()
 
-    def _backward_possible(self) -> bool:
-        self.step.uses = [use for use in self.step.uses if use() is not None]
-        return bool(self.step.uses)
-
     def _enter_unit(self, unit: FlatUnit) -> None:
         self._ensure_gathered(unit)
         if self.holding:  # Note [micro-batches keep their gathers]
             unit.pin()
-        if id(unit) not in self.step.order:
-            self.step.order.append(id(unit))
-        trainable = [unit.shard_params[i] for i in unit.trainable()]
+        if id(unit) not in self.window.order:
+            self.window.order.append(id(unit))
+        trainable = unit.trainable()
         # Installed on every use: a use under no_grad and one with grad may alternate in one pass.
         if trainable and torch.is_grad_enabled():
-            if id(unit) not in self.step.fulls:
-                self.step.fulls[id(unit)] = GatherUnit.apply(self, unit, *trainable)
-            uses = self.step.pass_uses.get(id(unit))
-            if uses is None:
-                uses = self.step.pass_uses[id(unit)] = Use.apply(*self.step.fulls[id(unit)])
-                node = next(use.grad_fn for use in uses if use.grad_fn is not None)
-                self.step.uses.append(weakref.ref(node))
-            unit.install_full(list(uses))
-        elif id(unit) in self.step.fulls:
-            unit.install_full(list(self.step.fulls[id(unit)]))
+            unit.install_full(list(self.window.gather_unit(self, unit, trainable)))
+        elif id(unit) in self.window.fulls:
+            unit.install_full(list(self.window.fulls[id(unit)]))
         else:  # nothing to differentiate (frozen, or no grad): plain fresh views
             unit.install_full([view.view(view.shape) for view in unit.full_views])
-        self.policy.after_use(self.gathers, unit, self.step.open_units)
+        self.policy.after_use(self.gathers, unit, self.window.open_units)
         self.gathers.issue(self.gathers.forward_queue)
 
     def _end_forward(self) -> None:
         self.gathers.drain(self.gathers.forward_queue)  # units this rank did not run still take their gather
         self.agreement.confirm()
-        for unit in self.units:  # the window's views, not this pass's Use outputs (Note [unit window])
-            if id(unit) in self.step.fulls and self.policy.holds_full(unit):
-                unit.install_full(list(self.step.fulls[id(unit)]))
-        self.step.pass_uses = {}  # only this pass's graph may keep its Use nodes alive
-        backward_possible = self._backward_possible()
-        if self.step.order:
-            self.forward_order = self.step.order
-        self.policy.after_forward(self.gathers, self.units, self.prefetch_order, self.step.open_units)
-        if not backward_possible:
+        for unit in self.units:  # the window's views, not plain ones a use under no_grad left (Note [unit window])
+            if id(unit) in self.window.fulls and self.policy.holds_full(unit):
+                unit.install_full(list(self.window.fulls[id(unit)]))
+        if self.window.order:
+            self.forward_order = self.window.order
+        self.policy.after_forward(self.gathers, self.units, self.prefetch_order, self.window.open_units)
+        if self.window.fulls:  # a graph holds the window's views: a backward may come (Note [window states])
+            self.window.move(WindowState.OPEN)
+        else:  # every use under no_grad or frozen: nothing to backward
             self._close_window()
 
     def _ensure_gathered(self, unit: FlatUnit, queue: list[FlatUnit] | None = None) -> None:
         queue = self.gathers.forward_queue if queue is None else queue
-        self.gathers.ensure_gathered(unit, queue, self.step.open_units)
+        self.gathers.ensure_gathered(unit, queue, self.window.open_units)
 
     # ---- backward ----------------------------------------------------------------
 
     def _queue_finalize(self) -> None:
-        if not self.step.callback_queued:
-            self.step.callback_queued = True
-            self.step.graph_task = graph_task_id()
-            self.clock.enter(Phase.BACKWARD)
+        if self.window.enter_backward():  # the backward's first hook (Note [window states])
             if self._backward_communicates():  # a header first
                 self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
@@ -290,30 +265,29 @@ class StepDriver:
         if self.sync_grads or not self.holding:
             return True
         by_id = {id(unit): unit for unit in self.units}
-        return any(by_id[key].needs_gather() for key in self.step.order)
+        return any(by_id[key].needs_gather() for key in self.window.order)
 
     def _pre_backward(self, unit: FlatUnit) -> None:
         if in_grad_call(unit):  # Note [gradients of inputs] (window.py): not the step's backward
             unit.pin()
             return self._ensure_gathered(unit, [])
         self._queue_finalize()
-        refuse_nested_backward(self.step)
         self._ensure_gathered(unit, self.gathers.backward_queue)
         if self.holding:  # Note [micro-batches keep their gathers]
             unit.pin()
-        if id(unit) in self.step.fulls:  # free() registered the shards; a recompute inside reads these
-            unit.install_full(list(self.step.fulls[id(unit)]))
+        if id(unit) in self.window.fulls:  # free() registered the shards; a recompute inside reads these
+            unit.install_full(list(self.window.fulls[id(unit)]))
         self.gathers.issue(self.gathers.backward_queue)  # prefetch the next one
 
     def _frozen_backward_done(self, unit: FlatUnit) -> None:
         """Note [frozen units]: a frozen zero3 unit's backward is done; free it like post_backward."""
-        if not any(unit is u for u in self.step.open_units):
+        if not any(unit is u for u in self.window.open_units):
             unit.free()
 
     def post_backward(self, unit: FlatUnit, grads: list) -> None:
         """All uses of `unit` in this backward have their gradients: reduce or accumulate them."""
         self._queue_finalize()  # also for a graph that reached no unit output hook
-        refuse_nested_backward(self.step)
+        self.window.reduce_once(unit)  # two windows' graphs in one backward: refused (Note [window states])
         if unit is not self.root:
             # Every use's backward has run: the full values are no longer needed. Freed before
             # the reduce packs the gradients, so the two are never held together (one unit's
@@ -350,9 +324,8 @@ class StepDriver:
             unit.install_shards()
             unit.free(unpin=release or not self.holding)
             unit.drop_secondary()  # hpZ: never read across a step (Note [secondary shards])
-        self.step = StepState()
+        self.window.move(WindowState.CLOSED)
         self.gathers.reset()
-        self.clock.enter(Phase.BETWEEN_STEPS)
 
     @contextmanager
     def keep_gathered(self):
@@ -363,7 +336,7 @@ class StepDriver:
             yield
         finally:
             self.holding = previous
-            if not previous and not self.step.in_window:  # else the window's end releases them
+            if not previous and self.window.state is WindowState.CLOSED:  # else the window's end releases them
                 for unit in self.units:
                     unit.free(unpin=True)
 

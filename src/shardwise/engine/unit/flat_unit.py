@@ -34,11 +34,11 @@ from shardwise.config import MixedPrecision
 from shardwise.engine.comm.context import CommContext
 from shardwise.engine.compat import compute_device, plain_tensors, preserve_version_counter
 from shardwise.engine.layout.parallel_layout import ParallelLayout
-from shardwise.engine.layout.param_layout import ParamLayout, lay_out
-from shardwise.engine.schedule.phase import Clock, Phase
-from shardwise.engine.schedule.stage import StagePolicy
+from shardwise.engine.phase import Clock, Phase
+from shardwise.engine.unit.param_layout import ParamLayout, lay_out
 from shardwise.engine.unit.residency import Residence, Residency, Residents
 from shardwise.engine.unit.shard_param import make_shard
+from shardwise.engine.unit.stage import StagePolicy
 from shardwise.engine.unit.unit_grads import UnitGrads
 from shardwise.engine.unit.units import UnitPlan
 from shardwise.errors import ShardwiseError

@@ -14,11 +14,11 @@ from shardwise.config import ShardConfig
 from shardwise.engine.init.deferred import is_deferred, meta_buffers, record, replay, set_buffer
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import DiskStore, register_offloaded
+from shardwise.engine.phase import Clock
 from shardwise.engine.schedule.consistency import broadcast_from_rank0
-from shardwise.engine.schedule.phase import Clock
-from shardwise.engine.schedule.stage import StagePolicy
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.engine.unit.residency import Residents
+from shardwise.engine.unit.stage import StagePolicy
 from shardwise.engine.unit.units import UnitPlan
 
 
