@@ -3,7 +3,8 @@ together (the stage policy picks one, stage.py): `AliasedShards` (zero1/zero2 at
 *is* its rows of the kept full buffer), `OwnShards` (zero3: a rank-major `shard_flat`, the all-gather's
 input) and `OwnShardsKeptFull` (zero1/zero2 with a lower compute dtype: the fp32 master rows need
 storage of their own, and the kept full values are their cast). Each is asked by its unit
-(flat_unit.FlatUnit), never tested for. Uses: nothing of the engine.
+(flat_unit.FlatUnit), never tested for; offload="host" adds two more whose rows live in host memory
+(memory/host_offload.py, Note [host offload]). Uses: nothing of the engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,22 @@ def _fill_full(unit, originals: list[Tensor | None]) -> None:
             view.copy_(original.detach())
 
 
-class AliasedShards:
+class MasterStorage:
+    """What every storage answers beside its rows: the gradients' home and the host's copies (none here)."""
+
+    # zero1: a shard's gradient may be a view of its rows of the kept full gradients (unit_grads.py)
+    grads_in_kept = True
+    host = None  # offload="host": the engine's HostCopies (Note [host offload])
+
+    def grad_rows(self, unit, rows: Tensor, blocking: bool) -> Tensor:
+        """A parameter's averaged gradient rows where its master rows live: here, where they landed."""
+        return rows
+
+    def synchronize(self) -> None:
+        """Before the host reads the gradient rows: nothing is in flight here."""
+
+
+class AliasedShards(MasterStorage):
     """The shards are views of this rank's rows of `full_flat`: the optimizer updates the full buffer in
     place and no separate copy exists."""
 
@@ -46,15 +62,19 @@ class AliasedShards:
         return [unit.own_rows(unit.full_flat, unit.layouts[i]).detach() for i in indices]
 
 
-class OwnShards:
-    """The shards live in one rank-major `shard_flat` (memory-mapped under offload)."""
+class OwnShards(MasterStorage):
+    """The shards live in one rank-major `shard_flat` (memory-mapped under disk offload)."""
 
     own_in_place = False
     whole_in_full_view = False
 
-    def take(self, unit, originals: list[Tensor | None]) -> list[Tensor]:
-        unit.shard_flat = unit.store.zeros(unit.shard_total, unit.dtype) if unit.store is not None \
+    def new_flat(self, unit) -> Tensor:
+        """Zeroed memory for this rank's rows of every parameter."""
+        return unit.store.zeros(unit.shard_total, unit.dtype) if unit.store is not None \
             else torch.zeros(unit.shard_total, dtype=unit.dtype, device=unit.device)
+
+    def take(self, unit, originals: list[Tensor | None]) -> list[Tensor]:
+        unit.shard_flat = self.new_flat(unit)
         for layout, original in zip(unit.layouts, originals):
             if original is not None:
                 unit.shard_segment(layout).copy_(unit.mesh.own_chunk(original, layout.shard_numel))
