@@ -9,6 +9,7 @@ import torch
 from helpers.ckpt_ranks import load_then_continue, save_then_continue
 from helpers.host_offload import (
     copy_order,
+    fused_adamw_run,
     muon_step_under_host_offload,
     split_after_steps,
     step_in_backward,
@@ -113,15 +114,28 @@ def test_optimizer_in_backward_steps_host_rows(ranks, strategy):
                  prepare=step_in_backward)
 
 
-@pytest.mark.parametrize("strategy, precision", [("zero1", "bf16"), ("zero3", "bf16"), ("zero2", "fp32")])
-def test_host_offload_changes_no_bit(ranks, strategy, precision):
+@pytest.mark.parametrize("strategy, options", [
+    ("zero1", {"precision": "bf16"}), ("zero3", {"precision": "bf16"}), ("zero2", {}),
+    ("zero3", {"compression": {"gather": "int8", "reduce": "int8"}, "prefetch": 1})])
+def test_host_offload_changes_no_bit(ranks, strategy, options):
     """Catches host offload changing the arithmetic (a cast before the copy where the engine casts after, the step
-    reading gradients in another dtype, a clip norm over other tensors): losses, grad norms and parameters bitwise
-    those of the same strategy without offload, with accumulation and clipping."""
+    reading gradients in another dtype, a clip norm over other tensors, quantized gathers fed other rows): losses,
+    grad norms and parameters bitwise those of the same options without offload, with accumulation and clipping."""
     configs = [(2, 0.5)]
-    runs = [ranks.run(run_on_rank, 2, strategy, "gpt", configs, 3, 8, 0, {"precision": precision, **extra})
+    runs = [ranks.run(run_on_rank, 2, strategy, "gpt", configs, 3, 8, 0, {**options, **extra})
             for extra in ({}, {"offload": "host"})]
     for plain, offloaded in zip(*runs):
         assert plain[0].losses == offloaded[0].losses and plain[0].grad_norms == offloaded[0].grad_norms
         for name, value in plain[0].params.items():
             assert torch.equal(offloaded[0].params[name], value), name
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_torch_fused_cpu_adamw_steps_host_rows(ranks, strategy):
+    """Catches host rows that torch's fused AdamW kernel (`fused=True`, its fast CPU step) cannot step or steps
+    apart from the same kernel without offload (a view it refuses, state on another device, a skipped clip)."""
+    plain, offloaded = (ranks.run(fused_adamw_run, 2, strategy, offload) for offload in (None, "host"))
+    for mine, theirs in zip(plain, offloaded):
+        assert mine["losses"] == theirs["losses"]
+        for name, value in mine["params"].items():
+            assert torch.equal(theirs["params"][name], value), name

@@ -76,3 +76,25 @@ def copy_order(strategy: str) -> dict:
 def step_in_backward(model, optimizer) -> None:
     """check_parity's `prepare`: sw.optimizer_in_backward (Note [optimizer in backward])."""
     sw.optimizer_in_backward(model, optimizer)
+
+
+def fused_adamw_run(strategy: str, offload) -> dict:
+    """Three steps of the zoo GPT under `strategy` with torch's fused AdamW (`fused=True`: its CPU kernel, the
+    fast CPU Adam torch itself ships) and `offload`: the losses and the full parameters."""
+    from shardwise.models.zoo import ZOO, build
+    from shardwise.testing import forward_passes, global_batch, rank_slice
+
+    spec, rank, world = ZOO["gpt"], dist.get_rank(), dist.get_world_size()
+    model = build("gpt", 0)
+    sw.shard(model, strategy=strategy, units=spec.unit_class, offload=offload)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    losses = []
+    for step in range(3):
+        x, y = rank_slice(global_batch(spec, step, 8), rank, world)
+        loss = forward_passes(model, spec, x, y)
+        loss.backward()
+        sw.clip_grad_norm_(model, 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": sw.full_parameters(model)}

@@ -35,7 +35,7 @@ def install_state_dict_hooks(model: nn.Module, engine) -> None:
     def to_dtensors(module, state_dict, prefix, local_metadata):
         for key, info in names_and_infos(prefix):
             if key in state_dict:
-                state_dict[key] = as_dtensor(info.param, info, info.param.device.type)  # host rows: Note [host offload]
+                state_dict[key] = as_dtensor(info.param, info, engine.root.device.type)
 
     def from_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs):

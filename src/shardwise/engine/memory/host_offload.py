@@ -7,11 +7,15 @@ autograd makes. Here:
 
 - Master rows. Each unit's fp32 rows of this rank live in one host `shard_flat` (pinned where the compute
   device is an accelerator), and the registered parameters are views of it, so the user's ordinary torch
-  optimizer steps host tensors: its state is created on the host by torch itself, its step runs on the CPU
-  (torch's own kernels: the fast CPU Adams in the field are DeepSpeed's `DeepSpeedCPUAdam`, a C++ op built
-  for the installed CUDA, which is not built here, and torchao's, whose CPU step is torch's; neither is
-  needed for exactness). `HostRows` (zero3) and `HostRowsKeptFull` (zero1/zero2, whose full values stay
-  on the device) are the unit's storage (shard_storage.py), chosen by the stage's policy (stage.py).
+  optimizer steps host tensors: its state is created on the host by torch itself, its step runs on the CPU.
+  The fast CPU Adam is torch's own: `torch.optim.AdamW(..., fused=True)` has a fused CPU kernel (torch
+  >= 2.4), steps host rows like any row optimizer and needs nothing installed (tests/test_host_offload.py:
+  bitwise the same kernel without offload). DeepSpeed 0.19.8's `DeepSpeedCPUAdam` does build here without
+  a GPU (`DS_ACCELERATOR=cpu`: a C++ op compiled on first use, 11 minutes on this 2-core host) and lands
+  6e-7 from torch's AdamW after 3 steps (its own arithmetic); shardwise does not know its class, so it
+  would be stepped on whole tensors (Note [whole-tensor step]), which offload="host" refuses.
+- `HostRows` (zero3) and `HostRowsKeptFull` (zero1/zero2, whose full values stay on the device) are the
+  unit's storage (shard_storage.py), chosen by the stage's policy (stage.py).
 - Host -> device. A gather's input, this rank's rows, is copied to the device on a copy stream of its
   own and cast there to the compute dtype (as FSDP2 copies then casts), and the gathers' stream waits for
   that copy's event only (Note [streams per collective]): the next unit's copy runs while this unit
@@ -33,7 +37,14 @@ Device choices, all of them (Note [one device path], streams.py):
   one, and a CPU run copies host to host.
 - The copy streams come from the engine's device API (`unit.comm.api`): on a CPU device they are the
   host's order, where the copies run at once and every wait is a no-op, so the same code runs on this host.
-- The state-dict's DTensors take the shards' own device (state_dict.py), here the host's.
+- The state-dict's DTensors keep the compute device's mesh over local rows in host memory (state_dict.py
+  unchanged), as FSDP2's CPU offload keeps its sharded DTensors.
+
+What a GPU run needs beyond this module (never run on one; the lead's list, outside memory/):
+- `sw.clip_grad_norm_` and `sw.grad_norms` all-reduce norms of host gradients, which NCCL alone cannot:
+  the process group needs a CPU backend too (`backend="cpu:gloo,cuda:nccl"`, as FSDP2's CPU offload asks),
+  and `CommContext.for_group` / layout/groups.py then read `get_backend` as not "nccl" (a CPU context).
+- checkpoint/dcp.py's DTensors take the first parameter's device type: the host's here.
 
 Where it does not apply (refused with the fix, config.py and optim_hooks.py): ddp (torch's reducer keeps
 everything on the device), disk offload at once (one place per run), an optimizer stepped on whole tensors
