@@ -9,21 +9,22 @@ import torch
 from helpers.ckpt_ranks import load_then_continue, save_then_continue
 from helpers.host_offload import (
     copy_order,
-    fused_adamw_run,
     muon_step_under_host_offload,
     split_after_steps,
     step_in_backward,
+    three_steps,
 )
 from helpers.parity import check_parity, run_on_rank
 from shardwise.testing import RunResult, assert_close_runs
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-@pytest.mark.parametrize("name", ["gpt", "reused_block"])
+@pytest.mark.parametrize("name", ["gpt", "reused_block", "unused_branch"])
 def test_host_offload_equals_one_process(ranks, strategy, name):
     """Catches host rows that the gather does not read (stale full values after a step), gradients copied to the
     host before their reduce landed or added twice (tied and reused parameters, accumulation), a clip that misses
-    the host gradients, or zero1's gradients left in the device's kept rows instead of the host's."""
+    the host gradients, zero1's gradients left in the device's kept rows instead of the host's, or a parameter no
+    rank used given a gradient on the host (unused_branch)."""
     check_parity(ranks, strategy, name, 2, [(1, None), (2, 0.5)], steps=3, shard_kwargs={"offload": "host"})
 
 
@@ -130,11 +131,13 @@ def test_host_offload_changes_no_bit(ranks, strategy, options):
             assert torch.equal(offloaded[0].params[name], value), name
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_torch_fused_cpu_adamw_steps_host_rows(ranks, strategy):
+@pytest.mark.parametrize("strategy, fused, deferred", [("zero1", True, False), ("zero3", True, False),
+                                                       ("zero2", False, True), ("zero3", False, True)])
+def test_fused_adamw_and_deferred_init_under_host_offload(ranks, strategy, fused, deferred):
     """Catches host rows that torch's fused AdamW kernel (`fused=True`, its fast CPU step) cannot step or steps
-    apart from the same kernel without offload (a view it refuses, state on another device, a skipped clip)."""
-    plain, offloaded = (ranks.run(fused_adamw_run, 2, strategy, offload) for offload in (None, "host"))
+    apart from the same kernel without offload (a view it refuses, state on another device, a skipped clip), and
+    a deferred model (sw.deferred_init) whose replayed values miss the host rows: bitwise the run without offload."""
+    plain, offloaded = (ranks.run(three_steps, 2, strategy, offload, fused, deferred) for offload in (None, "host"))
     for mine, theirs in zip(plain, offloaded):
         assert mine["losses"] == theirs["losses"]
         for name, value in mine["params"].items():

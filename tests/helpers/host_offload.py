@@ -78,16 +78,22 @@ def step_in_backward(model, optimizer) -> None:
     sw.optimizer_in_backward(model, optimizer)
 
 
-def fused_adamw_run(strategy: str, offload) -> dict:
-    """Three steps of the zoo GPT under `strategy` with torch's fused AdamW (`fused=True`: its CPU kernel, the
-    fast CPU Adam torch itself ships) and `offload`: the losses and the full parameters."""
+def three_steps(strategy: str, offload, fused: bool = False, deferred: bool = False) -> dict:
+    """Three clipped AdamW steps of the zoo GPT under `strategy` and `offload`: the losses and the full parameters.
+    `fused`: torch's fused AdamW (its CPU kernel, the fast CPU Adam torch itself ships); `deferred`: the model
+    built under sw.deferred_init() (its values replayed into host rows)."""
     from shardwise.models.zoo import ZOO, build
     from shardwise.testing import forward_passes, global_batch, rank_slice
 
     spec, rank, world = ZOO["gpt"], dist.get_rank(), dist.get_world_size()
-    model = build("gpt", 0)
+    if deferred:
+        torch.manual_seed(0)
+        with sw.deferred_init():
+            model = spec.build()
+    else:
+        model = build("gpt", 0)
     sw.shard(model, strategy=strategy, units=spec.unit_class, offload=offload)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     losses = []
     for step in range(3):
         x, y = rank_slice(global_batch(spec, step, 8), rank, world)
