@@ -42,26 +42,28 @@ def test_estimate_splits_device_and_host_within_10_percent(ranks, strategy, prec
         assert "offload='host'" in got["table"], got["table"]
 
 
-# (model, saved by, loaded by), all at 2 ranks: to and from runs without offload, and across stages.
-ROUND_TRIPS = [("gpt", "zero3+host", "zero3"), ("gpt", "zero1", "zero2+host"), ("gpt", "zero2+host", "zero3+host")]
+# (model, saved by, on N ranks, loaded by, on M): to and from runs without offload, across stages, and from a
+# hybrid mesh (2 replicas x 2 shards, Note [mesh info]) whose replica average lands before the rows go to the host.
+ROUND_TRIPS = [("gpt", "zero3+host", 2, "zero3", 2), ("gpt", "zero1", 2, "zero2+host", 2),
+               ("gpt", "zero2+host", 2, "zero3+host", 2), ("gpt", "zero3@2x2+host", 4, "zero2", 2)]
 
 
-@pytest.mark.parametrize("name, a, b", ROUND_TRIPS)
-def test_checkpoint_round_trip_with_and_without_host_offload(ranks, tmp_path, name, a, b):
+@pytest.mark.parametrize("name, a, n, b, m", ROUND_TRIPS)
+def test_checkpoint_round_trip_with_and_without_host_offload(ranks, tmp_path, name, a, n, b, m):
     """Catches a checkpoint of host rows that writes or reads the wrong rows, optimizer state lost or left on the
     wrong device on load, or a load into host rows that the device's kept full values never see (no re-gather):
     the loaded parameters and state equal the saved ones bitwise, and the next 3 steps equal the saving run's,
     bitwise where the stage is the same (offload changes where the values live, never the arithmetic)."""
     path = str(tmp_path / "ckpt")
-    expected = ranks.run(save_then_continue, 2, name, a, path, timeout=120)[0]
-    for rank, got in enumerate(ranks.run(load_then_continue, 2, name, b, path, timeout=120)):
+    expected = ranks.run(save_then_continue, n, name, a, path, timeout=120)[0]
+    for rank, got in enumerate(ranks.run(load_then_continue, m, name, b, path, timeout=120)):
         for pname, value in expected["params"].items():
             assert torch.equal(got["params"][pname], value), (rank, pname)
         for pname, state in expected["optim"].items():
             for key, value in state.items():
                 loaded = torch.as_tensor(got["optim"][pname][key])
                 assert torch.equal(loaded, torch.as_tensor(value)), (rank, pname, key)
-        if a.split("+")[0] == b.split("+")[0]:
+        if (a.split("+")[0], n) == (b.split("+")[0], m):
             assert got["losses"] == expected["losses"], rank
             for pname, value in expected["final"].items():
                 assert torch.equal(got["final"][pname], value), (rank, pname)
@@ -131,13 +133,16 @@ def test_host_offload_changes_no_bit(ranks, strategy, options):
             assert torch.equal(offloaded[0].params[name], value), name
 
 
-@pytest.mark.parametrize("strategy, fused, deferred", [("zero1", True, False), ("zero3", True, False),
-                                                       ("zero2", False, True), ("zero3", False, True)])
-def test_fused_adamw_and_deferred_init_under_host_offload(ranks, strategy, fused, deferred):
+@pytest.mark.parametrize("strategy, world, fused, deferred, options", [
+    ("zero1", 2, True, False, None), ("zero3", 2, True, False, None), ("zero2", 2, False, True, None),
+    ("zero3", 2, False, True, None), ("zero3", 4, False, False, {"reshard_after_forward": 2})])
+def test_fused_adamw_deferred_init_and_hpz_under_host_offload(ranks, strategy, world, fused, deferred, options):
     """Catches host rows that torch's fused AdamW kernel (`fused=True`, its fast CPU step) cannot step or steps
-    apart from the same kernel without offload (a view it refuses, state on another device, a skipped clip), and
-    a deferred model (sw.deferred_init) whose replayed values miss the host rows: bitwise the run without offload."""
-    plain, offloaded = (ranks.run(three_steps, 2, strategy, offload, fused, deferred) for offload in (None, "host"))
+    apart from the same kernel without offload (a view it refuses, state on another device, a skipped clip), a
+    deferred model (sw.deferred_init) whose replayed values miss the host rows, and hpZ's in-node re-gather
+    (reshard_after_forward=2) reading other rows than forward did: bitwise the run without offload."""
+    plain, offloaded = (ranks.run(three_steps, world, strategy, offload, fused, deferred, options)
+                        for offload in (None, "host"))
     for mine, theirs in zip(plain, offloaded):
         assert mine["losses"] == theirs["losses"]
         for name, value in mine["params"].items():

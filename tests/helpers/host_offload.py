@@ -78,10 +78,10 @@ def step_in_backward(model, optimizer) -> None:
     sw.optimizer_in_backward(model, optimizer)
 
 
-def three_steps(strategy: str, offload, fused: bool = False, deferred: bool = False) -> dict:
+def three_steps(strategy: str, offload, fused: bool = False, deferred: bool = False, options=None) -> dict:
     """Three clipped AdamW steps of the zoo GPT under `strategy` and `offload`: the losses and the full parameters.
     `fused`: torch's fused AdamW (its CPU kernel, the fast CPU Adam torch itself ships); `deferred`: the model
-    built under sw.deferred_init() (its values replayed into host rows)."""
+    built under sw.deferred_init() (its values replayed into host rows); `options`: more of sw.shard's."""
     from shardwise.models.zoo import ZOO, build
     from shardwise.testing import forward_passes, global_batch, rank_slice
 
@@ -92,7 +92,7 @@ def three_steps(strategy: str, offload, fused: bool = False, deferred: bool = Fa
             model = spec.build()
     else:
         model = build("gpt", 0)
-    sw.shard(model, strategy=strategy, units=spec.unit_class, offload=offload)
+    sw.shard(model, strategy=strategy, units=spec.unit_class, offload=offload, **(options or {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     losses = []
     for step in range(3):
