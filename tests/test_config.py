@@ -21,8 +21,10 @@ RULES = [
     ({"strategy": "zero2", "offload": "disk:/tmp/x"}, "offload needs strategy='zero3'"),
     ({"strategy": "ddp", "checkpoint_activations": True}, "checkpoint_activations needs units"),
     ({"strategy": "zero3", "find_unused_parameters": True}, "find_unused_parameters is a ddp option"),
-    ({"strategy": "zero3", "offload": "ram"}, "is not understood: use None or 'disk:PATH'"),
-    ({"strategy": "zero3", "offload": "cpu"}, "this model computes on the CPU already"),
+    ({"strategy": "zero3", "offload": "ram"}, "is not understood: use None, 'host' or 'disk:PATH'"),
+    ({"strategy": "zero3", "offload": "cpu"}, "is spelled offload='host' here"),
+    ({"strategy": "ddp", "offload": "host"}, "offload='host' is a zero-strategy option"),
+    ({"strategy": "zero3", "offload": ("host", "disk:/tmp/x")}, "not both; pick one"),
     ({"strategy": "zero3", "precision": "fp8"}, "or a MixedPrecision(...)"),
     ({"strategy": "zero2", "prefetch": 3}, "so there is nothing to gather ahead of use"),
     ({"strategy": "zero3", "prefetch": 0}, "an int of at least 1 (default 2)"),
@@ -60,6 +62,8 @@ def test_policies_validate_their_fields():
         sw.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(sw.ShardwiseError, match="DiskOffload.path"):
         DiskOffload("")
+    with pytest.raises(sw.ShardwiseError, match="HostOffload.pin_memory=1 must be True or False"):
+        sw.HostOffload(pin_memory=1)
 
 
 def test_string_shortcuts_map_onto_the_policies():
@@ -68,6 +72,8 @@ def test_string_shortcuts_map_onto_the_policies():
     assert config.precision == sw.MixedPrecision(param_dtype=torch.bfloat16)
     assert config.offload == DiskOffload("/scratch") and config.offload.spec == "disk:/scratch"
     assert config.label == "zero3+bf16+offload"
+    for strategy in ZERO_STRATEGIES:  # host offload takes every zero stage (Note [host offload])
+        assert ShardConfig.of(strategy, offload="host").offload == sw.HostOffload(pin_memory=True)
     # What each zero stage keeps is its policy's answer (Note [stages]), not a flag on the config.
     kept = torch.zeros(4)
     assert [policy_of(s).pooled_gathered_bytes(2, 8, 8) > 0 for s in ZERO_STRATEGIES] == [False, False, True]

@@ -18,7 +18,15 @@ from shardwise.checkpoint import (
     save_async,
     save_pretrained,
 )
-from shardwise.config import STRATEGIES, Compression, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
+from shardwise.config import (
+    STRATEGIES,
+    Compression,
+    DiskOffload,
+    HostFrozen,
+    HostOffload,
+    MixedPrecision,
+    ShardConfig,
+)
 from shardwise.dist import get_rank, get_world_size, init, is_main, shutdown
 from shardwise.ema import EMA
 from shardwise.engine import ShardInfo, full_parameters, shard, shard_info
@@ -38,6 +46,7 @@ __all__ = [
     "EMA",
     "HogwildResult",
     "HostFrozen",
+    "HostOffload",
     "LoadReport",
     "PendingSave",
     "LossScaler",

@@ -3,7 +3,8 @@
 `shard()`, the engine and the estimator all consume a `ShardConfig`; its `__post_init__`
 is the one place that says which strategy allows which option (tests/test_config.py
 holds one test per rule). String shortcuts map onto the policies: `precision="bf16"` is
-`MixedPrecision(param_dtype=torch.bfloat16)`, `offload="disk:PATH"` is `DiskOffload(PATH)`.
+`MixedPrecision(param_dtype=torch.bfloat16)`, `offload="disk:PATH"` is `DiskOffload(PATH)`, `offload="host"` is
+`HostOffload()`.
 
 What each strategy keeps, as the engine and the estimator read it:
 
@@ -86,16 +87,40 @@ class DiskOffload:
         return f"disk:{self.path}"
 
 
-def resolve_offload(offload: str | DiskOffload | None) -> DiskOffload | None:
-    """`None`, `"disk:PATH"` or a `DiskOffload` -> the policy (None: nothing offloaded)."""
-    if offload is None or isinstance(offload, DiskOffload):
+@dataclass(frozen=True)
+class HostOffload:
+    """fp32 master rows, their gradients and the optimizer state in host memory, the optimizer stepped there
+    (zero1/zero2/zero3): FSDP2's `CPUOffloadPolicy`, DeepSpeed's ZeRO-Offload. `pin_memory`: page-locked host
+    buffers, so the copies to and from an accelerator run asynchronously (skipped where none exists).
+    Note [host offload], engine/memory/host_offload.py."""
+
+    pin_memory: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.pin_memory, bool):
+            raise ShardwiseError(f"HostOffload.pin_memory={self.pin_memory!r} must be True or False")
+
+    @property
+    def spec(self) -> str:
+        """The string form `shard(offload=...)` takes."""
+        return "host"
+
+
+def resolve_offload(offload: str | DiskOffload | HostOffload | None) -> DiskOffload | HostOffload | None:
+    """`None`, `"host"`, `"disk:PATH"`, a `HostOffload` or a `DiskOffload` -> the policy (None: nothing offloaded)."""
+    if offload is None or isinstance(offload, (DiskOffload, HostOffload)):
         return offload
     if isinstance(offload, str) and offload.startswith("disk:") and len(offload) > len("disk:"):
         return DiskOffload(offload[len("disk:"):])
+    if offload == "host":
+        return HostOffload()
     if offload == "cpu":
-        raise ShardwiseError("offload='cpu' moves state off a GPU; this model computes on the CPU already. "
-                             "Use offload='disk:PATH' to move it to memory-mapped files")
-    raise ShardwiseError(f"offload={offload!r} is not understood: use None or 'disk:PATH'")
+        raise ShardwiseError("offload='cpu' is spelled offload='host' here (FSDP2's CPUOffloadPolicy): masters, "
+                             "gradients and optimizer state in host memory, the optimizer stepped on the CPU")
+    if isinstance(offload, (list, tuple, set)):
+        raise ShardwiseError(f"offload={offload!r}: offload takes one place, 'host' (host memory) or 'disk:PATH' "
+                             "(memory-mapped files, zero3), not both; pick one")
+    raise ShardwiseError(f"offload={offload!r} is not understood: use None, 'host' or 'disk:PATH'")
 
 
 @dataclass(frozen=True)
@@ -189,7 +214,7 @@ class ShardConfig:
 
     strategy: str
     precision: MixedPrecision = field(default_factory=MixedPrecision)
-    offload: DiskOffload | None = None
+    offload: DiskOffload | HostOffload | None = None
     checkpoint_activations: bool = False
     find_unused_parameters: bool = False
     frozen: HostFrozen | None = None
@@ -207,9 +232,14 @@ class ShardConfig:
         if self.strategy == "ddp" and not self.precision.is_full:
             raise ShardwiseError("precision is a zero-strategy option; with strategy='ddp' use torch.autocast "
                                  "around the forward")
-        if self.offload is not None and self.strategy != "zero3":
+        if isinstance(self.offload, DiskOffload) and self.strategy != "zero3":
             raise ShardwiseError(f"offload needs strategy='zero3' ({self.strategy} keeps full parameters in "
-                                 "memory, which is most of what offload would move)")
+                                 "memory, which is most of what offload would move); offload='host' takes "
+                                 "zero1/zero2 too")
+        if isinstance(self.offload, HostOffload) and self.strategy == "ddp":
+            raise ShardwiseError("offload='host' is a zero-strategy option: ddp keeps whole parameters, gradients "
+                                 "and optimizer state on the device (torch's reducer). Use strategy='zero1' (or "
+                                 "zero2/zero3) with offload='host', or drop offload")
         if self.checkpoint_activations and self.strategy == "ddp":
             raise ShardwiseError("checkpoint_activations needs units: use a zero strategy, or "
                                  "torch.utils.checkpoint inside the model with ddp")
@@ -260,7 +290,7 @@ class ShardConfig:
 
     @classmethod
     def of(cls, strategy: str, *, precision: str | MixedPrecision | None = None,
-           offload: str | DiskOffload | None = None, checkpoint_activations: bool = False,
+           offload: str | DiskOffload | HostOffload | None = None, checkpoint_activations: bool = False,
            find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None,
            reshard_after_forward: bool | int = True,
            compression: Compression | dict | None = None, prefetch: int | None = None) -> ShardConfig:

@@ -20,19 +20,22 @@ GLOBAL_BATCH = 8
 
 def build_model(name: str, strategy: str, seed: int = 0):
     """Zoo model `name` under `strategy`, and the two-group AdamW of the parity tests. "zero3@2x2" is zero3 on a
-    2-D ("replicate", "shard") mesh of 2 x 2 ranks (hybrid sharding, Note [mesh info])."""
+    2-D ("replicate", "shard") mesh of 2 x 2 ranks (hybrid sharding, Note [mesh info]); "zero1+host" is zero1 with
+    offload="host"."""
     spec = ZOO[name]
-    mesh = {}
+    options = {}  # sw.shard's, beside the strategy
+    if strategy.endswith("+host"):  # offload="host" (Note [host offload])
+        strategy, options["offload"] = strategy[: -len("+host")], "host"
     if "@" in strategy:
         strategy, shape = strategy.split("@")
-        mesh["mesh"] = init_device_mesh("cpu", tuple(int(n) for n in shape.split("x")),
+        options["mesh"] = init_device_mesh("cpu", tuple(int(n) for n in shape.split("x")),
                                         mesh_dim_names=("replicate", "shard"))
     model = build(name, seed)
     ndim_by_name = {n: p.ndim for n, p in model.named_parameters()}
     if strategy == "ddp":
         sw.shard(model, strategy="ddp", find_unused_parameters=spec.skips_params)
     elif strategy != "none":
-        sw.shard(model, strategy=strategy, units=spec.unit_class, **mesh)
+        sw.shard(model, strategy=strategy, units=spec.unit_class, **options)
     return model, make_optimizer(model, ndim_by_name=ndim_by_name)
 
 

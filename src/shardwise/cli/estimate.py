@@ -62,8 +62,10 @@ def add_commands(commands) -> None:
                      help="default: zero3")
     est.add_argument("--world-size", type=int, default=1, help="ranks (default: 1)")
     est.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="default: fp32")
-    est.add_argument("--offload", default=None, metavar="disk:PATH",
-                     help="master shards and optimizer state in memory-mapped files under PATH")
+    est.add_argument("--offload", default=None, metavar="host|disk:PATH",
+                     help="host: master rows, their gradients and optimizer state in host memory, counted apart from "
+                          "the device's (zero1/2/3); disk:PATH: master shards and optimizer state in memory-mapped "
+                          "files under PATH (zero3)")
     est.add_argument("--pipe", type=int, default=None, metavar="STAGES",
                      help="a pipeline of STAGES stages (shardwise.pipeline, strategy zero1/2/3), each stage's layers "
                           "sharded over --shards of its ranks: the per-rank table of each stage (estimate/pipe.py)")

@@ -9,7 +9,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import Compression, DiskOffload, HostFrozen, MixedPrecision, ShardConfig
+from shardwise.config import Compression, DiskOffload, HostFrozen, HostOffload, MixedPrecision, ShardConfig
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.guards import RefuseDataParallel
@@ -30,7 +30,7 @@ def shard(
     precision: str | MixedPrecision | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     checkpoint_activations: bool = False,
-    offload: str | DiskOffload | None = None,
+    offload: str | DiskOffload | HostOffload | None = None,
     process_group: dist.ProcessGroup | None = None,
     find_unused_parameters: bool = False,
     frozen: str | HostFrozen | None = None,
@@ -57,8 +57,12 @@ def shard(
     `init_fn(model)`, if given, initializes it further (recorded and replayed the same way).
     `checkpoint_activations` (zero strategies) recomputes each non-root unit's forward in
     backward instead of keeping its activations; results are unchanged.
-    `offload="disk:PATH"` (zero3) keeps the fp32 master shards and the optimizer state
-    in memory-mapped files under PATH and steps the optimizer one unit at a time.
+    `offload="host"` (or `sw.HostOffload(pin_memory=True)`; zero1/zero2/zero3: FSDP2's `CPUOffloadPolicy`) keeps
+    the fp32 master rows, their gradients and the optimizer state in host memory (pinned on a GPU) and steps the
+    user's optimizer there, on the CPU; each gather copies this rank's rows to the device on a stream of its own,
+    each reduce's rows come back as they land; the result is unchanged. Note [host offload] in
+    engine/memory/host_offload.py. `offload="disk:PATH"` (zero3) keeps the fp32 master shards and the optimizer
+    state in memory-mapped files under PATH and steps the optimizer one unit at a time.
     `process_group` defaults to the group `sw.init()` formed.
     `find_unused_parameters` (ddp only) must be True when some trainable parameter
     gets no gradient in some step (an unused branch); shardwise raises a clear error

@@ -39,6 +39,7 @@ class UnitTable:
     comm: str = ""  # a sharded model's collectives: strategies, reused buffers and their bound (Note [comm context])
     compression: str = ""  # a sharded model's quantized collectives (config.Compression.label), else ""
     layout: str = ""  # a sharded model's parallel layout, its dimensions' sizes ("replicate 1 x shard 2 x tensor 2")
+    placement: str = ""  # offload="host": what lives in host memory and what on the device (Note [host offload])
 
     def __str__(self) -> str:
         total = sum(row.numel for row in self.rows) or 1
@@ -51,6 +52,8 @@ class UnitTable:
             lines.append(f"layout: {self.layout}")
         if self.comm:
             lines.append(self.comm)
+        if self.placement:
+            lines.append(self.placement)
         if self.compression:  # opt-in and not exact: said wherever the plan is shown
             lines.append(f"compressed collectives: {self.compression}")
         return "\n".join(lines)
@@ -87,4 +90,16 @@ def describe(model: nn.Module, units: UnitSpec = "auto", world_size: int | None 
     if engine is not None and engine.shards_rows:  # the dimensions beyond the flat 1 x N only when they exist
         dims = {name: size for name, size in engine.mesh.dims().items() if size > 1 or name == "shard"}
         layout = " x ".join(f"{name} {size}" for name, size in dims.items())
-    return UnitTable(tuple(rows), world_size, comm, compression, layout)
+    return UnitTable(tuple(rows), world_size, comm, compression, layout, _placement(engine))
+
+
+def _placement(engine) -> str:
+    """offload="host" (Note [host offload]): this rank's master rows in host memory, full values on the device."""
+    if engine is None or not engine.shards_rows or not any(unit.storage.host is not None for unit in engine.units):
+        return ""
+    host = sum(unit.shard_total * unit.dtype.itemsize for unit in engine.units)
+    kept = sum(engine.policy.parameter_bytes(unit.numel_full, unit.shard_total, unit.full_flat.element_size(),
+                                             unit.dtype.itemsize)[0] for unit in engine.units)
+    device = f"{kept / MIB:.2f} MiB of kept full values" if kept else "the full values of the units in use only"
+    return (f"offload='host': {host / MIB:.2f} MiB of master rows per rank in host memory, with their gradients and "
+            f"the optimizer state (stepped on the CPU); on the device: {device} (sw.estimate counts both)")

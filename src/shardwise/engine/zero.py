@@ -1,7 +1,7 @@
 """`strategy="zero1" | "zero2" | "zero3"`: three stages (Note [stages], stage.py) over one mechanism
-(flat_unit.py). Uses: buffers, consistency, context, driver, groups, info, offload, optim_hooks, parallel_layout, phase,
-precision, protocol, quantize, residency, sharding, stage, state_dict, unit_choice, units. Optimizer state is always
-sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
+(flat_unit.py). Uses: buffers, consistency, context, driver, groups, host_offload, info, offload, optim_hooks,
+parallel_layout, phase, precision, protocol, quantize, residency, sharding, stage, state_dict, unit_choice, units.
+Optimizer state is always sharded: by rows, or by parameter for whole-tensor optimizers (whole_step.py).
 
 `ZeroEngine` builds, in this order: the layout (Note [mesh info]), the units (init/sharding.py), the
 step hooks' watch (Note [one step hook]), the state-dict hooks (Note [state dict]) and the step driver
@@ -22,6 +22,7 @@ from shardwise.engine.comm.quantize import wire_buffer_bytes
 from shardwise.engine.init.sharding import shard_units
 from shardwise.engine.layout.groups import host_group_of, new_node_group, new_reduce_group
 from shardwise.engine.layout.parallel_layout import ParallelLayout
+from shardwise.engine.memory.host_offload import open_host
 from shardwise.engine.memory.offload import open_store
 from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import StepWatch
@@ -55,7 +56,8 @@ class ZeroEngine(Engine):
             warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
         check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
-        self.store = open_store(config.offload, self.rank)
+        self.store = open_store(config.offload, self.rank)  # disk offload: the master rows' files
+        self.host = open_host(config.offload)  # offload="host": the copies to and from host rows (Note [host offload])
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)
         if slicing_of(model) is not None:  # sliced first (sw.slice): the layout's "tensor" dimension
             self.mesh = self.mesh.with_tensor_group(slicing_of(model).group)
@@ -66,7 +68,7 @@ class ZeroEngine(Engine):
         self.comm = CommContext.for_group(group, config.compression)  # every unit's collectives (Note [comm context])
         self.units = shard_units(model, plans, config, group, self.mesh, self.store, init_fn, policy=self.policy,
                                  reduce_group=reduce_group, clock=self.clock, residents=self.residents,
-                                 comm=self.comm)
+                                 comm=self.comm, host=self.host)
         self.root = self.units[0]
         self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
         # Note [one step hook]; zero3's tags on a device are compared before any step (Note [tags on the device])

@@ -19,7 +19,10 @@ trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused
 With `offload="disk:PATH"` (zero3) the fp32 master shards and the optimizer's
 param-sized state live in memory-mapped files: they are reported as `offloaded`, not
 resident; the step pages in one unit's masters and state at a time (engine/memory/offload.py), which
-counts with the transient buffers.
+counts with the transient buffers. With `offload="host"` (zero1/2/3) the master rows (m·S), their
+gradients (m·S_t) and the optimizer state live in host memory: reported as `host`, apart from the
+device's parameters (zero1/zero2's kept c·F), gradients (zero1's kept r·F) and optimizer state (none);
+`total` counts both, the memory of a CPU run (estimate/zero_bytes.py, memory/host_offload.py).
 
 Note [transient buffers]: `gather_buffers` is what a step holds only while it runs,
 besides activations. zero3: the root unit (gathered for the whole forward), at most two
@@ -89,9 +92,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.config import MixedPrecision, ShardConfig, config_label
-from shardwise.engine.comm.buffers import comm_buffer_bytes
-from shardwise.engine.comm.quantize import wire_buffer_bytes
+from shardwise.config import DiskOffload, MixedPrecision, ShardConfig, config_label
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.unit.stage import policy_of
@@ -100,6 +101,8 @@ from shardwise.errors import ShardwiseError
 from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
+from shardwise.estimate.zero_bytes import Unit as _Unit
+from shardwise.estimate.zero_bytes import zero_state, zero_transient
 from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
@@ -107,18 +110,6 @@ RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
 _OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0)}
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """One unit's sizes at a world size (elements; `shard` = S is one rank's padded rows)."""
-
-    shard: int
-    full: int  # N·S
-    trainable_shard: int
-    trainable_full: int
-    num_trainable: int  # trainable tensors
-    largest: int  # largest single tensor (elements)
 
 
 @dataclass(frozen=True)
@@ -141,10 +132,12 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default_factory=tuple)
     gradients_kept: bool = True  # Note [peak]: False when gradients exist only from backward to zero_grad
     secondary: int = 0  # hpZ's chunks, forward to backward (Note [comm option bytes], comm_options.py)
+    host: int = 0  # offload="host": masters, their gradients, optimizer state in host memory (not the device's)
 
     @property
     def model_state(self) -> int:
-        """Parameters + gradients + optimizer state: what `memory.model_state_bytes` counts."""
+        """Parameters + gradients + optimizer state on the compute device: what `memory.model_state_bytes`
+        counts, less `host` (offload="host")."""
         return self.parameters + self.gradients + self.optimizer_state
 
     @property
@@ -155,7 +148,7 @@ class MemoryEstimate:
         else:
             grads_and_activations = max(self.gradients, self.activations)
         return (self.parameters + self.optimizer_state + grads_and_activations + self.gather_buffers
-                + self.secondary + self.runtime)
+                + self.secondary + self.host + self.runtime)
 
     @property
     def label(self) -> str:
@@ -165,7 +158,9 @@ class MemoryEstimate:
         return [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("gather/reduce buffers", self.gather_buffers),
                 *([("hpZ secondary chunks", self.secondary)] if self.secondary else []),
-                ("activations", self.activations), ("runtime (Python + torch)", self.runtime),
+                ("activations", self.activations),
+                *([("host memory (offload)", self.host)] if self.host else []),
+                ("runtime (Python + torch)", self.runtime),
                 ("total per rank", self.total)]
 
     def __str__(self) -> str:
@@ -213,7 +208,7 @@ def estimate(
     count is cut into `num_layers` equal units, or units of `unit_params`, else treated as
     one unit (conservative for zero3). `precision`: "fp32" | "bf16" | "fp16" | a
     `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
-    `offload`: None or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
+    `offload`: None, "host" (counted as `host`) or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
     sequence (samples per rank; seq None: the model's own length), for activations (Note
     [activations]): a model's are measured by the probe, a count's need `config=`.
     `checkpoint_activations`: as `shard(checkpoint_activations=True)` (zero strategies).
@@ -261,15 +256,18 @@ def estimate(
         parameters, gradients = master * real, master * trainable
         optimizer_state = state_per_elem * master * trainable + state_per_tensor * num_tensors
         gather = 0 if probed else master * max(u.largest for u in plan_units)  # Note [transient buffers]
-        offloaded, gradients_kept = 0, True
+        offloaded, host, gradients_kept = 0, 0, True
     else:
-        parameters, gradients, optimizer_state, offloaded = _zero_state(
+        parameters, gradients, optimizer_state, offloaded, host = zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
-        gather = _zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
+        gather = zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
         gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
     if gather:
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
-    if offload is not None:
+    if host:
+        notes.append("offload='host': fp32 master rows, their gradients and the optimizer state in host memory "
+                     "(`host`); the compute device holds the rest")
+    if isinstance(offload, DiskOffload):
         # The optimizer steps one unit at a time: that unit's masters and state are paged in.
         gather += (1 + state_per_elem) * master * max(u.shard for u in plan_units)
         notes.append("fp32 master shards and optimizer state in memory-mapped files under "
@@ -288,7 +286,7 @@ def estimate(
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary)
+                          offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host)
 
 
 def _master_bytes(model: nn.Module) -> int:
@@ -329,49 +327,6 @@ def _units_of_count(num_params: int, world_size: int, unit_params: int | None, n
         return _Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n)
 
     return [unit(n) for n in sizes]
-
-
-def _zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
-    """(parameters, gradients, optimizer state, offloaded) for zero1/2/3 (module docstring table)."""
-    stage, offload = policy_of(config.strategy, config.prefetch), config.offload is not None
-    parameters = gradients = optimizer_state = offloaded = 0
-    for u in plan_units:
-        # zero1/2 at c == m: the shards are views of the kept full buffer (shard_storage.AliasedShards).
-        kept, masters = stage.parameter_bytes(u.full, u.shard, c, m)
-        parameters += kept
-        if offload:
-            offloaded += masters
-        else:
-            parameters += masters
-        # Param-sized state goes to the files; Adam's `step` counters stay in memory.
-        state = state_per_elem * m * u.trainable_shard
-        optimizer_state += state_per_tensor * u.num_trainable
-        if offload:
-            offloaded += state
-        else:
-            optimizer_state += state
-        if not u.num_trainable:
-            continue
-        # The reduce-scatter output: this rank's rows plus one "used" flag per tensor. The shard
-        # grads are views of it when r == m, else fp32 copies and the output is freed.
-        reduced = r * (u.trainable_shard + u.num_trainable) if r == m else m * u.trainable_shard
-        gradients += stage.gradient_bytes(u.full, reduced, r, m)  # zero1: its kept full grads
-    return parameters, gradients, optimizer_state, offloaded
-
-
-def _zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with_backward: bool = True) -> int:
-    """Note [transient buffers]."""
-    root, others = plan_units[0], plan_units[1:] or plan_units[:1]
-    biggest = max(u.full for u in others)
-    stage = policy_of(config.strategy, config.prefetch)
-    # The comm pool (Note [reused buffers]): the reduce in flight over the largest unit, the root included (input
-    # and receive buffer; zero1: receive only) and zero3's gathered units, kept between steps, so counted with the
-    # probe too; compression's wire buffers, over the largest unit too.
-    wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))  # Note [comm option bytes]
-    comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
-    regathers = stage.transient_gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
-    backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
-    return comm + regathers + backward
 
 
 def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs,

@@ -42,6 +42,31 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return sum(_storages_of(_model_state_tensors(model, optimizer)).values())
 
 
+# Note [placement count]: offload="host" keeps master rows, their gradients and the optimizer state in host memory
+# (Note [host offload]); `model_state_by_place` counts each distinct storage of the model state once, as the host's
+# or the device's. Where the compute device is not the host (a GPU) the storage's own device says which. Where it
+# is (a CPU run: the same memory), the role says: an offloaded unit's parameter rows, their gradients and their
+# optimizer state are the host's, everything else (full values, kept full gradients) the device's; the CPU tests
+# hold `sw.estimate`'s split to this count.
+def model_state_by_place(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """{"device": bytes, "host": bytes} of the model state `model_state_bytes` counts (Note [placement count])."""
+    engine = engine_of(model)
+    units = engine.units if engine is not None and engine.shards_rows else []
+    on_device = any(unit.device.type != "cpu" for unit in units)
+    offloaded = {id(shard) for unit in units if unit.storage.host is not None for shard in unit.shard_params}
+    host_roles = [t for p in model.parameters() if id(p) in offloaded for t in (p, p.grad)]
+    if optimizer is not None:
+        host_roles += [value for p, state in optimizer.state.items() if id(p) in offloaded
+                       for value in state.values() if isinstance(value, torch.Tensor)]
+    every = _storages_of(_model_state_tensors(model, optimizer))
+    if on_device:
+        host = _storages_of(t for t in _model_state_tensors(model, optimizer)
+                            if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+    else:
+        host = _storages_of(host_roles)
+    return {"device": sum(n for ptr, n in every.items() if ptr not in host), "host": sum(host.values())}
+
+
 def resident_model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Like `model_state_bytes`, but offloaded (memory-mapped) state counts only for the
     pages of it this process has resident right now."""

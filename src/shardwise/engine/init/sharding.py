@@ -24,10 +24,12 @@ from shardwise.engine.unit.units import UnitPlan
 
 def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, group, mesh: ParallelLayout,
                 store: DiskStore | None, init_fn=None, *, policy: StagePolicy, reduce_group=None,
-                clock: Clock | None = None, residents: Residents | None = None, comm=None) -> list[FlatUnit]:
+                clock: Clock | None = None, residents: Residents | None = None, comm=None,
+                host=None) -> list[FlatUnit]:
     """Every unit of `plans` holding only this rank's rows, in registration order (root first). `group`
     holds every rank of the mesh: eager values come from its rank 0. `policy`: the engine's stage policy
-    (Note [stages]), shared by every unit; `comm`: the engine's CommContext (Note [comm context])."""
+    (Note [stages]), shared by every unit; `comm`: the engine's CommContext (Note [comm context]); `host`: its
+    HostCopies under offload="host" (Note [host offload])."""
     # Deferred: meta aliases of the parameters, by name, for the init replay below.
     # Host-shared frozen parameters (already mapped, Note [host copy]) are not replayed.
     deferred = {n: p.detach() for n, p in model.named_parameters() if p.device.type == "meta"} \
@@ -37,7 +39,7 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
     for plan in plans:
         unit = FlatUnit(plan, mesh=mesh, policy=policy,
                         precision=config.precision, store=store, reduce_group=reduce_group, clock=clock,
-                        residents=residents, comm=comm)
+                        residents=residents, comm=comm, host=host)
         if deferred is None:
             broadcast_from_rank0(unit, group)
         unit.take_shards()

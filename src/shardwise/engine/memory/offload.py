@@ -78,9 +78,9 @@ class DiskStore:
         return total
 
 
-def open_store(offload: DiskOffload | None, rank: int) -> DiskStore | None:
-    """The rank's store for an offload policy (None: nothing offloaded)."""
-    return None if offload is None else DiskStore(offload.path, rank)
+def open_store(offload, rank: int) -> DiskStore | None:
+    """The rank's store for a disk offload policy (None: not offloaded to disk)."""
+    return DiskStore(offload.path, rank) if isinstance(offload, DiskOffload) else None
 
 
 _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)

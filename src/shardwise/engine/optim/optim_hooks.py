@@ -1,5 +1,5 @@
 """What the engine learns from the user's optimizer: one hook on torch's optimizer steps, dispatching
-to the engine of each parameter the optimizer steps. Uses: compat, offload, shard_param, whole_step.
+to the engine of each parameter the optimizer steps. Uses: compat, host_offload, offload, shard_param, whole_step.
 
 Note [one step hook]: the user builds an ordinary torch optimizer (before or after `shard()`), so
 torch's global optimizer hooks are the one place that sees every step without an extra call to
@@ -48,6 +48,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from shardwise.engine.compat import get_grad, guard_step, on_step_body, on_step_error, plain_tensors
+from shardwise.engine.memory.host_offload import refuse_whole_step
 from shardwise.engine.memory.offload import chunked_step, restore_groups
 from shardwise.engine.optim.whole_step import (
     StepShape,
@@ -223,6 +224,7 @@ def _begin_whole_step(optimizer) -> None:
         refuse_coupled(optimizer)
     if shape is StepShape.WHOLE:
         refuse_compressed(optimizer, sharded)
+        refuse_whole_step(optimizer, sharded)  # offload="host" (Note [host offload])
         step = WholeStep(optimizer)
         step.begin()
         sharded[0]._sw_watch.whole_steps[id(optimizer)] = step

@@ -74,6 +74,8 @@ class Reducer:
             self._hand_out_oldest()
         self._settle(self.landed)
         self.landed = []
+        for unit in self.order:  # offload="host": the rows' copies to the host done (Note [host offload])
+            unit.storage.synchronize()
         if self.stepper is not None:
             self.stepper.after_backward()
 
@@ -111,6 +113,7 @@ class Reducer:
             return
         unit.grads.hand_out()  # stepped now: its rows must be averaged everywhere first
         self._settle([unit])  # Note [optimizer in backward]: step it now
+        unit.storage.synchronize()  # offload="host": its rows on the host first (Note [host offload])
         self.stepper.after_reduce(unit)
 
     def _hand_out_oldest(self) -> None:

@@ -49,11 +49,11 @@ class FlatUnit:
 
     def __init__(self, plan: UnitPlan, *, mesh: ParallelLayout, policy: StagePolicy, precision: MixedPrecision,
                  store=None, reduce_group=None, clock: Clock | None = None, residents: Residents | None = None,
-                 comm: CommContext | None = None):
+                 comm: CommContext | None = None, host=None):
         self.module, self.path = plan.module, plan.path
         self.mesh = mesh  # this rank's rows, its shard group and its replicas (Note [mesh info])
         self.policy = policy  # the stage's answers (Note [stages])
-        self.store = store  # offload: the master shards live in a memory-mapped file
+        self.store = store  # disk offload: the master shards live in a memory-mapped file
         self.reduce_group = reduce_group or mesh.shard_group  # reduce-scatters may have a group of their own
         self.clock = clock or Clock()  # the engine's; read for errors that name where a rank waited
         self.comm = comm  # the engine's collectives (Note [comm context]); set below when None
@@ -74,7 +74,8 @@ class FlatUnit:
         self.reduce_dtype = precision.reduce_dtype if self.dtype.is_floating_point else self.dtype
         # zero1/zero2 at full precision: a shard *is* its rows of the kept full buffer.
         # With a low param_dtype the fp32 master rows need their own storage.
-        self.storage = policy.storage(self.compute_dtype, self.dtype)
+        # offload="host": the master rows in host memory (`host`: the engine's HostCopies, Note [host offload]).
+        self.storage = policy.storage(self.compute_dtype, self.dtype, host)
         # hpZ: cut into node_world equal chunks (Note [secondary shards]): padded to a multiple of it
         full_numel = -(-mesh.shard_world * self.shard_total // mesh.node_world) * mesh.node_world
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)

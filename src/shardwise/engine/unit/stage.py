@@ -33,7 +33,7 @@ import torch
 from shardwise.engine.unit.freshness import NoKeptValues, StepFreshness
 from shardwise.engine.unit.residency import Residency, Residents
 from shardwise.engine.unit.secondary import SecondaryShard
-from shardwise.engine.unit.shard_storage import AliasedShards, OwnShards, OwnShardsKeptFull
+from shardwise.engine.unit.shard_storage import AliasedShards, HostRows, HostRowsKeptFull, OwnShards, OwnShardsKeptFull
 
 
 class StagePolicy:
@@ -47,9 +47,12 @@ class StagePolicy:
 
     # ---- when the full values exist ----------------------------------------------------
 
-    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
+    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype, host=None):
         """Where the unit's master rows live (shard_storage.py): at full precision a shard *is* its rows of
-        the kept full buffer; with a lower compute dtype the fp32 master rows need storage of their own."""
+        the kept full buffer; with a lower compute dtype the fp32 master rows need storage of their own, as
+        they do in host memory under offload="host" (`host`: the engine's HostCopies, Note [host offload])."""
+        if host is not None:
+            return HostRowsKeptFull(host)
         return AliasedShards() if compute_dtype == master_dtype else OwnShardsKeptFull()
 
     def freshness(self, stamp, num_params: int):
@@ -205,8 +208,8 @@ class Zero3(StagePolicy):
         if prefetch is not None:
             self.gathers_in_flight = prefetch
 
-    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype):
-        return OwnShards()  # the all-gather's input, rank-major
+    def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype, host=None):
+        return HostRows(host) if host is not None else OwnShards()  # the all-gather's input, rank-major
 
     def freshness(self, stamp, num_params: int):
         return NoKeptValues(stamp, num_params)

@@ -1,0 +1,85 @@
+"""The zero strategies' bytes per rank, unit by unit (estimate/core.py's table, Note [transient buffers]), and
+where offload puts them: disk offload's files (`offloaded`), offload="host"'s host memory (`host`, Note [host
+offload] in engine/memory/host_offload.py). Uses: buffers, quantize, stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.config import DiskOffload, HostOffload, ShardConfig
+from shardwise.engine.comm.buffers import comm_buffer_bytes
+from shardwise.engine.comm.quantize import wire_buffer_bytes
+from shardwise.engine.unit.stage import policy_of
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit's sizes at a world size (elements; `shard` = S is one rank's padded rows)."""
+
+    shard: int
+    full: int  # N·S
+    trainable_shard: int
+    trainable_full: int
+    num_trainable: int  # trainable tensors
+    largest: int  # largest single tensor (elements)
+
+
+def zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
+    """(parameters, gradients, optimizer state, offloaded, host) for zero1/2/3 (estimate/core.py's table): the
+    first three on the compute device, `offloaded` in disk offload's files, `host` in offload="host"'s memory."""
+    if isinstance(config.offload, HostOffload):
+        return _host_state(plan_units, config, m, c, r, state_per_elem, state_per_tensor)
+    stage, offload = policy_of(config.strategy, config.prefetch), isinstance(config.offload, DiskOffload)
+    parameters = gradients = optimizer_state = offloaded = 0
+    for u in plan_units:
+        # zero1/2 at c == m: the shards are views of the kept full buffer (shard_storage.AliasedShards).
+        kept, masters = stage.parameter_bytes(u.full, u.shard, c, m)
+        parameters += kept
+        if offload:
+            offloaded += masters
+        else:
+            parameters += masters
+        # Param-sized state goes to the files; Adam's `step` counters stay in memory.
+        state = state_per_elem * m * u.trainable_shard
+        optimizer_state += state_per_tensor * u.num_trainable
+        if offload:
+            offloaded += state
+        else:
+            optimizer_state += state
+        if not u.num_trainable:
+            continue
+        # The reduce-scatter output: this rank's rows plus one "used" flag per tensor. The shard
+        # grads are views of it when r == m, else fp32 copies and the output is freed.
+        reduced = r * (u.trainable_shard + u.num_trainable) if r == m else m * u.trainable_shard
+        gradients += stage.gradient_bytes(u.full, reduced, r, m)  # zero1: its kept full grads
+    return parameters, gradients, optimizer_state, offloaded, 0
+
+
+def _host_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
+    """offload="host" (Note [host offload]): the master rows (m·S, apart from any kept full values), their
+    gradients (m·S_t, copied from the reduce) and all optimizer state in host memory; the device keeps zero1/
+    zero2's full values (c·F) and zero1's full gradients (r·F)."""
+    stage = policy_of(config.strategy, config.prefetch)
+    parameters = gradients = host = 0
+    for u in plan_units:
+        parameters += stage.parameter_bytes(u.full, u.shard, c, m)[0]
+        host += m * u.shard + (state_per_elem + 1) * m * u.trainable_shard + state_per_tensor * u.num_trainable
+        if u.num_trainable:
+            gradients += stage.gradient_bytes(u.full, 0, r, m)  # the reduce's output goes: zero1's kept gradients
+    return parameters, gradients, 0, 0, host
+
+
+def zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with_backward: bool = True) -> int:
+    """Note [transient buffers]."""
+    root, others = plan_units[0], plan_units[1:] or plan_units[:1]
+    biggest = max(u.full for u in others)
+    stage = policy_of(config.strategy, config.prefetch)
+    # The comm pool (Note [reused buffers]): the reduce in flight over the largest unit, the root included (input
+    # and receive buffer; zero1: receive only) and zero3's gathered units, kept between steps, so counted with the
+    # probe too; compression's wire buffers, over the largest unit too.
+    wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))  # Note [comm option bytes]
+    comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
+    regathers = stage.transient_gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
+    backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
+    return comm + regathers + backward
