@@ -72,7 +72,13 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from shardwise.engine.compat import graph_task_id, outside_graph, queue_backward_callback
-from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
+from shardwise.engine.schedule.agreement import (
+    BACKWARD,
+    BACKWARD_NO_SYNC,
+    FORWARD_NO_GRAD,
+    FORWARD_WITH_GRAD,
+    Agreement,
+)
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import GatherTags
 from shardwise.engine.schedule.phase import Clock, Phase
@@ -278,7 +284,8 @@ class StepDriver:
             self.step.graph_task = graph_task_id()
             self.clock.enter(Phase.BACKWARD)
             if self._backward_communicates():  # a header first
-                self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
+                phase = BACKWARD if self.sync_grads else BACKWARD_NO_SYNC  # Note [uneven work] (agreement.py)
+                self.agreement.open(phase, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 
     def _backward_communicates(self) -> bool:
