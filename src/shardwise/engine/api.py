@@ -5,6 +5,7 @@ Uses: compat, ddp, deferred, guards, host_copy, parallel_layout, protocol, units
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Callable
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.init.deferred import is_deferred, materialize
 from shardwise.engine.layout.parallel_layout import check_mesh, data_mesh
 from shardwise.engine.memory.host_copy import place_frozen_on_host
+from shardwise.engine.optim.grads import no_sync
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
 from shardwise.engine.schedule.consistency import check_same_options, layout_words
 from shardwise.engine.unit.units import UnitSpec
@@ -96,7 +98,9 @@ def shard(
     reduce-scatters quantized over an all-to-all, summed in fp32 (qgZ); the fp32 master shards are never
     quantized. `sw.describe` and the checkpoint index record it. An optimizer stepped on whole tensors
     (Muon, Adafactor, ...) is refused with it. Note [quantized collectives] in engine/comm/quantize.py.
-    The option rules live in `shardwise.config.ShardConfig`.
+    The option rules live in `shardwise.config.ShardConfig`; every rank passes the same options (compared
+    at once: Note [options by construction]). The model gains `model.no_sync()`, `sw.no_sync(model)` as DDP's
+    and FSDP1's habit spells it.
     """
     arguments = {name: value for name, value in locals().items() if name != "model"}  # every one: Note [options
     config, refusal = None, None  # by construction]; a rank's refusal is raised once the ranks compared options
@@ -138,6 +142,9 @@ def shard(
         engine = apply_zero(model, config, units, group, init_fn, mesh)
     attach_engine(model, engine)  # Note [engine protocol]
     setattr(model, DDP_IGNORE_ATTRIBUTE, RefuseDataParallel(config.strategy))  # Note [no second wrapper]
+    if not hasattr(type(model), "no_sync"):  # a class with a no_sync of its own keeps it
+        # `with model.no_sync():`, the DDP / FSDP1 / Accelerate habit, is sw.no_sync(model): the same accumulation
+        object.__setattr__(model, "no_sync", partial(no_sync, model))
     return model
 
 
