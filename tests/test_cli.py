@@ -118,3 +118,18 @@ def test_demo_summary_shows_the_drift_of_ddp_itself_and_the_formula(capsys):
     assert "max |loss - 1 proc|" in out and "1.0e-04" in out and "2.0e-04" in out, out
     assert "(15.3)" in out and "(7.6)" in out, out  # 16 and 16/2 bytes per parameter
     assert "by as much as torch's DDP does" in out
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(small):
+    """Catches `shardwise ckpt inspect DIR | head` ending in a BrokenPipeError traceback (issue 60 item 13):
+    the reader here closes the pipe before the command writes anything, as `head` does after its lines; the
+    command ends with a shell's SIGPIPE status and nothing on stderr."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-m", "shardwise.cli", "ckpt", "inspect", str(small)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # the reader is gone before the first write
+    stderr = child.stderr.read().decode()
+    assert child.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr

@@ -97,6 +97,9 @@ def test_whole_tensor_optimizer_refused_with_compression(ranks):
     ("zero3", {"reduce": "int2"}, "'int8' or 'int4'"),
     ("zero3", {"gather": "int4"}, "use 'int8'"),
     ("zero3", {"gather": "int8", "block": 7}, "even number"),
+    ("zero3", {"gather": "int8", "block": 2**40}, "from 2 to 65536"),  # issue 60 item 9: died in the allocator
+    ("zero2", {"reduce": "int4", "block": 256.0}, "from 2 to 65536"),
+    ("zero2", {"reduce": "int4", "block": 0}, "from 2 to 65536"),
     ("zero3", {}, "compresses nothing"),
     ("zero3", "int8", "not understood"),
 ])

@@ -19,6 +19,7 @@ LAYERS = {
     "shardwise._version": 0,
     "shardwise.errors": 0,
     "shardwise.teardown": 0,  # what closes at exit (Note [exit teardown]): everything below may register
+    "shardwise.wire.canonical": 0,  # options in a canonical form: config.py marks its per-rank fields with it
     "shardwise.config": 1,
     "shardwise.dist": 1,
     "shardwise.collective_watch": 1,  # watches torch.distributed's collectives: every traffic counter

@@ -187,14 +187,15 @@ def test_each_unit_is_reduced_once_per_step_and_zero3_gathers_once(ranks):
     micro-batches, each unit of each stage is reduced exactly once in a step under zero1, zero2 and zero3;
     zero3 with keep_gathered gathers each unit once (the stage one unit, or one per layer when told to), without
     it at least once per micro-batch (the forward's gathers; backward's come on top), each layer a unit. Agreement
-    headers (Note [agreement rides the traffic]): with the units kept, one for the step's first forward and
-    one for its reducing backward, none for the backwards under no_sync that issue no collective."""
+    headers (Note [agreement rides the traffic]): with the units kept, one for the step's first forward,
+    one for its reducing backward and one for its optimizer step (Note [uneven work]), none for the backwards
+    under no_sync that issue no collective."""
     cases = [("zero1", True, False), ("zero2", True, False), ("zero3", True, False), ("zero3", True, True),
              ("zero3", False, False)]
     for rank, counts in enumerate(ranks.run(_per_step_counts_on_rank, 4, cases, timeout=180)):
         for (strategy, keep, per_layer), got in zip(cases, counts):
             one_unit = keep and not per_layer
-            assert got["headers"] == 2 if keep else got["headers"] >= 2 * MICRO, f"rank {rank} {strategy}: {got}"
+            assert got["headers"] == 3 if keep else got["headers"] >= 2 * MICRO + 1, f"rank {rank} {strategy}: {got}"
             assert (len(got["reduces"]) == 1) == one_unit, f"rank {rank} {strategy} keep={keep}: units {got}"
             assert got["reduces"] and all(n == 1 for n in got["reduces"]), f"rank {rank} {strategy}: {got}"
             if strategy == "zero3":

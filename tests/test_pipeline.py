@@ -143,6 +143,21 @@ def test_pipeline_config_validation():
     PipelineConfig(num_stages=4, num_microbatches=2, schedule="gpipe")
 
 
+@pytest.mark.parametrize("fields, match", [
+    ({"num_microbatches": 2.5}, "num_microbatches=2.5 must be an int"),
+    ({"num_stages": True}, "num_stages=True must be an int"),
+    ({"cache_memory_bytes": -1}, "cache_memory_bytes=-1 must be >= 0"),
+    ({"balance": (1.0, float("nan"))}, "per-layer costs are finite"),
+    ({"balance": (1.0, -2.0)}, "per-layer costs are finite"),
+])
+def test_pipeline_config_numbers_are_checked(fields, match):
+    """Catches issue 60 item 9's pipeline half: a non-int micro-batch count, a negative cache budget or a NaN
+    layer cost accepted here and failing later, far from the field (a float count in torch's schedule, a NaN
+    cost cutting every layer into one stage)."""
+    with pytest.raises(ShardwiseError, match=match):
+        PipelineConfig(**{"num_stages": 2, "schedule": "gpipe", **fields})
+
+
 def test_sharded_stage_options_are_checked():
     """Catches a strategy name or a shards= without a zero strategy accepted (sw.shard would be asked for
     it, or shards= ignored), and ShardedStage handed an unsharded module (no engine reduces its gradients

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardwise.errors import ShardwiseError
+from shardwise.wire.canonical import PER_RANK
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 ZERO_STRATEGIES = STRATEGIES[1:]
@@ -75,7 +76,7 @@ def resolve_precision(precision: str | MixedPrecision | None) -> MixedPrecision:
 class DiskOffload:
     """fp32 master shards and optimizer state in memory-mapped files under `path` (zero3)."""
 
-    path: str
+    path: str = field(metadata={PER_RANK: True})  # ranks may use their own disks (Note [options by construction])
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path:
@@ -131,8 +132,8 @@ class HostFrozen:
     with no copy; None: the host's local rank 0 writes the model's own frozen values into
     `directory` (default /dev/shm), which every rank of the host must see."""
 
-    source: str | None = None
-    directory: str | None = None
+    source: str | None = field(default=None, metadata={PER_RANK: True})  # a host's own path
+    directory: str | None = field(default=None, metadata={PER_RANK: True})
 
     def __post_init__(self):
         for name in ("source", "directory"):
@@ -154,6 +155,7 @@ def resolve_frozen(frozen: str | HostFrozen | None) -> HostFrozen | None:
 
 
 _CODES = {"int8": 8, "int4": 4}
+MAX_BLOCK = 1 << 16  # elements per scale: DeepSpeed's ZeRO++ groups are hundreds to thousands of elements
 
 
 @dataclass(frozen=True)
@@ -173,8 +175,13 @@ class Compression:
             raise ShardwiseError(f"Compression.gather={self.gather!r}: use 'int8' (or None: gathers exact)")
         if self.reduce not in (None, "int8", "int4"):
             raise ShardwiseError(f"Compression.reduce={self.reduce!r}: use 'int8' or 'int4' (or None: exact)")
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 2 or self.block % 2:
-            raise ShardwiseError(f"Compression.block={self.block!r}: use an even number of elements >= 2 (e.g. 256)")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block % 2 \
+                or not 2 <= self.block <= MAX_BLOCK:
+            # Every unit's traffic is padded to whole blocks per rank: a block of 2**40 elements was accepted here
+            # and asked the allocator for terabytes at the first gather.
+            raise ShardwiseError(f"Compression.block={self.block!r}: use an even number of elements from 2 to "
+                                 f"{MAX_BLOCK} (e.g. 256, the default): each rank's rows of a unit travel padded to "
+                                 "whole blocks, so a larger block only pads and shares one scale over more values")
         if self.gather is None and self.reduce is None:
             raise ShardwiseError("Compression() compresses nothing: give gather='int8' and/or reduce='int8'|'int4', "
                                  "or pass compression=None")

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import shardwise.cli.ckpt as cli_ckpt
 import shardwise.cli.estimate as cli_estimate
 from shardwise._version import __version__
 
+# What a shell reports for a command that SIGPIPE ended (128 + 13): `shardwise ckpt inspect DIR | head`.
+EXIT_BROKEN_PIPE = 141
+
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Run the command; its exit status. A reader that stops reading (`| head`) ends it quietly, as it ends
+    any Unix tool, instead of with a BrokenPipeError traceback (Python ignores SIGPIPE, so a write to a
+    closed pipe raises)."""
+    try:
+        status = _dispatch(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # inside the try: what is still buffered may meet the closed pipe too
+        return status
+    except BrokenPipeError:
+        # Python's own advice (the signal module's "Note on SIGPIPE"): point stdout at /dev/null, so the
+        # interpreter's last flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="shardwise",
         description="Sharded data-parallel training (ZeRO 1/2/3) that keeps parameter sharing exact.",

@@ -1,22 +1,38 @@
 """`shard(model, strategy=...)`: the one entry point that applies a strategy in place.
-Uses: compat, ddp, deferred, guards, host_copy, parallel_layout, protocol, units, zero.
+Uses: compat, consistency, ddp, deferred, grads, guards, host_copy, parallel_layout, protocol, units, zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
 from typing import Callable
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.config import Compression, DiskOffload, HostFrozen, HostOffload, MixedPrecision, ShardConfig
+from shardwise.config import (
+    Compression,
+    DiskOffload,
+    HostFrozen,
+    HostOffload,
+    MixedPrecision,
+    ShardConfig,
+    resolve_compression,
+    resolve_frozen,
+    resolve_offload,
+    resolve_precision,
+)
 from shardwise.engine.compat import DDP_IGNORE_ATTRIBUTE
 from shardwise.engine.ddp import apply_ddp
 from shardwise.engine.guards import RefuseDataParallel
 from shardwise.engine.init.deferred import is_deferred, materialize
 from shardwise.engine.layout.parallel_layout import check_mesh, data_mesh
 from shardwise.engine.memory.host_copy import place_frozen_on_host
+from shardwise.engine.optim.grads import no_sync
 from shardwise.engine.protocol import attach_engine, engine_of, slicing_of
+from shardwise.engine.schedule.consistency import check_same_options, layout_words
 from shardwise.engine.unit.units import UnitSpec
 from shardwise.engine.zero import apply_zero
 from shardwise.errors import ShardwiseError
@@ -92,13 +108,20 @@ def shard(
     stream (default 2; 1 issues the next only once this one landed); each more holds one more unit's full
     parameters and buys overlap where a unit computes faster than the next one gathers. The result is
     unchanged. Note [prefetch depth] in engine/unit/stage.py.
-    The option rules live in `shardwise.config.ShardConfig`.
+    The option rules live in `shardwise.config.ShardConfig`; every rank passes the same options (compared
+    at once: Note [options by construction]). The model gains `model.no_sync()`, `sw.no_sync(model)` as DDP's
+    and FSDP1's habit spells it.
     """
-    config = ShardConfig.of(strategy, precision=precision, offload=offload,
-                            checkpoint_activations=checkpoint_activations,
-                            find_unused_parameters=find_unused_parameters, frozen=frozen,
-                            reshard_after_forward=reshard_after_forward, compression=compression,
-                            prefetch=prefetch)
+    arguments = {name: value for name, value in locals().items() if name != "model"}  # every one: Note [options
+    config, refusal = None, None  # by construction]; a rank's refusal is raised once the ranks compared options
+    try:
+        config = ShardConfig.of(strategy, precision=precision, offload=offload,
+                                checkpoint_activations=checkpoint_activations,
+                                find_unused_parameters=find_unused_parameters, frozen=frozen,
+                                reshard_after_forward=reshard_after_forward, compression=compression,
+                                prefetch=prefetch)
+    except ShardwiseError as error:
+        refusal = error
     if engine_of(model) is not None:
         raise ShardwiseError(
             f"this model is already sharded with strategy={engine_of(model).strategy!r}: "
@@ -106,11 +129,16 @@ def shard(
                "build a fresh model (or load a checkpoint into one) to change strategy")
         )
     if not dist.is_initialized():
-        raise ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
+        raise refusal or ShardwiseError("no process group: call `sw.init()` before `sw.shard(...)`")
     group = process_group or dist.group.WORLD
     slicing = slicing_of(model)  # sw.slice ran first: Note [slice then shard] (parallel/slicing)
     if mesh is not None:  # Note [sliced mesh]: a 3-D mesh's data part, and the group of its ranks
         mesh, group = data_mesh(mesh, slicing.group if slicing is not None else None, process_group)
+    check_same_options("sw.shard options", _options(arguments, config, refusal, group), group, _FIXES,
+                       {id(module): name for name, module in model.named_modules()})
+    if refusal is not None:
+        raise refusal
+    if mesh is not None:
         check_mesh(mesh, config.strategy, group)
     _refuse_sparse_gradients(model, config.strategy)
     if slicing is not None:
@@ -125,7 +153,41 @@ def shard(
         engine = apply_zero(model, config, units, group, init_fn, mesh)
     attach_engine(model, engine)  # Note [engine protocol]
     setattr(model, DDP_IGNORE_ATTRIBUTE, RefuseDataParallel(config.strategy))  # Note [no second wrapper]
+    if not hasattr(type(model), "no_sync"):  # a class with a no_sync of its own keeps it
+        # `with model.no_sync():`, the DDP / FSDP1 / Accelerate habit, is sw.no_sync(model): the same accumulation
+        object.__setattr__(model, "no_sync", partial(no_sync, model))
     return model
+
+
+def _options(arguments: dict, config: ShardConfig | None, refusal: ShardwiseError | None, group) -> dict:
+    """What the ranks compare (Note [options by construction]): every argument of `shard()`, its string
+    shortcuts resolved ("bf16" and MixedPrecision(torch.bfloat16) alike), every `ShardConfig` field no argument
+    names, the layout in words, the group's ranks, and a rank's refusal of its own options."""
+    options = {name: _resolved(name, value) for name, value in arguments.items()}
+    for name in (f.name for f in dataclasses.fields(ShardConfig) if f.name not in arguments):
+        options[name] = None if config is None else getattr(config, name)
+    mesh = arguments["mesh"]
+    options["mesh"] = layout_words(mesh) if mesh is None or isinstance(mesh, DeviceMesh) else mesh
+    options["process_group"] = f"ranks {dist.get_process_group_ranks(group)}"
+    options["refused"] = None if refusal is None else str(refusal)
+    return options
+
+
+_RESOLVERS = {"precision": resolve_precision, "offload": resolve_offload, "frozen": resolve_frozen,
+              "compression": resolve_compression}
+
+
+def _resolved(name: str, value):
+    """An argument as `ShardConfig.of` reads it, or as given where it does not resolve (its rank refuses it)."""
+    try:
+        return _RESOLVERS[name](value) if name in _RESOLVERS else value
+    except ShardwiseError:
+        return value
+
+
+_FIXES = {"mesh": "Pass the same mesh= to sw.shard on every rank (built by the same init_device_mesh call from the "
+                  "same sizes), or none on any: ranks given different layouts create other groups",
+          "refused": "Pass the same options on every rank; one rank refused its own (its words above)"}
 
 
 def _refuse_sparse_gradients(model: nn.Module, strategy: str) -> None:

@@ -80,6 +80,7 @@ class ZeroEngine(Engine):
         # and the gathers run on the shard group, so they take the host group of the whole mesh.
         flags_group = reduce_group if self.host_group is group and not self.mesh.hybrid else self.host_group
         self.driver = StepDriver(self.units, self.policy, group, flags_group, self.clock)
+        self.step_watch.agree_on_step = self._agree_on_step  # Note [uneven work] (agreement.py)
         if self.precision.param_dtype != torch.float32:
             self.root.module.register_forward_pre_hook(cast_floating_inputs(self.precision.param_dtype),
                                                        with_kwargs=True)
@@ -99,6 +100,12 @@ class ZeroEngine(Engine):
                                  "node (hybrid sharding shards within the node), so backward's re-gather never "
                                  "leaves it; drop reshard_after_forward")
         return node_group
+
+    def _agree_on_step(self) -> None:
+        """Before an optimizer step: every rank is at it (Note [uneven work]). A step inside backward
+        (optimizer_in_backward) is its backward's, whose header said so already."""
+        if not self.steps_in_backward():
+            self.driver.agreement.agree_on_step(self.driver.num_forwards, self.driver.forward_order)
 
     def _comm_bound(self) -> int:
         """The comm pool's bound: the estimator's formula (comm_buffer_bytes) over this engine's units."""

@@ -1,16 +1,21 @@
 """How a pipeline runs (`PipelineConfig`), what an epoch reports (`EpochStats`), and the optimizer
-factory the trainer calls for each rank's parameters (`grouped_adamw`)."""
+factory the trainer calls for each rank's parameters (`grouped_adamw`), and the ranks' agreement on
+how (`check_same_pipeline`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+from shardwise.engine.schedule.consistency import check_same_options
 from shardwise.errors import ShardwiseError
+from shardwise.wire.canonical import PER_RANK
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -48,12 +53,24 @@ class PipelineConfig:
     repack: bool = True
     cache: bool = True
     cache_memory_bytes: int = 1 << 30
-    cache_dir: str | None = None
+    cache_dir: str | None = field(default=None, metadata={PER_RANK: True})  # a rank's own disk may hold it
     strategy: str | None = None
     shards: int | None = None
     keep_gathered: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("num_stages", "num_microbatches", "cache_memory_bytes", "shards"):
+            value = getattr(self, name)
+            if (value is not None or name != "shards") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ShardwiseError(f"PipelineConfig.{name}={value!r} must be an int")
+        if self.cache_memory_bytes < 0:
+            raise ShardwiseError(f"PipelineConfig.cache_memory_bytes={self.cache_memory_bytes} must be >= 0 (bytes of "
+                                 "cached activations kept in memory per rank; 0 keeps them all in the file)")
+        if not isinstance(self.balance, str) and not all(
+                isinstance(cost, (int, float)) and not isinstance(cost, bool) and math.isfinite(cost) and cost >= 0
+                for cost in self.balance):
+            raise ShardwiseError(f"PipelineConfig.balance={self.balance!r}: per-layer costs are finite numbers >= 0 "
+                                 "(or use 'params' or 'time')")
         if self.num_stages < 1:
             raise ShardwiseError(f"PipelineConfig.num_stages must be >= 1, got {self.num_stages}")
         if self.schedule not in SCHEDULES:
@@ -75,6 +92,18 @@ class PipelineConfig:
             raise ShardwiseError(
                 f"PipelineConfig.balance must be 'params', 'time' or per-layer costs, got {self.balance!r}"
             )
+
+
+def check_same_pipeline(arguments: dict, group) -> None:
+    """Refuse, on every rank alike and naming the field and each rank's value, ranks whose `PipeTrainer` was
+    built with different `arguments` (every one, its `PipelineConfig` field by field: Note [options by
+    construction], wire/canonical.py). Ranks with another num_stages, schedule or num_microbatches raised a
+    ValueError on one rank while the other's peer closed, or hung until the group's timeout."""
+    layers = {id(layer): f"layer {i}" for i, layer in enumerate(arguments["chain"].layers)}
+    group_ranks = [dist.get_global_rank(group, rank) for rank in range(dist.get_world_size(group))]
+    check_same_options("PipeTrainer options", {**arguments, "group": f"ranks {group_ranks}"}, group,
+                       {"config": "Build the same PipelineConfig on every rank (from the same code and arguments)",
+                        "chain": "Build the same model and LayerChain on every rank"}, layers)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.pipeline._moves import State, broadcast_entries
 from shardwise.pipeline.balance import measure_layer_times, param_costs, stage_costs
 from shardwise.pipeline.cache import ActivationCache, StickySampler
-from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig
+from shardwise.pipeline.config import SCHEDULES, EpochStats, OptimizerFactory, PipelineConfig, check_same_pipeline
 from shardwise.pipeline.freeze import FreezePolicy, GradNormWindow
 from shardwise.pipeline.layers import LayerChain
 from shardwise.pipeline.layout import Layout, plan_layout
@@ -80,11 +80,13 @@ class PipeTrainer:
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
     ):
+        arguments = {name: value for name, value in locals().items() if name != "self"}
         self.chain, self.loss_fn, self.make_optimizer = chain, loss_fn, make_optimizer
         self.inputs, self.targets, self.config = inputs, targets, config
         self.group = group if group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.global_ranks = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        check_same_pipeline(arguments, self.group)  # first: before any check one rank could fail alone
         if self.world_size % config.num_stages != 0:
             raise ShardwiseError(f"num_stages={config.num_stages} must divide the world size {self.world_size}")
         if global_batch_size % (self.world_size * config.num_microbatches) != 0:

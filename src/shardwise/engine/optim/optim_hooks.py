@@ -11,6 +11,7 @@ steps in progress; the hooks find the watches through the optimizer's parameters
   the model no longer uses and train nothing; so is one holding nothing of any live engine's;
 - before a step: the engine's checks still in flight are settled (zero3's gather tags on a device: Note
   [tags on the device], gather_tags.py), so a step never applies values computed from a mismatched gather;
+- before a step: every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py);
 - before a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]); before, not after, so that a step that raised midway, on
@@ -74,6 +75,7 @@ class StepWatch:
     def __init__(self, units, before_step=None) -> None:
         self.whole_steps: dict[int, WholeStep] = {}  # id(optimizer) -> its step in progress
         self.before_step = before_step  # the engine's checks to settle before any step (Note [one step hook])
+        self.agree_on_step = None  # the engine's wait for every rank at its step (Note [uneven work]), or None
         for unit in units:
             for shard, layout in zip(unit.shard_params, unit.layouts):
                 shard._sw_unit, shard._sw_layout, shard._sw_watch = unit, layout, self
@@ -130,6 +132,9 @@ def _before_step(optimizer, args, kwargs) -> None:
     _refuse_replaced_params(optimizer, params)
     _refuse_optimizer_of_nothing(optimizer, params)
     watches = _watches(params)
+    for watch in watches:  # every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py)
+        if watch.agree_on_step is not None:
+            watch.agree_on_step()
     if watches:  # any optimizer over shards, one rank's included: a class torch wrapped before shardwise
         guard_step(optimizer)  # (Note [raising step], Note [plain rows step])
     for watch in watches:  # every engine's checks first: a refused step marks nothing

@@ -42,6 +42,23 @@ path of each training step, evaluation batch and `generate()` token. Now:
 - (d) zero3 prefetches in the last forward's order once every rank's header said the same order
   (digest), learned at the previous backward (a training step: the next forward uses it) or the
   previous forward (evaluation: from the forward after next); registration order until then.
+- Note [uneven work]: ranks that run different numbers of micro-batches before a step (rank 0 two
+  forwards and backwards, rank 1 one) send headers that pair as if nothing differed: rank 0's second
+  forward and rank 1's first forward of the next step both say "forward 2". zero3 then trained on,
+  its gathers and reduces paired across steps, and a rank whose work had ended left the others waiting
+  for the group's timeout (10 minutes) before any error. So an optimizer step over a sharded model sends
+  a header of its own (STEP) and waits for it (`agree_on_step`, from the step hook: optim_hooks.py): the
+  ranks at their step meet the others' next header, a forward's or a backward's, and every rank refuses
+  before the step runs, the ranks still in a forward at their first gather. Why refuse rather than train
+  on (torch DDP's `Join` shadows the missing collectives of a rank that ran out): under ZeRO a rank that
+  ran out would have to shadow every gather and reduce of a forward and backward it does not run, in the
+  same order, for every stage, and its zero gradients would still enter the average (as under `Join`).
+  Equal work per step (drop_last, or padding) needs none of that. The wait costs one small all-gather on the
+  host group per optimizer step, where the ranks already met for the step's last reduce (on NCCL a wait
+  of the CPUs for each other, not of a device; not yet measured on a GPU). Steps run inside backward
+  (`sw.optimizer_in_backward`) send none: their backward's header is the step's. A backward's header says
+  whether it reduces (BACKWARD) or accumulates under no_sync (BACKWARD_NO_SYNC): with gradient
+  accumulation the uneven rank meets the others' synced backward with one of its no_sync ones.
 - What it cannot do: refuse a forward only some ranks run before that forward's own collectives
   are issued (they are issued before the header lands, and are never waited for: the error comes
   first, and the process group is spent after it, as after any mismatched collective); and a rank
@@ -66,7 +83,7 @@ from shardwise.engine.schedule.consistency import digest
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
-FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD = 0, 1, 2
+FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD, STEP, BACKWARD_NO_SYNC = 0, 1, 2, 3, 4
 REFUSED = -1  # a rank refused the step (Note [gather tags], gather_tags.py): its last header
 
 _DIFFERENT_PARAMETERS = (
@@ -75,7 +92,8 @@ _DIFFERENT_PARAMETERS = (
 DIFFERENT_FORWARDS = (
     "run different forwards of the sharded model (a different number of them, or one with and one without "
     "grad): every rank must run every forward (evaluate on all ranks, or on an unsharded copy), as every rank "
-    "takes part in its collectives. Generating different numbers of tokens on each rank: pass "
+    "takes part in its collectives; the same number of micro-batches between optimizer steps too (Note [uneven "
+    "work]). Generating different numbers of tokens on each rank: pass "
     "generate(..., synced_gpus=True), so a rank that finished keeps stepping until the longest is done (or pad "
     "every rank's work to the longest; docs/strategies.md, evaluation and generate()).")
 
@@ -90,6 +108,7 @@ class Agreement:
         self.pending = None  # (work, sent, received, order, where) of the header in flight
         self.agreed_order: list[int] | None = None  # unit ids in the last order every rank reported
         self.on_refused = None  # called when another rank refused, before this rank raises (Note [gather tags])
+        self.on_refusing = None  # called when this rank refuses at its step, before it raises (Note [uneven work])
         self.refusal = None  # the refusing header in flight (never waited for: this rank is raising)
 
     def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
@@ -109,7 +128,8 @@ class Agreement:
         sent = torch.tensor(header + flags, dtype=torch.int64)
         received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
         where = self.units[0].where
-        with named_failure(f"the agreement of a {'backward' if phase == BACKWARD else 'forward'} ({where})"):
+        kind = "backward" if phase in (BACKWARD, BACKWARD_NO_SYNC) else "step" if phase == STEP else "forward"
+        with named_failure(f"the agreement of a {kind} ({where})"):
             work = start_all_gather_rows(received, sent, self.group)
         self.pending = (work, sent, received, list(order), where)
 
@@ -128,6 +148,12 @@ class Agreement:
                 self.on_refused()  # raises the refusing rank's own words where this rank can name them
             raise ShardwiseError(f"rank {refused[0]} refused this step (its own error says why): the ranks ran "
                                  "different sequences of collectives")
+        stepped = [rank for rank, row in enumerate(rows) if row[2] == STEP]
+        if 0 < len(stepped) < len(rows):
+            raise ShardwiseError(_uneven_work(rows, stepped))
+        synced = [rank for rank, row in enumerate(rows) if row[2] == BACKWARD]
+        if synced and any(row[2] == BACKWARD_NO_SYNC for row in rows):
+            raise ShardwiseError(_uneven_work(rows, synced))
         first = rows[0]
         for rank, row in enumerate(rows[1:], start=1):
             if row[0] != first[0]:
@@ -139,6 +165,18 @@ class Agreement:
             if row[2] != first[2]:
                 raise ShardwiseError(f"ranks 0 and {rank} {DIFFERENT_FORWARDS}")
         self.agreed_order = order if order and all(row[3] == first[3] for row in rows) else None
+
+    def agree_on_step(self, num_forwards: int, order: list[int]) -> None:
+        """Before an optimizer step: every rank's header says it is at its step, or the step is refused on every
+        rank before it runs (Note [uneven work]). Waited for here: the last header a rank that ran out of work
+        sends may be its last."""
+        self.open(STEP, num_forwards, order, [])
+        try:
+            self.confirm()
+        except ShardwiseError:
+            if self.on_refusing is not None:
+                self.on_refusing()  # zero3: a rank in a forward waits on a gather's tag (Note [gather tags])
+            raise
 
     def refuse(self) -> None:
         """This rank is about to raise where the others may wait for its next header: send them one that
@@ -159,3 +197,19 @@ class Agreement:
                 f"sw.load, or an optimizer step) and not on rank {other}. Write parameters on every rank alike "
                 "(load, and step the optimizer, on every rank); each rank holds only its rows, so a write on one "
                 "rank never reaches the others' (Note [agreement rides the traffic]).")
+
+
+def _uneven_work(rows: list[list[int]], stepped: list[int]) -> str:
+    """Note [uneven work]: some ranks reached their optimizer step while others ran another forward or backward."""
+    others = [rank for rank in range(len(rows)) if rank not in stepped]
+    doing = {FORWARD_NO_GRAD: "a forward", FORWARD_WITH_GRAD: "a forward", BACKWARD: "a backward",
+             BACKWARD_NO_SYNC: "a backward under no_sync"}
+    where = ", ".join(f"rank {rank} was in {doing.get(rows[rank][2], 'another phase')} (its forward number "
+                      f"{rows[rank][1]})" for rank in others)
+    at = ", ".join(f"rank {rank} (after forward number {rows[rank][1]})" for rank in stepped)
+    reached = "optimizer.step()" if rows[stepped[0]][2] == STEP else "the backward that reduces (the step's last)"
+    return (f"uneven work: {at} reached {reached} while {where}. Every rank must run the same number of "
+            "forwards and backwards (micro-batches) between optimizer steps, since each takes part in every "
+            "collective: give every rank the same number of batches (a DistributedSampler or sw.ResumableSampler "
+            "with drop_last=True, or pad the short rank's last step with a batch whose loss is multiplied by 0). "
+            "shardwise has no join-style context for uneven inputs (Note [uneven work], agreement.py).")

@@ -1,11 +1,12 @@
-"""Ranks agree on the model at `shard()`: the same parameters (and which are trainable) and the same
-starting values. What they agree on during training rides the traffic (agreement.py).
-Uses: flat_unit, small.
+"""Ranks agree on the model at `shard()`: the same options (every one: Note [options by construction],
+wire/canonical.py), the same parameters (and which are trainable) and the same starting values. What they
+agree on during training rides the traffic (agreement.py). Uses: flat_unit, small.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from torch import nn
 from shardwise.engine.comm.small import all_gather_list, all_reduce_max, broadcast_from
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
+from shardwise.wire.canonical import canonical, first_difference, shown
 from shardwise.wire.messages import all_gather_json
 
 
@@ -53,6 +55,38 @@ def check_same_model_on_every_rank(model: nn.Module, group, layout: str = "") ->
                     "from the same code and config, and freeze the same parameters, on every rank (only the "
                     "data should differ)."
                 )
+
+
+def check_same_options(what: str, options: dict, group, fixes: dict[str, str] | None = None,
+                       module_names: dict[int, str] | None = None) -> None:
+    """Fail on every rank alike, naming the option and each rank's value, when the ranks of `group` were given
+    different `options` (`what`: "sw.shard options"; `fixes`: the fix for a top-level option, else "pass the
+    same ..."; an option "refused": a rank's refusal of its own options, quoted). The whole object is compared
+    in its canonical form (Note [options by construction], wire/canonical.py): one all-gather of a digest, and
+    only when digests differ, the forms themselves (JSON)."""
+    form = canonical(options, module_names)
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    device = _device(group)
+    signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    all_gather_list(signatures, torch.tensor([digest(json.dumps(form, sort_keys=True))], device=device), group)
+    if all(torch.equal(s, signatures[0]) for s in signatures):
+        return
+    everyone = all_gather_json(form, group)  # JSON, never a pickle between ranks
+    path, values = first_difference(everyone)
+    by_value: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        by_value.setdefault(shown(value), []).append(rank)
+    per_rank = "; ".join(f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                         for value, ranks in by_value.items())
+    top = path.split(".")[0].split("[")[0]
+    fix = (fixes or {}).get(top, f"Pass the same {what} on every rank (only the data should differ)")
+    refused = "".join(f" Rank {rank} also refused its own: {form['refused']}" for rank, form in enumerate(everyone)
+                      if isinstance(form, dict) and form.get("refused") and top != "refused")
+    raise ShardwiseError(f"the ranks were given different {what}: {path or 'the options'} is {per_rank}. {fix}; a "
+                         "rank with other options runs other collectives, which would pair with the wrong ones "
+                         f"(a hang or a wrong value).{refused}")
 
 
 def differs_across_ranks(tensors: list[torch.Tensor], group) -> bool:

@@ -73,7 +73,13 @@ from torch.utils._pytree import tree_flatten
 
 from shardwise.engine.compat import outside_graph, queue_backward_callback
 from shardwise.engine.phase import Clock, Phase
-from shardwise.engine.schedule.agreement import BACKWARD, FORWARD_NO_GRAD, FORWARD_WITH_GRAD, Agreement
+from shardwise.engine.schedule.agreement import (
+    BACKWARD,
+    BACKWARD_NO_SYNC,
+    FORWARD_NO_GRAD,
+    FORWARD_WITH_GRAD,
+    Agreement,
+)
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import make_tags
 from shardwise.engine.schedule.recompute import checkpoint_forward
@@ -253,7 +259,8 @@ class StepDriver:
     def _queue_finalize(self) -> None:
         if self.window.enter_backward():  # the backward's first hook (Note [window states])
             if self._backward_communicates():  # a header first
-                self.agreement.open(BACKWARD, self.num_forwards, self.forward_order, [])
+                phase = BACKWARD if self.sync_grads else BACKWARD_NO_SYNC  # Note [uneven work] (agreement.py)
+                self.agreement.open(phase, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 
     def _backward_communicates(self) -> bool:

@@ -59,7 +59,7 @@ from shardwise.engine.comm.context import CommContext
 from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.comm.streams import GATHER
 from shardwise.engine.layout.groups import new_host_group
-from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, Agreement
+from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, REFUSED, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
@@ -82,6 +82,8 @@ class GatherTags:
         self.group = new_host_group(group) if self.world > 1 else None
         self.where_now, self.agreement = where_now, agreement
         agreement.on_refused = self.explain  # a rank refused while this one waits for its header
+        agreement.on_refusing = self.refuse  # this rank refuses at a header while others may wait on a tag
+        self.refusal = None  # the refusing tag in flight (never waited for: this rank is raising)
         self.pending: dict[int, tuple] = {}  # id(unit) -> (work, received)
         self.host_waits = 0  # times the host blocked on tags (module docstring)
 
@@ -119,6 +121,9 @@ class GatherTags:
         if all(row[:3] == rows[0][:3] for row in rows):
             return
         self.pending.clear()
+        if any(row[2] == REFUSED for row in rows):  # refused at its header (Note [uneven work]): so is this one's
+            self.agreement.confirm()
+            raise ShardwiseError("another rank refused this step at its header (its own error says why)")
         self.agreement.refuse()  # the others may wait for this rank's next header, not on a tag
         self._raise_for(rows)
 
@@ -139,6 +144,16 @@ class GatherTags:
             "same place, so every rank must run the same units in the same order in each forward (branches "
             "inside a unit may differ). Run the same order on every rank, or use strategy='zero2', which "
             "keeps full parameters and takes any order (Note [gather tags], gather_tags.py).")
+
+    def refuse(self) -> None:
+        """This rank refuses at a header (Note [uneven work], agreement.py) while the others may wait on a tag:
+        send them one that says so; they raise the header's words (their header pairs with this rank's)."""
+        if self.group is None:
+            return
+        self.pending.clear()
+        sent = torch.full((4 + ORDER_SLOTS,), REFUSED, dtype=torch.int64)
+        received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
+        self.refusal = (start_all_gather_rows(received, sent, self.group), sent, received)
 
     def explain(self) -> None:
         """Another rank refused (its tag differed from this rank's at some gather still in flight here):
