@@ -19,6 +19,10 @@ nor ctime; issue 60 loaded 3.4e38 so, through a stamp that "proved" the file unc
   (no byte that failed its crc stays in the model) and raises: the rows before it were checked, and the
   error says that the model holds part of the load. So every byte a load leaves in the model passed its
   crc after it was read, whatever happened to the file after the verify phase.
+- early refusal (`MappedFile.check_unchanged`): before the apply reads its first row of a file, the
+  file's stamp (inode, size, mtime, ctime) is compared with the one taken when its checks began, so an
+  ordinary rewrite (`cp` over it, a truncation) is refused before any of its rows is applied. The stamp
+  is no proof (the shared map above leaves it alone); the crc of the bytes read is.
 
 The disk is read once (the verify's page faults fill the page cache; the apply's `pread` copies from it),
 each byte crosses one read syscall (the apply's) and is checksummed twice (isal's crc32 runs at many GB/s:
@@ -41,11 +45,19 @@ from shardwise.errors import ShardwiseError
 WINDOW_BYTES = 4 * 2**20  # mapped and touched at a time; dropped from RSS after
 
 
+def stamp_of(fd: int) -> tuple[int, ...]:
+    """What an ordinary change to the file changes: (device, inode, size, mtime, ctime)."""
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
 class MappedFile:
-    """A read-only map of an open file (the verify phase's), and which (key, chunk) it has checked."""
+    """A read-only map of an open file (the verify phase's), which (key, chunk) it has checked, and the
+    file's stamp when the checks began (Note [checked where applied])."""
 
     def __init__(self, fd: int, size: int, path) -> None:
         self.path, self.checked, self.size = path, set(), size
+        self.stamp = stamp_of(fd)
         self._fd = fd
         self._map = None
         self._touched: tuple[int, int] | None = None  # bytes touched through the map, not yet dropped
@@ -72,6 +84,14 @@ class MappedFile:
                 crc = crc32(piece, crc)
             self._drop(begin, end)
         return crc
+
+    def check_unchanged(self) -> None:
+        """Refuse, before the apply reads its first row of this file, a file whose stamp changed since
+        the checks began: an ordinary rewrite (`cp` over it) leaves the model untouched. Not a proof (a
+        write through a shared map can leave the stamp alone): the crc of the bytes read is."""
+        if stamp_of(self._fd) != self.stamp:
+            raise ShardwiseError(f"{self.path} was written to (its size, times or inode changed) after the load "
+                                 "checked its bytes")
 
     def _windows(self, start: int, size: int):
         for begin in range(start, start + size, WINDOW_BYTES):

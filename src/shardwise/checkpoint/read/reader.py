@@ -52,7 +52,7 @@ class FileReader:
                     "verifies one)."
                 )
             self.entries, self.metadata, self.header_bytes = self._parse(size)
-            self.nbytes, self._mapped = size, None
+            self.nbytes, self._mapped, self._applying = size, None, False
         except BaseException:
             os.close(self._fd)
             raise
@@ -136,8 +136,11 @@ class FileReader:
         data = as_bytes(rows)
         if crcs is None:
             self._pread_into(data, entry.begin + lo * entry.row_bytes)
-        else:
-            self._read_checked(key, entry, lo, hi, chunk, crcs, data)
+            return rows
+        if self._mapped is not None and not self._applying:  # the checks ran: the apply's first read
+            self._mapped.check_unchanged()
+            self._applying = True
+        self._read_checked(key, entry, lo, hi, chunk, crcs, data)
         return rows
 
     def _read_checked(self, key: str, entry: Entry, lo: int, hi: int, chunk: int, crcs, data: memoryview) -> None:
