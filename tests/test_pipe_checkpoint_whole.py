@@ -32,11 +32,11 @@ from shardwise.pipeline.sharded import shard_stage
 FROZEN_AT, SAVED_AT, STEPS = 3, 6, 8
 
 
-def _trainer() -> PipeTrainer:
+def _trainer(num_homes: int | None = None) -> PipeTrainer:
     inputs, targets = dataset()
     config = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule="1f1b", cache=True, strategy="zero3")
     return PipeTrainer(chain_layers(gpt(2)), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
-                       global_batch_size=GLOBAL_BATCH, config=config)
+                       global_batch_size=GLOBAL_BATCH, config=config, **({"num_homes": num_homes} if num_homes else {}))
 
 
 def _steps(trainer: PipeTrainer, first: int, last: int) -> list[float]:
@@ -129,3 +129,30 @@ def _named_layer() -> nn.Module:
     holder = nn.Module()
     holder.layer = nn.Linear(4, 4)
     return holder
+
+
+def _saved_at_4(directory: str) -> list[float]:
+    trainer = _trainer()
+    _steps(trainer, 0, 2)
+    save_pipeline(Path(directory) / "at4", trainer, step=2)
+    return _steps(trainer, 2, 4)
+
+
+def _resumed_at_2(directory: str) -> dict:
+    with pytest.raises(sw.ShardwiseError) as error:
+        load_pipeline(Path(directory) / "at4", _trainer())
+    trainer = _trainer(num_homes=4)
+    load_pipeline(Path(directory) / "at4", trainer)
+    return {"refusal": str(error.value), "losses": _steps(trainer, 2, 4)}
+
+
+def test_a_pipeline_resumed_at_another_world_size_keeps_its_batches(ranks, tmp_path):
+    """Catches a resume at another world size training on other batches: the sampler's homes were the
+    world size, so a pipe 2 x zero3 2 checkpoint resumed at pipe 2 x 1 (2 ranks) drew other global batches
+    (step-4 loss 4.8428 against 4.8276). The default trainer at 2 ranks is refused on every rank naming
+    num_homes=4; built with num_homes=4 it trains on the run's batches (losses equal to 1e-5: the reduction
+    order differs with the shard count)."""
+    straight = ranks.run(_saved_at_4, 4, str(tmp_path), timeout=240)[0]
+    for rank, got in enumerate(ranks.run(_resumed_at_2, 2, str(tmp_path), timeout=240)):
+        assert "num_homes=4" in got["refusal"], f"rank {rank}: {got['refusal']}"
+        assert got["losses"] == pytest.approx(straight, rel=1e-5), f"rank {rank}: {got['losses']} != {straight}"

@@ -15,12 +15,7 @@ a name no stage holds, one missing, another shape, other param groups: a Shardwi
 nothing changed); then each stage loads its names through its view (sw.load over its stage's ranks,
 the other stages' names left to them).
 
-Note [the frozen prefix in a checkpoint]: a re-packing freeze (`PipeTrainer.freeze`, repack.py) takes
-layers [0, k) out of the stages: they are whole on every rank, in no stage module. `save_pipeline` writes
-them too (`whole=`: each rank an equal split of their rows, `_SplitRows`, so they are written once) and
-records k (`pipeline={"num_frozen": k}`); `load_pipeline` freezes the same k layers of a trainer built
-afresh, then loads every stage's rows and the whole prefix on every rank, a tie frozen into both (the
-prefix's copy and the head stage's frozen shard) filled from the one saved tensor.
+A `PipeTrainer`'s checkpoint also holds its frozen prefix and what it records of its run (resume.py).
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from shardwise.engine.layout.rows import num_rows, row_range
 from shardwise.engine.protocol import ShardInfo, engine_of
 from shardwise.engine.unit.info import row_view, shard_info
 from shardwise.errors import ShardwiseError
+from shardwise.pipeline.resume import PIPELINE_KEY, check_resume, frozen_prefix, run_record
 
 STRATEGIES = ("zero1", "zero2", "zero3")
 
@@ -126,48 +122,22 @@ def save_pipeline(path, trainer, scheduler=None, **extra) -> Path:
                              "under another keyword")
     stage = trainer.layout.coords(trainer.rank)[1]
     return save_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names, stage=stage,
-                       group=trainer.group, scheduler=scheduler, whole=_frozen_prefix(trainer),
-                       **{PIPELINE_KEY: {"num_frozen": trainer.layout.num_frozen}}, **extra)
+                       group=trainer.group, scheduler=scheduler, whole=frozen_prefix(trainer),
+                       **{PIPELINE_KEY: run_record(trainer)}, **extra)
 
 
 def load_pipeline(path, trainer, scheduler=None) -> LoadReport:
     """`load_stages` for a `PipeTrainer` with sharded stages, optimizer state included; a checkpoint saved
-    with a frozen prefix freezes the same layers first (Note [the frozen prefix in a checkpoint])."""
+    with a frozen prefix freezes the same layers first, and one whose run drew other batches than this
+    trainer's sampler is refused (Notes [the frozen prefix in a checkpoint], [data order across world sizes]
+    in resume.py)."""
     _check_trainer(trainer)
     group, world = trainer.group, trainer.world_size
-    num_frozen = _agree(lambda: _saved_num_frozen(path, trainer), group, world)
+    num_frozen = _agree(lambda: check_resume(path, trainer), group, world)
     if num_frozen > trainer.layout.num_frozen:
         trainer.freeze(num_frozen)
     return load_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names,
-                       group=group, scheduler=scheduler, whole=_frozen_prefix(trainer))
-
-
-PIPELINE_KEY = "pipeline"  # a pipeline checkpoint's extra value: {"num_frozen": k}
-
-
-def _frozen_prefix(trainer) -> dict[str, torch.Tensor]:
-    """The frozen prefix a re-pack took out of the stages: whole on every rank, alike (repack.py)."""
-    chain, layout = trainer.chain, trainer.layout
-    return {n: p.detach() for n, p in chain.params.items() if layout.stage_of_layer(chain.owner_layer(n)) is None}
-
-
-def _saved_num_frozen(path, trainer) -> int:
-    """How many leading layers the checkpoint's run had frozen (0 for a checkpoint of a flat model); a
-    trainer with more frozen cannot take it (the prefix only grows)."""
-    source = open_source(path, lambda name: name)
-    try:
-        record = source.extra.get(PIPELINE_KEY)
-    finally:
-        source.close()
-    num_frozen = record.get("num_frozen", 0) if isinstance(record, dict) else 0
-    if not isinstance(num_frozen, int) or not 0 <= num_frozen < trainer.chain.num_layers:
-        raise ShardwiseError(f"{path}: the saved {PIPELINE_KEY} record {record!r} names no frozen prefix of this "
-                             f"model's {trainer.chain.num_layers} layers: load it into the model it was saved from")
-    if num_frozen < trainer.layout.num_frozen:
-        raise ShardwiseError(f"{path} was saved with {num_frozen} frozen layers and this trainer has frozen "
-                             f"{trainer.layout.num_frozen} (a frozen prefix only grows): load it into a trainer built "
-                             "afresh, before any freeze()")
-    return num_frozen
+                       group=group, scheduler=scheduler, whole=frozen_prefix(trainer))
 
 
 def _check_one_value_per_name(mine: list[tuple[str, nn.Parameter]], group, world: int) -> None:
