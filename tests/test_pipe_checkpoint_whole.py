@@ -1,4 +1,4 @@
-"""A pipeline checkpoint holds the whole model (issue 60, points 1 and 2; pipeline/checkpoint.py): the frozen
+"""A pipeline checkpoint holds the whole model (issue 60, points 1 and 2; pipeline/checkpoint/): the frozen
 prefix a re-pack took out of the stages is saved, resumed and exported with the rest (Note [the frozen prefix
 in a checkpoint]); a model name two stages give to different tensors is refused at the save and the load,
 never one of them lost (Note [one value per name])."""

@@ -62,7 +62,7 @@ class PipeTrainer:
     re-pack, and state moves with the parameters. `global_batch_size` must be a multiple
     of world size x num_microbatches. `freeze`: the policy consulted at each epoch's end
     (default: manual only, via `freeze`). `num_homes`: the sampler's, the world size by default (Note [data
-    order across world sizes], resume.py). `group`: every rank of the world (a smaller group is
+    order across world sizes], checkpoint/resume.py). `group`: every rank of the world (a smaller group is
     refused: the layout's groups are made by every rank). Every method is a collective: call it
     on every rank of `group`.
     """

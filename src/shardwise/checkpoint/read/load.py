@@ -75,7 +75,7 @@ def load(path, model: nn.Module, optim=None, scheduler=None, *,
 def load_view(path, model: nn.Module, infos, optim=None, scheduler=None, *, strict: bool = True,
               rename: Rename = None, restore_rng: bool | None = None, objects=None) -> LoadReport:
     """`load` into `model` filling the rows `infos` names (None: `shard_info(model)`'s): a pipeline's
-    stage adds the whole frozen prefix every rank holds to its shards (pipeline/checkpoint.py)."""
+    stage adds the whole frozen prefix every rank holds to its shards (pipeline/checkpoint/)."""
     optimizers, form = named_optimizers(optim)
     objects = objects or {}
     group, rank, world = group_of(model)

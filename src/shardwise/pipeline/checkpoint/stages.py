@@ -40,7 +40,7 @@ from shardwise.engine.layout.rows import num_rows, row_range
 from shardwise.engine.protocol import ShardInfo, engine_of
 from shardwise.engine.unit.info import row_view, shard_info
 from shardwise.errors import ShardwiseError
-from shardwise.pipeline.resume import PIPELINE_KEY, check_resume, frozen_prefix, run_record
+from shardwise.pipeline.checkpoint.resume import PIPELINE_KEY, check_resume, frozen_prefix, run_record
 
 STRATEGIES = ("zero1", "zero2", "zero3")
 
