@@ -120,10 +120,15 @@ def save_pipeline(path, trainer, scheduler=None, **extra) -> Path:
     if PIPELINE_KEY in extra:
         raise ShardwiseError(f"{PIPELINE_KEY}= is the pipeline's own record in its checkpoints: pass your value "
                              "under another keyword")
-    stage = trainer.layout.coords(trainer.rank)[1]
+    stage, whole = trainer.layout.coords(trainer.rank)[1], frozen_prefix(trainer)
+    held = all_gather_object(sorted(trainer._local_names.values()), trainer.group, trainer.world_size)
+    missing = sorted(set(trainer.chain.params) - set(whole) - {name for names in held for name in names})
+    if missing:  # the same on every rank: a checkpoint of part of the model is never written
+        raise ShardwiseError(f"internal: the pipeline's stages and frozen prefix do not hold {missing[:4]}: the "
+                             "checkpoint would miss them, so nothing was written")
     return save_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names, stage=stage,
-                       group=trainer.group, scheduler=scheduler, whole=frozen_prefix(trainer),
-                       **{PIPELINE_KEY: run_record(trainer)}, **extra)
+                       group=trainer.group, scheduler=scheduler, whole=whole, **{PIPELINE_KEY: run_record(trainer)},
+                       **extra)
 
 
 def load_pipeline(path, trainer, scheduler=None) -> LoadReport:
