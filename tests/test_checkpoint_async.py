@@ -217,3 +217,24 @@ def test_a_waited_for_writer_leaves_sched_idle(tmp_path):
         save_module._write_rank_file = write
     assert policy == os.SCHED_OTHER
     assert pending.priority == "SCHED_IDLE"  # what it ran at in the background
+
+
+def test_a_failed_background_save_raises_once(tmp_path, monkeypatch):
+    """Catches a failed save_async raising its error twice: from wait(), and again from the next, healthy
+    save, which was then not written. wait() raises it; the next sw.save and save_async are written."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    write = save_module._write_rank_file
+
+    def disk_full(job):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(save_module, "_write_rank_file", disk_full)
+    pending = sw.save_async(tmp_path / "a", model)
+    with pytest.raises(sw.ShardwiseError, match="No space left"):
+        pending.wait()
+    monkeypatch.setattr(save_module, "_write_rank_file", write)
+    sw.save(tmp_path / "b", model)
+    sw.save_async(tmp_path / "c", model).wait()
+    assert (tmp_path / "b" / "index.json").exists() and (tmp_path / "c" / "index.json").exists()
+    assert not (tmp_path / "a").exists()

@@ -1,12 +1,11 @@
-"""Checkpoints at the disk's speed (issue 45): a load checks its rows over a map of each file and applies
-from the same map, the file proved unchanged in between (Note [proved unchanged] in checkpoint/read/mapped.py);
+"""Checkpoints at the disk's speed (issue 45): a load checks its rows over a map of each file, then reads
+them once into the model and checks them again there (Note [checked where applied] in checkpoint/read/mapped.py);
 a durable save starts the disk's writeback as it writes (Note [early writeback] in checkpoint/write/disk.py)."""
 
 from __future__ import annotations
 
 import importlib
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from torch import nn
 import shardwise as sw
 from helpers.damage import load_small, same, snapshot, trained
 from shardwise.checkpoint.format.files import TensorSpec, chunk_rows
-from shardwise.checkpoint.read.mapped import SETTLE_NS, settled_stamp
 from shardwise.checkpoint.read.reader import FileReader
 from shardwise.checkpoint.write.disk import WRITEBACK_BYTES
 from shardwise.checkpoint.write.writer import FileWriter
@@ -40,10 +38,10 @@ def _evict(directory: Path) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io (Linux task I/O accounting)")
 def test_a_load_reads_each_byte_once(tmp_path):
-    """Catches the apply phase reading the rows a second time (issue 35's re-read: every data byte went
-    through `pread` twice, once to check it and once into the model): counted from /proc/self/io, a load
-    from a cold page cache fetches at most 1.1x the checkpoint's bytes from the disk (read_bytes) and moves
-    almost none of them through read syscalls (rchar: index and headers only, the rows come from the map)."""
+    """Catches the rows read twice (issue 35's re-read: every data byte went through `pread` twice, once to
+    check it and once into the model): counted from /proc/self/io, a load from a cold page cache fetches at
+    most 1.1x the checkpoint's bytes from the disk (read_bytes) and moves each byte through one read syscall
+    (rchar: the apply's `pread` into the model; the checks read the map)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     optim = torch.optim.AdamW(model.parameters())
@@ -61,7 +59,7 @@ def test_a_load_reads_each_byte_once(tmp_path):
     read_bytes, rchar = after["read_bytes"] - before["read_bytes"], after["rchar"] - before["rchar"]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     assert read_bytes <= 1.1 * checkpoint_bytes, (read_bytes, checkpoint_bytes)
-    assert rchar <= 0.05 * data_bytes, f"{rchar} bytes went through read syscalls; the rows are {data_bytes}"
+    assert data_bytes <= rchar <= 1.1 * checkpoint_bytes, f"{rchar} bytes through read syscalls, rows {data_bytes}"
 
 
 def _two_tensor_file(path: Path):
@@ -72,16 +70,15 @@ def _two_tensor_file(path: Path):
     return writer.close(), chunk_rows((64, 8), torch.float32)
 
 
-def test_rows_never_checked_through_the_map_are_read_and_checked(tmp_path):
-    """Catches the apply copying rows from the map that the verify phase never checked (bytes other than
-    those checked): a corrupt tensor the load did not verify came back silently, its checksum unread."""
+def test_rows_never_verified_are_checked_as_they_are_read(tmp_path):
+    """Catches a read with crcs that skips the check of the bytes it read (rows the verify phase never
+    checked): a corrupt tensor came back silently, its checksum unread."""
     written, chunk = _two_tensor_file(tmp_path / "f.safetensors")
     with open(tmp_path / "f.safetensors", "r+b") as f:  # corrupt b before the reader opens the file
         with FileReader(tmp_path / "f.safetensors") as reader:
             offset = reader.entry("b").begin
         f.seek(offset + 4)
         f.write(b"\xff")
-    time.sleep(SETTLE_NS / 1e9)
     with FileReader(tmp_path / "f.safetensors") as reader:
         reader.verify_rows("a", 0, 64, crcs=written.crcs["a"], chunk=chunk)
         assert torch.equal(reader.read_rows("a", 0, 64, crcs=written.crcs["a"], chunk=chunk),
@@ -90,23 +87,9 @@ def test_rows_never_checked_through_the_map_are_read_and_checked(tmp_path):
             reader.read_rows("b", 0, 64, crcs=written.crcs["b"], chunk=chunk)
 
 
-def test_the_stamp_waits_until_a_later_write_would_change_it(tmp_path):
-    """Catches the stamp taken while the file is fresh: a write in the same clock tick as the file's last
-    change keeps its ctime, so the stamp would not prove the file unchanged."""
-    path = tmp_path / "fresh"
-    path.write_bytes(b"x" * 64)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        stamp = settled_stamp(fd)
-        assert stamp is not None, "a file a few ms old settles within the wait"
-        assert time.time_ns() - stamp[4] >= SETTLE_NS
-    finally:
-        os.close(fd)
-
-
 def test_a_checked_load_equals_the_saved_values(small):
-    """Catches a copy from the map at the wrong offset or of the wrong length: everything a load writes
-    equals what was saved."""
+    """Catches a read at the wrong offset or of the wrong length: everything a load writes equals what was
+    saved."""
     assert same(snapshot(trained(seed=0)), snapshot(load_small(small)))
 
 

@@ -220,3 +220,55 @@ def test_export_does_not_replace_another_config_json(tmp_path, capsys):
     assert json.loads((folder / "config.json").read_text()) == theirs
     assert cli.main([*command, "--replace-config"]) == 0
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"
+
+
+def _gpt2():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+
+
+@pytest.mark.parametrize("build", [_llama, _gpt2])
+def test_an_untied_config_on_tied_tensors_is_refused(tmp_path, capsys, build):
+    """Catches an export that stores a tied head once (under the embedding's name) beside a config saying
+    tie_word_embeddings=False: from_pretrained then built a fresh random lm_head (logits 0.6 apart) and
+    nothing said so. sw.export and `shardwise ckpt export` refuse, naming the fix, and write nothing;
+    duplicate_tied=True writes both tensors, and from_pretrained then holds the trained head."""
+    import transformers
+
+    model = build()
+    model.config.tie_word_embeddings = False  # the tensors stay tied
+    with pytest.raises(sw.ShardwiseError, match="tie_word_embeddings=False.*duplicate_tied=True"):
+        sw.export(model, tmp_path / "direct" / "model.safetensors")
+    assert not (tmp_path / "direct").exists() or not any((tmp_path / "direct").iterdir())
+    sw.save(tmp_path / "ckpt", model)
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 2
+    assert "tie_word_embeddings=False" in capsys.readouterr().err
+    assert not out.exists() and not (out.parent / "config.json").exists()
+    sw.export(model, tmp_path / "both" / "model.safetensors", duplicate_tied=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "both")
+    assert torch.equal(loaded.get_output_embeddings().weight, model.get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("build,field,value,message", [
+    (_llama, "vocab_size", 65, "says vocab_size=65"),
+    (_gpt2, "vocab_size", 63, "says vocab_size=63"),
+    (_gpt2, "n_positions", 32, "says n_positions=32")])
+def test_a_vocabulary_or_positions_the_tensors_contradict_are_refused_at_export(tmp_path, capsys, build, field,
+                                                                                 value, message):
+    """Catches a config whose vocab_size or n_positions disagrees with the tensors exported without a word
+    (from_pretrained then failed on the shapes, or built another vocabulary): sw.export and `shardwise ckpt
+    export` refuse at export, naming the field, and write nothing."""
+    model = build()
+    setattr(model.config, field, value)
+    with pytest.raises(sw.ShardwiseError, match=message):
+        sw.export(model, tmp_path / "direct" / "model.safetensors")
+    assert not (tmp_path / "direct" / "model.safetensors").exists()
+    sw.save(tmp_path / "ckpt", model)
+    out = tmp_path / "export" / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--mkdir"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not (out.parent / "config.json").exists()

@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     "shardwise._version": 0,
     "shardwise.errors": 0,
+    "shardwise.allocator": 0,  # glibc's settings, set by sw.init (Note [allocator at init])
     "shardwise.teardown": 0,  # what closes at exit (Note [exit teardown]): everything below may register
     "shardwise.wire.canonical": 0,  # options in a canonical form: config.py marks its per-rank fields with it
     "shardwise.config": 1,
@@ -31,7 +32,7 @@ LAYERS = {
     "shardwise.checkpoint": 3,
     "shardwise.parallel": 3,  # hogwild (the host copy is the engine's: shard() applies it)
     "shardwise.testing": 4,
-    "shardwise.pipeline": 4,  # stages sharded by the engine, saved through checkpoint/ (pipeline/checkpoint.py)
+    "shardwise.pipeline": 4,  # stages sharded by the engine, saved through checkpoint/ (pipeline/checkpoint/)
     "shardwise.integrations": 4,  # trainers people already use: above the library, beside testing
     "shardwise.estimate": 5,  # the estimator and planner weigh pipe layouts too (estimate/pipe.py uses pipeline/)
     "shardwise": 6,  # the public API: __init__.py

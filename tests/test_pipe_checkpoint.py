@@ -1,4 +1,4 @@
-"""Checkpoints of sharded pipeline stages (issue 46, point 6; pipeline/checkpoint.py): saved under pipe x
+"""Checkpoints of sharded pipeline stages (issue 46, point 6; pipeline/checkpoint/): saved under pipe x
 shard, they load into the same layout (a resume, bitwise), into one process, into flat zero3 and into another
 pipe x shard layout, and back, optimizer state included. fp32 against one process (DESIGN's 1e-5 / 1e-6)."""
 

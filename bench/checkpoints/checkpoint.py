@@ -327,8 +327,9 @@ def read_lines(record: dict) -> list[str]:
                    f"{size / MB:.0f} MB), through read syscalls {reads['rchar'] / MB:.0f} MB "
                    f"({reads['rchar'] / size:.2f}×).")
     return ["Bytes read, counted (/proc/self/io of every rank, one load after the repeats with the files' pages "
-            "dropped from the page cache): " + " ".join(out) + " sw.load checks and applies over a map of each file "
-            "(Note [proved unchanged] in checkpoint/read/mapped.py), so its rows do not pass through read syscalls."]
+            "dropped from the page cache): " + " ".join(out) + " sw.load checks its rows over a map of each file, then "
+            "reads each once with pread into the model and checks it there (Note [checked where applied] in "
+            "checkpoint/read/mapped.py): its rows pass through read syscalls once."]
 
 
 def async_verdict(args, training: dict) -> list[str]:

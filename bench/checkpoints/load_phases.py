@@ -87,7 +87,8 @@ def worker(args) -> None:
     sources.CheckpointDir.verify = _timed(spent, "verify", sources.CheckpointDir.verify)
     mapped.crc32 = _timed(spent, "crc", mapped.crc32)
     load._write_tensors = _timed(spent, "apply", load._write_tensors)
-    mapped.MappedFile.copy_into = _timed(spent, "copy", mapped.MappedFile.copy_into)
+    reader = importlib.import_module("shardwise.checkpoint.read.reader")
+    reader.FileReader._read_checked = _timed(spent, "copy", reader.FileReader._read_checked)  # pread + crc
     load.all_gather_object = _timed(spent, "agree", load.all_gather_object)
     loads = []
     for number in range(args.loads + 2):

@@ -58,6 +58,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardwise.allocator import MMAP_THRESHOLD_BYTES, set_mmap_threshold
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import close_all, close_group_at_exit
 
@@ -70,6 +71,7 @@ def init(
     *,
     backend: str | None = None,
     timeout: timedelta | float = timedelta(minutes=10),
+    malloc_mmap_threshold: int | None = MMAP_THRESHOLD_BYTES,
 ) -> dist.ProcessGroup:
     """Join (or form) the default process group and return it.
 
@@ -83,14 +85,18 @@ def init(
     and every collective, so a rank that dies or never starts makes the others fail
     with an error instead of hang. Safe under torchrun's restarts: each attempt's group
     reads nothing an earlier attempt wrote (Note [restart keys]). Calling it again
-    returns the existing group.
+    returns the existing group. On CPU (gloo) it fixes glibc's mmap threshold at
+    `malloc_mmap_threshold` bytes, the allocator the memory planner's figures hold in, unless
+    `MALLOC_MMAP_THRESHOLD_` is set (None: glibc's default; Note [allocator at init]).
     """
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "gloo":
+        set_mmap_threshold(malloc_mmap_threshold)  # Note [allocator at init]
     if dist.is_initialized():
         return dist.group.WORLD
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     env = _read_launch_env()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"])
     if env["world_size"] == 1 and env["rank"] == 0 and "MASTER_ADDR" not in os.environ:

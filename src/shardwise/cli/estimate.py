@@ -241,9 +241,9 @@ def _print_plan(model, extra: dict, args) -> int:
     print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
           f'{offload}{recompute})')
     print(f"     units: {_units_summary(model, units)}; `shardwise units {args.model}` prints the table")
-    print(f"run: {ALLOCATOR} torchrun ... (on CPU: the estimate is peak RSS with it set, as "
-          "bench/estimate/plan_followed.py measures; glibc's default keeps freed blocks resident and can exceed the "
-          "plan by 16-30%: Note [allocator] in estimate/core.py)")
+    print("run: torchrun ... with sw.init() in the script (on CPU it fixes glibc's mmap threshold at 64 KiB, "
+          f"the allocator the estimate is peak RSS in: Note [allocator at init]; a script without sw.init: {ALLOCATOR} "
+          "torchrun ..., else glibc's default keeps freed blocks resident and can exceed the plan by 16-30%)")
     return 0
 
 

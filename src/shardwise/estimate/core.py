@@ -80,9 +80,10 @@ system at once. Under glibc's default threshold (which grows with the blocks fre
 resident (zero3's gathered units, the step's temporaries), and the same run peaked 16-30% above the
 plan (bench/estimate/plan_followed.py --malloc both: zero2 planned 704 MiB, 698 measured with the setting, 912
 without; issue 44: zero3+bf16+offload planned 957 MiB, measured 1111; zero2 1216, measured 1450). That
-retention depends on the order of frees, not on the model's sizes, so it is not modelled: `shardwise
-plan` prints the environment its promise holds in on its `run:` line, and bench/estimate/plan_followed.py
-`--malloc both` measures the chosen row both ways.
+retention depends on the order of frees, not on the model's sizes, so it is not modelled: `sw.init()`
+puts every rank in the fitted environment itself (Note [allocator at init] in allocator.py: glibc's
+`mallopt`, unless the variable is set), `shardwise plan` says so on its `run:` line, and
+bench/estimate/plan_followed.py `--malloc both` measures the chosen row both ways.
 """
 
 from __future__ import annotations

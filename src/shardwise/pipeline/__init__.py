@@ -6,8 +6,8 @@ stages with the freed ranks as data-parallel replicas.
 Read in this order: layers.py (a model as a chain of layers, tied parameters), layout.py
 (which rank runs what; balance.py cuts the stages), trainer.py (one step; freeze and
 re-pack), config.py, sharded.py (stages sharded by the engine), repack.py (re-packing them),
-checkpoint.py (their checkpoints, in any layout), _moves.py (the collectives outside the schedule),
-freeze.py, cache.py.
+checkpoint/ (their checkpoints, in any layout, and what they record of the run), _moves.py (the
+collectives outside the schedule), freeze.py, cache.py.
 """
 
 from shardwise.pipeline.balance import measure_layer_times, param_costs, partition

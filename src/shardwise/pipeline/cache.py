@@ -35,7 +35,11 @@ class StickySampler:
     on R, so a run that re-packs to more replicas trains on the very same batches.
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, *, num_homes: int, seed: int = 0):
+    def __init__(self, num_samples: int, global_batch_size: int, *, num_homes: int, seed: int = 0,
+                 num_replicas: int = 1):
+        if num_homes % num_replicas != 0:  # a re-pack's replicas divide the world: each takes whole homes
+            raise ShardwiseError(f"num_homes={num_homes} must be a multiple of the {num_replicas} ranks (each "
+                                 "replica takes whole homes)")
         if num_homes < 1 or global_batch_size % num_homes != 0:
             raise ShardwiseError(
                 f"global_batch_size={global_batch_size} must be a multiple of num_homes={num_homes} "

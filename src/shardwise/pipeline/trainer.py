@@ -60,10 +60,10 @@ class PipeTrainer:
     `loss_fn(output, target)` is the mean loss of a micro-batch. `make_optimizer` builds a
     rank's optimizer from its (name, parameter) list; it is called again after each
     re-pack, and state moves with the parameters. `global_batch_size` must be a multiple
-    of world size x num_microbatches. `freeze`: the policy consulted at each epoch's end
-    (default: manual only, via `freeze`). `group`: every rank of the world (a smaller group is
-    refused: the layout's groups are made by every rank). Every method is a collective: call it
-    on every rank of `group`.
+    of world size x num_microbatches. `freeze`: the policy consulted at each epoch's end (default: manual
+    only, via `freeze`). `num_homes`: the sampler's, the world size by default (Note [data order across world
+    sizes], checkpoint/resume.py). `group`: every rank of the world (a smaller group is refused: the layout's
+    groups are made by every rank). Every method is a collective: call it on every rank of `group`.
     """
 
     def __init__(
@@ -78,7 +78,7 @@ class PipeTrainer:
         config: PipelineConfig,
         freeze: FreezePolicy | None = None,
         seed: int = 0,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None, num_homes: int | None = None,
     ):
         arguments = {name: value for name, value in locals().items() if name != "self"}
         self.chain, self.loss_fn, self.make_optimizer = chain, loss_fn, make_optimizer
@@ -108,7 +108,8 @@ class PipeTrainer:
                 "rank's copy, so the first stage would train on one rank's inputs while the last scores another's "
                 "targets. Pass the same inputs and targets on every rank (draw them after the same "
                 "torch.manual_seed, or load the same files); the trainer's sampler gives each replica its samples.")
-        self.sampler = StickySampler(len(inputs), global_batch_size, num_homes=self.world_size, seed=seed)
+        self.sampler = StickySampler(len(inputs), global_batch_size, num_homes=num_homes or self.world_size,
+                                     seed=seed, num_replicas=self.world_size)
         self.cache = (ActivationCache(self.sampler, memory_bytes=config.cache_memory_bytes,
                                       directory=config.cache_dir) if config.cache else None)
         self.policy = freeze if freeze is not None else FreezePolicy()

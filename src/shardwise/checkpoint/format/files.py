@@ -9,10 +9,10 @@ header length, a JSON header `{key: {dtype, shape, data_offsets}, "__metadata__"
 - Writing: the header needs only shapes and dtypes, so tensors can be produced and written one at
   a time (an export gathers one full parameter, writes it, frees it) instead of all being alive at
   once, and every byte is checksummed while it is hot in cache (Note [chunk checksums]).
-- Reading: a load checks the chunks holding the rows a rank needs over a map of the file and copies
-  exactly those rows from it into its shard, each window's pages leaving the process's RSS once used
-  (Note [proved unchanged] in mapped.py); a plain `safe_open` map would count every touched page in
-  RSS while the file stays open. Other reads `pread` straight into the destination tensor.
+- Reading: a load checks the chunks holding the rows a rank needs over a map of the file, each
+  window's pages leaving the process's RSS once checked (a plain `safe_open` map would count every
+  touched page in RSS while the file stays open), then `pread`s exactly those rows into its shard and
+  checks them again there (Note [checked where applied] in mapped.py).
 - Errors: a truncated file, a header that does not parse, a missing tensor, or a checksum mismatch
   each become a `ShardwiseError` that names the file and the fix. The header is parsed and checked
   against the file by wire/st_header.py, the one safetensors header parser (the host copy of frozen

@@ -10,10 +10,14 @@ config.json from making `from_pretrained` build the wrong model:
   (`base_model.model.model...`) or a user's wrapper holding `self.config = hf_model.config`
   (`net.model...`) records none, since `from_pretrained` would load 0 of its tensors and leave every
   weight random.
-- *Checked against the tensors.* Before config.json is written, its layer count and hidden size are
+- *Checked against the tensors.* Before config.json is written, its layer count, hidden size,
+  vocabulary (`vocab_size`: the input embedding's rows) and positions (`n_positions` /
+  `max_position_embeddings`: a learned position table's rows, `wpe` or `position_embeddings`) are
   compared with the tensors the export writes (an index edited to say 3 layers where 2 are stored
-  would build one random layer). What the tensors cannot show (`rms_norm_eps`) is the index's digest's
-  to protect.
+  would build one random layer; another vocabulary fails only in `from_pretrained`), and an output
+  head tied to the input embedding (stored once, under the embedding's name) is refused under
+  `tie_word_embeddings=False`: `from_pretrained` would not tie it and would build a random `lm_head`.
+  What the tensors cannot show (`rms_norm_eps`) is the index's digest's to protect.
 - *No code references.* `auto_map` and `custom_pipelines` name code that `from_pretrained(...,
   trust_remote_code=True)` imports, from another repository if the reference says so. An export never
   writes them (the index is anyone's text); it says which it dropped.
@@ -74,10 +78,19 @@ def _first(config: dict, keys: tuple[str, ...]):
     return next((config[key] for key in keys if isinstance(config.get(key), int)), None)
 
 
-def check_config(config: dict, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Refuse a config whose layer count or hidden size the tensors `shapes` (name -> shape, as the
-    export writes them) contradict (Note [model config]). A model whose tensors show neither (one layer
-    list, an input embedding) is not checked."""
+_POSITIONS = {"wpe.weight": ("n_positions", "max_position_embeddings"),
+              "position_embeddings.weight": ("max_position_embeddings",)}  # learned tables: one row a position
+_HEADS = ("lm_head.weight", "predictions.decoder.weight")  # output heads Hugging Face ties to the input embedding
+
+
+def check_config(config: dict, shapes: dict[str, tuple[int, ...]], where: str,
+                 aliases: dict[str, str] | None = None) -> None:
+    """Refuse a config whose layer count, hidden size, vocabulary or positions the tensors `shapes` (name ->
+    shape, as the export writes them) contradict, or that unties a head the export stores as an alias
+    (`aliases`: alias -> the name stored; Note [model config]). What the tensors do not show (one layer
+    list, an input embedding, a position table, a tied head) is not checked."""
+    _check_vocabulary(config, shapes, where)
+    _check_tied_head(config, aliases or {}, where)
     layers = _first(config, ("num_hidden_layers", "n_layer", "num_layers"))
     found = defaultdict(set)
     for name in shapes:
@@ -99,6 +112,37 @@ def check_config(config: dict, shapes: dict[str, tuple[int, ...]], where: str) -
             f"{where} says the hidden size is {hidden}, and the input embedding is {sorted(widths)} wide: "
             "from_pretrained would refuse or mis-build these tensors. No config.json was written; write the "
             "model's own config beside the weights (model.config.save_pretrained(DIR))")
+
+
+def _check_vocabulary(config: dict, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """`vocab_size` against the input embedding's rows, the positions against a learned position table's."""
+    fix = ("No config.json was written; write the model's own config beside the weights "
+           "(model.config.save_pretrained(DIR)), or fix the config before saving")
+    vocab = _first(config, ("vocab_size",))
+    rows = {shape[0] for name, shape in shapes.items() if name.endswith(_EMBEDDINGS) and len(shape) == 2}
+    if vocab is not None and rows and vocab not in rows:
+        raise ShardwiseError(f"{where} says vocab_size={vocab}, and the input embedding has {sorted(rows)} rows: "
+                             f"from_pretrained would refuse these tensors or build another vocabulary. {fix}")
+    for suffix, keys in _POSITIONS.items():
+        positions = _first(config, keys)
+        rows = {shape[0] for name, shape in shapes.items() if name.endswith(suffix) and len(shape) == 2}
+        if positions is not None and rows and positions not in rows:
+            key = next(key for key in keys if isinstance(config.get(key), int))
+            raise ShardwiseError(f"{where} says {key}={positions}, and the position table ({suffix}) has "
+                                 f"{sorted(rows)} rows: from_pretrained would refuse these tensors. {fix}")
+
+
+def _check_tied_head(config: dict, aliases: dict[str, str], where: str) -> None:
+    """An output head stored as an alias of the input embedding needs `tie_word_embeddings` (Note [model config])."""
+    if config.get("tie_word_embeddings", True) is not False:
+        return
+    for alias, stored in sorted(aliases.items()):
+        if any(name == head or name.endswith("." + head) for name in (alias, stored) for head in _HEADS):
+            raise ShardwiseError(
+                f"{where} says tie_word_embeddings=False, and the model ties {alias} to {stored} (one tensor, "
+                f"stored once as {stored}): from_pretrained would not tie them and would build {alias} at random. "
+                "Set config.tie_word_embeddings = True (the model as trained ties them) before saving, or export "
+                "every name (sw.export(model, path, duplicate_tied=True) writes both tensors). Nothing was written")
 
 
 def without_code(config: dict, at: str = "") -> tuple[dict, list[str]]:
@@ -151,12 +195,13 @@ def write_config(config: dict, directory: Path) -> Path:
 
 
 def prepare_config(config: dict | None, shapes: dict[str, tuple[int, ...]], directory: Path, *,
-                   replace: bool, where: str) -> tuple[dict | None, list[str]]:
+                   replace: bool, where: str, aliases: dict[str, str] | None = None) -> tuple[dict | None, list[str]]:
     """Every check before an export writes anything: the config.json it will write (None: none) and the
-    code references dropped from it (Note [model config])."""
+    code references dropped from it (Note [model config]). `aliases`: names the export stores only as
+    another's (alias -> stored name)."""
     if config is None:
         return None, []
-    check_config(config, shapes, where)
+    check_config(config, shapes, where, aliases)
     config, dropped = without_code(config)
     check_replace(config, directory, replace)
     return config, dropped

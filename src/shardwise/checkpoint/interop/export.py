@@ -66,7 +66,8 @@ def export(model: nn.Module, path, *, duplicate_tied: bool = False, replace_conf
             _warn_held_config(model)
             shapes = {spec.key: spec.shape for spec in specs}
             config, dropped = prepare_config(model_config(model), shapes, path.parent, replace=replace_config,
-                                             where=f"{type(model).__name__}.config")
+                                             where=f"{type(model).__name__}.config",
+                                             aliases={k: v for k, v in metadata.items() if k != "format"})
             if dropped:
                 warnings.warn(f"sw.export: {path.parent / 'config.json'} is written without {', '.join(dropped)} "
                               "(code references: Note [model config])", stacklevel=2)

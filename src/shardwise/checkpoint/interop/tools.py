@@ -155,7 +155,8 @@ def export_checkpoint(path, out, *, replace_config: bool = False) -> Exported:
         shapes = {spec.key: spec.shape for spec in specs}
         shapes.update({alias: shapes[name] for alias, name in metadata.items() if name in shapes})
         config, dropped = prepare_config(source.index.model_config, shapes, out.parent, replace=replace_config,
-                                         where=f"{Path(path) / INDEX}: its model_config")
+                                         where=f"{Path(path) / INDEX}: its model_config",
+                                         aliases={k: v for k, v in metadata.items() if k != "format"})
         partial = partial_name(out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)  # as sw.export does

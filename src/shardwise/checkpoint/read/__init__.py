@@ -2,5 +2,6 @@
 
 Read in this order: load.py (`sw.load`) → load_plan.py (the checks and the plan) → sources.py (what a load
 reads from: a checkpoint directory, a safetensors file, a state dict) → report.py (`LoadReport`) →
-reader.py (a safetensors file's row ranges) → mapped.py (checked and copied over one map).
+reader.py (a safetensors file's row ranges, read and checked where they land) → mapped.py (the
+verify phase's map).
 """

@@ -10,12 +10,12 @@ does any rank apply it: keyword objects and the scheduler first (their own `load
 may still refuse; another agreement follows), then the model's rows, the optimizer state and
 the RNGs, whose every byte was checked. So a refused load leaves the model and the optimizer as
 they were, on every rank. The rows are read once and not held twice in memory: the checks run
-over a map of each file and the apply copies from the same map, the file proved unchanged since
-(Note [proved unchanged] in mapped.py), so a file rewritten in place between the phases (`cp`
-over it) is an error naming it, before its first row is copied, never its new bytes loaded
-silently. Where the proof is not to be had (a file written within the last few ms that does not
-settle), the apply reads the rows again and checks every chunk's crc again (the model then
-holds part of the load when one fails, and the error says so).
+over a map of each file, and the apply reads each row once with `pread` into the model and checks
+the crc of exactly the bytes it read before the next window (Note [checked where applied] in
+mapped.py). So a file changed between the phases, by any route (`cp` over it, a shared writable
+map of dirty pages that leaves its times alone, a truncation), is an error naming it, and no byte
+that failed its crc stays in the model: the rows applied before it were checked, and the error
+says the model holds part of the load.
 """
 
 from __future__ import annotations
@@ -68,13 +68,23 @@ def load(path, model: nn.Module, optim=None, scheduler=None, *,
                       restore_rng=restore_rng, **objects)
         view.write_back()
         return report
+    return load_view(path, model, None, optim, scheduler, strict=strict, rename=rename, restore_rng=restore_rng,
+                     objects=objects)
+
+
+def load_view(path, model: nn.Module, infos, optim=None, scheduler=None, *, strict: bool = True,
+              rename: Rename = None, restore_rng: bool | None = None, objects=None) -> LoadReport:
+    """`load` into `model` filling the rows `infos` names (None: `shard_info(model)`'s): a pipeline's
+    stage adds the whole frozen prefix every rank holds to its shards (pipeline/checkpoint/)."""
+    optimizers, form = named_optimizers(optim)
+    objects = objects or {}
     group, rank, world = group_of(model)
     source, plan = None, None
     try:
         with _agreement(path, group, world):
             source = open_source(path, make_renamer(rename))
             plan = plan_load(LoadJob(source, model, optimizers, form, scheduler, objects, strict, restore_rng,
-                                     rank, world))
+                                     rank, world, infos))
         with _agreement(path, group, world):
             _apply_states(plan)
         with _agreement(path, group, world):
@@ -128,9 +138,10 @@ def _apply_tensors(plan: LoadPlan) -> None:
     try:
         _write_tensors(plan)
     except ShardwiseError as error:
-        raise ShardwiseError(f"{error}. It changed after the load verified it (rewritten in place while the load "
-                             "ran): the model holds part of the checkpoint now; load it again once nothing writes "
-                             "it (Note [validate, then apply])") from None
+        raise ShardwiseError(f"{error}. It changed after the load verified it (rewritten in place or truncated "
+                             "while the load ran): the model holds part of the checkpoint now, every byte of it "
+                             "checked (the rows that failed were zeroed); load it again once nothing writes it "
+                             "(Note [validate, then apply])") from None
     if plan.rng is not None:
         restore_rng(*plan.rng)
         plan.report.rng_restored = True

@@ -43,6 +43,7 @@ class LoadJob:
     restore_rng: bool | None  # None: restore when resuming (optim given)
     rank: int
     world: int
+    infos: dict | None = None  # the rows this rank fills, when not `shard_info(model)`'s (load.load_view)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class LoadPlan:
 def plan_load(job: LoadJob) -> LoadPlan:
     """Check everything `job` would load on this rank and verify every byte it would read; write nothing."""
     source, model = job.source, job.model
-    infos = {clean_name(raw): info for raw, info in shard_info(model).items()}
+    infos = {clean_name(raw): info for raw, info in (job.infos or shard_info(model)).items()}
     buffers = persistent_buffers(model)
     plan = LoadPlan(job, LoadReport(source.description, extra=dict(source.extra)))
     report = plan.report

@@ -1,115 +1,94 @@
-"""One read per byte: a load checks its rows over a memory map of the file and applies from the same map.
+"""One read per byte: a load checks its rows over a memory map of the file, then reads each row once into
+the model and checks the bytes it read.
 
-Note [proved unchanged]: `sw.load` checks every chunk it will read before it writes anything (Note
-[validate, then apply] in load.py), and it cannot hold the checked bytes in memory meanwhile (a zero3
-load would then hold its shard twice). So the verify phase computes each chunk's crc over a read-only
-`mmap` of the file, and the apply phase copies the rows from that same map into the model: the bytes
-come from the disk into the page cache once, and reach the model without a second `read`. A page the
-kernel dropped from the page cache in between is fetched again, but from the same file, which must not
-have changed. That is what the file's stamp proves: (device, inode, size, mtime, ctime) taken before
-the first byte is checked and compared before and after every copy. Every write, truncate, chmod or
-link changes ctime, and no caller can set ctime back; the only write it would miss is one stamped with
-the very ctime the file had already, which `settled_stamp` rules out by taking the stamp only once the
-file's ctime lies SETTLE_NS (a second more on a filesystem with whole-second times) behind the clock:
-the kernel stamps a write with its coarse clock (one tick, 1-10 ms, behind), rounded down to the
-filesystem's granularity, so any later write is stamped later. A file too fresh to settle
-within MAX_WAIT_S, or rows whose chunks were not all checked through the map, take the old way instead:
-read again with `pread` and checked again (Note [validate, then apply]).
+Note [checked where applied]: `sw.load` checks every chunk it will read before it writes anything (Note
+[validate, then apply] in load.py), and it cannot hold the checked bytes in memory meanwhile (a zero3 load
+would then hold its shard twice). So the bytes the verify phase checked are not the bytes the model gets:
+the file can change between the two phases, and nothing about the file proves it did not. (Its stamp does
+not: a rewrite through another process's shared writable map of pages already dirty changes neither mtime
+nor ctime; issue 60 loaded 3.4e38 so, through a stamp that "proved" the file unchanged.) Hence:
 
-What this leaves to the filesystem: a network filesystem whose other clients' writes do not show in
-`fstat` at once, and a clock stepped backwards between a save and a load, can defeat the stamp (the
-re-read would not catch the first either); a file truncated while the map is read ends the process
-with SIGBUS, as with every mmap reader (safetensors, `torch.load(mmap=True)`), rather than an error.
-RSS stays bounded: each window's pages leave the map (`MADV_DONTNEED`) once checked or copied, so a
-load never counts more than about two windows of the file as its own memory (small tensors' pages
-are dropped together, a window's worth at a time).
+- verify (`MappedFile.crc`): each chunk's crc32 over a read-only `mmap` of the file, a window at a time,
+  the window's pages dropped from the map once checked (`MADV_DONTNEED`), so RSS stays bounded. This reads
+  the file from the disk into the page cache, without a read syscall.
+- apply (`FileReader._read_checked`): the rows are read with `pread` from the page cache, a window of whole
+  chunks at a time, straight into the model's memory when it is a contiguous CPU tensor (else into one
+  buffer for the tensor), and the crc32 of exactly the bytes read is compared with the index's before the
+  next window is read. A chunk only partly in the rows (a shard's first and last) is read whole into a
+  small staging buffer, checked there, and only its rows copied on. A mismatch zeroes the window it read
+  (no byte that failed its crc stays in the model) and raises: the rows before it were checked, and the
+  error says that the model holds part of the load. So every byte a load leaves in the model passed its
+  crc after it was read, whatever happened to the file after the verify phase.
+- early refusal (`MappedFile.check_unchanged`): before the apply reads its first row of a file, the
+  file's stamp (inode, size, mtime, ctime) is compared with the one taken when its checks began, so an
+  ordinary rewrite (`cp` over it, a truncation) is refused before any of its rows is applied. The stamp
+  is no proof (the shared map above leaves it alone); the crc of the bytes read is.
+
+The disk is read once (the verify's page faults fill the page cache; the apply's `pread` copies from it),
+each byte crosses one read syscall (the apply's) and is checksummed twice (isal's crc32 runs at many GB/s:
+Note [fast crc32]). A `pread` that comes back short (the file truncated after the verify) is an error,
+never SIGBUS: the apply never touches the map. The verify's map can still fault on a file truncated while
+its own window is being checked; each window first compares the file's size (`fstat`) with its end, so
+only a truncation within that window's checksum (microseconds) is left to SIGBUS, as with every mmap
+reader. What this leaves to the filesystem: pages the kernel evicts between the phases are read from the
+disk again (a load larger than the page cache reads twice).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import time
 
 from shardwise.checkpoint.format.crc import crc32
 from shardwise.errors import ShardwiseError
 
 WINDOW_BYTES = 4 * 2**20  # mapped and touched at a time; dropped from RSS after
-SETTLE_NS = 20_000_000  # >= the coarse clock's tick (1-10 ms) + a sub-second timestamp granularity (<= 10 ms)
-SECOND_NS = 1_000_000_000
-MAX_WAIT_S = 0.05  # a fresher file is read twice rather than waited for
 
 
 def stamp_of(fd: int) -> tuple[int, ...]:
-    """What any change to the file's bytes changes (Note [proved unchanged])."""
+    """What an ordinary change to the file changes: (device, inode, size, mtime, ctime)."""
     info = os.fstat(fd)
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
-def settled_stamp(fd: int) -> tuple[int, ...] | None:
-    """The file's stamp, taken once any later write must be stamped with a later ctime; None when
-    the file is too fresh for that within MAX_WAIT_S (Note [proved unchanged])."""
-    deadline = time.monotonic() + MAX_WAIT_S
-    while True:
-        now = time.time_ns()  # before the stamp: a write after it is stamped at least now - one tick
-        stamp = stamp_of(fd)
-        ctime = stamp[4]
-        late = ctime + SETTLE_NS + (SECOND_NS if ctime % SECOND_NS == 0 else 0) - now
-        if late < 0:
-            return stamp
-        if time.monotonic() + late / 1e9 > deadline:
-            return None
-        time.sleep(late / 1e9 + 0.001)
-
-
 class MappedFile:
-    """A read-only map of an open file, its stamp, and which (key, chunk) it has checked."""
+    """A read-only map of an open file (the verify phase's), which (key, chunk) it has checked, and the
+    file's stamp when the checks began (Note [checked where applied])."""
 
     def __init__(self, fd: int, size: int, path) -> None:
-        self.path, self.checked = path, set()
-        self.stamp = settled_stamp(fd)
+        self.path, self.checked, self.size = path, set(), size
+        self.stamp = stamp_of(fd)
         self._fd = fd
         self._map = None
-        self._proved = False  # the stamp compared since the first copy began (Note [proved unchanged])
         self._touched: tuple[int, int] | None = None  # bytes touched through the map, not yet dropped
-        if self.stamp is not None and size:
+        if size:
             try:
                 self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
             except (OSError, ValueError):
-                pass  # a filesystem that cannot map files: read twice, as before (Note [proved unchanged])
+                pass  # a filesystem that cannot map files: the verify reads with pread (reader.crc_of)
 
     @property
     def usable(self) -> bool:
         return self._map is not None
 
-    def covers(self, key: str, chunk: int, lo: int, hi: int) -> bool:
-        """Whether every chunk holding rows lo:hi of `key` was checked through the map."""
-        positions = range(lo // chunk, -(-hi // chunk))
-        return self.usable and all((key, chunk, position) in self.checked for position in positions)
-
     def crc(self, start: int, size: int) -> int:
-        """crc32 of bytes start:start+size, computed over the map a window at a time."""
+        """crc32 of bytes start:start+size, computed over the map a window at a time; a file shorter than
+        the window's end is an error, not a fault (Note [checked where applied])."""
         crc = 0
         for begin, end in self._windows(start, size):
+            if os.fstat(self._fd).st_size < end:
+                raise ShardwiseError(f"{self.path} was truncated while the load checked it (now "
+                                     f"{os.fstat(self._fd).st_size} bytes, {self.size} when opened): load it again "
+                                     "once nothing writes it")
             with memoryview(self._map) as whole, whole[begin:end] as piece:
                 crc = crc32(piece, crc)
             self._drop(begin, end)
         return crc
 
-    def copy_into(self, start: int, out: memoryview) -> None:
-        """Copy bytes start:start+len(out) into `out`; refuses, before the first copy and after each, a
-        file whose stamp changed since it was taken (Note [proved unchanged]): the check after one copy
-        is the check before the next."""
-        if not self._proved:
-            self.check_unchanged()
-            self._proved = True
-        for begin, end in self._windows(start, len(out)):
-            with memoryview(self._map) as whole, whole[begin:end] as piece:
-                out[begin - start : end - start] = piece
-            self._drop(begin, end)
-        self.check_unchanged()
-
     def check_unchanged(self) -> None:
+        """Refuse, before the apply reads its first row of this file, a file whose stamp changed since
+        the checks began: an ordinary rewrite (`cp` over it) leaves the model untouched. Not a proof (a
+        write through a shared map can leave the stamp alone): the crc of the bytes read is."""
         if stamp_of(self._fd) != self.stamp:
             raise ShardwiseError(f"{self.path} was written to (its size, times or inode changed) after the load "
                                  "checked its bytes")

@@ -1,11 +1,10 @@
-"""The reader of a safetensors file: row ranges by `pread`, or checked and copied over a map of the file
-(Note [proved unchanged] in mapped.py); a file's digest recomputed from its bytes (Note [chunk checksums] in
-format/files.py)."""
+"""The reader of a safetensors file: row ranges checked over a map of the file, then read by `pread` and
+checked again where they land (Note [checked where applied] in mapped.py); a file's digest recomputed from
+its bytes (Note [chunk checksums] in format/files.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import stat
 from pathlib import Path
@@ -16,7 +15,7 @@ from torch import Tensor
 from shardwise.checkpoint.format.crc import crc32
 from shardwise.checkpoint.format.files import DTYPES, as_bytes, chunk_rows
 from shardwise.checkpoint.format.sparse_crc import crc_of_range
-from shardwise.checkpoint.read.mapped import MappedFile
+from shardwise.checkpoint.read.mapped import WINDOW_BYTES, MappedFile
 from shardwise.errors import ShardwiseError
 from shardwise.wire.st_header import Entry, read_header
 
@@ -53,7 +52,7 @@ class FileReader:
                     "verifies one)."
                 )
             self.entries, self.metadata, self.header_bytes = self._parse(size)
-            self.nbytes, self._mapped = size, None
+            self.nbytes, self._mapped, self._applying = size, None, False
         except BaseException:
             os.close(self._fd)
             raise
@@ -87,25 +86,24 @@ class FileReader:
                                  "(its header bytes or its tensors' offsets). Load an earlier checkpoint.")
 
     def verify_rows(self, key: str, lo: int, hi: int, *, crcs, chunk: int) -> None:
-        """Check the crcs of every chunk holding rows lo:hi of `key`, a window in memory at a time: over
-        a map of the file, from which `read_rows` then copies them unread (Note [proved unchanged])."""
+        """Check the crcs of every chunk holding rows lo:hi of `key`, a window in memory at a time, over a
+        map of the file (no read syscall: the apply's `pread` is the one read, Note [checked where applied])."""
         entry = self.entry(key)
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
         if self._mapped is None:
-            self._mapped = MappedFile(self._fd, self.nbytes, self.path)  # Note [proved unchanged] in mapped.py
+            self._mapped = MappedFile(self._fd, self.nbytes, self.path)
         mapped = self._mapped if self._mapped.usable else None
         step = chunk * entry.row_bytes
         for position in range(lo // chunk, -(-hi // chunk) if step else 0):
-            if mapped is not None and (key, chunk, position) in mapped.checked:
+            if (key, chunk, position) in self._mapped.checked:
                 continue
             start = entry.begin + position * step
             size = min(step, entry.end - start)
             crc = mapped.crc(start, size) if mapped is not None else self.crc_of(start, size)
             if position >= len(crcs) or crc != crcs[position]:
                 self._mismatch(key, position, chunk, entry)
-            if mapped is not None:
-                mapped.checked.add((key, chunk, position))
+            self._mapped.checked.add((key, chunk, position))
 
     def crc_of(self, start: int, size: int) -> int:
         """The crc32 of bytes start:start+size of the file, read 4 MiB at a time (a chunk of one huge
@@ -121,45 +119,63 @@ class FileReader:
                   chunk: int | None = None, out: Tensor | None = None) -> Tensor:
         """Rows `lo:hi` of tensor `key`, shaped `(hi - lo, *shape[1:])` (a 0-D tensor: `(hi - lo,)`).
 
-        With `crcs` (and `chunk`, rows per chunk) every chunk holding those rows is read and
-        verified, unless `verify_rows` checked them all through the file's map: then they are copied
-        from it, the file proved unchanged since (Note [proved unchanged] in mapped.py). `out`, when it
-        is a contiguous CPU tensor of the right size and dtype (and, read again, the rows are
-        chunk-aligned), is filled in place and returned (no copy).
+        With `crcs` (and `chunk`, rows per chunk) every byte read is checked against its chunk's crc
+        once it is in memory, a chunk that failed zeroed before the error (Note [checked where applied]
+        in mapped.py). `out`, when it is a contiguous CPU tensor of the right size and dtype, is filled
+        in place and returned (no copy).
         """
         entry = self.entry(key)
-        row_shape = entry.shape[1:]
         if not 0 <= lo <= hi <= entry.rows:
             raise ShardwiseError(f"internal: rows {lo}:{hi} of {key!r} in {self.path} ({entry.rows} rows)")
-        if crcs is not None and self._mapped is not None and self._mapped.covers(key, chunk, lo, hi):
-            return self._copy_checked(entry, lo, hi, out)
-        span_lo, span_hi = lo, hi
-        if crcs is not None:
-            span_lo = lo // chunk * chunk
-            span_hi = min(-(-hi // chunk) * chunk, entry.rows)
-        direct = (out is not None and span_lo == lo and span_hi == hi and out.device.type == "cpu"
-                  and out.is_contiguous() and out.dtype == entry.dtype and out.numel() * entry.dtype.itemsize
-                  == (hi - lo) * entry.row_bytes)
-        buffer = out if direct else torch.empty((span_hi - span_lo) * max(1, math.prod(row_shape)), dtype=entry.dtype)
-        if math.prod(row_shape) == 0:
-            buffer = torch.empty((span_hi - span_lo, *row_shape), dtype=entry.dtype)
-        data = as_bytes(buffer) if buffer.numel() else memoryview(b"")
-        self._pread_into(data, entry.begin + span_lo * entry.row_bytes)
-        if crcs is not None:
-            self._verify(key, data, span_lo, span_hi, chunk, crcs, entry)
-        if direct:
-            return out
-        rows = buffer.reshape(span_hi - span_lo, *row_shape) if row_shape or entry.shape else buffer.reshape(-1)
-        return rows[lo - span_lo : hi - span_lo]
-
-    def _copy_checked(self, entry: Entry, lo: int, hi: int, out: Tensor | None) -> Tensor:
         row_shape = entry.shape[1:] if entry.shape else ()
         direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and out.dtype == entry.dtype
                   and out.numel() * entry.dtype.itemsize == (hi - lo) * entry.row_bytes)
         rows = out if direct else torch.empty((hi - lo, *row_shape), dtype=entry.dtype)
-        if rows.numel():
-            self._mapped.copy_into(entry.begin + lo * entry.row_bytes, as_bytes(rows))
+        if not rows.numel():
+            return rows
+        data = as_bytes(rows)
+        if crcs is None:
+            self._pread_into(data, entry.begin + lo * entry.row_bytes)
+            return rows
+        if self._mapped is not None and not self._applying:  # the checks ran: the apply's first read
+            self._mapped.check_unchanged()
+            self._applying = True
+        self._read_checked(key, entry, lo, hi, chunk, crcs, data)
         return rows
+
+    def _read_checked(self, key: str, entry: Entry, lo: int, hi: int, chunk: int, crcs, data: memoryview) -> None:
+        """Rows lo:hi into `data`, each chunk's crc compared once its bytes are there (Note [checked where
+        applied]): whole chunks a window at a time in place, a partial chunk whole in a staging buffer."""
+        row_bytes, position = entry.row_bytes, lo // chunk
+        while position * chunk < hi:
+            first = position * chunk
+            if first < lo or min(first + chunk, entry.rows) > hi:  # a chunk only partly in the rows
+                end = min(first + chunk, entry.rows)
+                staging = bytearray((end - first) * row_bytes)
+                self._pread_into(memoryview(staging), entry.begin + first * row_bytes)
+                self._check_read(key, entry, chunk, crcs, position, staging, None)
+                a, b = max(lo, first), min(hi, end)
+                data[(a - lo) * row_bytes : (b - lo) * row_bytes] = staging[(a - first) * row_bytes :
+                                                                            (b - first) * row_bytes]
+                position += 1
+                continue
+            count = max(1, min(WINDOW_BYTES // max(chunk * row_bytes, 1), (hi - first) // chunk))
+            end = min(first + count * chunk, hi)
+            window = data[(first - lo) * row_bytes : (end - lo) * row_bytes]
+            self._pread_into(window, entry.begin + first * row_bytes)
+            for index in range(count):
+                piece = window[index * chunk * row_bytes : (index + 1) * chunk * row_bytes]
+                self._check_read(key, entry, chunk, crcs, position + index, piece, window)
+            position += count
+
+    def _check_read(self, key, entry, chunk, crcs, position, piece, window) -> None:
+        """A chunk's bytes as read against its crc; on a mismatch the `window` read with it is zeroed (no
+        byte that failed its crc stays where the read put it) and the error raised."""
+        if position < len(crcs) and crc32(piece) == crcs[position]:
+            return
+        if window is not None:
+            window[:] = bytes(len(window))
+        self._mismatch(key, position, chunk, entry)
 
     def read_span(self, key: str, start: int, stop: int) -> Tensor:
         """Elements `start:stop` of tensor `key`, flattened: part of one huge row (`ckpt diff --values`
@@ -180,14 +196,6 @@ class FileReader:
             if count == 0:
                 raise ShardwiseError(f"{self.path} ended early at byte {offset + done}: the file is truncated")
             done += count
-
-    def _verify(self, key, data, span_lo, span_hi, chunk, crcs, entry) -> None:
-        step = chunk * entry.row_bytes
-        first = span_lo // chunk
-        for index, start in enumerate(range(0, len(data), max(step, 1))):
-            position = first + index
-            if position >= len(crcs) or crc32(data[start : start + step]) != crcs[position]:
-                self._mismatch(key, position, chunk, entry)
 
     def _mismatch(self, key, position, chunk, entry):
         row = position * chunk

@@ -9,7 +9,8 @@ thread then writes the rank file and publishes the directory exactly as `sw.save
 [atomic save]): the gather of the ranks' records and rank 0's rename run on a gloo group of
 their own, made once per model group, so they never pair with training's collectives. One
 background save runs at a time: the next `sw.save` / `sw.save_async` waits for it first and
-raises its error, if any, on every rank; `pending.wait()` does the same. Call `wait()` before
+raises its error, if any, on every rank; `pending.wait()` does the same, and then the error is the
+caller's: the next save neither raises it again nor is lost to it. Call `wait()` before
 the process group ends (the end of training); a script that exits without it still has its
 save finished (Python joins the thread before the groups close, Note [exit teardown]), and a
 failure nobody waited for is logged.
@@ -100,6 +101,8 @@ class PendingSave:
         self._hurry()
         self._thread.join()
         self._waited = True
+        if self in _background:  # its outcome is the caller's now: the next save does not raise it again
+            _background.remove(self)
         if self.error is not None:
             raise ShardwiseError(f"the background save of {self.path} failed: {self.error}") from self.error
         return self.path

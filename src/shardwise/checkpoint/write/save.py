@@ -139,7 +139,7 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra, group=None
     directory (a collective); the job then holds every value the save writes. A background
     save still running is waited for first (its error, if any, raised here). `group`: the ranks
     that save together when they are more than the model's own (a pipeline's stages, each
-    holding part of the model: pipeline/checkpoint.py); None: the model's group."""
+    holding part of the model: pipeline/checkpoint/); None: the model's group."""
     wait_for_background_save()
     began = time.perf_counter()  # the "start" phase (Note [save phases] in disk.py)
     for key, value in extra.items():

@@ -14,6 +14,8 @@ the checkpoint against the union of the stages' names and param groups on every 
 a name no stage holds, one missing, another shape, other param groups: a ShardwiseError on every rank,
 nothing changed); then each stage loads its names through its view (sw.load over its stage's ranks,
 the other stages' names left to them).
+
+A `PipeTrainer`'s checkpoint also holds its frozen prefix and what it records of its run (resume.py).
 """
 
 from __future__ import annotations
@@ -25,26 +27,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.format.crc import crc32
 from shardwise.checkpoint.format.names import persistent_buffers
 from shardwise.checkpoint.format.optim_state import held_params
 from shardwise.checkpoint.format.ranks import all_gather_object
 from shardwise.checkpoint.format.values import check_like, from_json, like_current, to_json
-from shardwise.checkpoint.read.load import load
+from shardwise.checkpoint.read.load import load_view
 from shardwise.checkpoint.read.report import LoadReport, match
 from shardwise.checkpoint.read.sources import open_source
 from shardwise.checkpoint.write.save import complete, prepare
+from shardwise.engine.layout.rows import num_rows, row_range
 from shardwise.engine.protocol import ShardInfo, engine_of
-from shardwise.engine.unit.info import shard_info
+from shardwise.engine.unit.info import row_view, shard_info
 from shardwise.errors import ShardwiseError
+from shardwise.pipeline.checkpoint.resume import PIPELINE_KEY, check_resume, frozen_prefix, run_record
 
 STRATEGIES = ("zero1", "zero2", "zero3")
 
 
 def save_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], stage: int, group=None,
-                scheduler=None, keep_last: int | None = None, durable: bool = True, **extra) -> Path:
+                scheduler=None, keep_last: int | None = None, durable: bool = True, whole=None, **extra) -> Path:
     """Save every stage of a sharded pipeline as one checkpoint (Note [stage checkpoints]); every rank of
     `group` (default: the world) calls it with its stage's module (sharded by sw.shard zero1/2/3), its
-    optimizer, `names` (the module's parameter names -> the model's) and `stage` (its pipe rank)."""
+    optimizer, `names` (the module's parameter names -> the model's) and `stage` (its pipe rank).
+    `whole`: {model name: tensor} held whole and alike by every rank of `group` outside the stages (a
+    re-packed pipeline's frozen prefix, Note [the frozen prefix in a checkpoint])."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     _agree(lambda: _check_stage(module, optim, names, "save"), group, world)
@@ -54,12 +61,15 @@ def save_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], s
     for held_on, held in holders:
         for name in held:
             first[name] = min(first.get(name, held_on), held_on)
+    _check_one_value_per_name(mine, group, world)
     written = [(n, p) for n, p in mine if first[n] == stage]  # a tie: the first stage holding it writes it
+    whole = {n: t for n, t in (whole or {}).items() if n not in first}  # a frozen tie: its stage's shard
     view = _named_view(written)
     optim_view = _without(optim, {id(p) for _, p in written}) if optim is not None else None
-    described = _agree(lambda: _describe(written, optim_view), group, world)
+    described = _agree(lambda: _describe(written, optim_view, whole), group, world)
     union = _union(all_gather_object(described, group, world))  # the same on every rank: raises on all
     job = prepare(path, view, optim_view, scheduler, keep_last, durable, extra, group=group)
+    job.infos.update(_whole_infos(whole, job.rank, job.world))
     if job.rank == 0:
         _fill_union(job, union)
     complete(job, group)
@@ -67,7 +77,7 @@ def save_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], s
 
 
 def load_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], group=None,
-                scheduler=None) -> LoadReport:
+                scheduler=None, whole=None) -> LoadReport:
     """Load a checkpoint (of any layout: a pipeline's, a flat model's, one process's) into every stage of a
     sharded pipeline; every rank of `group` calls it with what it gave `save_stages`. Each stage takes its
     names, the tie on every stage holding it; anything that cannot load is refused on every rank before
@@ -76,13 +86,25 @@ def load_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], g
     world = dist.get_world_size(group)
     _agree(lambda: _check_stage(module, optim, names, "load"), group, world)
     mine = [(names[n], p) for n, p in module.named_parameters()]
+    _check_one_value_per_name(mine, group, world)
+    whole, own = dict(whole or {}), {m for m, _ in mine}
     view = _named_view(mine)
-    union = _union(all_gather_object(_agree(lambda: _describe(mine, optim), group, world), group, world))
+    outside = {n: t for n, t in whole.items() if n not in own}
+    union = _union(all_gather_object(_agree(lambda: _describe(mine, optim, outside), group, world), group, world))
     by_name = dict((id(p), n) for n, p in mine)
     groups = None if optim is None else [[by_name[id(p)] for p in held_params(g)] for g in optim.param_groups]
     saved = _agree(lambda: _check_union(path, union, groups), group, world)
     settings = _agree(lambda: optim and _decode_settings(optim, saved, str(path)), group, world)
-    report = _agree(lambda: load(path, view, optim, scheduler, strict=False, restore_rng=False), group, world)
+    shards = shard_info(view)  # a frozen tie's stage shard takes its rows from the whole copy, below
+    infos = {**{n: i for n, i in shards.items() if n not in whole},
+             **{n: ShardInfo(t, t.shape, 0, num_rows(t.shape), ()) for n, t in whole.items()}}
+    report = _agree(lambda: load_view(path, view, infos, optim, scheduler, strict=False, restore_rng=False),
+                    group, world)
+    with torch.no_grad():
+        for name in own & set(whole):
+            info = shards[name]
+            row_view(info.param, info, info.row_start, info.row_end).copy_(
+                row_view(whole[name], infos[name], info.row_start, info.row_end))
     for param_group, values in zip(optim.param_groups if optim is not None else (), settings or ()):
         param_group.update(values)
     report.unexpected, report.closest = [], {}  # the other stages' names, loaded by their ranks
@@ -92,18 +114,71 @@ def load_stages(path, module: nn.Module, optim=None, *, names: dict[str, str], g
 
 
 def save_pipeline(path, trainer, scheduler=None, **extra) -> Path:
-    """`save_stages` for a `PipeTrainer` with sharded stages (PipelineConfig(strategy=...))."""
+    """`save_stages` for a `PipeTrainer` with sharded stages (PipelineConfig(strategy=...)): the whole model,
+    the frozen prefix included, and how many layers are frozen (Note [the frozen prefix in a checkpoint])."""
     _check_trainer(trainer)
-    stage = trainer.layout.coords(trainer.rank)[1]
+    if PIPELINE_KEY in extra:
+        raise ShardwiseError(f"{PIPELINE_KEY}= is the pipeline's own record in its checkpoints: pass your value "
+                             "under another keyword")
+    stage, whole = trainer.layout.coords(trainer.rank)[1], frozen_prefix(trainer)
+    held = all_gather_object(sorted(trainer._local_names.values()), trainer.group, trainer.world_size)
+    missing = sorted(set(trainer.chain.params) - set(whole) - {name for names in held for name in names})
+    if missing:  # the same on every rank: a checkpoint of part of the model is never written
+        raise ShardwiseError(f"internal: the pipeline's stages and frozen prefix do not hold {missing[:4]}: the "
+                             "checkpoint would miss them, so nothing was written")
     return save_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names, stage=stage,
-                       group=trainer.group, scheduler=scheduler, **extra)
+                       group=trainer.group, scheduler=scheduler, whole=whole, **{PIPELINE_KEY: run_record(trainer)},
+                       **extra)
 
 
 def load_pipeline(path, trainer, scheduler=None) -> LoadReport:
-    """`load_stages` for a `PipeTrainer` with sharded stages, optimizer state included."""
+    """`load_stages` for a `PipeTrainer` with sharded stages, optimizer state included; a checkpoint saved
+    with a frozen prefix freezes the same layers first, and one whose run drew other batches than this
+    trainer's sampler is refused (Notes [the frozen prefix in a checkpoint], [data order across world sizes]
+    in resume.py)."""
     _check_trainer(trainer)
+    group, world = trainer.group, trainer.world_size
+    num_frozen = _agree(lambda: check_resume(path, trainer), group, world)
+    if num_frozen > trainer.layout.num_frozen:
+        trainer.freeze(num_frozen)
     return load_stages(path, trainer.stage_module, trainer.optimizer, names=trainer._local_names,
-                       group=trainer.group, scheduler=scheduler)
+                       group=group, scheduler=scheduler, whole=frozen_prefix(trainer))
+
+
+def _check_one_value_per_name(mine: list[tuple[str, nn.Parameter]], group, world: int) -> None:
+    """Note [one value per name]: a name several stages hold is one tied weight (Note [ties across stages]),
+    written once and loaded into each; two stages calling different parameters by one name would lose one at
+    the save and give both the other's values at the load. Every rank's full shape and dtype of each name
+    must agree, and where two ranks hold the same rows of a name (a tie's stages, or replicas) a crc32 of
+    those rows' bytes must too; anything else is refused, before anything is written or loaded."""
+    info = shard_info(_named_view(mine))
+    layout = {n: [list(i.full_shape), str(i.param.dtype).removeprefix("torch."), i.row_start, i.row_end]
+              for n, i in info.items()}
+    everyone = all_gather_object(layout, group, world)
+    holders: dict[tuple, list[int]] = {}
+    differ: dict[str, str] = {}
+    for rank, entries in enumerate(everyone):
+        for name, (shape, dtype, lo, hi) in entries.items():
+            holders.setdefault((name, lo, hi), []).append(rank)
+            first = next(r for r, e in enumerate(everyone) if name in e)
+            if [shape, dtype] != everyone[first][name][:2]:
+                differ.setdefault(name, f"ranks {first} and {rank}: {everyone[first][name][1]} "
+                                        f"{tuple(everyone[first][name][0])} against {dtype} {tuple(shape)}")
+    twice = sorted({name for (name, lo, hi), ranks in holders.items() if len(ranks) > 1 and hi > lo} - set(differ))
+    if twice:
+        crcs = all_gather_object({n: crc32(info[n].rows.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+                                  for n in twice if n in info}, group, world)
+        for (name, _, _), ranks in sorted(holders.items()):
+            other = next((r for r in ranks if name in twice and crcs[r][name] != crcs[ranks[0]][name]), None)
+            if other is not None:
+                differ.setdefault(name, f"ranks {ranks[0]} and {other}: other values")
+    if differ:
+        which = "; ".join(f"{name!r}, {how}" for name, how in sorted(differ.items()))
+        raise ShardwiseError(f"several stages hold different tensors under one model name ({which}): a name held "
+                             "by several stages is one "
+                             "tied weight, saved once and loaded into each, so one of them would be lost. Give each "
+                             "stage's parameters their own names in the whole model (names=, as shard_stage returns "
+                             "them), or tie them as one parameter (Note [one value per name])")
 
 
 def _agree(run, group, world: int):
@@ -147,6 +222,23 @@ def _check_stage(module: nn.Module, optim, names: dict[str, str], what: str) -> 
         raise ShardwiseError("a stage's optimizer must be one torch optimizer over the stage's parameters")
 
 
+def _whole_infos(whole: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, ShardInfo]:
+    """Rows of the whole tensors every rank holds alike: each rank writes an equal split of them."""
+    return {n: ShardInfo(t, t.shape, 0, num_rows(t.shape), (), _SplitRows(*row_range(num_rows(t.shape), world, rank)))
+            for n, t in whole.items()}
+
+
+class _SplitRows:
+    """The mesh of a whole tensor every rank of a save holds (ranks.rows_to_write asks it): this rank writes
+    its equal part, so the rows are written once."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+
+    def rows_to_write(self, lo: int, hi: int) -> tuple[int, int]:
+        return self.lo, self.hi
+
+
 def _named_view(named: list[tuple[str, nn.Parameter]]) -> nn.Module:
     """A module holding `named`'s parameters (this rank's shards) under their model names."""
     root = nn.Module()
@@ -172,13 +264,14 @@ def _without(optim, kept: set[int]):
     return view
 
 
-def _describe(named: list[tuple[str, nn.Parameter]], optim) -> dict:
-    """This rank's part of the union (JSON): each name's full shape, dtype and requires_grad; each
-    optimizer param group's names and settings."""
+def _describe(named: list[tuple[str, nn.Parameter]], optim, whole: dict[str, torch.Tensor]) -> dict:
+    """This rank's part of the union (JSON): each name's full shape, dtype and requires_grad (the whole
+    frozen prefix's too); each optimizer param group's names and settings."""
     by_id = {id(p): n for n, p in named}
     info = shard_info(_named_view(named))
     params = {n: [list(i.full_shape), str(i.param.dtype).removeprefix("torch."), bool(i.param.requires_grad)]
               for n, i in info.items()}
+    params.update({n: [list(t.shape), str(t.dtype).removeprefix("torch."), False] for n, t in whole.items()})
     groups = None
     if optim is not None:
         groups = [{"params": [by_id[id(p)] for p in held_params(g) if id(p) in by_id],
