@@ -261,3 +261,54 @@ def test_torch_error_never_advises_unsafe_load(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(sw.ShardwiseError, match="JSON file, not weights"):
         sw.load(tmp_path / "config.json", model)
+
+
+def _fine_tune_and_export(name, directory, out, strategy, max_shard_size):
+    """Load the pretrained directory into shards, take two AdamW steps, export; the trained full values."""
+    model = sw.from_pretrained(model_class(name), directory, strategy=strategy).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = tokens()
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optim.step()
+        optim.zero_grad()
+    sw.save_pretrained(model, out, max_shard_size=max_shard_size)
+    return sw.full_state_dict(model)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_fine_tuned_shards_export_to_what_from_pretrained_loads(ranks, pretrained, tmp_path, name):
+    """Catches sw.save_pretrained of a sharded, fine-tuned model that from_pretrained cannot load or loads other
+    values: all in one file past the size asked for, an index naming the wrong file for a tensor or missing
+    one, a tied head (qwen2) stored twice or not re-tied, another rank's rows; and a second export into the
+    same directory mixing its files with the first's (a stale index beside a new single file)."""
+    import transformers
+
+    out = tmp_path / "fine-tuned"
+    trained = ranks.run(_fine_tune_and_export, 2, name, pretrained[(name, "bf16")], out, "zero3", "12KB",
+                        timeout=240)[0]
+    files = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(files) >= 3 and (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
+    assert set(index_of(out)["weight_map"].values()) == set(files)
+    loaded = model_class(name).from_pretrained(out)
+    assert loaded.dtype == torch.float32 and set(loaded.state_dict()) == set(trained)
+    differ = [k for k, v in loaded.state_dict().items() if not torch.equal(v, trained[k])]
+    assert differ == [], differ
+    before = {k: v.clone() for k, v in loaded.state_dict().items()}
+    assert not torch.equal(before["model.norm.weight"], reference(name, pretrained[(name, "bf16")], tokens())[0][
+        "model.norm.weight"]), "the steps changed nothing: the test cannot tell trained from pretrained"
+
+    ranks.run(_fine_tune_and_export, 2, name, pretrained[(name, "bf16")], out, "zero2", "50GB", timeout=240)
+    assert sorted(p.name for p in out.glob("*.safetensors*")) == ["model.safetensors"]
+    assert isinstance(transformers.AutoModelForCausalLM.from_pretrained(out), model_class(name))
+
+
+def test_max_shard_size_is_checked():
+    """Catches a max_shard_size that is not a size (0, "5 apples") taken for one: every tensor in a file of its
+    own, or a TypeError deep in the writer."""
+    from shardwise.checkpoint.interop.hf_save import size_in_bytes
+
+    assert size_in_bytes("5GB") == 5 * 10**9 and size_in_bytes("2MiB") == 2 * 2**20 and size_in_bytes(123) == 123
+    for bad in (0, -1, "5 apples", "GB", True):
+        with pytest.raises(sw.ShardwiseError, match="max_shard_size"):
+            size_in_bytes(bad)

@@ -9,7 +9,8 @@ apply]); each room's __init__ gives its own reading order.
 """
 
 from shardwise.checkpoint.interop.dcp import dcp_state_dict
-from shardwise.checkpoint.interop.export import export, full_state_dict, save_pretrained
+from shardwise.checkpoint.interop.export import export, full_state_dict
+from shardwise.checkpoint.interop.hf_save import save_pretrained
 from shardwise.checkpoint.interop.pretrained import from_pretrained
 from shardwise.checkpoint.read.load import load
 from shardwise.checkpoint.read.report import LoadReport

@@ -41,19 +41,21 @@ def is_hf_dir(path: Path) -> bool:
 class HFDirectory(Source):
     """The weights of a Hugging Face model directory (Note [Hugging Face directories])."""
 
-    def __init__(self, path: Path, names: HFNames):
+    def __init__(self, path: Path, names: HFNames, *, use_index: bool = False):
         super().__init__()
         self.path, self.description = path, str(path)
         self.files: dict[str, FileReader] = {}
         try:
-            self._open(names)
+            self._open(names, use_index)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, names: HFNames) -> None:
+    def _open(self, names: HFNames, use_index: bool) -> None:
         index = self.path / HF_INDEX
-        if index.exists():
+        # As transformers: a directory's model.safetensors is read before its index (save_pretrained
+        # removes the other when it writes one); the index when it is the path given.
+        if index.exists() and (use_index or not (self.path / SINGLE).exists()):
             self.values_file = str(index)
             weight_map = _weight_map(index)
         else:

@@ -273,7 +273,7 @@ def open_source(path, renamer: Callable[[str], str], model=None) -> Source:
         if path.name != HF_INDEX:
             raise ShardwiseError(f"{path} is a sharded safetensors index under another name than {HF_INDEX} (a "
                                  f"variant's): rename it {HF_INDEX} in a directory of its own, with its files")
-        return HFDirectory(path.parent, HFNames(model, renamer))
+        return HFDirectory(path.parent, HFNames(model, renamer), use_index=True)
     if path.is_dir():
         if not (path / INDEX).exists() and is_hf_dir(path):
             return HFDirectory(path, HFNames(model, renamer))
