@@ -312,3 +312,12 @@ def test_max_shard_size_is_checked():
     for bad in (0, -1, "5 apples", "GB", True):
         with pytest.raises(sw.ShardwiseError, match="max_shard_size"):
             size_in_bytes(bad)
+
+
+def test_deferred_model_not_sharded_is_refused(pretrained):
+    """Catches sw.load into a model built under sw.deferred_init() and never sharded: its parameters on the
+    meta device took no values, and the load reported every tensor loaded."""
+    with sw.deferred_init():
+        model = model_class("qwen2")(config("qwen2"))
+    with pytest.raises(sw.ShardwiseError, match="meta device.*sw.shard"):
+        sw.load(pretrained[("qwen2", "fp32")], model)

@@ -120,6 +120,7 @@ def plan_load(job: LoadJob) -> LoadPlan:
             lo, hi = 0, num_rows(buffer.shape)
             dest = buffer.reshape(-1) if buffer.dim() == 0 else buffer
         plan.reads.append((name, tensor, lo, hi, dest))
+    _refuse_meta(plan.reads)
     _note_conversions(plan.reads, report)
     for number, saved, optim in paired:
         plan.optimizers.append(_plan_optimizer(plan, number, saved, optim, infos, pairs))
@@ -139,6 +140,18 @@ def plan_load(job: LoadJob) -> LoadPlan:
               for *_, reads, _ in load.states for read in reads or ()]
     source.verify(needs)
     return plan
+
+
+def _refuse_meta(reads) -> None:
+    """A destination on the meta device holds no memory: a copy into it does nothing, and the load would
+    report tensors loaded that are not (a model built under sw.deferred_init() and never sharded)."""
+    on_meta = [name for name, _, _, _, dest in reads if dest.device.type == "meta" and dest.numel()]
+    if on_meta:
+        raise ShardwiseError(
+            f"{len(on_meta)} of the model's tensors are on the meta device ({', '.join(on_meta[:3])}"
+            f"{', ...' if len(on_meta) > 3 else ''}): built under sw.deferred_init() and not materialized, they "
+            "hold no memory to load into. Call sw.shard(model, strategy=...) first (it materializes each rank's "
+            "rows), then sw.load; or build and load in one call with sw.from_pretrained(model_class, path)")
 
 
 def _note_conversions(reads, report: LoadReport) -> None:
