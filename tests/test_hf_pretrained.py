@@ -6,6 +6,7 @@ configs (tests/helpers/hf_dirs.py)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -321,3 +322,41 @@ def test_deferred_model_not_sharded_is_refused(pretrained):
         model = model_class("qwen2")(config("qwen2"))
     with pytest.raises(sw.ShardwiseError, match="meta device.*sw.shard"):
         sw.load(pretrained[("qwen2", "fp32")], model)
+
+
+def _bytes_read(name, directory, strategy):
+    """The bytes this rank's load read from the weights files' data (pread), and its shards' bytes in them."""
+    import os
+
+    import torch.distributed as dist
+
+    from shardwise.checkpoint.read import reader
+
+    model = _build(name, strategy)
+    counted = []
+    real = os.preadv
+
+    def preadv(fd, buffers, offset):
+        done = real(fd, buffers, offset)
+        counted.append(done)
+        return done
+
+    reader.os.preadv = preadv
+    try:
+        sw.load(directory, model)
+    finally:
+        reader.os.preadv = real
+    infos = sw.shard_info(model).values()
+    mine = sum((info.row_end - info.row_start) * math.prod(info.full_shape[1:]) for info in infos)
+    return dist.get_rank(), sum(counted), mine * 2  # bf16 files
+
+
+def test_each_rank_reads_only_its_rows(ranks, pretrained):
+    """Catches a rank reading whole tensors (the model, not its shards) from a Hugging Face directory: under zero3
+    at 2 ranks, each rank's reads of the files' data are its own rows' bytes, and together every byte once."""
+    directory = pretrained[("qwen2", "bf16")]
+    total = sum(v.numel() for k, v in reference("qwen2", directory, tokens())[0].items() if k != "lm_head.weight") * 2
+    results = ranks.run(_bytes_read, 2, "qwen2", directory, "zero3", timeout=180)
+    for rank, read, mine in results:
+        assert read == mine and read < 0.6 * total, (rank, read, mine, total)
+    assert sum(read for _, read, _ in results) == total
