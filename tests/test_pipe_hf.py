@@ -67,11 +67,17 @@ def _reference(name, directory) -> RunResult:
     return RunResult(losses, [], {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def _pipelined(name, directory, schedule) -> RunResult:
+def _pipelined(name, directory, schedule, into_stages=False) -> RunResult:
+    """`into_stages`: the pretrained rows loaded into the sharded stages (load_stages), not the whole model first."""
+    from shardwise.pipeline import load_stages
+
     inputs, targets = dataset(vocab=96)
     pipe = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule=schedule, cache=False, strategy="zero3")
-    trainer = PipeTrainer(chain_layers(_pretrained_model(name, directory)), token_loss, grouped_adamw(eps=1e-3),
-                          inputs, targets, global_batch_size=GLOBAL_BATCH, config=pipe)
+    model = model_class(name)(config(name)) if into_stages else _pretrained_model(name, directory)
+    trainer = PipeTrainer(chain_layers(model), token_loss, grouped_adamw(eps=1e-3), inputs, targets,
+                          global_batch_size=GLOBAL_BATCH, config=pipe)
+    if into_stages:
+        assert load_stages(directory, trainer.stage_module, names=trainer._local_names, group=trainer.group).ok
     losses = [trainer.step(b) for b in batches_of(trainer.sampler, STEPS)]
     return RunResult(losses, [], trainer.full_parameters())
 
@@ -102,3 +108,16 @@ def test_plan_weighs_pipelines_of_a_hf_model(capsys):
     assert cli.main(["plan", *spec, "--memory", "1GiB", "--world-size", "4", "--pipelines"]) == 0
     out = capsys.readouterr().out
     assert "pipe 2 x zero3 2" in out and "not weighed" not in out, out
+
+
+def test_pretrained_rows_load_into_sharded_stages(ranks, tmp_path):
+    """Catches a Hugging Face directory refused by, or loaded wrong into, a pipeline's sharded stages
+    (load_stages: each stage its names, Qwen2's tie on both stages): pipe 2 x zero3 2 trains from the
+    pretrained values equal to transformers' forward in one process."""
+    directory = write_pretrained("qwen2", tmp_path / "qwen2", torch.bfloat16)
+    reference = _reference("qwen2", directory)
+    for rank, result in enumerate(ranks.run(_pipelined, 4, "qwen2", directory, "1f1b", True, timeout=300)):
+        try:
+            assert_close_runs(reference, result)
+        except AssertionError as error:
+            raise AssertionError(f"rank {rank}: {error}") from None
