@@ -1,5 +1,5 @@
 """Hugging Face decoders cut into pipeline stages by `chain_layers` itself (issue 59 point 2, Note [Hugging Face
-decoder layers] in pipeline/hf_layers.py): built from configs, loaded from pretrained files, trained under
+decoder layers] in models/hf_layers.py): built from configs, loaded from pretrained files, trained under
 pipe 2 x zero3 2 against transformers' own forward in one process."""
 
 from __future__ import annotations

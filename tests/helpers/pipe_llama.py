@@ -1,5 +1,5 @@
 """A tiny Hugging Face Llama built from a config (tied embedding and head), cut into pipeline layers by the
-library's own cut (shardwise/pipeline/hf_layers.py): the embedding, each decoder layer with the rotary position
+library's own cut (shardwise/models/hf_layers.py): the embedding, each decoder layer with the rotary position
 embedding it needs, and the final norm with the head. Its forward runs the same layers in one process (the
 pipeline tests' one-process reference)."""
 
@@ -10,7 +10,7 @@ import transformers
 from torch import nn
 
 from helpers.pipe import token_loss
-from shardwise.pipeline.hf_layers import hf_pipeline_layers
+from shardwise.models.hf_layers import hf_pipeline_layers
 
 
 class LlamaLayers(nn.Module):

@@ -105,4 +105,4 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         f"chain_layers cuts the Hugging Face causal LMs of families {', '.join(ROTARY + LEARNED)} by itself; "
         f"{type(model).__name__} (model_type {family!r}) is not one of them. Wrap it in a module whose "
         "`pipeline_layers()` returns its layers in order (shardwise.interfaces.LayeredModel; "
-        "shardwise/pipeline/hf_layers.py shows the Llama and GPT-2 cuts)")
+        "shardwise/models/hf_layers.py shows the Llama and GPT-2 cuts)")
