@@ -183,8 +183,12 @@ class SafetensorsFile(Source):
         self.file = FileReader(path, what="safetensors file")
         names = SourceNames(path)
         renamer = hf_names.rename
+        ignored = [key for key in self.file.entries if hf_names.ignored(key)]
+        if ignored:
+            self.notes.append(f"{len(ignored)} tensors transformers ignores when it loads this model were not read "
+                              f"({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})")
         for key, entry in self.file.entries.items():
-            if hf_names.ignored(key):
+            if key in ignored:
                 continue
             name = names.add(renamer(key), key)
             self.tensors[name] = SourceTensor(
