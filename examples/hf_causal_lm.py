@@ -73,6 +73,18 @@ def main() -> None:
     sw.shard(model, strategy=args.strategy)                   # units="auto": GPT-2's GPT2Block layers
     if rank == 0:
         print(sw.describe(model))
+    fit(model, args)
+    sw.save_pretrained(model, Path(args.out) / "hf")          # model.safetensors + config.json
+    if rank == 0:
+        print(f"from_pretrained reads {Path(args.out) / 'hf'}")
+    sw.shutdown()
+
+
+def fit(model, args) -> None:
+    """AdamW over the sharded model to `args.max_steps`, resumed from the newest checkpoint in `args.out`
+    when there is one, a checkpoint every `args.save_every` steps (examples/hf_finetune_pretrained.py
+    runs the same loop on a pretrained model)."""
+    rank = sw.get_rank()
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 
     data = ByteWindows(args.seq)
@@ -107,10 +119,6 @@ def main() -> None:
                         keep_last=2)
             if step == args.max_steps:
                 break
-    sw.save_pretrained(model, Path(args.out) / "hf")          # model.safetensors + config.json
-    if rank == 0:
-        print(f"from_pretrained reads {Path(args.out) / 'hf'}")
-    sw.shutdown()
 
 
 if __name__ == "__main__":

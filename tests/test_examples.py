@@ -108,6 +108,30 @@ def test_hf_causal_lm_trains_saves_and_resumes(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["hf", "step-000004", "step-000006"]  # keep_last=2
 
 
+def test_hf_finetune_pretrained_loads_trains_resumes_and_exports(tmp_path):
+    """Catches the pretrained fine-tuning example going stale: sw.from_pretrained of a directory that
+    save_pretrained wrote in several files not loading into zero3 at 2 ranks, a loss that does not fall,
+    a resume from step 2 that does not end bitwise equal (the checkpoint's values must replace the
+    pretrained ones), an export that is one file past --shard-size or that from_pretrained does not load
+    equal, and a third-party line in its output (save_pretrained's progress bars)."""
+    import transformers
+
+    out, pretrained = tmp_path / "run", tmp_path / "pretrained"
+    args = ["--max-steps", "4", "--save-every", "2", "--batch", "4", "--seq", "64", "--out", str(out),
+            "--pretrained", str(pretrained)]
+    output = run_example("hf_finetune_pretrained.py", *args, cwd=tmp_path)
+    assert_quiet(output)
+    assert_trained(output, 4)
+    assert len(list(pretrained.glob("model-*.safetensors"))) >= 3
+    exported = sorted(p.name for p in (out / "hf").iterdir())
+    assert "model.safetensors.index.json" in exported and len([n for n in exported if n.startswith("model-")]) >= 3
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    saved = {name.split(":")[1]: value for name, value in tensors(out / "hf").items()}
+    assert all(torch.equal(loaded[name], value) for name, value in saved.items()) and len(saved) >= 20
+    assert_resumes_exactly("hf_finetune_pretrained.py", args, out, ["step-000004", "hf"], "hf", output,
+                           "resumed from")
+
+
 def assert_trained(output: str, steps: int) -> None:
     """Rank 0 logged steps 1..`steps` once each, every loss finite, the last below the first."""
     logged = losses(output)

@@ -1,6 +1,7 @@
-"""A tiny Hugging Face Llama built from a config (tied embedding and head), cut into pipeline layers: the
-embedding, each decoder layer with the rotary position embedding it needs, and the final norm with the head.
-Its forward runs the same layers in one process (the pipeline tests' one-process reference)."""
+"""A tiny Hugging Face Llama built from a config (tied embedding and head), cut into pipeline layers by the
+library's own cut (shardwise/models/hf_layers.py): the embedding, each decoder layer with the rotary position
+embedding it needs, and the final norm with the head. Its forward runs the same layers in one process (the
+pipeline tests' one-process reference)."""
 
 from __future__ import annotations
 
@@ -9,36 +10,7 @@ import transformers
 from torch import nn
 
 from helpers.pipe import token_loss
-
-
-class _Embedding(nn.Module):
-    def __init__(self, embed: nn.Embedding):
-        super().__init__()
-        self.embed = embed
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens)
-
-
-class _Decoder(nn.Module):
-    """One decoder layer; causal by sdpa's own rule (no mask given, more than one query)."""
-
-    def __init__(self, layer: nn.Module, rotary: nn.Module):
-        super().__init__()
-        self.layer, self.rotary = layer, rotary
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return self.layer(hidden, position_embeddings=self.rotary(hidden, positions))
-
-
-class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, head: nn.Linear):
-        super().__init__()
-        self.norm, self.head = norm, head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
+from shardwise.models.hf_layers import hf_pipeline_layers
 
 
 class LlamaLayers(nn.Module):
@@ -54,9 +26,7 @@ class LlamaLayers(nn.Module):
         self.hf = transformers.LlamaForCausalLM(config)
 
     def pipeline_layers(self) -> list[nn.Module]:
-        model = self.hf.model
-        return [_Embedding(model.embed_tokens), *(_Decoder(layer, model.rotary_emb) for layer in model.layers),
-                _Head(model.norm, self.hf.lm_head)]
+        return hf_pipeline_layers(self.hf)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = tokens

@@ -9,12 +9,14 @@ apply]); each room's __init__ gives its own reading order.
 """
 
 from shardwise.checkpoint.interop.dcp import dcp_state_dict
-from shardwise.checkpoint.interop.export import export, full_state_dict, save_pretrained
+from shardwise.checkpoint.interop.export import export, full_state_dict
+from shardwise.checkpoint.interop.hf_save import save_pretrained
+from shardwise.checkpoint.interop.pretrained import from_pretrained
 from shardwise.checkpoint.read.load import load
 from shardwise.checkpoint.read.report import LoadReport
 from shardwise.checkpoint.write.background import PendingSave, save_async
 from shardwise.checkpoint.write.index import latest
 from shardwise.checkpoint.write.save import save
 
-__all__ = ["LoadReport", "PendingSave", "dcp_state_dict", "export", "full_state_dict", "latest", "load", "save",
-           "save_async", "save_pretrained"]
+__all__ = ["LoadReport", "PendingSave", "dcp_state_dict", "export", "from_pretrained", "full_state_dict", "latest",
+           "load", "save", "save_async", "save_pretrained"]

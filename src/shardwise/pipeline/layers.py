@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardwise.checkpoint.read.hf_names import pretrained_model
 from shardwise.engine.protocol import is_sliced_param
 from shardwise.errors import ShardwiseError
 from shardwise.interfaces import LayeredModel
+from shardwise.models.hf_layers import hf_pipeline_layers
 
 
 @dataclass
@@ -70,9 +72,11 @@ def chain_layers(model: nn.Module | list[nn.Module]) -> LayerChain:
     """Cut `model` into a `LayerChain`.
 
     Accepts a model that implements `pipeline_layers()` (shardwise.interfaces.LayeredModel,
-    as the zoo GPT does: embedding layer, one layer per block, head layer), an
-    `nn.Sequential` or `nn.ModuleList` (one layer per child), or a plain list of
-    modules (named as an `nn.ModuleList` of them would be: "0.weight", ...).
+    as the zoo GPT does: embedding layer, one layer per block, head layer), a Hugging Face
+    causal LM of the standard decoder families (Llama, Mistral, Qwen2, Qwen3, GPT-2: cut by
+    models/hf_layers.py, its input the token ids and its output the logits), an `nn.Sequential` or
+    `nn.ModuleList` (one layer per child), or a plain list of modules (named as an
+    `nn.ModuleList` of them would be: "0.weight", ...).
     """
     if isinstance(model, list):
         model = nn.ModuleList(model)
@@ -80,6 +84,8 @@ def chain_layers(model: nn.Module | list[nn.Module]) -> LayerChain:
         layers = list(model.pipeline_layers())
     elif isinstance(model, (nn.Sequential, nn.ModuleList)):
         layers = list(model)
+    elif pretrained_model(model) is not None:  # Note [Hugging Face decoder layers] in models/hf_layers.py
+        layers = hf_pipeline_layers(model)
     else:
         raise ShardwiseError(
             f"chain_layers does not know how to cut a {type(model).__name__} into layers; pass an "

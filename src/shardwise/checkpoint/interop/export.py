@@ -1,4 +1,5 @@
-"""`sw.export`: one plain `model.safetensors` that loads without shardwise."""
+"""`sw.export`: one plain `model.safetensors` that loads without shardwise (`sw.save_pretrained`, a Hugging
+Face directory, is in hf_save.py)."""
 
 from __future__ import annotations
 
@@ -189,37 +190,3 @@ def _all_gather_full(info: ShardInfo) -> torch.Tensor:
     torch.distributed.all_gather_single(gathered, shard, group=group)
     rows = num_rows(info.full_shape)
     return gathered[:rows].reshape(info.full_shape)
-
-
-def save_pretrained(model: nn.Module, directory) -> Path:
-    """Write a Hugging Face model as `from_pretrained` reads it: `model.safetensors` (full values,
-    streamed one parameter at a time, tied weights once) and the model's `config.json` (and
-    `generation_config.json` when it has one). Every rank calls it; rank 0 writes.
-
-    A PEFT model (LoRA adapters over a base) is written as PEFT writes it: its trainable
-    parameters gathered (not the base), then `adapter_model.safetensors` and
-    `adapter_config.json` by `model.save_pretrained` on rank 0, for `PeftModel.from_pretrained`."""
-    if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        state = full_state_dict(model, only=trainable.__contains__)  # a collective
-        directory = Path(directory).absolute()
-        if group_of(model)[1] == 0:
-            model.save_pretrained(directory, state_dict=state)
-        return directory
-    config = getattr(model, "config", None)
-    if not hasattr(config, "save_pretrained"):
-        raise ShardwiseError(f"{type(model).__name__} has no Hugging Face config (model.config.save_pretrained): "
-                             "use sw.export(model, path) for a plain safetensors file")
-    why = held_config(model)
-    if why is not None:  # Note [model config]: from_pretrained would load none of the tensors
-        raise ShardwiseError(f"{type(model).__name__} {why}, which from_pretrained would not load. Save the "
-                             "Hugging Face model itself")
-    directory = Path(directory).absolute()
-    export(model, directory / "model.safetensors", replace_config=True)  # as save_pretrained does
-    _, rank, _ = group_of(model)
-    if rank == 0:
-        config.save_pretrained(directory)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(directory)
-    return directory

@@ -40,8 +40,13 @@ def load(path, model: nn.Module, optim=None, scheduler=None, *,
          **objects) -> LoadReport:
     """Load a checkpoint into `model` (and `optim`, `scheduler`) in place; every rank calls it.
 
-    `path` is a checkpoint directory, a single `.safetensors` file (an export, a hub
-    model) or a `torch.save`d state dict (read with `weights_only=True`). Any strategy
+    `path` is a checkpoint directory, a Hugging Face model directory (`model.safetensors`, or the
+    files `model.safetensors.index.json` names; the index itself may be given), a single
+    `.safetensors` file (an export, a hub model) or a `torch.save`d state dict (read with
+    `weights_only=True`). A Hugging Face file's names are matched as `from_pretrained` matches
+    them (transformers' key renames, the base-model prefix added or dropped, tied weights stored
+    once); a tensor stored in another dtype than the model's is converted (the report's notes
+    say which). Any strategy
     and world size loads any checkpoint: each rank reads only the rows it holds.
     Names are matched after stripping wrapper prefixes (`module.`, `_orig_mod.`,
     `_fsdp_wrapped_module.`) on both sides and applying `rename` to the checkpoint's
@@ -82,7 +87,7 @@ def load_view(path, model: nn.Module, infos, optim=None, scheduler=None, *, stri
     source, plan = None, None
     try:
         with _agreement(path, group, world):
-            source = open_source(path, make_renamer(rename))
+            source = open_source(path, make_renamer(rename), model)
             plan = plan_load(LoadJob(source, model, optimizers, form, scheduler, objects, strict, restore_rng,
                                      rank, world, infos))
         with _agreement(path, group, world):

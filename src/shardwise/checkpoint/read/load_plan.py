@@ -87,7 +87,7 @@ def plan_load(job: LoadJob) -> LoadPlan:
     source, model = job.source, job.model
     infos = {clean_name(raw): info for raw, info in (job.infos or shard_info(model)).items()}
     buffers = persistent_buffers(model)
-    plan = LoadPlan(job, LoadReport(source.description, extra=dict(source.extra)))
+    plan = LoadPlan(job, LoadReport(source.description, extra=dict(source.extra), notes=list(source.notes)))
     report = plan.report
     targets = {name: (tuple(info.full_shape), [name, *map(clean_name, info.aliases)])
                for name, info in infos.items()}
@@ -121,6 +121,8 @@ def plan_load(job: LoadJob) -> LoadPlan:
             lo, hi = 0, num_rows(buffer.shape)
             dest = buffer.reshape(-1) if buffer.dim() == 0 else buffer
         plan.reads.append((name, tensor, lo, hi, dest))
+    _refuse_meta(plan.reads)
+    _note_conversions(plan.reads, report)
     for number, saved, optim in paired:
         plan.optimizers.append(_plan_optimizer(plan, number, saved, optim, infos, pairs))
     if job.scheduler is not None and source.scheduler is not None:
@@ -139,6 +141,32 @@ def plan_load(job: LoadJob) -> LoadPlan:
               for *_, reads, _ in load.states for read in reads or ()]
     source.verify(needs)
     return plan
+
+
+def _refuse_meta(reads) -> None:
+    """A destination on the meta device holds no memory: a copy into it does nothing, and the load would
+    report tensors loaded that are not (a model built under sw.deferred_init() and never sharded)."""
+    on_meta = [name for name, _, _, _, dest in reads if dest.device.type == "meta" and dest.numel()]
+    if on_meta:
+        raise ShardwiseError(
+            f"{len(on_meta)} of the model's tensors are on the meta device ({', '.join(on_meta[:3])}"
+            f"{', ...' if len(on_meta) > 3 else ''}): built under sw.deferred_init() and not materialized, they "
+            "hold no memory to load into. Call sw.shard(model, strategy=...) first (it materializes each rank's "
+            "rows), then sw.load; or build and load in one call with sw.from_pretrained(model_class, path)")
+
+
+def _note_conversions(reads, report: LoadReport) -> None:
+    """Say which stored dtypes the load converts to the model's (a bf16 file into fp32 parameters: exact; the
+    reverse rounds to nearest, as `tensor.to(dtype)` and `from_pretrained(dtype=...)` do)."""
+    converted: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for _, tensor, _, _, dest in reads:
+        if tensor.dtype != dest.dtype:
+            converted[(tensor.dtype, dest.dtype)] = converted.get((tensor.dtype, dest.dtype), 0) + 1
+    for (stored, held), count in converted.items():
+        exact = stored.is_floating_point and held.is_floating_point and torch.finfo(held).bits >= \
+            torch.finfo(stored).bits and torch.finfo(held).eps <= torch.finfo(stored).eps
+        report.notes.append(f"{count} tensors stored as {stored} were converted to the model's {held} "
+                            f"({'exactly' if exact else 'rounded to nearest'})")
 
 
 def _show(records) -> str:

@@ -1,6 +1,7 @@
-"""What `sw.load` reads from: a checkpoint directory, a safetensors file, a torch.save'd state dict.
+"""What `sw.load` reads from: a checkpoint directory, a safetensors file, a torch.save'd state dict (and,
+through hf_dir.py, a Hugging Face model directory).
 
-Three sources, one interface (`Source.tensors`: name -> `SourceTensor`, each able to
+Three sources here, one interface (`Source.tensors`: name -> `SourceTensor`, each able to
 read any row range): a shardwise checkpoint directory (index.json + row slices in
 safetensors files), one safetensors file, or a `torch.save`d state dict (read with
 `weights_only=True`, so no code runs). Names are cleaned of wrapper prefixes and
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -20,75 +21,14 @@ import torch
 from torch import Tensor
 
 from shardwise.checkpoint.format.names import clean_name
-from shardwise.checkpoint.format.records import INDEX, Index, OptimizerRecord, SliceRecord, TensorRecord
+from shardwise.checkpoint.format.records import INDEX, Index, TensorRecord
 from shardwise.checkpoint.format.schema import read_index
+from shardwise.checkpoint.read.hf_dir import HF_INDEX, HFDirectory, is_hf_dir
+from shardwise.checkpoint.read.hf_names import HFNames
 from shardwise.checkpoint.read.reader import FileReader
+from shardwise.checkpoint.read.source_base import Source, SourceNames, SourceTensor
 from shardwise.engine.layout.rows import num_rows
 from shardwise.errors import ShardwiseError
-
-
-@dataclass
-class SourceTensor:
-    """One tensor a source can provide: `read(lo, hi, out)` returns rows lo:hi (into `out` when it can);
-    `read_flat(start, stop)`, where the source has it, elements start:stop of the flattened tensor
-    (unchecked: `Source.verify` the rows first), so that a row larger than memory is read in parts."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    aliases: tuple[str, ...]
-    read: Callable[[int, int, Tensor | None], Tensor]
-    slices: tuple[SliceRecord, ...] | None = None  # a checkpoint directory's row slices
-    read_flat: Callable[[int, int], Tensor] | None = None
-
-
-class Source:
-    """Base: a source with tensors only (no optimizer, scheduler, RNG or extras)."""
-
-    description = ""
-    values_file = ""  # the file its saved settings and states come from (errors name it)
-    world_size: int | None = None
-    strategy: str | None = None
-
-    def __init__(self) -> None:
-        self.tensors: dict[str, SourceTensor] = {}
-        self.optimizers: tuple[OptimizerRecord, ...] = ()  # as saved: one, or several (`several`)
-        self.several = False
-        self.scheduler: dict | None = None
-        self.objects: dict = {}
-        self.extra: dict = {}
-
-    def optimizer_tensor(self, number: int, name: str, key: str, *, whole: bool = False) -> SourceTensor:
-        """Optimizer `number`'s state tensor `key` of parameter `name` (a whole record with `whole`)."""
-        raise NotImplementedError
-
-    def rng_of(self, rank: int):
-        return None
-
-    def object_state(self, key: str, obj, rank: int, world: int):
-        """The saved state of keyword object `key` for `rank` of `world` (Note [object states])."""
-        if self.world_size not in (None, world) and not getattr(obj, "state_is_global", False):
-            raise ShardwiseError(
-                f"{key}= was saved at world size {self.world_size} and is loaded at {world}: its state (a "
-                f"{type(obj).__name__}'s) may count positions over each rank's own samples, which another number "
-                f"of ranks deals differently. Resume at world size {self.world_size}, or leave {key}= out of "
-                "sw.load (its epoch then restarts), or use sw.ResumableSampler, which re-deals the remaining "
-                "samples to any number of ranks.")
-        by_rank = getattr(self, "objects_by_rank", None)
-        if by_rank is None or all(states.get(key) == self.objects[key] for states in by_rank):
-            return self.objects[key]
-        if rank >= len(by_rank) or key not in by_rank[rank]:
-            raise ShardwiseError(f"{self.values_file}: objects_by_rank holds no state of {key}= for rank {rank}: the "
-                                 "checkpoint is damaged or was edited. Load an earlier checkpoint, or leave "
-                                 f"{key}= out of sw.load.")
-        return by_rank[rank][key]
-
-    def verify(self, needs: list[tuple[SourceTensor, int, int]]) -> None:
-        """Check, before any of them, that the reads in `needs` will succeed (a checkpoint directory
-        reads and checks their chunks); the other sources were checked when opened."""
-
-    def close(self) -> None:
-        pass
 
 
 class CheckpointDir(Source):
@@ -113,7 +53,7 @@ class CheckpointDir(Source):
             if os.lstat(file).st_size != entry.nbytes or os.path.islink(file):
                 FileReader(file, expected_bytes=entry.nbytes, what="shard file", follow_symlinks=False).close()
         self.rename = lambda name: renamer(clean_name(name))
-        names = _Names(path / INDEX)
+        names = SourceNames(path / INDEX)
         for records in (index.params, index.buffers):
             for name, record in records.items():
                 tensor = self._source_tensor(names.add(self.rename(name), name), record)
@@ -211,22 +151,6 @@ class CheckpointDir(Source):
         self.readers.clear()
 
 
-class _Names:
-    """The names a source's tensors take after wrapper prefixes are dropped and `rename` applied: two
-    source names that become one are refused, naming both (Note [wrapper prefixes] in names.py)."""
-
-    def __init__(self, where) -> None:
-        self.where, self.origin = where, {}
-
-    def add(self, name: str, original: str) -> str:
-        first = self.origin.setdefault(name, original)
-        if first != original:
-            raise ShardwiseError(f"{self.where}: {first!r} and {original!r} both become {name!r} once wrapper "
-                                 "prefixes (module., _orig_mod., ...) are dropped and rename= applied, so one would "
-                                 "silently replace the other. Pass a rename= that keeps them apart, or remove one.")
-        return name
-
-
 def _expected_headers(index: Index) -> dict[str, dict]:
     """Per file: {key: (dtype, shape, crcs)} of every tensor the index says it holds; an RNG
     tensor's dtype and shape are the header's own (the index records only its crcs)."""
@@ -251,15 +175,23 @@ def _expected_headers(index: Index) -> dict[str, dict]:
 
 
 class SafetensorsFile(Source):
-    """One safetensors file (an export, or a model from a hub): full tensors, read by rows."""
+    """One safetensors file (an export, or a model from a hub): full tensors, read by rows, under
+    transformers' names for a transformers model (Note [transformers names] in hf_names.py)."""
 
-    def __init__(self, path: Path, renamer: Callable[[str], str]):
+    def __init__(self, path: Path, hf_names: HFNames):
         super().__init__()
         self.description = str(path)
         self.file = FileReader(path, what="safetensors file")
-        names = _Names(path)
+        names = SourceNames(path)
+        renamer = hf_names.rename
+        ignored = [key for key in self.file.entries if hf_names.ignored(key)]
+        if ignored:
+            self.notes.append(f"{len(ignored)} tensors transformers ignores when it loads this model were not read "
+                              f"({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})")
         for key, entry in self.file.entries.items():
-            name = names.add(renamer(clean_name(key)), key)
+            if key in ignored:
+                continue
+            name = names.add(renamer(key), key)
             self.tensors[name] = SourceTensor(
                 name, entry.shape, entry.dtype, (),
                 lambda lo, hi, out, key=key: self.file.read_rows(key, lo, hi, out=out),
@@ -267,9 +199,9 @@ class SafetensorsFile(Source):
         # Tied weights stored once: safetensors' save_model (and sw.export) record each
         # dropped name in the metadata as {dropped: kept}.
         for dropped, kept in self.file.metadata.items():
-            if kept in self.file.entries and dropped not in self.file.entries:
-                kept_tensor = self.tensors[renamer(clean_name(kept))]
-                kept_tensor.aliases += (names.add(renamer(clean_name(dropped)), dropped),)
+            if kept in self.file.entries and dropped not in self.file.entries and renamer(kept) in self.tensors:
+                kept_tensor = self.tensors[renamer(kept)]
+                kept_tensor.aliases += (names.add(renamer(dropped), dropped),)
 
     def close(self) -> None:
         self.file.close()
@@ -289,13 +221,16 @@ class TorchFile(Source):
                     raise
                 loaded = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
         except Exception as error:  # noqa: BLE001 - torch raises many types for a bad file
+            # Not torch's message: it advises weights_only=False, which runs whatever code the file holds.
             raise ShardwiseError(
-                f"{path} could not be read as a torch.save'd state dict with weights_only=True ({error}). "
-                "shardwise never unpickles arbitrary objects: save a state dict of tensors, or a safetensors file."
+                f"{path} could not be read as a torch.save'd state dict with weights_only=True "
+                f"({type(error).__name__}: it is not one, or holds objects other than tensors). shardwise never "
+                "unpickles arbitrary objects: pass a shardwise checkpoint directory, a Hugging Face model directory, "
+                "a .safetensors file, or a torch.save'd state dict of tensors."
             ) from None
         state = _find_state_dict(loaded, path)
         by_storage: dict[tuple, str] = {}
-        names = _Names(path)
+        names = SourceNames(path)
         for key, value in state.items():
             identity = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
                         value.stride(), value.dtype) if value.numel() else None
@@ -330,21 +265,35 @@ def _find_state_dict(loaded, path: Path) -> dict[str, Tensor]:
     raise ShardwiseError(f"{path} holds a {type(loaded).__name__}, not a state dict of tensors")
 
 
-def open_source(path, renamer: Callable[[str], str]) -> Source:
-    """The right Source for `path`: a checkpoint directory, a .safetensors file or a torch file."""
+def open_source(path, renamer: Callable[[str], str], model=None) -> Source:
+    """The right Source for `path`: a checkpoint directory, a Hugging Face model directory (or its
+    `model.safetensors.index.json`), a .safetensors file or a torch file. `model`, when given, is what the
+    source loads into: a Hugging Face file's names are matched to it as transformers would (hf_names.py)."""
     path = Path(path)
     if path.name == INDEX:
         path = path.parent
+    elif path.name == HF_INDEX or path.name.endswith(".safetensors.index.json"):
+        if not path.exists():
+            raise ShardwiseError(f"{path} does not exist")
+        if path.name != HF_INDEX:
+            raise ShardwiseError(f"{path} is a sharded safetensors index under another name than {HF_INDEX} (a "
+                                 f"variant's): rename it {HF_INDEX} in a directory of its own, with its files")
+        return HFDirectory(path.parent, HFNames(model, renamer), use_index=True)
     if path.is_dir():
+        if not (path / INDEX).exists() and is_hf_dir(path):
+            return HFDirectory(path, HFNames(model, renamer))
         return CheckpointDir(path, renamer)
     if not path.exists():
         raise ShardwiseError(f"{path} does not exist")
     if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block the read below
         raise ShardwiseError(f"{path} is not a regular file (a FIFO, a socket or a device): pass a checkpoint "
                              "directory, a .safetensors file or a torch.save'd file")
+    if path.suffix == ".json":
+        raise ShardwiseError(f"{path} is a JSON file, not weights: pass the directory that holds it (a shardwise "
+                             f"checkpoint's index.json, or a Hugging Face model's {HF_INDEX} and its files)")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         head = f.read(9)
     if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{"):
-        return SafetensorsFile(path, renamer)
+        return SafetensorsFile(path, HFNames(model, renamer))
     return TorchFile(path, renamer)

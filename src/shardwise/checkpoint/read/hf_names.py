@@ -1,0 +1,108 @@
+"""The names Hugging Face weights take in a model: transformers' own key renames, the base-model prefix and the
+keys transformers ignores, so that `sw.load` of a Hugging Face file matches what `from_pretrained` would load.
+
+Note [transformers names]: `from_pretrained` does not match a file's keys to the model's one for one. It
+first applies the model's conversion mapping (transformers.conversion_mapping: per-model `WeightRenaming`s
+and the "legacy" ones every model gets, `LayerNorm.gamma` -> `LayerNorm.weight`, `.weight_g` ->
+`.parametrizations.weight.original0`, ...), then adds or drops the base-model prefix (`model.`,
+`transformer.`) so that a `LlamaModel`'s file loads into a `LlamaForCausalLM` and the reverse, and it
+ignores the keys the class lists in `_keys_to_ignore_on_load_unexpected` (GPT-2's old `attn.bias` masks).
+We take the mapping from transformers itself (`get_model_conversion_mapping`, the function PEFT calls
+too), so a model whose renames change with a transformers release stays right. A `WeightConverter`
+(Mixtral's per-expert tensors merged into one, a fused qkv split in three) builds a tensor out of
+several stored ones: a rank cannot read its rows of it as a byte range of one file, so a key needing
+one is refused with the fix instead of loaded half. Tied weights need nothing here: the model's tied
+names are aliases of one parameter (`ShardInfo.aliases`) and the file stores one of them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable
+
+from torch import nn
+
+from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.engine.unit.info import shard_info
+from shardwise.errors import ShardwiseError
+
+
+def pretrained_model(model: nn.Module):
+    """`model` when it is a transformers `PreTrainedModel`, else None (transformers not imported: none is)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
+        return None
+    return model
+
+
+def model_names(model: nn.Module) -> set[str]:
+    """Every name the model's tensors go by in a state dict, cleaned (a tied weight's names all)."""
+    names = set(map(clean_name, persistent_buffers(model)))
+    for raw, info in shard_info(model).items():
+        names.add(clean_name(raw))
+        names.update(map(clean_name, info.aliases))
+    return names
+
+
+class HFNames:
+    """How a Hugging Face file's keys map to `model`'s names (Note [transformers names]): `rename(key)`, the
+    user's `renamer` first (as transformers applies its `key_mapping` first), then transformers' renames,
+    then the base-model prefix; `ignored(key)`, a key transformers drops unread."""
+
+    def __init__(self, model: nn.Module | None, renamer: Callable[[str], str]):
+        self.renamer = renamer
+        self.targets = model_names(model) if model is not None else set()
+        hf = pretrained_model(model) if model is not None else None
+        self.prefix = getattr(hf, "base_model_prefix", "") or ""
+        self.renamings, self.converters = _transforms(hf)
+        self._ignore = [re.compile(p) for p in (getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ())]
+
+    def rename(self, key: str) -> str:
+        name = self.renamer(clean_name(key))
+        if name in self.targets or not self.targets:
+            return name
+        for renaming in self.renamings:
+            name, _ = renaming.rename_source_key(name)
+        name = self._with_prefix(name)
+        if name in self.targets:
+            return name
+        for converter in self.converters:
+            converted, pattern = converter.rename_source_key(name)
+            if pattern is not None:
+                raise ShardwiseError(
+                    f"{key!r} is one of the tensors transformers {type(converter).__name__} {pattern!r} combines into "
+                    f"{self._with_prefix(converted)!r} when it loads (several stored tensors made into one): a rank "
+                    "cannot read its rows of that as a byte range of the file, and shardwise does not convert it. "
+                    "Convert the checkpoint once (from_pretrained in one process, then save_pretrained writes the "
+                    "model's own names), then load that")
+        return name
+
+    def ignored(self, key: str) -> bool:
+        """True for a key transformers ignores when it loads (`_keys_to_ignore_on_load_unexpected`) that
+        names nothing in the model."""
+        name = self.rename(key)
+        return name not in self.targets and any(p.search(name) for p in self._ignore)
+
+    def _with_prefix(self, name: str) -> str:
+        """`name` with the base-model prefix dropped or added where that names one of the model's tensors."""
+        prefix = self.prefix + "."
+        if not self.prefix or name in self.targets:
+            return name
+        if name.startswith(prefix) and name[len(prefix):] in self.targets:
+            return name[len(prefix):]
+        if prefix + name in self.targets:
+            return prefix + name
+        return name
+
+
+def _transforms(hf) -> tuple[list, list]:
+    """transformers' renames and converters for `hf` (Note [transformers names]); none for another model."""
+    if hf is None:
+        return [], []
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    transforms = get_model_conversion_mapping(hf)
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])
