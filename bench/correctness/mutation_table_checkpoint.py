@@ -95,7 +95,7 @@ CHECKPOINT_MUTATIONS = [
      'if False:',
      'tests/test_checkpoint_shadows.py -k rng_record'),
     ('two source names that become one: the later silently wins',
-     '_Names.add',
+     'SourceNames.add',
      'if first != original:',
      'if False:',
      'tests/test_checkpoint_shadows.py -k become_one'),
