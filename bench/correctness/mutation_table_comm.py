@@ -107,4 +107,9 @@ COMM_MUTATIONS = [
      '    if dist.get_world_size(group) == 1:',
      '    if False:',
      'tests/test_comm.py -k one_rank'),
+    ("issue 58: a consumer waits for the collective's whole stream, not its own event",
+     'Pending.wait',
+     '        consumer.wait_event(self.event)',
+     '        consumer.wait_stream(self.stream)',
+     'tests/test_streams.py -k own_collectives_event'),
 ]
