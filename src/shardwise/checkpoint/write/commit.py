@@ -24,7 +24,7 @@ import shutil
 import threading
 
 from shardwise.checkpoint.write.index import INDEX, build_index, remove_older
-from shardwise.checkpoint.write.publish import fsync_dir, publish
+from shardwise.checkpoint.write.publish import clean_leftovers, fsync_dir, publish
 from shardwise.errors import ShardwiseError
 
 SHARED_MARKER = ".shardwise-shared"  # Note [one shared directory] in save.py
@@ -97,12 +97,13 @@ def finish_commit(job, started: IndexSync | str, synced: list) -> str | None:
         _discard(job)
         return outcome
     try:
-        publish(job.partial, job.path, job.durable)  # Note [atomic publish], Note [leftovers]
+        publish(job.partial, job.path, job.durable)  # Note [atomic publish]
     except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
         _discard(job)
         return f"{type(error).__name__}: {error}"
     if job.keep_last is not None:
         remove_older(job.path, job.keep_last)
+    clean_leftovers(job.path.parent)  # Note [leftovers]: after the save succeeded, never a reason to fail it
     return None
 
 

@@ -54,10 +54,9 @@ def hidden(path: Path, kind: str) -> Path:
 
 def publish(partial: Path, path: Path, durable: bool) -> None:
     """Make finished directory `partial` the checkpoint `path` (Note [atomic publish]), the rename on the disk
-    when `durable`; then remove what dead saves left beside it (Note [leftovers])."""
+    when `durable`."""
     _rename_into_place(partial, path)
     fsync_dir(path.parent, durable)
-    clean_leftovers(path.parent)
 
 
 def fsync_dir(path: Path, durable: bool) -> None:
