@@ -204,7 +204,12 @@ def markdown(args, counted: dict, command: str) -> str:
     lines = [f"Command: `{command}` (torch {torch.__version__}). Counts, not times: the host's load does not move "
              "them.", "", f"make demo's GPT (d_model {args.width}, {args.layers} layers, seq {args.seq}, batch "
              f"{args.batch}/rank), {args.world_size} ranks, rank 0, one step per arm after {args.warmup} "
-             "(bench/overhead/step_counts.py).", "", "| per step | " + " | ".join(arms) + " |",
+             "(bench/overhead/step_counts.py). Host waits: the Python functions named wait (on CPU, torch.cpu's "
+             "stream and event waits return at once; Work.wait blocks). Collectives: torch.distributed's functions "
+             "called from Python, bytes the largest tensor argument; dispatched: the c10d ops the dispatcher saw "
+             "(DDP's bucketed all-reduce too). FSDP2's clip and optimizer step run on DTensors, counted once at the "
+             "DTensor level: their local allocations are not seen (0 below).", "",
+             "| per step | " + " | ".join(arms) + " |",
              "|---|" + "---:|" * len(arms)]
 
     def row(label, values):
