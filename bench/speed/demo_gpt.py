@@ -27,9 +27,9 @@ compute plus its host-side bookkeeping (hooks, views, copies into and out of fla
 less the 1-rank step is what communication (gloo's time on the same 2 cores) adds. Each rank keeps the demo's
 per-rank batch at both world sizes, so a rank computes the same at 1 rank as at 2.
 
-The ranks run with glibc's mmap threshold at 64 KiB, as the demo's do (Note [demo memory] in shardwise/demo.py;
-`sw.init()` sets it: Note [allocator at init]). Writes bench/speed/results/NAME.{json,md,png} (`--name`, default
-demo_gpt).
+The ranks run with `MALLOC_MMAP_THRESHOLD_=65536` unless it is set, as the demo's launcher starts them (Note [demo
+memory] in shardwise/demo.py; `sw.init()` would set the same threshold: Note [allocator at init]). Writes
+bench/speed/results/NAME.{json,md,png} (`--name`, default demo_gpt).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -216,11 +217,14 @@ def summarize(args, record: dict) -> dict:
 
 
 def markdown(args, summaries: dict, command: str, wall_s: float) -> str:
-    lines = [f"Command: `{command}` (torch {torch.__version__}, {os.cpu_count()} cores, {wall_s:.0f} s). Machine: "
-             "say here whether it was quiet.", "",
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    lines = [f"Command: `{command}` (commit {commit}, torch {torch.__version__}, {os.cpu_count()} cores, {wall_s:.0f} "
+             "s). Machine: say here whether it was quiet.", "",
              f"make demo's GPT (vocab 256, d_model {args.width}, {args.layers} layers, 4 heads, seq {args.seq}, batch "
-             f"{args.batch}/rank, AdamW lr {args.lr}, clipped to 1.0), gloo, 1 thread/rank, glibc mmap threshold 64 "
-             f"KiB; every arm in the same processes, one demo step each per round in a rotated order, {args.rounds} "
+             f"{args.batch}/rank, AdamW lr {args.lr}, clipped to 1.0), gloo, 1 thread/rank, "
+             f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 65536)}; every arm in the same "
+             f"processes, one demo step each per round in a rotated order, {args.rounds} "
              f"rounds after {args.warmup} dropped (bench/speed/demo_gpt.py). Step: the slowest rank's, from a "
              "barrier, timed as the demo times it; × DDP: over torch DDP's step of the same round, median "
              "(quartiles, range) over rounds; CPU: rank 0's process CPU seconds (gloo's threads too). At 1 rank "
@@ -277,7 +281,8 @@ def run_ranks(script: str, world_size: int, timeout: float, result: str) -> dict
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
                script, *sys.argv[1:], "--worker", out_dir]
-        error, log = run_logged(cmd, dict(os.environ, OMP_NUM_THREADS="1"), out_dir, timeout)
+        env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ, "OMP_NUM_THREADS": "1"}  # as the demo's launcher
+        error, log = run_logged(cmd, env, out_dir, timeout)
         if error:
             sys.exit(f"the {world_size}-rank run failed ({error}):\n{log[-4000:]}")
         return json.loads(Path(out_dir, result).read_text())
