@@ -17,11 +17,12 @@ path of each training step, evaluation batch and `generate()` token. Now:
 - The header is checked (`confirm`) where the engine waits for that phase's collectives anyway:
   before the first gather lands, before the first reduce is issued (a rank that froze a parameter
   would issue a reduce of another size), at the forward's end. On gloo the host waits there anyway,
-  and the header has landed beside the payload. Its values live on the host, so the check reads no
-  device value on NCCL either; there the engine's own waits are stream waits, so `confirm` is a wait
-  of the ranks' CPUs for each other's header (never for a device: the stream's queue is not drained),
-  which CPUs doing the same work reach together. (Not yet measured on a GPU.) A difference raises the
-  same ShardwiseError on every rank, since all of them read the same rows.
+  and the header has landed beside the payload. A difference raises the same ShardwiseError on every
+  rank, since all of them read the same rows. On NCCL the engine's own waits are stream waits, and a
+  `confirm` there would be a wait of the ranks' CPUs for each other's header, about three a step: so
+  where the collectives run on a device the headers ride the device and are compared before the
+  optimizer step instead (`HeadersOnDevice`, Note [headers on the device] in agreement_device.py, which
+  says what that gives up); everything below holds for both forms unless it says otherwise.
 - Headers have a channel of their own, so a header always pairs with the other ranks' next header
   whatever the others' phase is (a header sent on the gathers' group could pair with a backward's
   gather of another size): a forward only one rank runs meets the others' next forward or backward
@@ -54,8 +55,9 @@ path of each training step, evaluation batch and `generate()` token. Now:
   ran out would have to shadow every gather and reduce of a forward and backward it does not run, in the
   same order, for every stage, and its zero gradients would still enter the average (as under `Join`).
   Equal work per step (drop_last, or padding) needs none of that. The wait costs one small all-gather on the
-  host group per optimizer step, where the ranks already met for the step's last reduce (on NCCL a wait
-  of the CPUs for each other, not of a device; not yet measured on a GPU). Steps run inside backward
+  host group per optimizer step, where the ranks already met for the step's last reduce. On a device the step's
+  header is not waited for: it is compared at the next step's settle, so the ranks that reached their step first
+  apply it before every rank refuses at the next (Note [headers on the device]). Steps run inside backward
   (`sw.optimizer_in_backward`) send none: their backward's header is the step's. A backward's header says
   whether it reduces (BACKWARD) or accumulates under no_sync (BACKWARD_NO_SYNC): with gradient
   accumulation the uneven rank meets the others' synced backward with one of its no_sync ones.
