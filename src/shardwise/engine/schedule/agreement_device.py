@@ -25,9 +25,10 @@ path of a GPU that the hosts are meant to run ahead of. So where the gathers run
 So a training step (forward, backward, clipping, the optimizer step) makes no host rendezvous for its headers:
 at its settle the forward's and backward's copies have long passed (the backward's header went out before its
 first reduce, which every rank had to reach for the step's reduces to land). `host_waits` counts the times the
-host thread blocked for a header: one per settle where the headers ran on a host group (this class forced
-onto gloo: tests, bench/overhead/tag_cost.py), one per settle without a step, one per write below; none in a
-training step on a device.
+host thread blocked for a header: one per settle where a header had not landed on a host group (this class forced
+onto gloo: tests, bench/overhead/tag_cost.py) or its copy had not passed on a device (the event's query, before
+the wait), one per settle without a step, one per write below; a training step on a device expects none
+(tests/test_agreement_fake_gpu.py counts them on the fake accelerator).
 
 Kept on the host's path, as set-up, the one thing that must be decided before collectives are issued: a write
 of the user's (`p.data.mul_()`, `load_state_dict`, `sw.load`) is seen only by the ranks that made it, and it
@@ -152,7 +153,8 @@ class HeadersOnDevice(Agreement):
         headers, self.in_flight = self.in_flight[:count], self.in_flight[count:]
         if not headers:
             return
-        self.host_waits += int(counted or any(header.passed is None for header in headers))
+        # the host blocks where a header has not landed (a host group) or its copy has not passed (a device)
+        self.host_waits += int(counted or any(header.passed is None or not header.passed.query() for header in headers))
         try:
             for header in headers:
                 if header.passed is None:
