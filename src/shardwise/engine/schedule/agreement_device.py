@@ -23,8 +23,10 @@ path of a GPU that the hosts are meant to run ahead of. So where the gathers run
   newest, which may still be on its way.
 
 So a training step (forward, backward, clipping, the optimizer step) makes no host rendezvous for its headers:
-at its settle the forward's and backward's copies have long passed (the backward's header went out before its
-first reduce, which every rank had to reach for the step's reduces to land). `host_waits` counts the times the
+at its settle the forward's and backward's headers went out a phase or more earlier on every rank whose host
+keeps pace (today the hosts also meet at the backward's end, after every backward header, for the used-parameter
+flags: Note [unused params], unit_grads.py), so their copies have passed; the host blocks there only where
+another rank's host is a whole phase behind, and counts it. `host_waits` counts the times the
 host thread blocked for a header: one per settle where a header had not landed on a host group (this class forced
 onto gloo: tests, bench/overhead/tag_cost.py) or its copy had not passed on a device (the event's query, before
 the wait), one per settle without a step, one per write below; a training step on a device expects none
