@@ -1,16 +1,22 @@
-"""What zero3's gather tags cost the host thread per training step, in their two forms (Note [gather tags] and
-Note [tags on the device], shardwise/engine/schedule/gather_tags.py), on the same model and ranks:
+"""What zero3's gather tags and the agreement's headers cost the host thread per training step, in their forms
+(Note [gather tags] and Note [tags on the device], shardwise/engine/schedule/gather_tags.py; Note [agreement rides
+the traffic] and Note [headers on the device], shardwise/engine/schedule/agreement.py and agreement_device.py), on
+the same model and ranks:
 
-- host: gloo's form, the form every gloo run takes: each gather's tag is a small all-gather on a host group of
-  its own, waited for (a host rendezvous) before the unit's values are used;
-- device: the form NCCL runs take, forced here onto gloo: each tag an all-gather on the gathers' own group and
-  stream, its rows copied to the host as its gather lands, compared once at the optimizer step.
+- host: gloo's form, the form every gloo run takes: each gather's tag and each phase's header a small all-gather
+  on a host group of its own, waited for (a host rendezvous) before the unit's values or the phase's collectives
+  are used, and the step's header before the step;
+- tags-device: the form NCCL runs took before Note [headers on the device], forced here onto gloo: the tags on the
+  gathers' own group, compared at the optimizer step; the headers as in host;
+- device: the form NCCL runs take now, forced onto gloo: the tags as in tags-device, the headers on a group and
+  stream of their own, compared at the optimizer step with the tags.
 
-Per step and rank: the host thread's wall time inside the tags' own methods (issue, check, settle; the waits
-they make included), the host waits they count (`host_waits`), and the step's wall time. Each round runs both
-forms in turn on fresh models (same seed); the report gives the median over rounds of each rank's median
-step, and the per-round range. On gloo the device form still waits once a step, at the step; on NCCL its waits
-are stream waits and the count is 0 (no host group).
+Per step and rank: the host thread's wall time inside the tags' and the headers' own methods (issue, check,
+settle; the waits they make included; a method called from another is counted once), the host waits each counts
+(`host_waits`), and the step's wall time. Each round runs every form in turn on fresh models (same seed); the
+report gives the median over rounds of each rank's median step, and the per-round range. On gloo the device forms
+still wait once a step, at the step, for the tags and once for the headers; on NCCL those are reads of copies the
+headers' and the gathers' streams made (no host group): tests/test_agreement_fake_gpu.py counts 0 there.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 bench/overhead/tag_cost.py [--rounds 5 --steps 10]
     python -m torch.distributed.run --standalone --nproc-per-node=2 bench/overhead/tag_cost.py --rounds 1 --steps 2 \\
@@ -28,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-FORMS = ("host", "device")
-_TIMED = ("send", "check", "settle", "explain")
+FORMS = ("host", "tags-device", "device")
+_TIMED = {"tags": ("send", "check", "settle", "explain"), "headers": ("open", "confirm", "settle", "agree_on_step")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,24 +51,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _timed(tags, spent: list[float]) -> None:
-    """Add the wall time of each of `tags`' own methods to spent[0] (wrapped on the instance)."""
-    for name in _TIMED:
-        method = getattr(tags, name)
+def _timed(owner, names, spent: list[float], depth: list[int]) -> None:
+    """Add the wall time of each of `owner`'s methods `names` to spent[0] (wrapped on the instance); a call made
+    inside another timed call (depth[0] > 0) is part of that one's time."""
+    for name in names:
+        method = getattr(owner, name)
 
         def wrapper(*args, _method=method, **kwargs):
+            depth[0] += 1
             start = time.perf_counter()
             try:
                 return _method(*args, **kwargs)
             finally:
-                spent[0] += time.perf_counter() - start
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[0] += time.perf_counter() - start
 
-        setattr(tags, name, wrapper)
+        setattr(owner, name, wrapper)
 
 
 def run_form(form: str, args) -> dict:
-    """`args.steps` AdamW steps of zero3 with the tags in `form`; per-step medians on this rank."""
+    """`args.steps` AdamW steps of zero3 with the tags and headers in `form`; per-step medians on this rank."""
     import shardwise as sw
+    import shardwise.engine.schedule.agreement_device as agreement_device
     import shardwise.engine.schedule.gather_tags as gather_tags
     from shardwise.engine import engine_of
     from shardwise.models.gpt import GPT, Block, GPTConfig
@@ -71,30 +82,34 @@ def run_form(form: str, args) -> dict:
                     n_heads=max(1, args.d_model // 64))
     torch.manual_seed(0)
     model = GPT(cfg)
-    original = gather_tags.tags_on_device
-    gather_tags.tags_on_device = lambda group: form == "device"
+    originals = gather_tags.tags_on_device, agreement_device.headers_on_device
+    gather_tags.tags_on_device = lambda group: form != "host"
+    agreement_device.headers_on_device = lambda group: form == "device"
     try:
         sw.shard(model, strategy="zero3", units=Block)
     finally:
-        gather_tags.tags_on_device = original
-    tags = engine_of(model).driver.gathers.tags
-    spent = [0.0]
-    _timed(tags, spent)
+        gather_tags.tags_on_device, agreement_device.headers_on_device = originals
+    tags, headers = engine_of(model).driver.gathers.tags, engine_of(model).agreement
+    spent, depth = [0.0], [0]
+    _timed(tags, _TIMED["tags"], spent, depth)
+    _timed(headers, _TIMED["headers"], spent, depth)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     idx = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=generator)
-    tag_seconds, waits, step_seconds = [], [], []
+    seconds, tag_waits, header_waits, step_seconds = [], [], [], []
     for step in range(args.steps + 1):  # the first: set-up, not counted
-        spent[0], before, start = 0.0, tags.host_waits, time.perf_counter()
+        spent[0], start = 0.0, time.perf_counter()
+        before = tags.host_waits, headers.host_waits
         model(idx, idx).backward()
         optim.step()
         optim.zero_grad()
         if step:
             step_seconds.append(time.perf_counter() - start)
-            tag_seconds.append(spent[0])
-            waits.append(tags.host_waits - before)
-    return {"tag_ms": 1e3 * statistics.median(tag_seconds), "host_waits": statistics.median(waits),
-            "step_ms": 1e3 * statistics.median(step_seconds)}
+            seconds.append(spent[0])
+            tag_waits.append(tags.host_waits - before[0])
+            header_waits.append(headers.host_waits - before[1])
+    return {"host_ms": 1e3 * statistics.median(seconds), "tag_waits": statistics.median(tag_waits),
+            "header_waits": statistics.median(header_waits), "step_ms": 1e3 * statistics.median(step_seconds)}
 
 
 def main(argv=None) -> None:
@@ -120,13 +135,16 @@ def report(by_rank: list, args) -> str:
     """A Markdown table: per form, the median over rounds (and the range) of the slowest rank's medians."""
     lines = [f"zero3 GPT d_model {args.d_model}, {args.layers} layers, {len(by_rank)} ranks, {args.rounds} rounds "
              f"x {args.steps} steps", "",
-             "| tags | host ms in tags / step | host waits on tags / step | step ms |", "|---|---|---|---|"]
+             "| form | host ms in tags and headers / step | host waits on tags / step | on headers / step | step ms |",
+             "|---|---|---|---|---|"]
     for form in FORMS:
-        per_round = [max(rank[r][form]["tag_ms"] for rank in by_rank) for r in range(args.rounds)]
+        per_round = [max(rank[r][form]["host_ms"] for rank in by_rank) for r in range(args.rounds)]
         steps = [max(rank[r][form]["step_ms"] for rank in by_rank) for r in range(args.rounds)]
-        waits = max(rank[r][form]["host_waits"] for rank in by_rank for r in range(args.rounds))
+        tag_waits = max(rank[r][form]["tag_waits"] for rank in by_rank for r in range(args.rounds))
+        header_waits = max(rank[r][form]["header_waits"] for rank in by_rank for r in range(args.rounds))
         lines.append(f"| {form} | {statistics.median(per_round):.2f} ({min(per_round):.2f}-{max(per_round):.2f}) | "
-                     f"{waits:g} | {statistics.median(steps):.1f} ({min(steps):.1f}-{max(steps):.1f}) |")
+                     f"{tag_waits:g} | {header_waits:g} | {statistics.median(steps):.1f} "
+                     f"({min(steps):.1f}-{max(steps):.1f}) |")
     return "\n".join(lines)
 
 

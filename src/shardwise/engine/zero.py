@@ -71,8 +71,9 @@ class ZeroEngine(Engine):
                                  comm=self.comm, host=self.host)
         self.root = self.units[0]
         self.comm.bound_buffers(self._comm_bound())  # Note [reused buffers]
-        # Note [one step hook]; zero3's tags on a device are compared before any step (Note [tags on the device])
-        self.step_watch = StepWatch(self.units, before_step=lambda: self.driver.gathers.settle_tags())
+        # Note [one step hook]; headers and zero3's tags on a device are compared before any step (Note [headers on
+        # the device] in agreement_device.py, Note [tags on the device])
+        self.step_watch = StepWatch(self.units, before_step=self._settle)
         install_state_dict_hooks(model, self)  # Note [state dict]
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
@@ -106,6 +107,12 @@ class ZeroEngine(Engine):
         (optimizer_in_backward) is its backward's, whose header said so already."""
         if not self.steps_in_backward():
             self.driver.agreement.agree_on_step(self.driver.num_forwards, self.driver.forward_order)
+
+    def _settle(self) -> None:
+        """Before any optimizer step: the headers in flight compared, then zero3's tags (the same words on every
+        rank: Note [headers on the device])."""
+        self.driver.agreement.settle()
+        self.driver.gathers.settle_tags()
 
     def _comm_bound(self) -> int:
         """The comm pool's bound: the estimator's formula (comm_buffer_bytes) over this engine's units."""

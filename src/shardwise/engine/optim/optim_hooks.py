@@ -9,9 +9,12 @@ steps in progress; the hooks find the watches through the optimizer's parameters
 - before a step: an optimizer still holding a parameter that `shard()` had to replace
   (deferred init, Note [kept parameter objects]) is refused, since it would step tensors
   the model no longer uses and train nothing; so is one holding nothing of any live engine's;
-- before a step: the engine's checks still in flight are settled (zero3's gather tags on a device: Note
-  [tags on the device], gather_tags.py), so a step never applies values computed from a mismatched gather;
-- before a step: every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py);
+- before a step: every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py; where
+  the collectives run on a device, this step's header is compared at the next step's: Note [headers on the
+  device], agreement_device.py);
+- before a step: the engine's checks still in flight are settled (on a device, the phases' headers, then zero3's
+  gather tags: Note [headers on the device], Note [tags on the device]), so a step never applies values computed
+  in a phase the ranks disagree on or from a mismatched gather;
 - before a step: every unit whose shards the optimizer holds is marked stale, so zero1/zero2
   re-gather it before the next forward even when a fused kernel bumped no version counter
   (Note [writes the engine must see]); before, not after, so that a step that raised midway, on

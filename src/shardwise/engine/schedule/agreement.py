@@ -17,11 +17,12 @@ path of each training step, evaluation batch and `generate()` token. Now:
 - The header is checked (`confirm`) where the engine waits for that phase's collectives anyway:
   before the first gather lands, before the first reduce is issued (a rank that froze a parameter
   would issue a reduce of another size), at the forward's end. On gloo the host waits there anyway,
-  and the header has landed beside the payload. Its values live on the host, so the check reads no
-  device value on NCCL either; there the engine's own waits are stream waits, so `confirm` is a wait
-  of the ranks' CPUs for each other's header (never for a device: the stream's queue is not drained),
-  which CPUs doing the same work reach together. (Not yet measured on a GPU.) A difference raises the
-  same ShardwiseError on every rank, since all of them read the same rows.
+  and the header has landed beside the payload. A difference raises the same ShardwiseError on every
+  rank, since all of them read the same rows. On NCCL the engine's own waits are stream waits, and a
+  `confirm` there would be a wait of the ranks' CPUs for each other's header, about three a step: so
+  where the collectives run on a device the headers ride the device and are compared before the
+  optimizer step instead (`HeadersOnDevice`, Note [headers on the device] in agreement_device.py, which
+  says what that gives up); everything below holds for both forms unless it says otherwise.
 - Headers have a channel of their own, so a header always pairs with the other ranks' next header
   whatever the others' phase is (a header sent on the gathers' group could pair with a backward's
   gather of another size): a forward only one rank runs meets the others' next forward or backward
@@ -54,8 +55,9 @@ path of each training step, evaluation batch and `generate()` token. Now:
   ran out would have to shadow every gather and reduce of a forward and backward it does not run, in the
   same order, for every stage, and its zero gradients would still enter the average (as under `Join`).
   Equal work per step (drop_last, or padding) needs none of that. The wait costs one small all-gather on the
-  host group per optimizer step, where the ranks already met for the step's last reduce (on NCCL a wait
-  of the CPUs for each other, not of a device; not yet measured on a GPU). Steps run inside backward
+  host group per optimizer step, where the ranks already met for the step's last reduce. On a device the step's
+  header is not waited for: it is compared at the next step's settle, so the ranks that reached their step first
+  apply it before every rank refuses at the next (Note [headers on the device]). Steps run inside backward
   (`sw.optimizer_in_backward`) send none: their backward's header is the step's. A backward's header says
   whether it reduces (BACKWARD) or accumulates under no_sync (BACKWARD_NO_SYNC): with gradient
   accumulation the uneven rank meets the others' synced backward with one of its no_sync ones.
@@ -84,6 +86,7 @@ from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 
 FORWARD_NO_GRAD, FORWARD_WITH_GRAD, BACKWARD, STEP, BACKWARD_NO_SYNC = 0, 1, 2, 3, 4
+_KINDS = {BACKWARD: "backward", BACKWARD_NO_SYNC: "backward", STEP: "step"}
 REFUSED = -1  # a rank refused the step (Note [gather tags], gather_tags.py): its last header
 
 _DIFFERENT_PARAMETERS = (
@@ -101,15 +104,17 @@ DIFFERENT_FORWARDS = (
 class Agreement:
     """The headers of one engine's phases (Note [agreement rides the traffic]); one in flight at a time."""
 
-    def __init__(self, units: list[FlatUnit], group) -> None:
+    def __init__(self, units: list[FlatUnit], group, channel=new_host_group) -> None:
+        """`channel(group)`: the headers' group of their own (a host group here; Note [headers on the device])."""
         self.units = units
         self.world = dist.get_world_size(group)
-        self.group = new_host_group(group) if self.world > 1 else None
+        self.group = channel(group) if self.world > 1 else None
         self.pending = None  # (work, sent, received, order, where) of the header in flight
         self.agreed_order: list[int] | None = None  # unit ids in the last order every rank reported
         self.on_refused = None  # called when another rank refused, before this rank raises (Note [gather tags])
         self.on_refusing = None  # called when this rank refuses at its step, before it raises (Note [uneven work])
         self.refusal = None  # the refusing header in flight (never waited for: this rank is raising)
+        self.host_waits = 0  # times the host thread waited for the other ranks' header (a host rendezvous)
 
     def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
         """Issue this phase's header (asynchronously); the previous one is confirmed first."""
@@ -117,21 +122,24 @@ class Agreement:
         if self.group is None:  # one rank: nothing to pair, and its order is every rank's
             self.agreed_order = list(order) or None
             return
+        sent = torch.tensor(self.header(phase, num_forwards, order, regather), dtype=torch.int64)
+        received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
+        where = self.units[0].where
+        with named_failure(f"the agreement of a {_KINDS.get(phase, 'forward')} ({where})"):
+            work = start_all_gather_rows(received, sent, self.group)
+        self.pending = (work, sent, received, list(order), where)
+
+    def header(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> list[int]:
+        """This rank's header: [digest of requires_grad, forwards so far, phase, digest of `order`], then one
+        re-gather flag per unit: 0 no re-gather, 1 a re-gather after a step, 2 after a write outside a step
+        (FlatUnit.written)."""
         flagged = {id(unit) for unit in regather}
         index = {id(unit): i for i, unit in enumerate(self.units)}
         with plain_tensors():  # Note [engine reads] (shard_param.py)
             trainable = "".join("1" if shard.requires_grad else "0"
                                 for unit in self.units for shard in unit.shard_params)
         header = [digest(trainable), num_forwards, phase, digest(repr([index[key] for key in order if key in index]))]
-        # Per unit: 0 no re-gather, 1 a re-gather after a step, 2 after a write outside a step (FlatUnit.written).
-        flags = [1 + unit.written() if id(unit) in flagged else 0 for unit in self.units]
-        sent = torch.tensor(header + flags, dtype=torch.int64)
-        received = torch.empty(self.world * sent.numel(), dtype=torch.int64)
-        where = self.units[0].where
-        kind = "backward" if phase in (BACKWARD, BACKWARD_NO_SYNC) else "step" if phase == STEP else "forward"
-        with named_failure(f"the agreement of a {kind} ({where})"):
-            work = start_all_gather_rows(received, sent, self.group)
-        self.pending = (work, sent, received, list(order), where)
+        return header + [1 + unit.written() if id(unit) in flagged else 0 for unit in self.units]
 
     def confirm(self) -> None:
         """Wait for the header in flight, if any (a host value: Note [host values]), and raise on any
@@ -141,7 +149,16 @@ class Agreement:
         (work, _sent, received, order, where), self.pending = self.pending, None
         with named_failure(f"the agreement of a phase ({where})"):
             work.wait()
-        rows = received.view(self.world, -1).tolist()
+        self.host_waits += 1
+        self.check(received.view(self.world, -1).tolist(), order)
+
+    def settle(self) -> None:
+        """Before an optimizer step: nothing left here, every header was confirmed at its phase (the device
+        form compares its headers here: Note [headers on the device], agreement_device.py)."""
+
+    def check(self, rows: list[list[int]], order: list[int]) -> None:
+        """Every rank's header (`rows`, one per rank) says the same, or the same ShardwiseError on every rank
+        (they all read the same rows); then the prefetch order every rank reported, if they agree on it."""
         refused = [rank for rank, row in enumerate(rows) if row[2] == REFUSED]
         if refused:
             if self.on_refused is not None:

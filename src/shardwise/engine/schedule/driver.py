@@ -1,7 +1,7 @@
 """The step driver: the hooks that run a zero engine's forward and backward, in FSDP2's verbs, over the
 units (unit/), their stage policy (stage.py), the gather schedule, the reducer and the agreement, which it
-owns. Built and installed by zero.py's ZeroEngine. Uses: agreement, compat, flat_unit, gather_schedule,
-gather_tags, phase, recompute, reducer, units, window.
+owns. Built and installed by zero.py's ZeroEngine. Uses: agreement, agreement_device, compat, flat_unit,
+gather_schedule, gather_tags, phase, recompute, reducer, units, window.
 
 The hooks, in FSDP2's verbs (a unit's states are residency.py's Note [unit lifecycle]):
 
@@ -78,8 +78,8 @@ from shardwise.engine.schedule.agreement import (
     BACKWARD_NO_SYNC,
     FORWARD_NO_GRAD,
     FORWARD_WITH_GRAD,
-    Agreement,
 )
+from shardwise.engine.schedule.agreement_device import make_agreement
 from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import make_tags
 from shardwise.engine.schedule.recompute import checkpoint_forward
@@ -95,7 +95,7 @@ class StepDriver:
 
     def __init__(self, units: list[FlatUnit], policy, group, flags_group, clock: Clock) -> None:
         self.units, self.root, self.policy, self.clock = units, units[0], policy, clock
-        self.agreement = Agreement(units, group)  # Note [agreement rides the traffic]
+        self.agreement = make_agreement(units, group)  # Note [agreement rides the traffic], [headers on the device]
         # zero3's gathers follow each rank's own forward: tagged, so a rank that ran other units is refused
         # before a gathered value is used (Note [gather tags]); zero1/zero2 re-gather in a fixed order.
         tags = policy.gather_tags(lambda: make_tags(units, units[0].mesh.shard_group, self._where_now,

@@ -176,6 +176,7 @@ class TagsOnDevice(GatherTags):
     def __init__(self, units: list[FlatUnit], group, where_now: Callable[[], tuple[int, int, list[int]]],
                  agreement: Agreement, comm: CommContext):
         self.units, self.comm = units, comm
+        self.device = units[0].full_flat.device  # where the gathers land (NCCL: the comm context's device)
         self.index = {id(unit): i for i, unit in enumerate(units)}
         self.world, self.group = dist.get_world_size(group), group
         self.where_now, self.agreement = where_now, agreement
@@ -186,7 +187,7 @@ class TagsOnDevice(GatherTags):
         self.settle_every = SETTLE_STEPS * 2 * len(units)
 
     def send(self, unit: FlatUnit) -> None:
-        sent = torch.tensor(self._row(unit), dtype=torch.int64).to(self.comm.device, non_blocking=True)
+        sent = torch.tensor(self._row(unit), dtype=torch.int64).to(self.device, non_blocking=True)
         tag = _TagInFlight(self.comm.gather_rows(
             sent, self.world, self.group, f"the tag of the all-gather of unit {unit.label} ({unit.where})"))
         self.in_flight.append(tag)
@@ -227,9 +228,13 @@ class TagsOnDevice(GatherTags):
             if tag.passed is None:
                 self._land(tag)
             tag.passed.synchronize()
-            rows = tag.host_rows.view(self.world, -1).tolist()
+            rows = self.rows_of(tag)
             if any(row[:3] != rows[0][:3] for row in rows):
                 self._raise_for(rows)
+
+    def rows_of(self, tag: _TagInFlight) -> list[list[int]]:
+        """Every rank's row of `tag`, from its host copy (the copy has passed)."""
+        return tag.host_rows.view(self.world, -1).tolist()
 
 
 def tags_on_device(group) -> bool:

@@ -1,0 +1,134 @@
+"""Run by tests/test_agreement_fake_gpu.py: zero1/2/3 steps on the fake accelerator (Note [fake accelerator],
+helpers/fake_cuda.py) with the headers and zero3's tags in their device form (Note [headers on the device],
+Note [tags on the device]), as NCCL runs take them; prints one `REPORT {json}` line per scenario: fake_gpu_run's
+report, plus the host waits of the headers and tags, the collectives of host tensors by caller and the headers
+compared, over the counted steps.
+
+The fake process group's collectives mirror this rank, so a header's or tag's rows are this rank's row on every
+rank; their host copies have no values (fake tensors), so `rows_of` reads the row this rank sent, as the mirror
+would have filled it. A non-blocking device-to-host copy does not make the host wait (the read comes at the
+settle, counted there), so the sync count here leaves it out; a blocking one still counts."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_gpu_run beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+
+import fake_gpu_run  # noqa: E402  (installs the fake accelerator)
+import torch.distributed as dist  # noqa: E402
+from fake_gpu_run import _adamw, _counted, _model, _step  # noqa: E402
+
+import shardwise as sw  # noqa: E402
+import shardwise.engine.schedule.agreement_device as agreement_device  # noqa: E402
+import shardwise.engine.schedule.gather_tags as gather_tags  # noqa: E402
+from helpers import fake_gpu  # noqa: E402
+from shardwise.engine import engine_of  # noqa: E402
+
+HEADERS_ON_DEVICE = [True]  # False: the headers' host form (this tree before Note [headers on the device] on NCCL)
+agreement_device.headers_on_device = lambda group: HEADERS_ON_DEVICE[0]
+gather_tags.tags_on_device = lambda group: True
+agreement_device.HeadersOnDevice.rows_of = lambda self, header: [header.row] * self.world
+gather_tags.TagsOnDevice.rows_of = lambda self, tag: [tag.row] * self.world
+
+_real_send = gather_tags.TagsOnDevice.send
+
+
+def _send_keeping_row(self, unit):
+    """TagsOnDevice.send, keeping this rank's row on the tag for `rows_of` (the mirror's rows)."""
+    row = self._row(unit)
+    _real_send(self, unit)
+    self.in_flight[-1].row = row
+
+
+gather_tags.TagsOnDevice.send = _send_keeping_row
+
+_real_to_host = fake_gpu._to_host
+
+
+def _blocking_to_host(func, args, kwargs) -> bool:
+    return not kwargs.get("non_blocking") and _real_to_host(func, args, kwargs)
+
+
+fake_gpu._to_host = _blocking_to_host
+
+HOST_CALLS: collections.Counter = collections.Counter()
+COUNTING = [False]
+
+
+def _count_host_groups() -> None:
+    """Every collective of the counted steps whose tensors are all on the host, by its shardwise caller: on NCCL
+    it runs on a gloo group beside it (Note [host values]), a rendezvous of the ranks' CPUs."""
+    for name in ("all_gather_single", "all_gather_into_tensor", "all_reduce", "all_gather", "broadcast",
+                 "reduce_scatter_tensor"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            tensors = fake_gpu.tensors_of(args, kwargs)
+            if COUNTING[0] and tensors and all(t.device.type == "cpu" for t in tensors):
+                HOST_CALLS[f"{_name} at {fake_gpu._caller()}"] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+_count_host_groups()
+
+
+def train(strategy: str, on_device: bool = True):
+    """fake_gpu_run.train with the engine's header and tag counters read over the counted steps (`on_device`:
+    the headers' device form, else their host form)."""
+    model = _model()
+    HEADERS_ON_DEVICE[0] = on_device
+    sw.shard(model, strategy=strategy, units=fake_gpu_run.Block)
+    engine = engine_of(model)
+    agreement, tags = engine.agreement, engine.driver.gathers.tags
+    assert isinstance(agreement, agreement_device.HeadersOnDevice) == on_device, type(agreement)
+    compared = [0]
+    real_check = agreement.check
+
+    def check(rows, order):
+        compared[0] += 1
+        return real_check(rows, order)
+
+    agreement.check = check
+    step = _step(model, _adamw(model))
+    step()  # set-up: first calls
+    counters = (agreement.host_waits, tags.host_waits if tags is not None else 0, compared[0])
+    COUNTING[0] = True
+    try:
+        checks = _counted(step)
+    finally:
+        COUNTING[0] = False
+    steps = fake_gpu_run.STEPS
+    TOTALS.update(header_waits=(agreement.host_waits - counters[0]) / steps,
+                  tag_waits=((tags.host_waits if tags is not None else 0) - counters[1]) / steps,
+                  headers_compared=(compared[0] - counters[2]) / steps, tagged=tags is not None)
+    return checks
+
+
+TOTALS: dict = {}
+SCENARIOS = {f"{strategy}-ws{ws}": (ws, lambda s=strategy: train(s))
+             for strategy in ("zero1", "zero2", "zero3") for ws in (2, 4)}
+SCENARIOS.update({f"{strategy}-ws2-host-headers": (2, lambda s=strategy: train(s, on_device=False))
+                  for strategy in ("zero1", "zero2", "zero3")})
+
+if __name__ == "__main__":
+    fake_gpu_run.SCENARIOS.update({f"device-headers-{name}": scenario for name, scenario in SCENARIOS.items()})
+    for scenario_name in sys.argv[1:]:
+        HOST_CALLS.clear()
+        TOTALS.clear()
+        try:
+            report = fake_gpu_run.run(f"device-headers-{scenario_name}")
+        except Exception as error:  # reported, not raised
+            report = {"ok": False, "error": "".join(traceback.format_exception(error))[-3000:]}
+        report.update(name=scenario_name, host_calls=dict(HOST_CALLS), **TOTALS)
+        print("REPORT " + json.dumps(report), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # torch's autograd device threads of the fake accelerator abort at interpreter exit
