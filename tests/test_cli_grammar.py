@@ -54,7 +54,7 @@ def test_the_gather_row_is_explained(capsys):
     """Catches the gather/reduce buffers row changing with --batch and nothing saying why."""
     assert cli.main(["estimate", "gpt", "--world-size", "2"]) == 0
     without = capsys.readouterr().out
-    assert "note: gather/reduce buffers: kept between steps by the engine's comm pool" in without
+    assert "note: gather/reduce buffers: lent by the engine's comm pool in backward" in without
     assert "with batch= the probe counts those gradients among the activations" in without
 
 

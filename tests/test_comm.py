@@ -145,7 +145,7 @@ def _pool_over_steps(strategy, steps=3):
     return per_step, pool.bound, pool.lends, engine.root.numel_full, max(u.numel_full for u in engine.units[1:])
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])  # zero3 trims at its tail: the next test
 def test_steady_steps_reuse_every_buffer_within_the_bound(ranks, strategy):
     """Catches the page-faulting fresh buffers of issue 33's note coming back (a reduce's packed input or receive
     buffer, zero3's full values allocated anew at each gather), among them the root's when it is the largest
@@ -263,3 +263,48 @@ def test_a_group_of_one_rank_issues_no_collective(ranks, strategy):
     for issued, forms in ranks.run(_collectives_on_one_rank, 1, strategy, timeout=120):
         assert issued == [], issued
         assert forms == ["one rank"], forms
+
+
+def _pool_within_steps(prefetch):
+    """Three zero3 steps of the test GPT (root its largest unit) with the pool's bound checked after every lend,
+    fill and give-back: per step, the pool's fresh allocations, the most bytes it held, its bytes held once the
+    step ended; its bound."""
+    from shardwise.models.gpt import GPT, Block, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=2048, seq_len=8, d_model=128, n_layers=4, n_heads=4))
+    sw.shard(model, strategy="zero3", units=Block, prefetch=prefetch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pool, per_step, most = engine_of(model).comm.pool, [], [0]
+
+    def watched(method):
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            most[0] = max(most[0], pool.held)
+            return out
+        return call
+
+    for name in ("lend", "fill", "give_back", "keep_memory"):
+        setattr(pool, name, watched(getattr(pool, name)))
+    for step in range(3):
+        before, most[0] = pool.fresh, 0
+        tokens = torch.randint(2048, (2, 9), generator=torch.Generator().manual_seed(step))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        per_step.append((pool.fresh - before, most[0], pool.held))
+    return per_step, pool.bound
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_zero3_pool_keeps_nothing_past_the_backward_that_needs_it(ranks, prefetch):
+    """Catches a comm buffer outliving the step that needs it (Note [lean tail]): zero3's pool held its whole bound
+    between steps, idle through the backward's tail and the optimizer step (5 of FSDP2's 133 blocks at 2 GiB,
+    bench/memory/max_model.py). The pool never holds more than its bound at any lend, fill or give-back, holds
+    nothing once a step's backward ended, and allocates as many buffers every step as the first did (the next
+    forward's and the tail's: a count per step, not per unit)."""
+    for per_step, bound in ranks.run(_pool_within_steps, 2, prefetch, timeout=120):
+        assert all(most <= bound for _, most, _ in per_step), (bound, per_step)
+        assert all(held == 0 for _, _, held in per_step), per_step
+        fresh = [entry[0] for entry in per_step]
+        assert fresh[0] == fresh[1] == fresh[2] <= 6 + 2 * prefetch, per_step  # a count per step, whatever the depth

@@ -300,3 +300,31 @@ def test_the_plan_without_a_batch_never_says_lower_the_batch(capsys):
     assert cli.main(["plan", "--memory", "100MiB", "--world-size", "2", "gpt"]) == 1
     out = capsys.readouterr().out
     assert "batch," not in out and "lower the batch" not in out, out
+
+
+def _pool_bound_and_estimate(strategy, prefetch):
+    """The engine's comm pool bound after sw.shard of the test GPT, sw.estimate's pool row for the same model, and
+    the last line of sw.describe."""
+    from shardwise.engine.protocol import engine_of
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=8, d_model=128, n_layers=3, n_heads=4)
+    with torch.device("meta"):
+        plan_model = GPT(cfg)
+    options = {"prefetch": prefetch} if strategy == "zero3" else {}
+    est = estimate(plan_model, strategy, dist.get_world_size(), units=Block, batch=2, **options)
+    model = GPT(cfg)
+    sw.shard(model, strategy=strategy, units=Block, **options)
+    return engine_of(model).comm.pool.bound, est.comm_pool, est.gather_buffers, str(est), \
+        str(sw.describe(model)).splitlines()[-1]
+
+
+@pytest.mark.parametrize("strategy, prefetch", [("zero1", None), ("zero2", None), ("zero3", 1), ("zero3", 2)])
+def test_the_estimate_shows_the_pool_the_engine_bounds(ranks, strategy, prefetch):
+    """Catches sw.estimate and the engine disagreeing on the comm pool (issue 61: the estimate's figure for the
+    buffers the pool lends, and a table where the pool had no line of its own): the estimate's named pool row equals
+    the bound the engine sets for the same model, lies within its gather/reduce buffers, is printed indented under
+    them, and sw.describe shows the pool's bound and its trims (Note [lean tail])."""
+    for bound, pool, gather, table, line in ranks.run(_pool_bound_and_estimate, 2, strategy, prefetch, timeout=120):
+        assert bound > 0 and pool == bound and pool <= gather, (bound, pool, gather)
+        assert "\n    comm buffer pool " in table, table
+        assert line.startswith("comm buffers:") and "bound" in line and "backward tails" in line, line

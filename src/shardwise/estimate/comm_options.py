@@ -35,7 +35,8 @@ def gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = 
                 strategy, "two units re-gathered after the step")
     if strategy == "ddp":
         return f"gather/reduce buffers: held only while a step runs: {held}"
-    kept = "kept between steps by the engine's comm pool (Note [reused buffers])"
+    kept = ("lent by the engine's comm pool in backward, none kept between steps (Note [lean tail])"
+            if strategy == "zero3" else "kept between steps by the engine's comm pool (Note [reused buffers])")
     if probed:
         return f"gather/reduce buffers: {kept}: {held}, and one reduce in flight"
     probe = (" (with batch= the probe counts those gradients among the activations: this row is then smaller)"

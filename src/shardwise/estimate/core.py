@@ -103,12 +103,13 @@ from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
 from shardwise.estimate.zero_bytes import Unit as _Unit
-from shardwise.estimate.zero_bytes import zero_state, zero_transient
+from shardwise.estimate.zero_bytes import comm_pool_bytes, zero_state, zero_transient
 from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
 RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
+POOL_ROW = "comm buffer pool"  # MemoryEstimate.rows(): the part of the gather/reduce buffers the comm pool lends
 # Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
 _OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0)}
 
@@ -134,6 +135,7 @@ class MemoryEstimate:
     gradients_kept: bool = True  # Note [peak]: False when gradients exist only from backward to zero_grad
     secondary: int = 0  # hpZ's chunks, forward to backward (Note [comm option bytes], comm_options.py)
     host: int = 0  # offload="host": masters, their gradients, optimizer state in host memory (not the device's)
+    comm_pool: int = 0  # of gather_buffers: the comm pool's bound (Note [reused buffers], Note [lean tail])
 
     @property
     def model_state(self) -> int:
@@ -158,6 +160,7 @@ class MemoryEstimate:
     def rows(self) -> list[tuple[str, int]]:
         return [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("gather/reduce buffers", self.gather_buffers),
+                *([(POOL_ROW, self.comm_pool)] if self.comm_pool else []),
                 *([("hpZ secondary chunks", self.secondary)] if self.secondary else []),
                 ("activations", self.activations),
                 *([("host memory (offload)", self.host)] if self.host else []),
@@ -172,6 +175,8 @@ class MemoryEstimate:
             if name == "total per rank":
                 lines.append("  " + "-" * 38)
                 name = "peak per rank"
+            if name == POOL_ROW:  # a part of the row above (indented), not added to the peak again
+                name = "  " + name
             lines.append(f"  {name:<26}{value / MIB:>12,.1f}")
         if not self.gradients_kept and self.activations:
             lines.append("  (gradient shards appear in backward as activations go: the peak counts the larger)")
@@ -257,11 +262,12 @@ def estimate(
         parameters, gradients = master * real, master * trainable
         optimizer_state = state_per_elem * master * trainable + state_per_tensor * num_tensors
         gather = 0 if probed else master * max(u.largest for u in plan_units)  # Note [transient buffers]
-        offloaded, host, gradients_kept = 0, 0, True
+        offloaded, host, gradients_kept, comm_pool = 0, 0, True, 0
     else:
         parameters, gradients, optimizer_state, offloaded, host = zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
+        comm_pool = comm_pool_bytes(plan_units, shard_config, c, r, layout_size)
         gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
     if gather:
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept))
@@ -287,7 +293,8 @@ def estimate(
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
-                          offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host)
+                          offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host,
+                          comm_pool=comm_pool)
 
 
 def _master_bytes(model: nn.Module) -> int:

@@ -71,15 +71,25 @@ def _host_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_
 
 
 def zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with_backward: bool = True) -> int:
-    """Note [transient buffers]."""
+    """Note [transient buffers]; of it, `comm_pool_bytes` is the comm pool's bound."""
     root, others = plan_units[0], plan_units[1:] or plan_units[:1]
     biggest = max(u.full for u in others)
     stage = policy_of(config.strategy, config.prefetch)
     # The comm pool (Note [reused buffers]): the reduce in flight over the largest unit, the root included (input
-    # and receive buffer; zero1: receive only) and zero3's gathered units, kept between steps, so counted with the
-    # probe too; compression's wire buffers, over the largest unit too.
-    wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))  # Note [comm option bytes]
-    comm = comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
+    # and receive buffer; zero1: receive only) and zero3's gathered units, all lent at zero3's backward peak (Note
+    # [lean tail]), so counted with the probe too; compression's wire buffers, over the largest unit too.
+    comm = comm_pool_bytes(plan_units, config, c, r, world_size)
     regathers = stage.transient_gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
     backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
     return comm + regathers + backward
+
+
+def comm_pool_bytes(plan_units, config: ShardConfig, c, r, world_size: int) -> int:
+    """The comm pool's bound (Note [reused buffers]), as the engine sets it (ZeroEngine._comm_bound): the reduce in
+    flight over the largest unit, the root included (input and receive buffer; zero1: receive only), zero3's gathered
+    units, and compression's wire buffers over the largest unit too (Note [comm option bytes])."""
+    root, others = plan_units[0], plan_units[1:] or plan_units[:1]
+    biggest = max(u.full for u in others)
+    stage = policy_of(config.strategy, config.prefetch)
+    wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))
+    return comm_buffer_bytes(stage, c, r, root.full, biggest, wire)

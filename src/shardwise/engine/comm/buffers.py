@@ -20,24 +20,38 @@ saved views hold stays), and the next gather of a unit of that size takes it bac
 The bound: the pool holds (lent + kept) at most `bound` bytes, `comm_buffer_bytes`: the reduce in flight
 (its packed input and receive buffer), the wire buffers of one quantized gather and one quantized reduce
 in flight (under compression: 1/4 of a unit's fp32 rows at int8, 1/8 at int4, plus one fp32 scale per
-block), and under zero3 the full values of the units gathered at once,
-the rows the estimator counts (Note [transient buffers], estimate/core.py): what the pool keeps between
-steps is memory forward and backward held anyway, but not the optimizer step, where a CPU step peaks with
-nothing in flight and the engine without a pool had given it back to the OS; kept, it adds up to the bound
-to that peak (flat zero3 at 4 ranks and 2 GiB: 128 blocks of bench/memory/max_model.py's GPT, 133 before the
-pool). Releasing the kept buffers when backward ends would give that back for one round of first-touch
-faults a step; not done. The reduce and the wire buffers are sized over the largest
+block), and under zero3 the full values of the units gathered at once, the rows the estimator counts
+(Note [transient buffers], estimate/core.py). The reduce and the wire buffers are sized over the largest
 unit, the root included: the root's reduce is issued every step like any other (last in backward), and
 a GPT's root (its embedding) is often the largest unit of all (the bench GPT's: 4.2M elements against
 3.2M a block), so a bound over the other units alone served the root's buffers fresh every step, and
 making room for them released the blocks' (3 fresh allocations a step under zero1, 9 under zero2, 3
-under zero3, at 2 ranks; none after the first step now, tests/test_comm.py). A request past the bound
-is served by a fresh buffer as before, not kept; kept buffers are released smallest first when a request
-needs room, and only when that makes room: releasing them for a request that cannot be kept anyway would
-only allocate them again at their next use. Buffers under HEAP_BYTES (the packed gather of a unit's few
-small parameters: 20 KiB a block of the bench GPT) are not lent at all: malloc's heap reuses them
-without new pages, the bound does not count them, and pooled they took a large kept buffer another
-collective needed next (zero3: one 12 MiB buffer fresh a step). `sw.describe` shows the bound and what is held.
+under zero3, at 2 ranks; none after the first step now under zero1/zero2, tests/test_comm.py). A request
+past the bound is served by a fresh buffer as before, not kept; kept buffers are released smallest first
+when a request needs room, and only when that makes room: releasing them for a request that cannot be
+kept anyway would only allocate them again at their next use. Buffers under HEAP_BYTES (the packed gather
+of a unit's few small parameters: 20 KiB a block of the bench GPT) are not lent at all: malloc's heap
+reuses them without new pages, the bound does not count them, and pooled they took a large kept buffer
+another collective needed next (zero3: one 12 MiB buffer fresh a step).
+
+Note [lean tail]: what a pool keeps idle adds to the step's peak, and zero3's peak is in backward: kept
+for the whole step, the bound cost flat zero3 5 of FSDP2's 133 blocks at 4 ranks and 2 GiB
+(bench/memory/max_model.py; 128). Measured per phase (VmHWM reset at each, 4 ranks, 16 blocks of that GPT,
+the second and third steps): the peak was the tail of backward, once its last gather was issued (the root's
+embedding backward and reduce: 659 MiB), where the blocks' kept full values and the blocks' reduce buffers
+sat idle beside the root's buffers and autograd's gradients of the tied embedding, 45 MiB over the same
+engine with no pool (615) and 52 over FSDP2 (607). So when zero3's backward issues the step's last gather
+(`trim`, from the step driver), the kept buffers are released and, until the next gather (`fill`: the
+next forward), freed full values are not kept; a reduce buffer given back is still kept for the tail's next
+reduce, and one that does not fit a request (the root's are larger) is released before the fresh one is
+made. When the backward ends (`CommContext.end_backward`) what the tail kept goes too: nothing is kept
+between steps, so the optimizer step and the next forward hold no idle pool memory either. Measured the same
+way: the tail 616 MiB, the peak now the blocks' backward at 626 (44 blocks: 970 against 1004). The price
+is fresh allocations: 9 of a step's 67 lends at 16 blocks (179 at 44), where the kept pool made none and
+no pool all 32 of its buffers; a fixed count a step, so a deeper model loses less. zero1/zero2 (no
+re-gathers in backward) never trim. `sw.describe` shows the bound, what is held, and the trims. Left over
+FSDP2 at the blocks' backward: prefetch=2 against its one unit ahead (prefetch=1 measured 12 MiB lower
+there) and gloo's all-to-all receive buffer (a unit's full size, Note [gloo collectives]).
 """
 
 from __future__ import annotations
@@ -79,6 +93,8 @@ class BufferPool:
         self.released: dict[int, list] = {}  # id(kept buffer) -> the events its last readers recorded
         self.lent: dict[int, Tensor] = {}  # data_ptr -> the lent buffer's backing storage
         self.lends = self.fresh = 0  # counts: every lend, and those served by a new allocation
+        self.lean = False  # Note [lean tail]: from `trim()` to the next `fill`, freed full values are not kept
+        self.trims = 0  # counts the trims that released something (sw.describe)
 
     @property
     def held(self) -> int:
@@ -94,6 +110,8 @@ class BufferPool:
         backing = self._take_kept(nbytes, device)
         if backing is None:
             self.fresh += 1
+            if self.lean:  # Note [lean tail]: what the tail kept does not fit what it asks now
+                self._release_kept()
             self._make_room(nbytes)
             backing = torch.empty(nbytes, dtype=torch.uint8, device=device)
             if self.held + nbytes > self.bound:  # past the bound: served, never kept
@@ -120,6 +138,7 @@ class BufferPool:
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty `storage` `nbytes` of memory: a kept buffer's if one is large enough (it leaves the
         pool), else a new allocation (`resize_`)."""
+        self.lean = False  # a gather: the next forward (or a late use), which the kept buffers serve again
         backing = self._take_kept(nbytes, storage.device)
         self.lends += 1
         if backing is None:
@@ -133,13 +152,31 @@ class BufferPool:
         is left empty either way."""
         nbytes = storage.nbytes()
         self._make_room(nbytes)
-        if self.held + nbytes > self.bound:
+        if self.lean or self.held + nbytes > self.bound:  # Note [lean tail]: no gather of this step needs it
             storage.resize_(0)
             return
         spare = torch.UntypedStorage(0, device=storage.device)
         swap_storage_memory(spare, storage)
         # Read by the compute stream's work queued so far (the unit's forward or backward): reused after it.
         self._keep(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(spare), None)
+
+    def trim(self) -> None:
+        """Release every kept buffer, and keep no freed full values until the next `fill` (Note [lean tail])."""
+        self.trims += bool(self.kept)
+        self._release_kept()
+        self.lean = True
+
+    def _release_kept(self) -> None:
+        while self.kept:
+            self._drop(self.kept.pop(0))
+
+    def _drop(self, backing: Tensor) -> None:
+        """Free a kept buffer. The caching allocator hands its memory to the next allocation of the stream that made
+        it (the compute stream, which lends): that stream first waits for the events of its last readers, as a taker
+        would (Note [streams per collective]); on CPU the host ran them already."""
+        taker = self.api.current()
+        for event in self.released.pop(id(backing), []):
+            taker.wait_event(event)
 
     def is_lent(self, buffer: Tensor) -> bool:
         return buffer.data_ptr() in self.lent
@@ -160,9 +197,10 @@ class BufferPool:
         buffers alone leave no room for them (Note [reused buffers])."""
         lent = sum(b.numel() for b in self.lent.values())
         while self.kept and self.held + nbytes > self.bound >= lent + nbytes:
-            self.released.pop(id(self.kept.pop(0)), None)  # freed: the allocator orders it (DeviceApi.keep_for)
+            self._drop(self.kept.pop(0))
 
     def describe(self) -> str:
         mib = 2**20
         return (f"comm buffers: {self.held / mib:.2f} MiB held of a {self.bound / mib:.2f} MiB bound, "
-                f"{self.lends - self.fresh} of {self.lends} lends reused (Note [reused buffers])")
+                f"{self.lends - self.fresh} of {self.lends} lends reused, released at {self.trims} backward tails "
+                "(Note [reused buffers], Note [lean tail])")

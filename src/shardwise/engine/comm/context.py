@@ -90,6 +90,15 @@ class CommContext:
         if self.poison:
             torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).fill_(0xFF)
 
+    def trim(self) -> None:
+        """zero3's backward issued the step's last gather: the pool's kept buffers go (Note [lean tail])."""
+        self.pool.trim()
+
+    def end_backward(self) -> None:
+        """A synced backward ended: what its tail kept goes too, where it trimmed (Note [lean tail])."""
+        if self.pool.lean:
+            self.pool.trim()
+
     # Note [poisoned memory]: with SHARDWISE_POISON_FREED=1 (a debugging switch, the test suite's default)
     # the memory a freed unit's gather is about to fill is set to all-ones bytes first: NaN in every float
     # dtype. A read of full values before their gather landed, or through a view the engine freed and

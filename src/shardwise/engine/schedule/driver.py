@@ -284,7 +284,10 @@ class StepDriver:
             unit.pin()
         if id(unit) in self.window.fulls:  # free() registered the shards; a recompute inside reads these
             unit.install_full(list(self.window.fulls[id(unit)]))
+        queued = bool(self.gathers.backward_queue)
         self.gathers.issue(self.gathers.backward_queue)  # prefetch the next one
+        if queued and not self.gathers.backward_queue:  # the step's last gather: Note [lean tail] (buffers.py)
+            unit.comm.trim()
 
     def _frozen_backward_done(self, unit: FlatUnit) -> None:
         """Note [frozen units]: a frozen zero3 unit's backward is done; free it like post_backward."""
@@ -333,6 +336,8 @@ class StepDriver:
             unit.drop_secondary()  # hpZ: never read across a step (Note [secondary shards])
         self.window.move(WindowState.CLOSED)
         self.gathers.reset()
+        if release:
+            self.units[0].comm.end_backward()  # the tail's buffers are not the next forward's (Note [lean tail])
 
     @contextmanager
     def keep_gathered(self):
