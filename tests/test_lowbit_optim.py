@@ -16,7 +16,13 @@ import torch
 
 pytest.importorskip("torchao.optim", reason="torchao (the `lowbit` extra) is not installed")
 
-from helpers.lowbit import against_one_process, load_and_step, load_other_blocks, save_after  # noqa: E402
+from helpers.lowbit import (  # noqa: E402
+    against_one_process,
+    in_backward,
+    load_and_step,
+    load_other_blocks,
+    save_after,
+)
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
@@ -67,3 +73,12 @@ def test_lowbit_state_of_another_block_size_is_refused(ranks, tmp_path, saved_bl
     for message in ranks.run(load_other_blocks, 2, str(tmp_path / "ckpt"), saved_block, loaded_block, timeout=300):
         assert "Note [low-bit state]" in message and "Build the optimizer the checkpoint was saved with" in message, \
             message
+
+
+@pytest.mark.parametrize("any_optimizer", [False, True])
+def test_lowbit_in_backward_is_refused(ranks, any_optimizer):
+    """Catches sw.optimizer_in_backward accepting a low-bit optimizer (with any_optimizer=True, which vouches
+    for an elementwise update): each unit would step its rows inside backward, quantized in other blocks
+    than one process's (Note [low-bit state]). Refused on every rank, naming the step after backward."""
+    for message in ranks.run(in_backward, 2, any_optimizer):
+        assert "Note [low-bit state]" in message and "drop optimizer_in_backward" in message, message

@@ -7,13 +7,17 @@
     python bench/memory/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
     python bench/memory/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
     python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
+    python bench/memory/max_model.py --resume \
+        --configs zero3_lowbit,zero3_ac,zero3_bf16_lowbit_ac,zero3_bf16_oib_ac,ds_zero3   # options, DeepSpeed ZeRO-3
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
 shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward,
-and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
-max_model_pipe.py). `sw.estimate` picks
+shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
+max_model_pipe.py), and the options people turn on, alone and combined (torchao's 8-bit AdamW, activation
+checkpointing, with bf16 and optimizer in backward), and DeepSpeed ZeRO-3 (Note [option arms],
+max_model_options.py), each with its loss against fp32 AdamW at one depth (--loss-layers). `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
 bench/memory/results/max_model.{json,md,png}.

@@ -161,3 +161,13 @@ def load_other_blocks(path: str, saved_block: int, loaded_block: int) -> str:
     except sw.ShardwiseError as error:
         return str(error)
     return "loaded"
+
+
+def in_backward(any_optimizer: bool) -> str:
+    """sw.optimizer_in_backward with AdamW8bit; the error's message, or "accepted"."""
+    model, optim = build("zero3", "adamw8bit")
+    try:
+        sw.optimizer_in_backward(model, optim, any_optimizer=any_optimizer)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return "accepted"

@@ -16,6 +16,11 @@ only, the owners balanced by elements: per rank about 1/N of one process's state
 split, so the largest one is the grain). Rows aligned to the quantizer's blocks were the other way: they
 split the state evenly, but only where every rank's rows hold a multiple of the block and at least
 4096 elements, and elsewhere they would change which tensors are quantized; not exact in general.
+For the same reason `sw.optimizer_in_backward` refuses these classes (`quantizes_state`), even with
+`any_optimizer=True`: inside backward each unit steps its rows. On CPU torchao compiles its step
+(torch.compile): importing it and the first compiled step add about 170 MiB of RSS per process (measured:
+218 -> 303 MiB at import, 387 MiB after the first step, 419 MiB peak), a constant that a deep model's saved
+state (6 of AdamW's 8 bytes per element, / N) must outweigh before it fits more (bench/memory/max_model.py).
 
 Checkpoints store the plain tensors a subclass is made of (`flatten_state`: `exp_avg.codes`,
 `exp_avg.scale`, `exp_avg.qmap`), never the subclass (safetensors holds plain tensors, and no pickle). On
@@ -30,6 +35,18 @@ from __future__ import annotations
 from torch import Tensor
 
 from shardwise.errors import ShardwiseError
+
+# Libraries whose optimizers keep block-quantized state (Note [low-bit state]): their update of a row reads
+# its block's scale, so no row step matches theirs, whatever a caller vouches for.
+_QUANTIZING = ("torchao.", "bitsandbytes.")
+
+
+def quantizes_state(optimizer) -> bool:
+    """Whether `optimizer` keeps block-quantized state: a torchao or bitsandbytes class, or a state tensor
+    already made of quantized parts."""
+    if any(base.__module__.startswith(_QUANTIZING) for base in type(optimizer).__mro__):
+        return True
+    return any(is_composite(value) for state in optimizer.state.values() for value in state.values())
 
 
 def is_composite(value) -> bool:
