@@ -59,7 +59,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
 from bench.common.launch import rss_bytes, run_logged  # noqa: E402
-from bench.memory.max_model_options import OPTION_CONFIGS, build_option, loss_at_depth, loss_lines  # noqa: E402
+from bench.memory.max_model_options import (  # noqa: E402
+    OPTION_CONFIGS,
+    attach_loss_reference,
+    build_option,
+    loss_at_depth,
+    loss_lines,
+)
 from bench.memory.max_model_options import env as option_env  # noqa: E402
 from bench.memory.max_model_options import unavailable as option_unavailable  # noqa: E402
 from bench.memory.max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total  # noqa: E402
@@ -458,13 +464,13 @@ def run_launcher(args) -> None:
         kept = [] if args.redo else earlier.get(config, {}).get("probes", [])
         row = search(args, config, cap, lambda text: print(text, flush=True), kept)
         row["wall_s"] = sum(p["wall_s"] for p in row["probes"])
-        if args.loss_layers:  # Note [option arms]: the loss column, at one depth for every row
+        if args.loss_layers and config not in PIPELINES:  # Note [option arms]: the loss column, one depth for all
             row["loss_at_depth"] = loss_at_depth(args, config, probe)
         rows.append(row)
         by[config] = row
         write_results(args, rows, started, has_offload)  # after every config: a crash keeps the rest
-    if args.loss_layers and not by.get("zero3", {}).get("loss_at_depth") and any(r.get("loss_at_depth") for r in rows):
-        args.loss_reference = loss_at_depth(args, "zero3", probe)  # Note [option arms]: fp32 AdamW, plain zero3
+    if configs and args.loss_layers and any(r.get("loss_at_depth") for r in rows):  # Note [option arms]
+        attach_loss_reference(rows, by.get("zero3", {}).get("loss_at_depth") or loss_at_depth(args, "zero3", probe))
     print(write_results(args, rows, started, has_offload))
 
 

@@ -17,13 +17,16 @@ backward are max_model.py's own zero3_bf16 and zero3_oib rows), and the combinat
 - ds_zero3: DeepSpeed ZeRO-3 (the bench extra), built under `deepspeed.zero.Init` (its equivalent of
   sw.deferred_init: no rank holds the whole model), fp32 AdamW, `stage3_param_persistence_threshold: 0`,
   DS_ACCELERATOR=cpu, as bench/speed/deepspeed_arms.py; unavailable with the reason where deepspeed is not.
+  Its first init compiles a shared-memory op under ~/.cache/torch_extensions; an init killed while compiling
+  (a probe's timeout) leaves that folder's `lock` behind, and every later init waits on it: delete it.
 The estimator's figure for each row is plain zero3's at its precision (sw.estimate takes no low-bit
 optimizer or checkpointing here); the search steers by measured peaks.
 
 The loss column: each row's model at one fixed depth (--loss-layers, default 8), the bench's data, seed and
 steps, unbudgeted, against fp32 AdamW under plain zero3 at the same depth (`zero3`): the final step's loss,
 averaged over ranks, and its difference. Not at each row's maximum depth: fp32 AdamW does not fit there, which
-is the point of the row.
+is the point of the row. The pipeline rows are left out (their sampler feeds other batches). A bf16 row's loss
+is the bf16 model's output, rounded to bf16 (about 0.03 at a loss of 7): its column says little below that.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ OPTION_CONFIGS = {
 # (low-bit optimizer, activation checkpointing, optimizer in backward) per shardwise option row
 _OPTIONS = {"zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
             "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False)}
-LOSS_REFERENCE = "zero3"  # fp32 AdamW, plain zero3: what every row's loss is compared with
 
 
 def unavailable(config: str) -> str | None:
@@ -127,10 +129,17 @@ def loss_at_depth(args, config: str, probe) -> dict:
     return {"layers": args.loss_layers, "losses": losses}
 
 
+def attach_loss_reference(rows: list[dict], reference: dict) -> None:
+    """fp32 AdamW's losses (plain zero3 at the same depth) kept in each row measured at that depth, so a
+    report rewritten from the JSON (--report, --merge) compares with the losses the run measured."""
+    for row in rows:
+        loss = row.get("loss_at_depth")
+        if loss and "losses" in reference and loss["layers"] == reference["layers"]:
+            loss["reference"] = reference["losses"]
+
+
 def loss_lines(rows: list[dict], args) -> list[str]:
     """The report's loss table: each row's final loss at --loss-layers against fp32 AdamW (zero3)."""
-    by = {row["config"]: row.get("loss_at_depth") for row in rows}
-    reference = (by.get(LOSS_REFERENCE) or getattr(args, "loss_reference", None) or {}).get("losses")
     shown = [row for row in rows if row.get("loss_at_depth")]
     if not shown:
         return []
@@ -144,7 +153,7 @@ def loss_lines(rows: list[dict], args) -> list[str]:
         if "losses" not in loss:
             lines.append(f"| {row['label']} | failed: {str(loss.get('error'))[:60]} | | |")
             continue
-        final = loss["losses"][-1]
+        final, reference = loss["losses"][-1], loss.get("reference")
         if reference:
             delta = final - reference[-1]
             lines.append(f"| {row['label']} | {final:.6f} | {delta:+.2e} | {delta / reference[-1]:+.2e} |")
