@@ -11,7 +11,7 @@ WORKERS ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs,lowbit]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -79,7 +79,8 @@ def run(mutation) -> tuple[str, str, float]:
         path, start, end = place
         text = path.read_text()
         path.write_text(text[:start] + new + text[end:])
-        env = dict(os.environ, PYTHONPATH=str(src))
+        # the mutated copy first; the caller's PYTHONPATH after it (an extra's packages kept outside the venv)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")])))
         started = time.time()
         done = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider {tests}", shell=True,
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -7,13 +7,17 @@
     python bench/memory/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
     python bench/memory/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
     python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
+    python bench/memory/max_model.py --resume \
+        --configs zero3_lowbit,zero3_ac,zero3_bf16_lowbit_ac,zero3_bf16_oib_ac,ds_zero3   # options, DeepSpeed ZeRO-3
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)
 exceeding the budget: torch DDP, FSDP2 `fully_shard` (per Block, then the root),
 shardwise ddp/zero1/zero2/zero3, zero3 + bf16, zero3 + disk offload, zero3 (+ bf16) + optimizer in backward,
-and shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
-max_model_pipe.py). `sw.estimate` picks
+shardwise.pipeline at 2 stages: zero3-sharded stages and the whole-copy route (Note [pipeline arms],
+max_model_pipe.py), and the options people turn on, alone and combined (torchao's 8-bit AdamW, activation
+checkpointing, with bf16 and optimizer in backward), and DeepSpeed ZeRO-3 (Note [option arms],
+max_model_options.py), each with its loss against fp32 AdamW at one depth (--loss-layers). `sw.estimate` picks
 the first candidate depth; each probe then runs in fresh processes (torchrun, gloo, one
 thread per rank) and the search brackets the answer (Note [search]). Writes
 bench/memory/results/max_model.{json,md,png}.
@@ -55,6 +59,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
 from bench.common.launch import rss_bytes, run_logged  # noqa: E402
+from bench.memory.max_model_options import (  # noqa: E402
+    OPTION_CONFIGS,
+    attach_loss_reference,
+    build_option,
+    loss_at_depth,
+    loss_lines,
+)
+from bench.memory.max_model_options import env as option_env  # noqa: E402
+from bench.memory.max_model_options import unavailable as option_unavailable  # noqa: E402
 from bench.memory.max_model_pipe import PIPE_CONFIGS, PIPELINES, REPORT_NOTE, build_pipeline, estimated_pipe_total  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -72,6 +85,7 @@ CONFIGS = {
     "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
     "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
     **PIPE_CONFIGS,  # Note [pipeline arms], max_model_pipe.py
+    **OPTION_CONFIGS,  # Note [option arms], max_model_options.py: low-bit AdamW, checkpointing, combined; DeepSpeed
 }
 # Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
 # whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
@@ -99,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stop a probe once a rank's RSS passes this many budgets; below it a probe runs to "
                         "the end, so its true peak guides the next depth (default: 1.25)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before one probe is killed")
+    p.add_argument("--loss-layers", type=int, default=8,
+                   help="each row's loss against fp32 AdamW is measured at this depth, unbudgeted (Note [option "
+                        "arms]); 0: not measured (default: 8)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--resume", action="store_true",
                    help="start from the probes in OUT/max_model.json (same settings): each config in "
@@ -170,6 +187,8 @@ def build(args, rank: int, world_size: int):
         return _build_fsdp2(cfg, world_size, adamw)
     if args.config in PIPELINES:
         return build_pipeline(args, cfg, world_size, adamw)
+    if args.config in OPTION_CONFIGS:
+        return build_option(args, cfg, args.config, rank, adamw)
     if args.config == "ddp":
         model = sw.shard(GPT(cfg), strategy="ddp")
         return model, torch.optim.AdamW(model.parameters(), **adamw), "eager"
@@ -301,7 +320,8 @@ def _affine(args, config: str) -> tuple[int, int]:
 
 def probe(args, config: str, layers: int) -> dict:
     """Run `config` at depth `layers` on fresh ranks; say whether every rank stayed in budget."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")  # Note [allocator]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",  # Note [allocator]
+               **option_env(config))
     started = time.time()
     with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory(dir=args.offload_dir) as off:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
@@ -427,6 +447,11 @@ def run_launcher(args) -> None:
             rows.append(earlier[config])
             by[config] = earlier[config]
             continue
+        why = option_unavailable(config)
+        if why:
+            rows.append({"config": config, "label": CONFIGS[config][0], "unavailable": f"not available: {why}"})
+            print(f"{config}: not available ({why})", flush=True)
+            continue
         if config == "zero3_offload" and not has_offload:
             rows.append({"config": config, "label": CONFIGS[config][0], "unavailable":
                          "not available: this version's sw.shard has no offload="})
@@ -439,9 +464,13 @@ def run_launcher(args) -> None:
         kept = [] if args.redo else earlier.get(config, {}).get("probes", [])
         row = search(args, config, cap, lambda text: print(text, flush=True), kept)
         row["wall_s"] = sum(p["wall_s"] for p in row["probes"])
+        if args.loss_layers and config not in PIPELINES:  # Note [option arms]: the loss column, one depth for all
+            row["loss_at_depth"] = loss_at_depth(args, config, probe)
         rows.append(row)
         by[config] = row
         write_results(args, rows, started, has_offload)  # after every config: a crash keeps the rest
+    if configs and args.loss_layers and any(r.get("loss_at_depth") for r in rows):  # Note [option arms]
+        attach_loss_reference(rows, by.get("zero3", {}).get("loss_at_depth") or loss_at_depth(args, "zero3", probe))
     print(write_results(args, rows, started, has_offload))
 
 
@@ -531,6 +560,7 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
                       f"{off['max_params'] / z3['max_params']:.2f}×"]
     if any(by.get(c, {}).get("max_params") for c in PIPELINES):
         lines += ["", REPORT_NOTE]
+    lines += loss_lines(rows, args)
     if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
         lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
                       "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]

@@ -35,6 +35,7 @@ from shardwise.checkpoint.format.names import clean_name
 from shardwise.checkpoint.format.values import to_json
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
+from shardwise.engine.optim.lowbit import check_parts, flatten_state
 from shardwise.engine.optim.whole_step import StepShape, owner_map, owners_layout, step_shape, unwrapped
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
@@ -198,7 +199,7 @@ def split_state(name: str, shape: torch.Size, state: dict, scalar_keys: set[str]
     """One param's optimizer state as (param-shaped tensors, JSON scalars, whole tensors), where
     `shape` is the shape of the tensor its param-shaped state has on this rank (Note [optimizer records])."""
     rows, scalars, whole = {}, {}, {}
-    for key, value in state.items():
+    for key, value in flatten_state(state, repr(name)).items():  # a quantized state as its parts (Note [low-bit state])
         if not isinstance(key, str):
             raise ShardwiseError(f"optimizer state of {name!r} has a non-string key {key!r}: checkpoints store JSON "
                                  "keys only")
@@ -231,17 +232,17 @@ class StateShapes:
     def __init__(self, optim):
         self.optim = unwrapped(optim)
         self.checked = step_shape(self.optim) is not StepShape.ROWS
-        self.found: dict[tuple, dict[str, tuple] | None] = {}
+        self.found: dict[tuple, dict | None] = {}  # the dry step's state by (shape, dtype, group)
 
     def check(self, name: str, group_index: int, shape: tuple, dtype: torch.dtype, state, where: str) -> None:
         """Refuse saved state `state` (a StateRecord) of parameter `name` whose shapes differ from the class's."""
         if not self.checked:
             return
         saved = {**{k: shape for k in state.tensors}, **{k: r.shape for k, r in state.whole.items()}}
-        key = (tuple(shape), dtype, group_index)
-        if key not in self.found:
-            self.found[key] = self._dry_step(self.optim.param_groups[group_index], tuple(shape), dtype)
-        expected = self.found[key]
+        prototype = self.prototype(group_index, shape, dtype)
+        check_parts(prototype, saved, f"{where}: the optimizer state of {name!r}")  # Note [low-bit state]
+        expected = None if prototype is None else {
+            k: tuple(v.shape) for k, v in flatten_state(prototype, repr(name)).items() if isinstance(v, Tensor)}
         differ = {k: v for k, v in saved.items() if expected is not None and k in expected
                   and len(v) and tuple(v) != expected[k]}
         if differ:
@@ -252,7 +253,17 @@ class StateShapes:
                 "another optimizer class that shares the name, or edited. Build the optimizer the checkpoint "
                 "was saved with, or load the model alone (sw.load(path, model)) and start the new optimizer fresh")
 
-    def _dry_step(self, group: dict, shape: tuple, dtype: torch.dtype) -> dict[str, tuple] | None:
+    def prototype(self, group_index: int, shape: tuple, dtype: torch.dtype) -> dict | None:
+        """The state the loading class gives a parameter of `shape` in group `group_index` (its dry step's, on
+        meta or the CPU: what a quantized state is made back into, Note [low-bit state]); None when not known."""
+        if not self.checked:
+            return None
+        key = (tuple(shape), dtype, group_index)
+        if key not in self.found:
+            self.found[key] = self._dry_step(self.optim.param_groups[group_index], tuple(shape), dtype)
+        return self.found[key]
+
+    def _dry_step(self, group: dict, shape: tuple, dtype: torch.dtype) -> dict | None:
         for device in ("meta", "cpu"):
             kind = type(self.optim)
             clone = object.__new__(kind)
@@ -269,5 +280,5 @@ class StateShapes:
                     kind.step(clone)  # the class's step: an instance-level patch is the original's
             except Exception:  # noqa: BLE001 - meta has no .item(); a closure-only step cannot run dry
                 continue
-            return {k: tuple(v.shape) for k, v in clone.state[param].items() if isinstance(v, Tensor)}
+            return dict(clone.state[param])
         return None

@@ -30,6 +30,7 @@ from shardwise.checkpoint.format.values import from_json, restore_rng
 from shardwise.checkpoint.read.load_plan import LoadJob, LoadPlan, plan_load
 from shardwise.checkpoint.read.report import LoadReport
 from shardwise.checkpoint.read.sources import open_source
+from shardwise.engine.optim.lowbit import unflatten_state
 from shardwise.engine.protocol import slicing_of
 from shardwise.engine.unit.info import row_view
 from shardwise.errors import ShardwiseError
@@ -172,7 +173,7 @@ def _write_tensors(plan: LoadPlan) -> None:
                     buffer = _state_buffer(current.get(read.key), read, param.device)
                     _read_into(read.source, lo, hi, row_view(buffer, read.info, lo, hi))
                     new[read.key] = buffer
-                load.optim.state[param] = new
+                load.optim.state[param] = unflatten_state(new, load.prototypes.get(id(param)))
 
 
 def _state_buffer(current, read, device) -> torch.Tensor:

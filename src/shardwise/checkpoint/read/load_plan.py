@@ -61,11 +61,13 @@ class StateRead:
 @dataclass
 class OptimizerLoad:
     """What one optimizer gets: each group's new settings (None: not loaded), and per param its
-    state: (param, scalars or None for no state, [StateRead], device)."""
+    state: (param, scalars or None for no state, [StateRead], device); by id(param), the loading class's
+    state whose quantized tensors the loaded parts are made back into (Note [low-bit state])."""
 
     optim: torch.optim.Optimizer
     settings: list[dict] | None = None
     states: list = field(default_factory=list)
+    prototypes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -284,6 +286,7 @@ def _plan_optimizer(plan: LoadPlan, number: int, saved: OptimizerRecord, optim, 
                 load.states.append((param, None, None, None))  # none saved, or another rank owns it
                 continue
             shapes.check(name, index, tuple(infos[name].full_shape), param.dtype, state, source.values_file)
+            load.prototypes[id(param)] = shapes.prototype(index, tuple(infos[name].full_shape), param.dtype)
             for key, value in state.scalars.items():
                 where = f"{source.values_file}: optimizer state {key!r} of {name!r}"
                 _check_scalar(from_json(value, where=where), where)

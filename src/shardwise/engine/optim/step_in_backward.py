@@ -1,6 +1,6 @@
 """`sw.optimizer_in_backward(model, optimizer)`: each unit's shards are stepped as soon as their
 gradient is reduced, and the gradient is dropped at once.
-Uses: compat, precision, protocol, whole_step.
+Uses: compat, lowbit, precision, protocol, whole_step.
 
 Note [optimizer in backward]: a zero model holds, per parameter and rank, 4/N bytes of values,
 8/N of AdamW moments and 4/N of gradient, and all three live together from the end of backward
@@ -30,6 +30,7 @@ from torch import nn
 
 from shardwise.engine.compat import unwrap_compiled
 from shardwise.engine.memory.precision import NO_SCALING
+from shardwise.engine.optim.lowbit import quantizes_state
 from shardwise.engine.optim.whole_step import StepShape, step_shape
 from shardwise.engine.protocol import engine_of
 from shardwise.errors import ShardwiseError
@@ -164,6 +165,12 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
             "scale is known only after every gradient): use precision='bf16', or no optimizer_in_backward."
         )
     kind = type(optimizer)
+    if quantizes_state(optimizer):  # Note [low-bit state]: even with any_optimizer=True
+        raise ShardwiseError(
+            f"sw.optimizer_in_backward cannot step {kind.__name__}: it keeps its state block-quantized over each "
+            "whole tensor (Note [low-bit state]), and inside backward each unit steps its rows, quantized in other "
+            "blocks than one process's. Step it after backward (drop optimizer_in_backward: it steps whole tensors "
+            "there, exactly), or use torch.optim.AdamW with optimizer_in_backward.")
     # Only the elementwise classes: a whole-tensor one (Muon, Adafactor) needs its owner step
     # (Note [whole-tensor step]), which cannot run one unit at a time inside backward.
     if not any_optimizer and (step_shape(optimizer) is not StepShape.ROWS

@@ -1,0 +1,162 @@
+"""bench/memory/max_model.py's rows for the options people turn on and DeepSpeed ZeRO-3 (issue 61, points 2 and 4):
+how each is built, and each row's loss after the bench's steps against fp32 AdamW (Note [option arms]).
+
+Note [option arms]: each option alone on plain zero3 (bf16 parameters with fp32 masters and optimizer in
+backward are max_model.py's own zero3_bf16 and zero3_oib rows), and the combinations:
+- zero3_lowbit: torchao's AdamW8bit (the `lowbit` extra), its moments block-quantized to 8 bits. It steps
+  whole tensors on one owner rank each (Note [low-bit state], engine/optim/lowbit.py): one process's update,
+  exactly; each rank holds the 8-bit moments of the parameters it owns (about 2 of AdamW's 8 bytes per
+  element, / N) and, during the step, its owned parameters and gradients whole.
+- zero3_ac: checkpoint_activations=True (each block's forward recomputed in backward).
+- zero3_bf16_lowbit_ac: bf16 + 8-bit AdamW + activation checkpointing, the best combination that stays
+  exact against its own optimizer in one process. Optimizer in backward does not combine with 8-bit AdamW:
+  it steps each unit's rows inside backward, and a quantizer over rows is not the one over the whole
+  tensor (sw.optimizer_in_backward refuses it unless any_optimizer=True, and then the update is not one
+  process's). So its own combination is the other row:
+- zero3_bf16_oib_ac: bf16 + optimizer in backward (torch AdamW) + activation checkpointing.
+- ds_zero3: DeepSpeed ZeRO-3 (the bench extra), built under `deepspeed.zero.Init` (its equivalent of
+  sw.deferred_init: no rank holds the whole model), fp32 AdamW, `stage3_param_persistence_threshold: 0`,
+  DS_ACCELERATOR=cpu, as bench/speed/deepspeed_arms.py; unavailable with the reason where deepspeed is not.
+  Its first init compiles a shared-memory op under ~/.cache/torch_extensions; an init killed while compiling
+  (a probe's timeout) leaves that folder's `lock` behind, and every later init waits on it: delete it.
+The estimator's figure for each row is plain zero3's at its precision (sw.estimate takes no low-bit
+optimizer or checkpointing here); the search steers by measured peaks.
+
+The loss column: each row's model at one fixed depth (--loss-layers, default 8), the bench's data, seed and
+steps, unbudgeted, against fp32 AdamW under plain zero3 at the same depth (`zero3`): the final step's loss,
+averaged over ranks, and its difference. Not at each row's maximum depth: fp32 AdamW does not fit there, which
+is the point of the row. The pipeline rows are left out (their sampler feeds other batches). A bf16 row's loss
+is the bf16 model's output, rounded to bf16 (about 0.03 at a loss of 7): its column says little below that.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+
+import torch
+
+# config: (label, estimator strategy, precision, offload), as max_model.CONFIGS
+OPTION_CONFIGS = {
+    "zero3_lowbit": ("shardwise zero3 + 8-bit AdamW (torchao)", "zero3", "fp32", False),
+    "zero3_ac": ("shardwise zero3 + activation checkpointing", "zero3", "fp32", False),
+    "zero3_bf16_oib_ac": ("shardwise zero3 + bf16 + optimizer in backward + act. ckpt", "zero3", "bf16", False),
+    "zero3_bf16_lowbit_ac": ("shardwise zero3 + bf16 + 8-bit AdamW + act. ckpt", "zero3", "bf16", False),
+    "ds_zero3": ("DeepSpeed ZeRO-3", "zero3", "fp32", False),
+}
+# (low-bit optimizer, activation checkpointing, optimizer in backward) per shardwise option row
+_OPTIONS = {"zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
+            "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False)}
+
+
+def unavailable(config: str) -> str | None:
+    """Why `config` cannot run here (its library is not installed), or None."""
+    if config in ("zero3_lowbit", "zero3_bf16_lowbit_ac") and importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (the lowbit extra: pip install -e '.[lowbit]' -c constraints.txt)"
+    if config == "ds_zero3":
+        from bench.speed.deepspeed_arms import unavailable as ds_unavailable
+
+        return ds_unavailable()
+    return None
+
+
+def env(config: str) -> dict[str, str]:
+    """Environment the launcher adds for `config`'s ranks."""
+    return {"DS_ACCELERATOR": "cpu"} if config == "ds_zero3" else {}
+
+
+def build_option(args, cfg, config: str, rank: int, adamw: dict):
+    """(the callable to train, its optimizer, how the model was built) for an option row, per Note [option arms];
+    DeepSpeed's is a step function with no optimizer (its engine steps), as the pipeline rows'."""
+    import shardwise as sw
+    from shardwise.models.gpt import GPT, Block
+
+    if config == "ds_zero3":
+        return _build_deepspeed(args, cfg, rank, adamw)
+    lowbit, checkpointed, in_backward = _OPTIONS[config]
+    _, strategy, precision, _ = OPTION_CONFIGS[config]
+    with sw.deferred_init():
+        model = GPT(cfg)
+    sw.shard(model, strategy=strategy, units=Block, precision=precision, checkpoint_activations=checkpointed)
+    if lowbit:
+        import torchao.optim
+
+        optimizer = torchao.optim.AdamW8bit(model.parameters(), **adamw)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    if in_backward:
+        sw.optimizer_in_backward(model, optimizer)
+    return model, optimizer, "deferred"
+
+
+def _build_deepspeed(args, cfg, rank: int, adamw: dict):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from shardwise.models.gpt import GPT
+
+    ds_config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                 "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                 "fp16": {"enabled": False}, "bf16": {"enabled": False}, "steps_per_print": 10**9,
+                 "wall_clock_breakdown": False}
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=torch.float32):
+        model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           dist_init_required=False)
+    gen = torch.Generator().manual_seed(1000 + rank)  # the worker loop's data, drawn the same way
+
+    def step() -> float:
+        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, None, "deepspeed.zero.Init"
+
+
+def loss_at_depth(args, config: str, probe) -> dict:
+    """Note [option arms]: `config`'s losses at --loss-layers blocks, unbudgeted (`probe` is max_model.probe)."""
+    unbudgeted = copy.copy(args)
+    unbudgeted.budget_bytes, unbudgeted.kill_at = 2**50, 1.0
+    result = probe(unbudgeted, config, args.loss_layers)
+    ranks = result.get("ranks", [])
+    if result.get("verdict") != "fits" or not ranks:
+        return {"layers": args.loss_layers, "error": result.get("error", result.get("verdict"))}
+    losses = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))]
+    return {"layers": args.loss_layers, "losses": losses}
+
+
+def attach_loss_reference(rows: list[dict], reference: dict) -> None:
+    """fp32 AdamW's losses (plain zero3 at the same depth) kept in each row measured at that depth, so a
+    report rewritten from the JSON (--report, --merge) compares with the losses the run measured."""
+    for row in rows:
+        loss = row.get("loss_at_depth")
+        if loss and "losses" in reference and loss["layers"] == reference["layers"]:
+            loss["reference"] = reference["losses"]
+
+
+def loss_lines(rows: list[dict], args) -> list[str]:
+    """The report's loss table: each row's final loss at --loss-layers against fp32 AdamW (zero3)."""
+    shown = [row for row in rows if row.get("loss_at_depth")]
+    if not shown:
+        return []
+    layers = shown[0]["loss_at_depth"]["layers"]
+    lines = ["", f"Loss after {args.steps} steps at {layers} blocks (Note [option arms], "
+                 "bench/memory/max_model_options.py: every row at one depth, unbudgeted, the bench's data and seed), "
+                 "against fp32 AdamW under plain zero3:", "",
+             "| config | final loss | − fp32 AdamW | relative |", "|---|---:|---:|---:|"]
+    for row in shown:
+        loss = row["loss_at_depth"]
+        if "losses" not in loss:
+            lines.append(f"| {row['label']} | failed: {str(loss.get('error'))[:60]} | | |")
+            continue
+        final, reference = loss["losses"][-1], loss.get("reference")
+        if reference:
+            delta = final - reference[-1]
+            lines.append(f"| {row['label']} | {final:.6f} | {delta:+.2e} | {delta / reference[-1]:+.2e} |")
+        else:
+            lines.append(f"| {row['label']} | {final:.6f} | — | — |")
+    return lines

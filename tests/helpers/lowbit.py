@@ -1,0 +1,173 @@
+"""Rank functions for torchao's low-bit optimizers on a sharded model (module level, so `ranks.run`
+can pickle them). Note [low-bit state] in engine/optim/lowbit.py says how shardwise steps and stores them.
+
+torchao quantizes a state only for a tensor of at least 4096 elements whose count its block size
+divides (`_new_buffer`), so the model here has both kinds: the blocks' matrices (128 x 32: 4096,
+quantized whole, but 2048 elements as 2-rank rows, which it would keep in fp32) and a head of 130 x 32
+(4160 elements, not a multiple of 256: fp32 whole).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardwise as sw
+
+GLOBAL_BATCH = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(32, 130)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def make_optimizer(params, name: str, **options):
+    import torchao.optim
+
+    kind = {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name]
+    return kind(params, lr=1e-2, **options)
+
+
+def build(strategy: str, name: str, seed: int = 0, **options):
+    """The model (sharded under `strategy`, or plain for "none") and `name`'s optimizer, built after shard()."""
+    torch.manual_seed(seed)
+    model = Net()
+    if strategy != "none":
+        sw.shard(model, strategy=strategy, units=Block)
+    return model, make_optimizer(model.parameters(), name, **options)
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    x = torch.randn(GLOBAL_BATCH, 16, generator=torch.Generator().manual_seed(step))
+    per = GLOBAL_BATCH // world
+    return x[rank * per:(rank + 1) * per]
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Every parameter's whole reduced gradient, on every rank (a collective: zeros outside each rank's
+    rows summed, which adds nothing to any bit)."""
+    out = {}
+    for name, info in sw.shard_info(model).items():
+        full = torch.zeros(info.full_shape)
+        if info.row_end > info.row_start:
+            full[info.row_start:info.row_end] = info.param.grad[: info.row_end - info.row_start]
+        dist.all_reduce(full)
+        out[name] = full
+    return out
+
+
+def state_parts(value) -> dict[str, torch.Tensor]:
+    """A state tensor as the plain tensors it holds (a quantized subclass's codes, scales, map)."""
+    if type(value) is torch.Tensor:
+        return {"": value}
+    names, _ = value.__tensor_flatten__()
+    return {f".{n}": getattr(value, n) for n in names}
+
+
+def owned_state(optim, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's optimizer state by parameter name, each state tensor as its plain parts (copies)."""
+    out = {}
+    for param, state in optim.state.items():
+        out[names[id(param)]] = {k + part: t.clone() for k, v in state.items() if isinstance(v, torch.Tensor)
+                                 for part, t in state_parts(v).items()}
+    return out
+
+
+def state_bytes(optim) -> int:
+    return sum(t.numel() * t.element_size() for state in optim.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0 for t in state_parts(v).values())
+
+
+def lockstep(model, optim, reference, ref_optim, start: int, end: int) -> list[str]:
+    """Steps start..end-1 of the sharded `model`, feeding `reference` (a plain model, whole tensors, one
+    process's optimizer) the same reduced gradients: the names whose values differ in any bit, per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    differ = []
+    for step in range(start, end):
+        optim.zero_grad(set_to_none=True)
+        model(batch(step, rank, world)).backward()
+        grads = full_grads(model)
+        for name, param in reference.named_parameters():
+            param.grad = grads[name]
+        optim.step()
+        ref_optim.step()
+        full = sw.full_parameters(model)
+        differ += [f"step {step}: {n}" for n, p in reference.named_parameters() if not torch.equal(full[n], p)]
+    return differ
+
+
+def against_one_process(strategy: str, name: str, steps: int = 3) -> dict:
+    """`steps` lockstep steps; what differs, this rank's optimizer-state bytes and the one process's."""
+    model, optim = build(strategy, name)
+    reference, ref_optim = build("none", name)
+    differ = lockstep(model, optim, reference, ref_optim, 0, steps)
+    return {"differ": differ, "bytes": state_bytes(optim), "one_process": state_bytes(ref_optim)}
+
+
+def _names(model) -> dict[int, str]:
+    return {id(info.param): name for name, info in sw.shard_info(model).items()}
+
+
+def save_after(strategy: str, name: str, path: str) -> dict:
+    """3 steps, save: this rank's state as saved."""
+    model, optim = build(strategy, name)
+    lockstep(model, optim, *build("none", name), 0, 3)
+    sw.save(path, model, optim, step=3)
+    return owned_state(optim, _names(model))
+
+
+def load_and_step(strategy: str, name: str, path: str) -> dict:
+    """A fresh model (another seed) loads `path`; its state as loaded on this rank, then 2 lockstep
+    steps against a plain model that loaded the same checkpoint."""
+    model, optim = build(strategy, name, seed=1)
+    assert sw.load(path, model, optim).ok
+    loaded = owned_state(optim, _names(model))
+    reference, ref_optim = build("none", name, seed=1)
+    assert sw.load(path, reference, ref_optim).ok
+    return {"state": loaded, "differ": lockstep(model, optim, reference, ref_optim, 3, 5)}
+
+
+def load_other_blocks(path: str, saved_block: int, loaded_block: int) -> str:
+    """One step of AdamW8bit with `saved_block`, saved, then loaded into one with `loaded_block` (8192: no
+    tensor here is quantized); the error's message, or "loaded"."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = build("zero3", "adamw8bit", block_size=saved_block)
+    model(batch(0, rank, world)).backward()
+    optim.step()
+    sw.save(path, model, optim, step=1)
+    model, optim = build("zero3", "adamw8bit", seed=1, block_size=loaded_block)
+    try:
+        sw.load(path, model, optim)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return "loaded"
+
+
+def in_backward(any_optimizer: bool) -> str:
+    """sw.optimizer_in_backward with AdamW8bit; the error's message, or "accepted"."""
+    model, optim = build("zero3", "adamw8bit")
+    try:
+        sw.optimizer_in_backward(model, optim, any_optimizer=any_optimizer)
+    except sw.ShardwiseError as error:
+        return str(error)
+    return "accepted"

@@ -1,0 +1,84 @@
+"""torchao's low-bit AdamW (8-bit and 4-bit block-quantized moments) on a sharded model, against the same
+optimizer stepping whole tensors in one process, and its state through a checkpoint across world sizes.
+
+Note [low-bit state] (engine/optim/lowbit.py): torchao quantizes a state in blocks of the flattened
+tensor, and only for a tensor of at least 4096 elements that its block size divides; rows of a shard
+are other tensors (128 x 32 is quantized whole, its 64 x 32 rows would be kept in fp32). So shardwise
+steps it on whole tensors, one owner rank per parameter (Note [whole-tensor step]), and each step is
+checked bitwise against a plain model fed the same reduced gradients: the gradients' own rounding
+across world sizes is the same for every optimizer and is no part of this check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.optim", reason="torchao (the `lowbit` extra) is not installed")
+
+from helpers.lowbit import (  # noqa: E402
+    against_one_process,
+    in_backward,
+    load_and_step,
+    load_other_blocks,
+    save_after,
+)
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_lowbit_steps_shards_as_one_process_steps_whole_tensors(ranks, strategy, name):
+    """Catches a low-bit optimizer stepped on rows (Note [low-bit state]): each rank's rows quantized in
+    other blocks, or kept in fp32 under torchao's size threshold, where one process quantizes the whole
+    tensor; bitwise at every step. Also counts the state: each parameter's state on one rank only (the
+    ranks' bytes sum to one process's), none duplicated."""
+    for world in (2, 4):
+        results = ranks.run(against_one_process, world, strategy, name, timeout=300)
+        for rank, result in enumerate(results):
+            assert result["differ"] == [], f"ws {world} rank {rank}: {result['differ'][:4]}"
+        one_process = results[0]["one_process"]
+        assert sum(r["bytes"] for r in results) == one_process, ([r["bytes"] for r in results], one_process)
+        assert max(r["bytes"] for r in results) < one_process, [r["bytes"] for r in results]
+
+
+@pytest.mark.parametrize("saved_by, loaded_by", [("zero3", "zero3"), ("zero2", "zero3")])
+def test_lowbit_state_resumes_at_another_world_size(ranks, tmp_path, saved_by, loaded_by):
+    """Catches torchao's quantized state (tensor subclasses of codes, block scales and a code map) refused
+    by sw.save, or stored and loaded as something else: dequantized, rebuilt from zero, put on a rank that
+    does not own the parameter at the new world size. Saved at 2 ranks, loaded at 4: every state tensor's
+    parts bitwise the saved ones, each on one rank, and 2 more steps bitwise a plain model that loaded the
+    same checkpoint."""
+    path = str(tmp_path / "ckpt")
+    saved = {}
+    for state in ranks.run(save_after, 2, saved_by, "adamw8bit", path, timeout=300):
+        saved.update(state)
+    loaded = {}
+    for result in ranks.run(load_and_step, 4, loaded_by, "adamw8bit", path, timeout=300):
+        assert result["differ"] == [], result["differ"][:4]
+        assert not set(loaded) & set(result["state"]), "a parameter's state on two ranks"
+        loaded.update(result["state"])
+    assert loaded.keys() == saved.keys()
+    for param, parts in saved.items():
+        assert parts.keys() == loaded[param].keys(), (param, parts.keys(), loaded[param].keys())
+        assert any(key.endswith(".codes") for key in parts) or "head" in param or "bias" in param or "inp" in param
+        for key, tensor in parts.items():
+            assert torch.equal(loaded[param][key], tensor), f"{param} {key} differs after the load"
+
+
+@pytest.mark.parametrize("saved_block, loaded_block", [(256, 8192), (8192, 256)])
+def test_lowbit_state_of_another_block_size_is_refused(ranks, tmp_path, saved_block, loaded_block):
+    """Catches a quantized state loaded into an optimizer that keeps that tensor in fp32 (or the other way:
+    another block size quantizes other tensors): its parts or its plain moment stored under keys the step
+    never reads, the next step a KeyError or a fresh moment. Refused on every rank, naming the fix."""
+    for message in ranks.run(load_other_blocks, 2, str(tmp_path / "ckpt"), saved_block, loaded_block, timeout=300):
+        assert "Note [low-bit state]" in message and "Build the optimizer the checkpoint was saved with" in message, \
+            message
+
+
+@pytest.mark.parametrize("any_optimizer", [False, True])
+def test_lowbit_in_backward_is_refused(ranks, any_optimizer):
+    """Catches sw.optimizer_in_backward accepting a low-bit optimizer (with any_optimizer=True, which vouches
+    for an elementwise update): each unit would step its rows inside backward, quantized in other blocks
+    than one process's (Note [low-bit state]). Refused on every rank, naming the step after backward."""
+    for message in ranks.run(in_backward, 2, any_optimizer):
+        assert "Note [low-bit state]" in message and "drop optimizer_in_backward" in message, message
