@@ -228,7 +228,7 @@ def test_a_forged_owner_map_is_refused_naming_the_field(tmp_path, owners, proble
     assert problem in str(error.value), str(error.value)
 
 
-# ---- the optimizer a state belongs to (Note [optimizer class] in optim_state.py) ------------------
+# ---- the optimizer a state belongs to (Note [optimizer class] in optim_plan.py) ------------------
 
 
 class _LookalikeAdafactor(torch.optim.Optimizer):

@@ -25,7 +25,6 @@ the one saved. `shardwise ckpt inspect` shows the map's load per rank.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +34,8 @@ from shardwise.checkpoint.format.names import clean_name
 from shardwise.checkpoint.format.values import to_json
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.memory.host_param import is_host_shared
-from shardwise.engine.optim.lowbit import check_parts, flatten_state
-from shardwise.engine.optim.whole_step import StepShape, owner_map, owners_layout, step_shape, unwrapped
+from shardwise.engine.optim.lowbit import flatten_state
+from shardwise.engine.optim.whole_step import owner_map, owners_layout, unwrapped
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 
@@ -46,49 +45,9 @@ SEVERAL = ("sw.save(path, model, [muon, adamw], scheduler) or sw.save(path, mode
 
 def class_name(optim) -> str:
     """The optimizer's class, inside Accelerate's or Lightning's wrapper, qualified by its module (what a
-    checkpoint records: Note [optimizer class])."""
+    checkpoint records: Note [optimizer class] in read/optim_plan.py)."""
     kind = type(unwrapped(optim))
     return f"{kind.__module__}.{kind.__qualname__}"
-
-
-# Note [optimizer class]: a checkpoint records the optimizer's class qualified by its module
-# (`torch.optim.adafactor.Adafactor`), and loads only into the same class: `transformers`' Adafactor
-# and torch's share a name and nothing else (other group keys, other state). Two names are the same
-# class when their top-level package and their qualified class name agree, so a class moved between
-# modules of one package (torch.optim._adafactor -> torch.optim.adafactor) still loads; a name recorded
-# bare (before this rule), or a class of a script (`__main__`, imported under its file's name elsewhere),
-# matches by the bare name. Whatever the name, the saved param groups may hold no setting the loading
-# optimizer's groups lack (`check_group_keys`), and a whole-tensor optimizer's state must have the
-# shapes the loading class gives it (`StateShapes`).
-
-
-def same_class(recorded: str, optim) -> bool:
-    """Whether a checkpoint's recorded optimizer class is `optim`'s (Note [optimizer class])."""
-    def key(name: str) -> tuple[str, str]:  # (top-level package, class name)
-        return name.split(".")[0], name.rsplit(".", 1)[-1]
-    names = {class_name(optim), f"{type(optim).__module__}.{type(optim).__qualname__}"}  # or the wrapper's own
-    bare = {name.rsplit(".", 1)[-1] for name in names}
-    if "." not in recorded or recorded.startswith("__main__.") or any(n.startswith("__main__.") for n in names):
-        return recorded.rsplit(".", 1)[-1] in bare  # bare (saved before), or a script's class imported elsewhere
-    return key(recorded) in {key(name) for name in names}
-
-
-# Settings torch's LR schedulers add to an optimizer's param groups: a checkpoint saved after the
-# scheduler was built holds them, an optimizer loaded before it is built has none yet.
-SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
-
-
-def check_group_keys(saved_groups, optim, where: str) -> None:
-    """Refuse saved param-group settings the loading optimizer's groups do not have (Note [optimizer class]):
-    loaded, they would be added to its groups and its step would misread or trip over them."""
-    have = {key for group in optim.param_groups for key in group}
-    unknown = sorted({key for group in saved_groups for key in group.options} - have - SCHEDULER_KEYS)
-    if unknown:
-        raise ShardwiseError(
-            f"{where}: the saved param groups hold settings a {class_name(optim)} does not have "
-            f"({', '.join(unknown[:6])}{'...' if len(unknown) > 6 else ''}): the state was saved from another "
-            "optimizer class, or another version of it. Build the optimizer the checkpoint was saved with, or "
-            "load the model alone (sw.load(path, model)) and start the new optimizer fresh")
 
 
 def named_optimizers(optim) -> tuple[list[tuple[str | None, object]], str]:
@@ -218,67 +177,3 @@ def split_state(name: str, shape: torch.Size, state: dict, scalar_keys: set[str]
         else:
             scalars[key] = to_json(value, f"optimizer state {key!r} of {name!r}")
     return rows, scalars, whole
-
-
-class StateShapes:
-    """Note [optimizer class]: the shapes a whole-tensor optimizer's class gives one parameter's state,
-    found by a dry step of a copy of the loading optimizer over a zero tensor of the parameter's full
-    shape (on the meta device when the class steps there, else on the CPU), once per shape, dtype and
-    group; a saved state of another shape is refused. A look-alike `Adafactor` saving `col_var` [C, C]
-    where torch's has [1, C] would otherwise load and step with a broadcast. Elementwise classes
-    (state shaped as the parameter by construction) and classes whose step cannot run dry (it needs a
-    closure) are not checked."""
-
-    def __init__(self, optim):
-        self.optim = unwrapped(optim)
-        self.checked = step_shape(self.optim) is not StepShape.ROWS
-        self.found: dict[tuple, dict | None] = {}  # the dry step's state by (shape, dtype, group)
-
-    def check(self, name: str, group_index: int, shape: tuple, dtype: torch.dtype, state, where: str) -> None:
-        """Refuse saved state `state` (a StateRecord) of parameter `name` whose shapes differ from the class's."""
-        if not self.checked:
-            return
-        saved = {**{k: shape for k in state.tensors}, **{k: r.shape for k, r in state.whole.items()}}
-        prototype = self.prototype(group_index, shape, dtype)
-        check_parts(prototype, saved, f"{where}: the optimizer state of {name!r}")  # Note [low-bit state]
-        expected = None if prototype is None else {
-            k: tuple(v.shape) for k, v in flatten_state(prototype, repr(name)).items() if isinstance(v, Tensor)}
-        differ = {k: v for k, v in saved.items() if expected is not None and k in expected
-                  and len(v) and tuple(v) != expected[k]}
-        if differ:
-            shown = ", ".join(f"{k!r} {list(v)} where a {class_name(self.optim)} has {list(expected[k])}"
-                              for k, v in differ.items())
-            raise ShardwiseError(
-                f"{where}: the optimizer state of {name!r} (shape {list(shape)}) holds {shown}: it was saved from "
-                "another optimizer class that shares the name, or edited. Build the optimizer the checkpoint "
-                "was saved with, or load the model alone (sw.load(path, model)) and start the new optimizer fresh")
-
-    def prototype(self, group_index: int, shape: tuple, dtype: torch.dtype) -> dict | None:
-        """The state the loading class gives a parameter of `shape` in group `group_index` (its dry step's, on
-        meta or the CPU: what a quantized state is made back into, Note [low-bit state]); None when not known."""
-        if not self.checked:
-            return None
-        key = (tuple(shape), dtype, group_index)
-        if key not in self.found:
-            self.found[key] = self._dry_step(self.optim.param_groups[group_index], tuple(shape), dtype)
-        return self.found[key]
-
-    def _dry_step(self, group: dict, shape: tuple, dtype: torch.dtype) -> dict | None:
-        for device in ("meta", "cpu"):
-            kind = type(self.optim)
-            clone = object.__new__(kind)
-            # the instance's own attributes, but never one that reaches the original (a `step` patched on the
-            # instance is bound to it: calling it stepped the real parameters)
-            clone.__dict__.update({k: v for k, v in self.optim.__dict__.items() if not callable(v)})
-            param = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-            param.grad = torch.zeros_like(param)
-            clone.state = collections.defaultdict(dict)
-            clone.param_groups = [{**group, "params": [param]}]
-            clone._optimizer_step_pre_hooks, clone._optimizer_step_post_hooks = {}, {}  # not the original's
-            try:
-                with torch.no_grad():
-                    kind.step(clone)  # the class's step: an instance-level patch is the original's
-            except Exception:  # noqa: BLE001 - meta has no .item(); a closure-only step cannot run dry
-                continue
-            return dict(clone.state[param])
-        return None

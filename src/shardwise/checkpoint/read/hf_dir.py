@@ -1,5 +1,6 @@
 """A Hugging Face model directory as a `sw.load` source: `model.safetensors`, or the files that
-`model.safetensors.index.json` names (`model-00001-of-00003.safetensors`, ...), read by row ranges.
+`model.safetensors.index.json` names (`model-00001-of-00003.safetensors`, ...), read by row ranges; and one
+safetensors file (an export, a model from a hub), read the same way.
 
 Note [Hugging Face directories]: each rank reads only the byte ranges of the rows it holds (`FileReader.read_rows`:
 `pread` into the parameter's own rows when the dtypes agree, else into one buffer of this rank's rows of one
@@ -11,18 +12,20 @@ every byte belongs to one tensor of the stated dtype and shape), the index and t
 the file the index names, no key in two files, no tensor the index does not list), and the tensors' shapes
 are matched against the model's by name (load_plan.py). What the format does not carry cannot be checked:
 Hugging Face files hold no checksum of their data, so a flipped bit inside a tensor loads as it is (a
-shardwise checkpoint's crc32 per chunk would catch it). Names follow transformers' (hf_names.py).
+shardwise checkpoint's crc32 per chunk would catch it). Names follow transformers' (hf_names.py: one call,
+`HFNames.source_names`, names every key of the files).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from shardwise.checkpoint.format.bounded_json import parse_json, read_bounded, short
 from shardwise.checkpoint.read.hf_names import HFNames
 from shardwise.checkpoint.read.reader import FileReader
-from shardwise.checkpoint.read.source_base import Source, SourceNames, SourceTensor
+from shardwise.checkpoint.read.source_base import Source, SourceTensor
 from shardwise.errors import ShardwiseError
 
 SINGLE = "model.safetensors"
@@ -39,20 +42,57 @@ def is_hf_dir(path: Path) -> bool:
 
 
 class HFDirectory(Source):
-    """The weights of a Hugging Face model directory (Note [Hugging Face directories])."""
+    """The weights of a Hugging Face model directory (Note [Hugging Face directories]), or of one safetensors
+    file (an export, a model from a hub) when `path` is a file: full tensors, read by rows, under transformers'
+    names for `model` (Note [transformers names] in hf_names.py)."""
 
-    def __init__(self, path: Path, names: HFNames, *, use_index: bool = False):
+    def __init__(self, path: Path, model, renamer: Callable[[str], str], *, use_index: bool = False):
         super().__init__()
         self.path, self.description = path, str(path)
         self.files: dict[str, FileReader] = {}
         try:
-            self._open(names, use_index)
+            self._open(model, renamer, use_index)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, names: HFNames, use_index: bool) -> None:
+    def _open(self, model, renamer: Callable[[str], str], use_index: bool) -> None:
+        one_file = not self.path.is_dir()
         index = self.path / HF_INDEX
+        if one_file:
+            self.files[self.path.name] = FileReader(self.path, what="safetensors file")
+            weight_map = None
+        else:
+            weight_map = self._open_directory(index, use_index)
+        held: dict[str, str] = {}
+        for file, reader in self.files.items():
+            for key in reader.entries:
+                if key in held:
+                    raise ShardwiseError(f"tensor {key!r} is in both {held[key]} and {file} of {self.path}: one would "
+                                         f"silently replace the other. {_FIX}")
+                held[key] = file
+        if weight_map is not None:
+            _check_agree(index, weight_map, held)
+        # Tied weights stored once in one file: safetensors' save_model (and sw.export) record each dropped name
+        # in the metadata as {dropped: kept}.
+        tied = {} if not one_file else {dropped: kept for dropped, kept in self.files[self.path.name].metadata.items()
+                                        if kept in held and dropped not in held}
+        names = HFNames(model, renamer).source_names(held, tied, self.path)
+        for key, name in names.names.items():
+            reader, entry = self.files[held[key]], self.files[held[key]].entries[key]
+            self.tensors[name] = SourceTensor(
+                name, entry.shape, entry.dtype, names.aliases.get(name, ()),
+                lambda lo, hi, out, reader=reader, key=key: reader.read_rows(key, lo, hi, out=out),
+                read_flat=lambda start, stop, reader=reader, key=key: reader.read_span(key, start, stop))
+        if names.ignored:
+            self.notes.append(f"{len(names.ignored)} tensors transformers ignores when it loads this model were not "
+                              f"read ({', '.join(names.ignored[:4])}{', ...' if len(names.ignored) > 4 else ''})")
+        if not one_file:
+            self.notes.append("Hugging Face files carry no checksum of their data: the headers, the index and every "
+                              "tensor's shape were checked, the tensors' bytes cannot be")
+
+    def _open_directory(self, index: Path, use_index: bool) -> dict[str, str] | None:
+        """Open the directory's files: its index's (the weight_map returned, checked), or model.safetensors."""
         # As transformers: a directory's model.safetensors is read before its index (save_pretrained
         # removes the other when it writes one); the index when it is the path given.
         if index.exists() and (use_index or not (self.path / SINGLE).exists()):
@@ -68,31 +108,7 @@ class HFDirectory(Source):
                     f"{index} names {file}, which is not in {self.path}: the download is incomplete or the file was "
                     f"deleted. Fetch the missing file. {_FIX}" if weight_map is not None else f"{full} is missing")
             self.files[file] = FileReader(full, what="safetensors file")
-        held: dict[str, str] = {}
-        for file, reader in self.files.items():
-            for key in reader.entries:
-                if key in held:
-                    raise ShardwiseError(f"tensor {key!r} is in both {held[key]} and {file} of {self.path}: one would "
-                                         f"silently replace the other. {_FIX}")
-                held[key] = file
-        if weight_map is not None:
-            _check_agree(index, weight_map, held)
-        seen, ignored = SourceNames(self.path), []
-        for key, file in held.items():
-            if names.ignored(key):
-                ignored.append(key)
-                continue
-            reader, entry = self.files[file], self.files[file].entries[key]
-            name = seen.add(names.rename(key), key)
-            self.tensors[name] = SourceTensor(
-                name, entry.shape, entry.dtype, (),
-                lambda lo, hi, out, reader=reader, key=key: reader.read_rows(key, lo, hi, out=out),
-                read_flat=lambda start, stop, reader=reader, key=key: reader.read_span(key, start, stop))
-        if ignored:
-            self.notes.append(f"{len(ignored)} tensors transformers ignores when it loads this model were not read "
-                              f"({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})")
-        self.notes.append("Hugging Face files carry no checksum of their data: the headers, the index and every "
-                          "tensor's shape were checked, the tensors' bytes cannot be")
+        return weight_map
 
     def close(self) -> None:
         for reader in self.files.values():

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from torch import nn
 
 from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.checkpoint.read.source_base import SourceNames
 from shardwise.engine.unit.info import shard_info
 from shardwise.errors import ShardwiseError
 
@@ -45,18 +48,29 @@ def model_names(model: nn.Module) -> set[str]:
     return names
 
 
+@dataclass
+class KeyNames:
+    """What `HFNames.source_names` found: the name of each key read, the aliases of tied weights stored once
+    (name -> its other names) and the keys transformers ignores (not read)."""
+
+    names: dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
 class HFNames:
-    """How a Hugging Face file's keys map to `model`'s names (Note [transformers names]): `rename(key)`, the
-    user's `renamer` first (as transformers applies its `key_mapping` first), then transformers' renames,
-    then the base-model prefix; `ignored(key)`, a key transformers drops unread."""
+    """How a Hugging Face file's keys map to `model`'s names (Note [transformers names]): `source_names(keys)`,
+    every key of a source named in one call (hf_dir.py's); `rename(key)`, the user's `renamer` first (as
+    transformers applies its `key_mapping` first), then transformers' renames, then the base-model prefix;
+    `ignored(key)`, a key transformers drops unread."""
 
     def __init__(self, model: nn.Module | None, renamer: Callable[[str], str]):
         self.renamer = renamer
-        self.targets = model_names(model) if model is not None else set()
         hf = pretrained_model(model) if model is not None else None
         self.prefix = getattr(hf, "base_model_prefix", "") or ""
         self.renamings, self.converters = _transforms(hf)
         self._ignore = [re.compile(p) for p in (getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ())]
+        self.targets = model_names(model) if model is not None else set()
 
     def rename(self, key: str) -> str:
         name = self.renamer(clean_name(key))
@@ -77,6 +91,26 @@ class HFNames:
                     "Convert the checkpoint once (from_pretrained in one process, then save_pretrained writes the "
                     "model's own names), then load that")
         return name
+
+    def source_names(self, keys, tied: dict[str, str], where: Path) -> KeyNames:
+        """A file's `keys` under the model's names, each name once (`SourceNames`), the keys transformers ignores
+        set apart; `tied` ({dropped: kept}: tied weights stored once) adds each dropped name as an alias of the
+        kept tensor's."""
+        seen, found = SourceNames(where), KeyNames()
+        found.ignored = [key for key in keys if self.ignored(key)]
+        skipped = set(found.ignored)
+        for key in keys:
+            if key in skipped:
+                continue
+            name = self.rename(key)
+            found.names[key] = seen.add(name, key)
+        read = set(found.names.values())
+        for dropped, kept in tied.items():
+            target = self.rename(kept)
+            if target in read:
+                alias = self.rename(dropped)
+                found.aliases[target] = found.aliases.get(target, ()) + (seen.add(alias, dropped),)
+        return found
 
     def ignored(self, key: str) -> bool:
         """True for a key transformers ignores when it loads (`_keys_to_ignore_on_load_unexpected`) that

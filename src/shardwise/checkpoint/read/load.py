@@ -83,17 +83,16 @@ def load_view(path, model: nn.Module, infos, optim=None, scheduler=None, *, stri
     """`load` into `model` filling the rows `infos` names (None: `shard_info(model)`'s): a pipeline's
     stage adds the whole frozen prefix every rank holds to its shards (pipeline/checkpoint/)."""
     optimizers, form = named_optimizers(optim)
-    objects = objects or {}
-    group, rank, world = group_of(model)
+    agreed = _agreement(path, model)
     source, plan = None, None
     try:
-        with _agreement(path, group, world):
+        with agreed:
             source = open_source(path, make_renamer(rename), model)
-            plan = plan_load(LoadJob(source, model, optimizers, form, scheduler, objects, strict, restore_rng,
-                                     rank, world, infos))
-        with _agreement(path, group, world):
+            plan = plan_load(LoadJob(source, model, optimizers, form, scheduler, objects or {}, strict, restore_rng,
+                                     agreed.rank, agreed.world, infos))
+        with agreed:
             _apply_states(plan)
-        with _agreement(path, group, world):
+        with agreed:
             _apply_tensors(plan)
     finally:
         if source is not None:
@@ -102,10 +101,12 @@ def load_view(path, model: nn.Module, infos, optim=None, scheduler=None, *, stri
 
 
 class _agreement:
-    """One agreement point: a rank that failed inside makes every rank raise, and none hangs."""
+    """The agreement points of a load, over the ranks that hold `model`: a rank that failed inside one makes
+    every rank raise, and none hangs."""
 
-    def __init__(self, path, group, world: int):
-        self.path, self.group, self.world = path, group, world
+    def __init__(self, path, model: nn.Module):
+        self.path = path
+        self.group, self.rank, self.world = group_of(model)
 
     def __enter__(self):
         return self

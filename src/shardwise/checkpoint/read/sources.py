@@ -1,11 +1,10 @@
-"""What `sw.load` reads from: a checkpoint directory, a safetensors file, a torch.save'd state dict (and,
-through hf_dir.py, a Hugging Face model directory).
+"""What `sw.load` reads from: `open_source` tells a checkpoint directory, a Hugging Face model directory or
+safetensors file (hf_dir.py) and a torch.save'd state dict apart by their names and first bytes, and opens it.
 
-Three sources here, one interface (`Source.tensors`: name -> `SourceTensor`, each able to
-read any row range): a shardwise checkpoint directory (index.json + row slices in
-safetensors files), one safetensors file, or a `torch.save`d state dict (read with
-`weights_only=True`, so no code runs). Names are cleaned of wrapper prefixes and
-renamed on the way in (Note [wrapper prefixes] in names.py).
+One interface (`Source.tensors`: name -> `SourceTensor`, each able to read any row range; source_base.py),
+two sources here: a shardwise checkpoint directory (index.json + row slices in safetensors files) and a
+`torch.save`d state dict (read with `weights_only=True`, so no code runs). Names are cleaned of wrapper
+prefixes and renamed on the way in (Note [wrapper prefixes] in names.py).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from shardwise.checkpoint.format.names import clean_name
 from shardwise.checkpoint.format.records import INDEX, Index, TensorRecord
 from shardwise.checkpoint.format.schema import read_index
 from shardwise.checkpoint.read.hf_dir import HF_INDEX, HFDirectory, is_hf_dir
-from shardwise.checkpoint.read.hf_names import HFNames
 from shardwise.checkpoint.read.reader import FileReader
 from shardwise.checkpoint.read.source_base import Source, SourceNames, SourceTensor
 from shardwise.engine.layout.rows import num_rows
@@ -174,39 +172,6 @@ def _expected_headers(index: Index) -> dict[str, dict]:
     return expected
 
 
-class SafetensorsFile(Source):
-    """One safetensors file (an export, or a model from a hub): full tensors, read by rows, under
-    transformers' names for a transformers model (Note [transformers names] in hf_names.py)."""
-
-    def __init__(self, path: Path, hf_names: HFNames):
-        super().__init__()
-        self.description = str(path)
-        self.file = FileReader(path, what="safetensors file")
-        names = SourceNames(path)
-        renamer = hf_names.rename
-        ignored = [key for key in self.file.entries if hf_names.ignored(key)]
-        if ignored:
-            self.notes.append(f"{len(ignored)} tensors transformers ignores when it loads this model were not read "
-                              f"({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})")
-        for key, entry in self.file.entries.items():
-            if key in ignored:
-                continue
-            name = names.add(renamer(key), key)
-            self.tensors[name] = SourceTensor(
-                name, entry.shape, entry.dtype, (),
-                lambda lo, hi, out, key=key: self.file.read_rows(key, lo, hi, out=out),
-                read_flat=lambda start, stop, key=key: self.file.read_span(key, start, stop))
-        # Tied weights stored once: safetensors' save_model (and sw.export) record each
-        # dropped name in the metadata as {dropped: kept}.
-        for dropped, kept in self.file.metadata.items():
-            if kept in self.file.entries and dropped not in self.file.entries and renamer(kept) in self.tensors:
-                kept_tensor = self.tensors[renamer(kept)]
-                kept_tensor.aliases += (names.add(renamer(dropped), dropped),)
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class TorchFile(Source):
     """A `torch.save`d state dict, read with `weights_only=True` (no code runs) and mmap."""
 
@@ -269,7 +234,18 @@ def open_source(path, renamer: Callable[[str], str], model=None) -> Source:
     """The right Source for `path`: a checkpoint directory, a Hugging Face model directory (or its
     `model.safetensors.index.json`), a .safetensors file or a torch file. `model`, when given, is what the
     source loads into: a Hugging Face file's names are matched to it as transformers would (hf_names.py)."""
-    path = Path(path)
+    path, kind = _kind(Path(path))
+    if kind == "checkpoint":
+        return CheckpointDir(path, renamer)
+    if kind == "torch":
+        return TorchFile(path, renamer)
+    return HFDirectory(path, model, renamer, use_index=kind == "hf index")  # a directory, or one file
+
+
+def _kind(path: Path) -> tuple[Path, str]:
+    """(what to open, what it is) for `path`, from its name and its first bytes: "checkpoint", "hf index" (a
+    Hugging Face directory through its index), "hf" (a Hugging Face directory or one safetensors file) or
+    "torch"; an error for anything else."""
     if path.name == INDEX:
         path = path.parent
     elif path.name == HF_INDEX or path.name.endswith(".safetensors.index.json"):
@@ -278,11 +254,9 @@ def open_source(path, renamer: Callable[[str], str], model=None) -> Source:
         if path.name != HF_INDEX:
             raise ShardwiseError(f"{path} is a sharded safetensors index under another name than {HF_INDEX} (a "
                                  f"variant's): rename it {HF_INDEX} in a directory of its own, with its files")
-        return HFDirectory(path.parent, HFNames(model, renamer), use_index=True)
+        return path.parent, "hf index"
     if path.is_dir():
-        if not (path / INDEX).exists() and is_hf_dir(path):
-            return HFDirectory(path, HFNames(model, renamer))
-        return CheckpointDir(path, renamer)
+        return path, "hf" if not (path / INDEX).exists() and is_hf_dir(path) else "checkpoint"
     if not path.exists():
         raise ShardwiseError(f"{path} does not exist")
     if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device would block the read below
@@ -294,6 +268,4 @@ def open_source(path, renamer: Callable[[str], str], model=None) -> Source:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         head = f.read(9)
-    if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{"):
-        return SafetensorsFile(path, HFNames(model, renamer))
-    return TorchFile(path, renamer)
+    return path, "hf" if path.suffix == ".safetensors" or (len(head) == 9 and head[8:9] == b"{") else "torch"

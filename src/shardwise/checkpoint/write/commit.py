@@ -93,26 +93,21 @@ def finish_commit(job, started: IndexSync | str, synced: list) -> str | None:
     failed = [(r, error) for r, error in enumerate(synced) if error is not None]
     if outcome is None and failed:
         outcome = "; ".join(f"rank {r} could not write its file to the disk: {error}" for r, error in failed)
-    if outcome is not None:
-        _discard(job)
+    if outcome is None:
+        try:
+            publish(job.partial, job.path, job.durable)  # Note [atomic publish]
+        except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
+            outcome = f"{type(error).__name__}: {error}"
+    if outcome is not None:  # a failed save removes its partial directory, if it is still the one it made
+        try:
+            job.lock.check()
+        except ShardwiseError:
+            return outcome  # another process's now, or already published: not this save's to remove
+        shutil.rmtree(job.partial, ignore_errors=True)
         return outcome
-    try:
-        publish(job.partial, job.path, job.durable)  # Note [atomic publish]
-    except Exception as error:  # noqa: BLE001 - reported on every rank by the caller
-        _discard(job)
-        return f"{type(error).__name__}: {error}"
     if job.keep_last is not None:
         remove_older(job.path, job.keep_last)
     clean_leftovers(job.path.parent)  # Note [leftovers]: after the save succeeded, never a reason to fail it
     return None
-
-
-def _discard(job) -> None:
-    """Remove a failed save's partial directory, if it is still the one this save made."""
-    try:
-        job.lock.check()
-    except ShardwiseError:
-        return  # another process's now, or already published: not this save's to remove
-    shutil.rmtree(job.partial, ignore_errors=True)
 
 
