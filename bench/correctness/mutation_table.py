@@ -603,6 +603,16 @@ ENGINE_MUTATIONS = [
      '        if any(flag == 2 for flag in row[4:]):',
      '        if False:',
      'tests/test_agreement_device.py -k write_on_every_rank'),
+    ("issue 58: a rank that skipped a parameter takes its own used flags for every rank's (the device's OR unread)",
+     'UsedFlagsOnDevice.agree',
+     '        if all(exchange.flags):',
+     '        if True:',
+     "tests/test_used_flags_device.py -k 'unused_on_one_rank and zero2'"),
+    ("issue 58: the used flags never take the device form on NCCL (a host rendezvous a step)",
+     'make_used_flags',
+     '    if dist.get_world_size(group) > 1 and flags_on_device(group):',
+     '    if False:',
+     "tests/test_agreement_fake_gpu.py -k 'no_host_rendezvous and zero3-ws2'"),
 ]
 
 MUTATIONS = ENGINE_MUTATIONS + COMM_MUTATIONS + CHECKPOINT_MUTATIONS

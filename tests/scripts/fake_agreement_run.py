@@ -1,13 +1,14 @@
 """Run by tests/test_agreement_fake_gpu.py: zero1/2/3 steps on the fake accelerator (Note [fake accelerator],
 helpers/fake_cuda.py) with the headers and zero3's tags in their device form (Note [headers on the device],
-Note [tags on the device]), as NCCL runs take them; prints one `REPORT {json}` line per scenario: fake_gpu_run's
-report, plus the host waits of the headers and tags, the collectives of host tensors by caller and the headers
-compared, over the counted steps.
+Note [tags on the device]) and the used-parameter flags in theirs (Note [used flags on the device]), as NCCL runs
+take them; prints one `REPORT {json}` line per scenario: fake_gpu_run's report, plus the host waits of the headers,
+tags and flags, the collectives of host tensors by caller and the headers compared, over the counted steps.
 
 The fake process group's collectives mirror this rank, so a header's or tag's rows are this rank's row on every
-rank; their host copies have no values (fake tensors), so `rows_of` reads the row this rank sent, as the mirror
-would have filled it. A non-blocking device-to-host copy does not make the host wait (the read comes at the
-settle, counted there), so the sync count here leaves it out; a blocking one still counts."""
+rank, and the flags' OR is this rank's flags; their host copies have no values (fake tensors), so `rows_of` and
+`result_of` read what this rank sent, as the mirror would have filled it. A non-blocking device-to-host copy does
+not make the host wait (the read comes at the settle, or the flags' agreement, counted there), so the sync count
+here leaves it out; a blocking one still counts."""
 
 from __future__ import annotations
 
@@ -24,15 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 import fake_gpu_run  # noqa: E402  (installs the fake accelerator)
 import torch.distributed as dist  # noqa: E402
 from fake_gpu_run import _adamw, _counted, _model, _step  # noqa: E402
+from torch import nn  # noqa: E402
 
 import shardwise as sw  # noqa: E402
 import shardwise.engine.schedule.agreement_device as agreement_device  # noqa: E402
 import shardwise.engine.schedule.gather_tags as gather_tags  # noqa: E402
+import shardwise.engine.schedule.used_flags as used_flags  # noqa: E402
 from helpers import fake_gpu  # noqa: E402
 from shardwise.engine import engine_of  # noqa: E402
 
-HEADERS_ON_DEVICE = [True]  # False: the headers' host form (this tree before Note [headers on the device] on NCCL)
+# False: the headers' and flags' host forms (this tree before Note [headers on the device] on NCCL)
+HEADERS_ON_DEVICE = [True]
 agreement_device.headers_on_device = lambda group: HEADERS_ON_DEVICE[0]
+used_flags.flags_on_device = lambda group: HEADERS_ON_DEVICE[0]
+used_flags.UsedFlagsOnDevice.result_of = lambda self, exchange: exchange.flags
 gather_tags.tags_on_device = lambda group: True
 agreement_device.HeadersOnDevice.rows_of = lambda self, header: [header.row] * self.world
 gather_tags.TagsOnDevice.rows_of = lambda self, tag: [tag.row] * self.world
@@ -81,15 +87,25 @@ def _count_host_groups() -> None:
 _count_host_groups()
 
 
-def train(strategy: str, on_device: bool = True):
-    """fake_gpu_run.train with the engine's header and tag counters read over the counted steps (`on_device`:
-    the headers' device form, else their host form)."""
-    model = _model()
+class Skipping(fake_gpu_run.Tiny):
+    """Tiny whose second block no rank uses: its flags are read on the host every step (the allowance)."""
+
+    def forward(self, tokens):
+        x = self.blocks[0](self.embed(tokens))
+        logits = self.norm(x) @ self.embed.weight.t()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def train(strategy: str, on_device: bool = True, cls=fake_gpu_run.Tiny):
+    """fake_gpu_run.train with the engine's header, tag and flag counters read over the counted steps
+    (`on_device`: the headers' and flags' device forms, else their host forms)."""
+    model = _model(cls)
     HEADERS_ON_DEVICE[0] = on_device
     sw.shard(model, strategy=strategy, units=fake_gpu_run.Block)
     engine = engine_of(model)
-    agreement, tags = engine.agreement, engine.driver.gathers.tags
+    agreement, tags, flags = engine.agreement, engine.driver.gathers.tags, engine.reducer.flags
     assert isinstance(agreement, agreement_device.HeadersOnDevice) == on_device, type(agreement)
+    assert isinstance(flags, used_flags.UsedFlagsOnDevice) == on_device, type(flags)
     compared = [0]
     real_check = agreement.check
 
@@ -100,7 +116,7 @@ def train(strategy: str, on_device: bool = True):
     agreement.check = check
     step = _step(model, _adamw(model))
     step()  # set-up: first calls
-    counters = (agreement.host_waits, tags.host_waits if tags is not None else 0, compared[0])
+    counters = (agreement.host_waits, tags.host_waits if tags is not None else 0, compared[0], flags.host_waits)
     COUNTING[0] = True
     try:
         checks = _counted(step)
@@ -109,7 +125,8 @@ def train(strategy: str, on_device: bool = True):
     steps = fake_gpu_run.STEPS
     TOTALS.update(header_waits=(agreement.host_waits - counters[0]) / steps,
                   tag_waits=((tags.host_waits if tags is not None else 0) - counters[1]) / steps,
-                  headers_compared=(compared[0] - counters[2]) / steps, tagged=tags is not None)
+                  headers_compared=(compared[0] - counters[2]) / steps, tagged=tags is not None,
+                  flag_waits=(flags.host_waits - counters[3]) / steps)
     return checks
 
 
@@ -118,6 +135,8 @@ SCENARIOS = {f"{strategy}-ws{ws}": (ws, lambda s=strategy: train(s))
              for strategy in ("zero1", "zero2", "zero3") for ws in (2, 4)}
 SCENARIOS.update({f"{strategy}-ws2-host-headers": (2, lambda s=strategy: train(s, on_device=False))
                   for strategy in ("zero1", "zero2", "zero3")})
+SCENARIOS.update({f"{strategy}-ws2-unused": (2, lambda s=strategy: train(s, cls=Skipping))
+                  for strategy in ("zero2", "zero3")})
 
 if __name__ == "__main__":
     fake_gpu_run.SCENARIOS.update({f"device-headers-{name}": scenario for name, scenario in SCENARIOS.items()})

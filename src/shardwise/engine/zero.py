@@ -78,7 +78,8 @@ class ZeroEngine(Engine):
         # The used-flags agreement may run inside backward (optimizer_in_backward), where zero3's gathers
         # are in flight on `group`: on gloo it rides the reduce group, in that group's fixed order. On a
         # hybrid mesh the flags span every replica (a parameter used on one replica has a gradient on all)
-        # and the gathers run on the shard group, so they take the host group of the whole mesh.
+        # and the gathers run on the shard group, so they take the host group of the whole mesh. On NCCL they
+        # ride the device on a group of the whole mesh's own instead (Note [used flags on the device]).
         flags_group = reduce_group if self.host_group is group and not self.mesh.hybrid else self.host_group
         self.driver = StepDriver(self.units, self.policy, group, flags_group, self.clock)
         self.step_watch.agree_on_step = self._agree_on_step  # Note [uneven work] (agreement.py)

@@ -28,6 +28,12 @@ def all_reduce_sum(tensor: Tensor, group, what: str = "an all-reduce") -> Tensor
     return tensor
 
 
+def start_all_reduce_max(tensor: Tensor, group):
+    """Issue the element-wise maximum of `tensor` over `group`'s ranks, in place, async: the torch work handle,
+    waited by the caller inside its own `named_failure`."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
 def start_all_gather_rows(received: Tensor, sent: Tensor, group):
     """Issue the gather of every rank's `sent` into `received` (rank-major), async: the torch work handle,
     waited by the caller inside its own `named_failure`."""

@@ -20,7 +20,8 @@ The branches that remain device-specific, all of them:
   schedule/consistency.py, wire/messages.py; and ddp.py's `device_ids`.
 - Where a gather tag is checked (Note [gather tags], schedule/gather_tags.py): at once where the tags land
   on the host (gloo), later, off the critical path, where they land on a device (`TagsOnDevice`); likewise
-  the agreement's headers (Note [headers on the device], schedule/agreement_device.py: `HeadersOnDevice`).
+  the agreement's headers (Note [headers on the device], schedule/agreement_device.py: `HeadersOnDevice`) and
+  the used-parameter flags (Note [used flags on the device], schedule/used_flags.py: `UsedFlagsOnDevice`).
 - The checkpoints' pinned copies and RNG states (checkpoint/): not the engine's streams.
 
 Note [streams per collective]: as FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py,

@@ -24,13 +24,17 @@ path of a GPU that the hosts are meant to run ahead of. So where the gathers run
 
 So a training step (forward, backward, clipping, the optimizer step) makes no host rendezvous for its headers:
 at its settle the forward's and backward's headers went out a phase or more earlier on every rank whose host
-keeps pace (today the hosts also meet at the backward's end, after every backward header, for the used-parameter
-flags: Note [unused params], unit_grads.py), so their copies have passed; the host blocks there only where
-another rank's host is a whole phase behind, and counts it. `host_waits` counts the times the
+keeps pace, so their copies have passed; the host blocks there only where another rank's host is a whole phase
+behind, and counts it. (The used-parameter flags, which met the hosts at the backward's end before, ride the
+device too, and are read only by a rank that did not use every parameter: Note [used flags on the device],
+used_flags.py.) `host_waits` counts the times the
 host thread blocked for a header: one per settle where a header had not landed on a host group (this class forced
 onto gloo: tests, bench/overhead/tag_cost.py) or its copy had not passed on a device (the event's query, before
 the wait), one per settle without a step, one per write below; a training step on a device expects none
 (tests/test_agreement_fake_gpu.py counts them on the fake accelerator).
+
+The host waits a step on a device may make, all of them (each counted): the write below, and a rank's read of
+the used flags in a backward where it did not use some parameter (Note [used flags on the device]).
 
 Kept on the host's path, as set-up, the one thing that must be decided before collectives are issued: a write
 of the user's (`p.data.mul_()`, `load_state_dict`, `sw.load`) is seen only by the ranks that made it, and it

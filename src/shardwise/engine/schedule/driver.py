@@ -1,7 +1,7 @@
 """The step driver: the hooks that run a zero engine's forward and backward, in FSDP2's verbs, over the
 units (unit/), their stage policy (stage.py), the gather schedule, the reducer and the agreement, which it
 owns. Built and installed by zero.py's ZeroEngine. Uses: agreement, agreement_device, compat, flat_unit,
-gather_schedule, gather_tags, phase, recompute, reducer, units, window.
+gather_schedule, gather_tags, phase, recompute, reducer, units, used_flags, window.
 
 The hooks, in FSDP2's verbs (a unit's states are residency.py's Note [unit lifecycle]):
 
@@ -84,6 +84,7 @@ from shardwise.engine.schedule.gather_schedule import GatherScheduler
 from shardwise.engine.schedule.gather_tags import make_tags
 from shardwise.engine.schedule.recompute import checkpoint_forward
 from shardwise.engine.schedule.reducer import Reducer
+from shardwise.engine.schedule.used_flags import make_used_flags
 from shardwise.engine.schedule.window import Window, WindowState, in_backward, in_grad_call, refuse_nested_backward
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.engine.unit.units import root_scope_modules
@@ -101,7 +102,8 @@ class StepDriver:
         tags = policy.gather_tags(lambda: make_tags(units, units[0].mesh.shard_group, self._where_now,
                                                     self.agreement)) if len(units) > 1 else None  # one: no order
         self.gathers = GatherScheduler(units, policy.gathers_in_flight, self.agreement.confirm, tags)
-        self.reducer = Reducer(list(reversed(units)), flags_group)  # Note [collective order]
+        # Note [collective order]; the used flags on the host group, or on the device (Note [used flags on the device])
+        self.reducer = Reducer(list(reversed(units)), make_used_flags(units, group, flags_group))
         self.sync_grads = True
         self.holding = False  # inside keep_gathered(): zero3 keeps each unit's full values until the step's reduce
         self.num_forwards = 0  # root forwards, counted in every header

@@ -1,5 +1,5 @@
 """The gradient side of a step: reduce-scatters issued in one fixed unit order, one in flight.
-Uses: collectives, flat_unit.
+Uses: flat_unit.
 
 Note [collective order] (zero.py): every rank must issue the same sequence of reduce-scatters,
 so a unit whose gradients are ready waits for every unit before it in `order` (the reverse of
@@ -7,14 +7,16 @@ registration: roughly the order backward finishes them); `finish` reduces the un
 reached this step (their gradients are zeros, or zero1's kept ones) in the same order. A landed
 reduce hands out the rows of the parameters this rank used; `finish` agrees once which parameters
 any rank used (Note [unused params], unit_grads.py) and settles the rest. Under
-sw.optimizer_in_backward each unit is settled, and stepped, as soon as its reduce lands.
+sw.optimizer_in_backward each unit is settled, and stepped, as soon as its reduce lands. The flags
+travel as used_flags.py says: on the host group at the settle (gloo), or on the device, sent right
+after the last reduce (each unit's reduce in backward steps) and read only by a rank that did not use
+every parameter (Note [used flags on the device]).
 """
 
 from __future__ import annotations
 
 import collections
 
-from shardwise.engine.comm.collectives import any_rank
 from shardwise.engine.unit.flat_unit import FlatUnit
 
 # Reduce-scatters allowed in flight during backward. One overlaps the previous unit's
@@ -34,8 +36,9 @@ MAX_PENDING_REPLICAS = 2
 class Reducer:
     """Issues each unit's reduce in `order`, at most MAX_PENDING_REDUCES in flight; `reset()` per backward."""
 
-    def __init__(self, order: list[FlatUnit], host_group):
-        self.order, self.host_group = order, host_group
+    def __init__(self, order: list[FlatUnit], flags):
+        """`flags`: how the ranks agree on which parameters any used (used_flags.make_used_flags)."""
+        self.order, self.flags = order, flags
         self.stepper = None  # Note [optimizer in backward] (step_in_backward.py): steps each reduced unit
         self.reset()
 
@@ -53,6 +56,7 @@ class Reducer:
         self.pending: collections.deque = collections.deque()  # units whose reduce is in flight
         self.landed: list[FlatUnit] = []  # units whose reduce landed, rows handed out, used flags not agreed yet
         self.replicating: collections.deque = collections.deque()  # hybrid: replica averages in flight
+        self.flags_sent: dict[int, object] = {}  # optimizer in backward: each unit's flags, sent with its reduce
 
     def add(self, unit: FlatUnit, grads: list) -> None:
         """`unit`'s gradients for this backward are complete: reduce them in their turn."""
@@ -68,11 +72,16 @@ class Reducer:
         for unit in self.order[self.next :]:
             self._launch(unit, self.ready.pop(id(unit), None))  # None: the kept gradients, or zeros
         self.next = len(self.order)
+        # Note [used flags on the device]: every unit's flags, in the order their reduces went, sent right after
+        # the last one (units move pending -> replicating -> landed in that order); stepped units sent theirs
+        sent = self.flags.send(self._flags_of([*self.landed, *self.replicating, *self.pending])) \
+            if self.stepper is None else None
         while self.pending:
             self._land_oldest()
         while self.replicating:  # Note [async replica reduce]: the last replica averages waited here, in order
             self._hand_out_oldest()
-        self._settle(self.landed)
+        if sent is not None:
+            self._settle(self.landed, sent)
         self.landed = []
         for unit in self.order:  # offload="host": the rows' copies to the host done (Note [host offload])
             unit.storage.synchronize()
@@ -102,6 +111,8 @@ class Reducer:
             self._land_oldest()
         unit.grads.start_reduce(grads, async_op=True)
         self.pending.append(unit)
+        if self.stepper is not None:  # stepped as its reduce lands: its flags go now (Note [used flags on the device])
+            self.flags_sent[id(unit)] = self.flags.send(self._flags_of([unit]))
 
     def _land_oldest(self) -> None:
         unit = self.pending.popleft()
@@ -112,7 +123,7 @@ class Reducer:
                 self._hand_out_oldest()
             return
         unit.grads.hand_out()  # stepped now: its rows must be averaged everywhere first
-        self._settle([unit])  # Note [optimizer in backward]: step it now
+        self._settle([unit], self.flags_sent.pop(id(unit)))  # Note [optimizer in backward]: step it now
         unit.storage.synchronize()  # offload="host": its rows on the host first (Note [host offload])
         self.stepper.after_reduce(unit)
 
@@ -121,10 +132,14 @@ class Reducer:
         unit.grads.hand_out()
         self.landed.append(unit)
 
-    def _settle(self, units: list[FlatUnit]) -> None:
-        """One agreement (over the host group) on which parameters any rank used, then the rows
-        of those this rank did not use (unit_grads.py, Note [unused params])."""
-        used = any_rank([flag for unit in units for flag in unit.grads.used_here], self.host_group)
+    @staticmethod
+    def _flags_of(units: list[FlatUnit]) -> list[bool]:
+        return [flag for unit in units for flag in unit.grads.used_here]
+
+    def _settle(self, units: list[FlatUnit], sent) -> None:
+        """One agreement on which parameters any rank used (`sent`: this rank's flags of `units`, as the flags'
+        `send` returned them), then the rows of those this rank did not use (unit_grads.py, Note [unused params])."""
+        used = self.flags.agree(sent)
         start = 0
         for unit in units:
             count = len(unit.grads.used_here)

@@ -9,10 +9,15 @@ rows were handed out (`land`, `settle`).
 Note [unused params]: a parameter no rank used this step must keep `grad=None`, as in a single
 process (AdamW then leaves it alone: no decay, no moment update), while one used by some ranks
 gets the average with zeros from the others. Which parameters a rank used is host knowledge (a
-gradient is None or not), so the ranks agree on it with one small all-reduce of host values per
-step over the host group (collectives.any_rank), after every reduce has landed: the hot path
-reads no device value to decide it (a read per parameter, then per unit, stalled a GPU's stream
-at every unit boundary).
+gradient is None or not: `used_here`, per reduced parameter), so the hot path reads no device value
+of the gradients to decide it (a read per parameter, then per unit, stalled a GPU's stream at every
+unit boundary); the ranks OR their flags (schedule/used_flags.py): on gloo one small all-reduce of
+host values a step over the host group (collectives.any_rank) once every reduce has landed, where the
+host waits for the reduces anyway; on a device (NCCL) a device all-reduce sent right after the last
+reduce, which only a rank that did not use every parameter reads (a rank that used all of them knows
+the OR is all True): no host rendezvous in a step that uses the whole model (Note [used flags on the
+device]). `hand_out` gives the rows of the parameters this rank used at once, `settle` the others'
+once the OR is known.
 
 Note [kept gradients rank-major]: zero1 keeps every full gradient until the step (and any
 stage does under no_sync) in `full`, laid out exactly as the reduce sends it: rank-major, rank
