@@ -19,19 +19,28 @@ CONFIGS = {  # tiny: hidden 32, 2 layers; qwen2 ties lm_head to embed_tokens, gp
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                                    n_positions=32, bos_token_id=0, eos_token_id=0)),
 }
+MORE_CONFIGS = {  # the other families chain_layers cuts (tests/test_pipe_hf.py); dropout off, as training compares
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=64,
+                                                max_position_embeddings=32)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, ffn_dim=64, max_position_embeddings=32,
+                                                word_embed_proj_dim=32, dropout=0.0, pad_token_id=1)),
+}
+FAMILIES = {**CONFIGS, **MORE_CONFIGS}
 SHARD_SIZE = "12KB"  # the tiny models' fp32 weights are 50-110 KB: 4+ files in bf16, more in fp32
 
 
 def model_class(name: str):
     import transformers
 
-    return getattr(transformers, CONFIGS[name][1])
+    return getattr(transformers, FAMILIES[name][1])
 
 
 def config(name: str, **changes):
     import transformers
 
-    config_class, _, kwargs = CONFIGS[name]
+    config_class, _, kwargs = FAMILIES[name]
     return getattr(transformers, config_class)(**{**kwargs, **changes})
 
 
