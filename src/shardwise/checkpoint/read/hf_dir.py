@@ -43,7 +43,7 @@ class HFDirectory(Source):
 
     def __init__(self, path: Path, names: HFNames, *, use_index: bool = False):
         super().__init__()
-        self.path, self.description = path, str(path)
+        self.path, self.description, self.names = path, str(path), names
         self.files: dict[str, FileReader] = {}
         try:
             self._open(names, use_index)
@@ -93,6 +93,9 @@ class HFDirectory(Source):
                               f"({', '.join(ignored[:4])}{', ...' if len(ignored) > 4 else ''})")
         self.notes.append("Hugging Face files carry no checksum of their data: the headers, the index and every "
                           "tensor's shape were checked, the tensors' bytes cannot be")
+
+    def may_be_absent(self, name: str) -> bool:
+        return self.names.may_be_absent(name)
 
     def close(self) -> None:
         for reader in self.files.values():

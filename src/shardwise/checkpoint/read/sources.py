@@ -180,7 +180,7 @@ class SafetensorsFile(Source):
 
     def __init__(self, path: Path, hf_names: HFNames):
         super().__init__()
-        self.description = str(path)
+        self.description, self.hf_names = str(path), hf_names
         self.file = FileReader(path, what="safetensors file")
         names = SourceNames(path)
         renamer = hf_names.rename
@@ -202,6 +202,9 @@ class SafetensorsFile(Source):
             if kept in self.file.entries and dropped not in self.file.entries and renamer(kept) in self.tensors:
                 kept_tensor = self.tensors[renamer(kept)]
                 kept_tensor.aliases += (names.add(renamer(dropped), dropped),)
+
+    def may_be_absent(self, name: str) -> bool:
+        return self.hf_names.may_be_absent(name)
 
     def close(self) -> None:
         self.file.close()
