@@ -16,11 +16,14 @@ import shardwise as sw
 from helpers.hf_dirs import (
     CONFIGS,
     VOCAB,
+    build_sharded,
     config,
     index_of,
+    load_and_compare,
     model_class,
     reference,
     rewrite_file,
+    rows_of,
     tokens,
     write_pretrained,
 )
@@ -38,39 +41,6 @@ def pretrained(tmp_path_factory):
             for d, dtype in DTYPES.items()}
 
 
-def _build(name, strategy, mesh_shape=None, **changes):
-    with sw.deferred_init():
-        model = model_class(name)(config(name, **changes))
-    mesh = {}
-    if mesh_shape is not None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = {"mesh": init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))}
-    return sw.shard(model, strategy=strategy, **mesh)
-
-
-def _rows(info, full):
-    return full.reshape(-1)[info.row_start:info.row_end] if full.dim() == 0 else full[info.row_start:info.row_end]
-
-
-def _load_and_compare(name, directory, strategy, expected, mesh_shape=None, path=None):
-    import torch.distributed as dist
-
-    model = _build(name, strategy, mesh_shape)
-    report = sw.load(path or directory, model)
-    differ = [n for n, info in sw.shard_info(model).items()
-              if not torch.equal(info.rows.reshape(-1), _rows(info, expected[n]).reshape(-1))]
-    differ += [n for n, b in model.named_buffers() if n in expected and not torch.equal(b, expected[n])]
-    # from_pretrained's logits in this process (one thread, as every rank): the parent's threads block
-    # matmuls otherwise, which rounds differently.
-    logits = reference(name, directory, tokens())[1]
-    with torch.no_grad():
-        got = model.eval()(input_ids=tokens()).logits  # as from_pretrained returns it: no dropout
-        if not torch.equal(got, logits):
-            differ.append(f"logits {(got - logits).abs().max().item():.3g}")
-    return dist.get_rank(), differ, report.ok, report.notes
-
-
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -81,7 +51,7 @@ def test_pretrained_dir_into_shards_equals_from_pretrained(ranks, pretrained, na
     on a batch must be from_pretrained's exactly."""
     directory = pretrained[(name, dtype)]
     expected = reference(name, directory, tokens())[0]
-    for rank, differ, ok, notes in ranks.run(_load_and_compare, 2, name, directory, strategy, expected, timeout=180):
+    for rank, differ, ok, notes in ranks.run(load_and_compare, 2, name, directory, strategy, expected, timeout=180):
         assert ok and differ == [], (rank, differ)
         assert any("carry no checksum" in n for n in notes)
         assert any("bfloat16 were converted to the model's torch.float32 (exactly)" in n for n in notes) == \
@@ -94,7 +64,7 @@ def test_pretrained_index_path_into_hybrid_shards(ranks, pretrained):
     2x2 (replicate, shard) mesh."""
     directory = pretrained[("qwen2", "bf16")]
     expected = reference("qwen2", directory, tokens())[0]
-    for rank, differ, ok, _ in ranks.run(_load_and_compare, 4, "qwen2", directory, "zero3", expected, (2, 2),
+    for rank, differ, ok, _ in ranks.run(load_and_compare, 4, "qwen2", directory, "zero3", expected, (2, 2),
                                          directory / "model.safetensors.index.json", timeout=240):
         assert ok and differ == [], (rank, differ)
 
@@ -106,7 +76,7 @@ def _from_pretrained(name, directory, auto, expected):
     model_class_ = transformers.AutoModelForCausalLM if auto else model_class(name)
     model, report = sw.from_pretrained(model_class_, directory, strategy="zero3", output_loading_info=True)
     differ = [n for n, info in sw.shard_info(model).items()
-              if not torch.equal(info.rows.reshape(-1), _rows(info, expected[n]).reshape(-1))]
+              if not torch.equal(info.rows.reshape(-1), rows_of(info, expected[n]).reshape(-1))]
     dtypes = {p.dtype for p in model.parameters()}
     logits = reference(name, directory, tokens())[1]
     with torch.no_grad():
@@ -176,7 +146,7 @@ def _refused(name, path, strategy, changes):
     """Load `path` into a sharded model; return the error and whether every row stayed as it was."""
     import torch.distributed as dist
 
-    model = _build(name, strategy, **changes)
+    model = build_sharded(name, strategy, **changes)
     before = {n: info.rows.clone() for n, info in sw.shard_info(model).items()}
     try:
         sw.load(path, model)
@@ -333,7 +303,7 @@ def _bytes_read(name, directory, strategy):
 
     from shardwise.checkpoint.read import reader
 
-    model = _build(name, strategy)
+    model = build_sharded(name, strategy)
     counted = []
     real = os.preadv
 
@@ -352,7 +322,7 @@ def _bytes_read(name, directory, strategy):
     return dist.get_rank(), sum(counted), mine * 2  # bf16 files
 
 
-def test_each_rank_reads_only_its_rows(ranks, pretrained):
+def test_each_rank_reads_only_itsrows_of(ranks, pretrained):
     """Catches a rank reading whole tensors (the model, not its shards) from a Hugging Face directory: under zero3
     at 2 ranks, each rank's reads of the files' data are its own rows' bytes, and together every byte once."""
     directory = pretrained[("qwen2", "bf16")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from helpers.hf_dirs import CONFIGS, config, model_class, tokens, write_pretrained
+from helpers.hf_dirs import FAMILIES, config, model_class, tokens, write_pretrained
 from helpers.pipe import GLOBAL_BATCH, MICRO, NUM_SAMPLES, batches_of, dataset, token_loss
 from shardwise.pipeline import PipelineConfig, PipeTrainer, StickySampler, chain_layers, grouped_adamw
 from shardwise.testing import RunResult, assert_close_runs, make_optimizer
@@ -18,14 +18,20 @@ pytest.importorskip("transformers")
 STEPS = 4
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_chain_of_a_hf_model_is_its_forward(name):
+VARIANTS = {"opt-projected": ("opt", dict(word_embed_proj_dim=16, do_layer_norm_before=False)),  # as opt-350m
+            "phi-tied": ("phi", dict(tie_word_embeddings=True))}
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILIES) + sorted(VARIANTS))
+def test_chain_of_a_hf_model_is_its_forward(variant):
     """Catches a cut that drops what transformers' forward does between layers: the causal mask, the rotary
-    position embeddings (Llama, Qwen2) or learned positions (GPT-2), the final norm; and a tied head (Qwen2,
-    GPT-2) not recorded as one parameter held by the first and last layer. The chain's logits are bitwise
-    model(input_ids).logits."""
+    position embeddings (Llama, Qwen2, Phi) or learned positions (GPT-2; OPT's offset by 2), Phi's embedding
+    dropout, OPT's projections in and out of a narrower embedding and its final norm when the config has none
+    (opt-350m's layout), the final norm; and a tied head (Qwen2, GPT-2, OPT, a tied Phi) not recorded as one
+    parameter held by the first and last layer. The chain's logits are bitwise model(input_ids).logits."""
+    name, changes = VARIANTS.get(variant, (variant, {}))
     torch.manual_seed(0)
-    model = model_class(name)(config(name)).eval()
+    model = model_class(name)(config(name, **changes)).eval()
     chain = chain_layers(model)
     hidden = tokens()
     with torch.no_grad():
@@ -33,17 +39,21 @@ def test_chain_of_a_hf_model_is_its_forward(name):
             hidden = layer(hidden)
         assert torch.equal(hidden, model(input_ids=tokens()).logits)
     assert chain.num_layers == 2 + config(name).num_hidden_layers
-    assert list(chain.tied().values()) == ([[0, chain.num_layers - 1]] if name != "llama" else [])
+    tied = model.config.tie_word_embeddings
+    assert list(chain.tied().values()) == ([[0, chain.num_layers - 1]] if tied else [])
 
 
 def test_other_hf_families_are_refused_with_the_fix():
-    """Catches a Hugging Face model of another structure (BERT) cut wrong instead of refused."""
+    """Catches a Hugging Face model of another structure (BERT) cut wrong instead of refused, and an OPT that
+    drops layers at random while training (LayerDrop) cut into fixed stages that never drop them."""
     import transformers
 
     bert = transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
                                                                num_attention_heads=2, intermediate_size=32))
     with pytest.raises(sw.ShardwiseError, match="pipeline_layers"):
         chain_layers(bert)
+    with pytest.raises(sw.ShardwiseError, match="layerdrop"):
+        chain_layers(model_class("opt")(config("opt", layerdrop=0.1)))
 
 
 def _pretrained_model(name, directory):
@@ -82,15 +92,16 @@ def _pipelined(name, directory, schedule, into_stages=False) -> RunResult:
     return RunResult(losses, [], trainer.full_parameters())
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_pretrained_hf_decoder_trains_in_pipe_by_shard_stages(ranks, tmp_path, name):
-    """Catches an HF decoder that the pipeline does not take as it is (chain_layers refused it), a stage whose
-    decoder layers miss the mask or positions, and Qwen2's tied embedding/head not kept one value across the
-    first and last stage: pipe 2 x zero3 2 at 4 ranks, loaded from pretrained files, GPipe and 1F1B, equals
-    transformers' forward in one process (fp32 1e-5 / 1e-6, DESIGN's bound)."""
+@pytest.mark.parametrize("name, schedules", [("llama", ("gpipe", "1f1b")), ("qwen2", ("gpipe", "1f1b")),
+                                             ("phi", ("gpipe",)), ("opt", ("1f1b",))])
+def test_pretrained_hf_decoder_trains_in_pipe_by_shard_stages(ranks, tmp_path, name, schedules):
+    """Catches an HF decoder that the pipeline does not take as it is (chain_layers refused it: Phi and OPT
+    were), a stage whose decoder layers miss the mask or positions, and a tied embedding/head (Qwen2, OPT) not
+    kept one value across the first and last stage: pipe 2 x zero3 2 at 4 ranks, loaded from pretrained files,
+    equals transformers' forward in one process (fp32 1e-5 / 1e-6, DESIGN's bound)."""
     directory = write_pretrained(name, tmp_path / name, torch.float32)
     reference = _reference(name, directory)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in schedules:
         for rank, result in enumerate(ranks.run(_pipelined, 4, name, directory, schedule, timeout=300)):
             try:
                 assert_close_runs(reference, result)
@@ -121,3 +132,41 @@ def test_pretrained_rows_load_into_sharded_stages(ranks, tmp_path):
             assert_close_runs(reference, result)
         except AssertionError as error:
             raise AssertionError(f"rank {rank}: {error}") from None
+
+
+def _pipelined_export(name, directory, checkpoint, out):
+    """Train pipe 2 x zero3 2 from the pretrained files, then export the documented way: save_pipeline, the same
+    model class built deferred and sharded zero3 over every rank, sw.load of the checkpoint, sw.save_pretrained."""
+    from shardwise.pipeline import save_pipeline
+
+    inputs, targets = dataset(vocab=96)
+    pipe = PipelineConfig(num_stages=2, num_microbatches=MICRO, schedule="1f1b", cache=False, strategy="zero3")
+    trainer = PipeTrainer(chain_layers(_pretrained_model(name, directory)), token_loss, grouped_adamw(eps=1e-3),
+                          inputs, targets, global_batch_size=GLOBAL_BATCH, config=pipe)
+    for batch in batches_of(trainer.sampler, 2):
+        trainer.step(batch)
+    save_pipeline(checkpoint, trainer)
+    with sw.deferred_init():
+        model = model_class(name)(config(name))
+    sw.shard(model, strategy="zero3")
+    assert sw.load(checkpoint, model).ok
+    sw.save_pretrained(model, out, max_shard_size="12KB")
+    return trainer.full_parameters()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "opt"])
+def test_pipelined_model_exports_to_what_from_pretrained_loads(ranks, tmp_path, name):
+    """Catches a pipelined model's export (docs/pipeline.md's route: save_pipeline, then sw.load into the model
+    sharded flat, then sw.save_pretrained) that from_pretrained loads other than what was trained: a stage's
+    rows missing or another stage's stale values, a tied head (Qwen2, OPT) stored twice or from the wrong stage,
+    one file past the size asked for."""
+    directory = write_pretrained(name, tmp_path / name, torch.float32)
+    out = tmp_path / "exported"
+    trained = ranks.run(_pipelined_export, 4, name, directory, tmp_path / "ckpt", out, timeout=300)[0]
+    assert len(list(out.glob("model-*.safetensors"))) >= 3 and (out / "model.safetensors.index.json").exists()
+    loaded = model_class(name).from_pretrained(out)
+    pretrained = model_class(name).from_pretrained(directory)
+    params = dict(loaded.named_parameters())
+    assert set(params) == set(trained)
+    assert [n for n, p in params.items() if not torch.equal(p, trained[n])] == []
+    assert any(not torch.equal(p, pretrained.get_parameter(n)) for n, p in params.items()), "nothing was trained"

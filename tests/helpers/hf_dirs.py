@@ -19,19 +19,28 @@ CONFIGS = {  # tiny: hidden 32, 2 layers; qwen2 ties lm_head to embed_tokens, gp
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
                                                    n_positions=32, bos_token_id=0, eos_token_id=0)),
 }
+MORE_CONFIGS = {  # the other families chain_layers cuts (tests/test_pipe_hf.py); dropout off, as training compares
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, intermediate_size=64,
+                                                max_position_embeddings=32)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                num_attention_heads=4, ffn_dim=64, max_position_embeddings=32,
+                                                word_embed_proj_dim=32, dropout=0.0, pad_token_id=1)),
+}
+FAMILIES = {**CONFIGS, **MORE_CONFIGS}
 SHARD_SIZE = "12KB"  # the tiny models' fp32 weights are 50-110 KB: 4+ files in bf16, more in fp32
 
 
 def model_class(name: str):
     import transformers
 
-    return getattr(transformers, CONFIGS[name][1])
+    return getattr(transformers, FAMILIES[name][1])
 
 
 def config(name: str, **changes):
     import transformers
 
-    config_class, _, kwargs = CONFIGS[name]
+    config_class, _, kwargs = FAMILIES[name]
     return getattr(transformers, config_class)(**{**kwargs, **changes})
 
 
@@ -73,3 +82,44 @@ def rewrite_file(directory: Path, key: str, change) -> None:
     index["weight_map"] = {k: f for k, f in index["weight_map"].items() if f != file}
     index["weight_map"].update({k: file for k in tensors})
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def build_sharded(name, strategy, mesh_shape=None, **changes):
+    """`name` built under sw.deferred_init() and sharded (a (replicate, shard) mesh of `mesh_shape` if given)."""
+    import shardwise as sw
+
+    with sw.deferred_init():
+        model = model_class(name)(config(name, **changes))
+    mesh = {}
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = {"mesh": init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))}
+    return sw.shard(model, strategy=strategy, **mesh)
+
+
+def rows_of(info, full):
+    """This rank's rows of `full`, as `sw.shard_info`'s `info` places them."""
+    return full.reshape(-1)[info.row_start:info.row_end] if full.dim() == 0 else full[info.row_start:info.row_end]
+
+
+def load_and_compare(name, directory, strategy, expected, mesh_shape=None, path=None):
+    """A rank function: sw.load `directory` (or `path`) into `name` sharded by `strategy`; (rank, the names whose
+    rows differ from `expected` and "logits" when the logits differ from from_pretrained's, ok, notes)."""
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    model = build_sharded(name, strategy, mesh_shape)
+    report = sw.load(path or directory, model)
+    differ = [n for n, info in sw.shard_info(model).items()
+              if not torch.equal(info.rows.reshape(-1), rows_of(info, expected[n]).reshape(-1))]
+    differ += [n for n, b in model.named_buffers() if n in expected and not torch.equal(b, expected[n])]
+    # from_pretrained's logits in this process (one thread, as every rank): the parent's threads block
+    # matmuls otherwise, which rounds differently.
+    logits = reference(name, directory, tokens())[1]
+    with torch.no_grad():
+        got = model.eval()(input_ids=tokens()).logits  # as from_pretrained returns it: no dropout
+        if not torch.equal(got, logits):
+            differ.append(f"logits {(got - logits).abs().max().item():.3g}")
+    return dist.get_rank(), differ, report.ok, report.notes

@@ -3,17 +3,21 @@
 
 Note [Hugging Face decoder layers]: the standard decoder families share one structure, an embedding, a
 list of decoder layers, a final norm and a head, and differ in where they keep the positions: the
-rotary families (Llama, Mistral, Qwen2, Qwen3) hand each decoder layer the rotary embedding of the
+rotary families (Llama, Mistral, Qwen2, Qwen3, Phi) hand each decoder layer the rotary embedding of the
 positions (`model.model.rotary_emb`, computed once per forward by transformers; here by each stage's
-layer from the same positions, the same values), GPT-2 adds learned position embeddings to the token
-embedding. Each layer built here is the model's own modules (no copies: training the chain trains the
-model), runs what transformers' own forward runs for it, and builds the causal mask with transformers'
-own `create_causal_mask` (or the sliding-window one, per `config.layer_types`), so any attention
-implementation sees the mask it would see in `model(input_ids)`. The chain's input is the token ids
-(batch, seq) from position 0, with no padding mask and no cache (training); its output is the logits.
+layer from the same positions, the same values), GPT-2 and OPT add learned position embeddings to the
+token embedding (OPT's table is offset by 2, and may project the embedding in and the output out of a
+narrower width). Each layer built here is the model's own modules (no copies: training the chain trains
+the model), runs what transformers' own forward runs for it (Phi's embedding dropout, GPT-2's and OPT's
+position sum, OPT's projections, the final norm where the config keeps one), and builds the causal mask
+with transformers' own `create_causal_mask` (or the sliding-window one, per `config.layer_types`), so any
+attention implementation sees the mask it would see in `model(input_ids)`. The chain's input is the token
+ids (batch, seq) from position 0, with no padding mask and no cache (training); its output is the logits.
 A tied head (`tie_word_embeddings`) holds the embedding's parameter: the first and the last layer hold
-one parameter (Note [tied params] in layers.py). Families with another structure (OPT, Phi, BERT, ...)
-are refused with the fix: a `pipeline_layers()` method on a wrapper.
+one parameter (Note [tied params] in layers.py). OPT's LayerDrop (skipping a layer at random while
+training) has no place in a fixed schedule of stages and is refused unless `config.layerdrop` is 0.
+Families with another structure (BERT, T5, ...) are refused with the fix: a `pipeline_layers()` method
+on a wrapper.
 """
 
 from __future__ import annotations
@@ -22,9 +26,6 @@ import torch
 from torch import nn
 
 from shardwise.errors import ShardwiseError
-
-ROTARY = ("llama", "mistral", "qwen2", "qwen3")
-LEARNED = ("gpt2",)
 
 
 class _Positions(nn.Module):
@@ -36,22 +37,31 @@ class _Positions(nn.Module):
 
 
 class _TokenEmbedding(nn.Module):
-    def __init__(self, embed: nn.Module):
+    """The rotary families' first layer: the token embedding (then Phi's embedding dropout)."""
+
+    def __init__(self, embed: nn.Module, drop: nn.Module | None = None):
         super().__init__()
-        self.embed = embed
+        self.embed, self.drop = embed, drop or nn.Identity()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed(tokens)
+        return self.drop(self.embed(tokens))
 
 
-class _GPT2Embedding(_Positions):
-    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module):
+class _LearnedEmbedding(_Positions):
+    """GPT-2's and OPT's first layer: the token embedding (OPT: projected in) plus the learned positions."""
+
+    def __init__(self, embed: nn.Module, positions: nn.Module, drop: nn.Module | None = None,
+                 project_in: nn.Module | None = None, offset: int = 0):
         super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
+        self.embed, self.wpe = embed, positions
+        self.drop, self.project_in = drop or nn.Identity(), project_in or nn.Identity()
+        self.offset = offset  # OPT's table starts 2 rows in (OPTLearnedPositionalEmbedding.offset)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.wte(tokens)
-        return self.drop(hidden + self.wpe(self.positions(hidden)))
+        hidden = self.project_in(self.embed(tokens))
+        # nn.Embedding's own forward: OPT's subclass takes an attention mask and adds its offset itself
+        where = nn.Embedding.forward(self.wpe, self.positions(hidden) + self.offset)
+        return self.drop(hidden + where)
 
 
 class _Decoder(_Positions):
@@ -77,32 +87,64 @@ class _Decoder(_Positions):
 
 
 class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, head: nn.Module):
+    """The last layer: the final norm (OPT: where the config keeps one, then the projection out), the head."""
+
+    def __init__(self, head: nn.Module, *before: nn.Module | None):
         super().__init__()
-        self.norm, self.head = norm, head
+        self.before = nn.ModuleList([m for m in before if m is not None])
+        self.head = head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
+        for module in self.before:
+            hidden = module(hidden)
+        return self.head(hidden)
+
+
+def _decoders(layers, config, rotary: nn.Module | None) -> list[nn.Module]:
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(layers)
+    return [_Decoder(layer, config, kind, rotary) for layer, kind in zip(layers, kinds)]
+
+
+def _rotary(body, config, head) -> list[nn.Module]:
+    return [_TokenEmbedding(body.embed_tokens), *_decoders(body.layers, config, body.rotary_emb),
+            _Head(head, body.norm)]
+
+
+def _phi(body, config, head) -> list[nn.Module]:
+    return [_TokenEmbedding(body.embed_tokens, body.embed_dropout), *_decoders(body.layers, config, body.rotary_emb),
+            _Head(head, body.final_layernorm)]
+
+
+def _gpt2(body, config, head) -> list[nn.Module]:
+    return [_LearnedEmbedding(body.wte, body.wpe, body.drop), *_decoders(body.h, config, None),
+            _Head(head, body.ln_f)]
+
+
+def _opt(body, config, head) -> list[nn.Module]:
+    if config.layerdrop:
+        raise ShardwiseError(
+            f"this OPT model skips decoder layers at random while training (config.layerdrop={config.layerdrop}), "
+            "which a pipeline's fixed stages cannot do; set config.layerdrop = 0 before building the model to cut "
+            "it into stages (Note [Hugging Face decoder layers])")
+    decoder = body.decoder
+    return [_LearnedEmbedding(decoder.embed_tokens, decoder.embed_positions, None, decoder.project_in,
+                              decoder.embed_positions.offset),
+            *_decoders(decoder.layers, config, None), _Head(head, decoder.final_layer_norm, decoder.project_out)]
+
+
+CUTS = {"llama": _rotary, "mistral": _rotary, "qwen2": _rotary, "qwen3": _rotary, "phi": _phi,
+        "gpt2": _gpt2, "opt": _opt}
 
 
 def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """`model` (a transformers causal LM of a family in ROTARY or LEARNED) as pipeline layers: the embedding,
-    one per decoder layer, the final norm with the head (Note [Hugging Face decoder layers])."""
-    config = model.config
-    family = getattr(config, "model_type", None)
+    """`model` (a transformers causal LM of a family in CUTS) as pipeline layers: the embedding, one per
+    decoder layer, the final norm with the head (Note [Hugging Face decoder layers])."""
+    family = getattr(model.config, "model_type", None)
     head = model.get_output_embeddings()
-    if family in ROTARY and head is not None:
-        body = model.base_model
-        kinds = getattr(config, "layer_types", None) or ["full_attention"] * len(body.layers)
-        return [_TokenEmbedding(body.embed_tokens),
-                *(_Decoder(layer, config, kind, body.rotary_emb) for layer, kind in zip(body.layers, kinds)),
-                _Head(body.norm, head)]
-    if family in LEARNED and head is not None:
-        body = model.base_model
-        return [_GPT2Embedding(body.wte, body.wpe, body.drop),
-                *(_Decoder(block, config, "full_attention", None) for block in body.h), _Head(body.ln_f, head)]
+    if family in CUTS and head is not None:
+        return CUTS[family](model.base_model, model.config, head)
     raise ShardwiseError(
-        f"chain_layers cuts the Hugging Face causal LMs of families {', '.join(ROTARY + LEARNED)} by itself; "
+        f"chain_layers cuts the Hugging Face causal LMs of families {', '.join(CUTS)} by itself; "
         f"{type(model).__name__} (model_type {family!r}) is not one of them. Wrap it in a module whose "
         "`pipeline_layers()` returns its layers in order (shardwise.interfaces.LayeredModel; "
-        "shardwise/models/hf_layers.py shows the Llama and GPT-2 cuts)")
+        "shardwise/models/hf_layers.py shows the cuts of these families)")

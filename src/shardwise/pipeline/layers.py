@@ -73,7 +73,7 @@ def chain_layers(model: nn.Module | list[nn.Module]) -> LayerChain:
 
     Accepts a model that implements `pipeline_layers()` (shardwise.interfaces.LayeredModel,
     as the zoo GPT does: embedding layer, one layer per block, head layer), a Hugging Face
-    causal LM of the standard decoder families (Llama, Mistral, Qwen2, Qwen3, GPT-2: cut by
+    causal LM of the standard decoder families (Llama, Mistral, Qwen2, Qwen3, Phi, GPT-2, OPT: cut by
     models/hf_layers.py, its input the token ids and its output the logits), an `nn.Sequential` or
     `nn.ModuleList` (one layer per child), or a plain list of modules (named as an
     `nn.ModuleList` of them would be: "0.weight", ...).

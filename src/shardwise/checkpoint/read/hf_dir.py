@@ -77,7 +77,8 @@ class HFDirectory(Source):
         # in the metadata as {dropped: kept}.
         tied = {} if not one_file else {dropped: kept for dropped, kept in self.files[self.path.name].metadata.items()
                                         if kept in held and dropped not in held}
-        names = HFNames(model, renamer).source_names(held, tied, self.path)
+        self.hf_names = HFNames(model, renamer)
+        names = self.hf_names.source_names(held, tied, self.path)
         for key, name in names.names.items():
             reader, entry = self.files[held[key]], self.files[held[key]].entries[key]
             self.tensors[name] = SourceTensor(
@@ -109,6 +110,9 @@ class HFDirectory(Source):
                     f"deleted. Fetch the missing file. {_FIX}" if weight_map is not None else f"{full} is missing")
             self.files[file] = FileReader(full, what="safetensors file")
         return weight_map
+
+    def may_be_absent(self, name: str) -> bool:
+        return self.hf_names.may_be_absent(name)
 
     def close(self) -> None:
         for reader in self.files.values():

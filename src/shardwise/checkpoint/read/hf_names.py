@@ -6,7 +6,11 @@ first applies the model's conversion mapping (transformers.conversion_mapping: p
 and the "legacy" ones every model gets, `LayerNorm.gamma` -> `LayerNorm.weight`, `.weight_g` ->
 `.parametrizations.weight.original0`, ...), then adds or drops the base-model prefix (`model.`,
 `transformer.`) so that a `LlamaModel`'s file loads into a `LlamaForCausalLM` and the reverse, and it
-ignores the keys the class lists in `_keys_to_ignore_on_load_unexpected` (GPT-2's old `attn.bias` masks).
+ignores the keys the class lists in `_keys_to_ignore_on_load_unexpected` (GPT-2's old `attn.bias` masks;
+and, as transformers adds them for any model holding such buffers, the `rotary_emb.inv_freq` and
+`position_ids` that older releases stored), and lets the model's tensors its class lists in
+`_keys_to_ignore_on_load_missing` (Pegasus' `final_logits_bias`, BatchNorm's `num_batches_tracked`) be absent
+from the files: they keep their values, and the load report's notes name them (`may_be_absent`).
 We take the mapping from transformers itself (`get_model_conversion_mapping`, the function PEFT calls
 too), so a model whose renames change with a transformers release stays right. A `WeightConverter`
 (Mixtral's per-expert tensors merged into one, a fused qkv split in three) builds a tensor out of
@@ -69,8 +73,13 @@ class HFNames:
         hf = pretrained_model(model) if model is not None else None
         self.prefix = getattr(hf, "base_model_prefix", "") or ""
         self.renamings, self.converters = _transforms(hf)
-        self._ignore = [re.compile(p) for p in (getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ())]
+        self._ignore = _patterns(hf, "_keys_to_ignore_on_load_unexpected") + _legacy_buffers(hf)
+        self._absent = _patterns(hf, "_keys_to_ignore_on_load_missing")
         self.targets = model_names(model) if model is not None else set()
+
+    def may_be_absent(self, name: str) -> bool:
+        """True for a model tensor transformers lets be absent from the files (`_keys_to_ignore_on_load_missing`)."""
+        return any(p.search(name) for p in self._absent)
 
     def rename(self, key: str) -> str:
         name = self.renamer(clean_name(key))
@@ -128,6 +137,19 @@ class HFNames:
         if prefix + name in self.targets:
             return prefix + name
         return name
+
+
+def _patterns(hf, attribute: str) -> list[re.Pattern]:
+    """The regexes `hf`'s class lists under `attribute` (transformers gathers its sub-models' at post_init)."""
+    return [re.compile(p) for p in (getattr(hf, attribute, None) or ())]
+
+
+def _legacy_buffers(hf) -> list[re.Pattern]:
+    """The keys transformers ignores in a file of any model that holds such buffers (modeling_utils, beside its
+    `_keys_to_ignore_on_load_unexpected`): rotary frequencies and position ids older releases stored."""
+    buffers = [name for name, _ in hf.named_buffers()] if hf is not None else []
+    return ([re.compile(r"rotary_emb\.inv_freq")] if any(b.endswith("rotary_emb.inv_freq") for b in buffers) else []) \
+        + ([re.compile(r"(^|\.)position_ids$")] if any(b.endswith("position_ids") for b in buffers) else [])
 
 
 def _transforms(hf) -> tuple[list, list]:

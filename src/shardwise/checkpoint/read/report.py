@@ -98,11 +98,11 @@ def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]],
     for tensor in source.tensors.values():
         for name in (tensor.name, *tensor.aliases):
             lookup.setdefault(name, tensor)
-    pairs, used = {}, set()
+    pairs, used, absent = {}, set(), []
     for target, (shape, names) in targets.items():
         found = [lookup[n] for n in names if n in lookup]
         if not found:
-            report.missing.append(target)
+            (absent if source.may_be_absent(target) else report.missing).append(target)
             continue
         used.update(t.name for t in found)
         if len({t.name for t in found}) > 1:
@@ -114,6 +114,10 @@ def match(source: Source, targets: dict[str, tuple[tuple[int, ...], list[str]]],
             continue
         pairs[target] = tensor
     report.unexpected.extend(t.name for t in source.tensors.values() if t.name not in used)
+    if absent:
+        report.notes.append(f"{len(absent)} tensors the model's class lets be absent (_keys_to_ignore_on_load_missing)"
+                            f" are not in the checkpoint and kept their values ({', '.join(absent[:4])}"
+                            f"{', ...' if len(absent) > 4 else ''})")
     # Suggestions pair what is left on both sides: a missing name is most likely one of
     # the unexpected ones under another name (a rename, a new wrapper, a typo). Bounded: difflib
     # costs the product of the lengths, and a hostile source may hold many long names.

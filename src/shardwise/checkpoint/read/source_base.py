@@ -53,6 +53,11 @@ class Source:
     def rng_of(self, rank: int):
         return None
 
+    def may_be_absent(self, name: str) -> bool:
+        """True for a model tensor this source may lack without the load being partial (a Hugging Face
+        model's `_keys_to_ignore_on_load_missing`): it keeps its value, the report's notes name it."""
+        return False
+
     def object_state(self, key: str, obj, rank: int, world: int):
         """The saved state of keyword object `key` for `rank` of `world` (Note [object states])."""
         if self.world_size not in (None, world) and not getattr(obj, "state_is_global", False):
