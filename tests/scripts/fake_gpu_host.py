@@ -109,7 +109,44 @@ def train_stage_host(strategy: str):
     return checks
 
 
+def round_trip(strategy: str, how: str):
+    """Two steps under offload="host" on the device, `how` ("save" or "save_async") into $SW_FAKE_CKPT/device,
+    sw.load into a fresh model and optimizer, sw.save again into $SW_FAKE_CKPT/reloaded (one rank: the fake
+    world's other ranks write nothing)."""
+    root = os.environ["SW_FAKE_CKPT"]
+    model = _deferred()
+    sw.shard(model, strategy=strategy, units=base.Block, offload="host")
+    optimizer = base._adamw(model)
+    checks = base._counted(base._step(model, optimizer))
+    (sw.save_async(f"{root}/device", model, optimizer).wait() if how == "save_async"
+     else sw.save(f"{root}/device", model, optimizer))
+    _reload(f"{root}/device", f"{root}/reloaded", _deferred(), strategy, {"offload": "host"})
+    return checks
+
+
+def cpu_reload(strategy: str):
+    """The same checkpoint loaded by a CPU run (real values, no offload) and saved again: $SW_FAKE_CKPT/cpu."""
+    root = os.environ["SW_FAKE_CKPT"]
+    _reload(f"{root}/device", f"{root}/cpu", base.Tiny(), strategy, {})
+    return base.StepChecks()
+
+
+def _reload(source: str, target: str, model, strategy: str, options: dict) -> None:
+    sw.shard(model, strategy=strategy, units=base.Block, **options)
+    optimizer = base._adamw(model)
+    on_cpu = not options  # the CPU run's batch is a real host tensor
+    model(torch.zeros(2, 4, dtype=torch.long) if on_cpu else base._batch()).backward()
+    optimizer.step()  # the state exists, as after training, before the load replaces it
+    optimizer.zero_grad()
+    sw.load(source, model, optimizer)
+    sw.save(target, model, optimizer)
+
+
 SCENARIOS = {f"{s}-host": (2, lambda s=s: train_host(s), MIXED) for s in ("zero1", "zero2", "zero3")}
+SCENARIOS["zero2-host-save"] = (1, lambda: round_trip("zero2", "save"), MIXED)
+SCENARIOS["zero3-host-save-async"] = (1, lambda: round_trip("zero3", "save_async"), MIXED)
+SCENARIOS["zero2-cpu-reload"] = (1, lambda: cpu_reload("zero2"))
+SCENARIOS["zero3-cpu-reload"] = (1, lambda: cpu_reload("zero3"))
 SCENARIOS["zero3-host-ws4"] = (4, lambda: train_host("zero3"), MIXED)
 SCENARIOS["zero2-host-bf16"] = (2, lambda: train_host("zero2", "bf16"), MIXED)
 SCENARIOS["zero2-host-dcp"] = (2, lambda: train_host("zero2", dcp=True), MIXED)
@@ -175,7 +212,15 @@ def _dcp_on_compute_device():
         yield
 
 
-base.MUTATIONS.update({"old-group-check": base._mutated(_old_group_check), "no-host-wait": base._mutated(_no_host_wait),
+@contextlib.contextmanager
+def _load_skipped():
+    """sw.load that reads nothing (the reloaded model keeps its own values): the comparison must see it."""
+    with base._patched(sw, "load", lambda *args, **kwargs: None):
+        yield
+
+
+base.MUTATIONS.update({"load-skipped": base._mutated(_load_skipped),
+                       "old-group-check": base._mutated(_old_group_check), "no-host-wait": base._mutated(_no_host_wait),
                        "unpinned": base._mutated(_unpinned),
                        "blocking-copies": base._mutated(_blocking_copies),
                        "rows-not-copied": base._mutated(_rows_not_copied),
