@@ -17,7 +17,8 @@ from shardwise.engine.comm.context import backends_of, has_host_backend
 
 SCRIPT = ROOT / "tests" / "scripts" / "fake_gpu_host.py"
 HOST = ["zero1-host", "zero2-host", "zero3-host", "zero3-host-ws4", "zero2-host-bf16"]
-MUTANTS = ["zero3-host:old-group-check", "zero3-host:no-host-wait", "zero1-host:unpinned",
+STREAMS = ["zero2-streams", "zero3-streams-prefetch1", "zero3-streams-ws4"]
+MUTANTS = ["zero3-host:old-group-check", "zero3-host:no-host-wait", "zero1-host:unpinned", "zero3-host:item-in-copy",
            "zero3-host:rows-not-copied", "zero2-host:blocking-copies", "zero2-host-dcp:dcp-on-device"]
 COUNTED_STEPS = 2  # fake_gpu_run.STEPS less the first
 # The listed allowance: before the CPU step reads gradient rows or writes master rows, the host waits once for the
@@ -27,7 +28,8 @@ HOST_WAITS = {"event.synchronize at engine/memory/host_offload.py:synchronize": 
 
 @pytest.fixture(scope="module")
 def reports():
-    return run_in_child(*HOST, "zero2-host-dcp", "zero3-host-stage", "zero3-host-nccl-only", *MUTANTS, script=SCRIPT)
+    return run_in_child(*HOST, "zero2-host-dcp", "zero3-host-stage", "zero3-host-nccl-only", *STREAMS, *MUTANTS,
+                        script=SCRIPT)
 
 
 def _clean(report):
@@ -107,6 +109,26 @@ def test_copies_that_block_the_host_are_counted(reports, name, where):
     assert report["ok"], report["error"]
     blocking = {site: n for site, n in report["syncs"].items() if site.endswith(where)}
     assert blocking and all(n >= COUNTED_STEPS for n in blocking.values()), report["syncs"]
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_streams_per_collective_on_the_device(reports, name):
+    """Catches the engine's streams per collective (gather, reduce, replica; prefetch 1 and 2) freeing or reusing
+    memory before another stream's op on it is known done, or a host wait or read per step, on a group that runs
+    on the accelerator (no offload: the plain fake world gives the engine the host's order only)."""
+    report = reports[name]
+    assert report["ok"], report["error"]
+    assert report["collectives"] == [] and report["hazards"] == [] and report["host_tensors"] == {}, report
+    assert report["syncs"] == {}, report["syncs"]
+
+
+def test_an_item_in_a_host_offload_step_is_counted(reports):
+    """Catches a sync counter blind to a device read in host offload's step (its clip's norms are host values,
+    so the `.item()` mutation of tests/test_fake_gpu.py reads no device there): one per copy to the device."""
+    report = reports["zero3-host:item-in-copy"]
+    assert report["ok"], report["error"]
+    items = {site: n for site, n in report["syncs"].items() if site.startswith("_local_scalar_dense")}
+    assert items and sum(items.values()) >= COUNTED_STEPS, report["syncs"]
 
 
 def test_a_gather_fed_host_rows_is_a_device_mismatch(reports):

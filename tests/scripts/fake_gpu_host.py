@@ -69,8 +69,9 @@ def train_host(strategy: str, precision: str = "fp32", dcp: bool = False):
     sw.shard(model, strategy=strategy, units=base.Block, precision=precision, offload="host")
     optimizer = base._adamw(model)
     checks = base._counted(base._step(model, optimizer))
-    model(base._batch()).backward()
-    optimizer.step()
+    with base.StepChecks():  # not counted; its host reads answered as in the counted steps
+        model(base._batch()).backward()
+        optimizer.step()
     checks.extra = {"placement": placement(model, optimizer),
                     "bytes": {"measured": counted_bytes(model, optimizer),
                               "estimated": {"device": predicted.model_state, "host": predicted.host}}}
@@ -146,6 +147,10 @@ SCENARIOS = {f"{s}-host": (2, lambda s=s: train_host(s), MIXED) for s in ("zero1
 SCENARIOS["zero2-host-save"] = (1, lambda: round_trip("zero2", "save"), MIXED)
 SCENARIOS["zero3-host-save-async"] = (1, lambda: round_trip("zero3", "save_async"), MIXED)
 SCENARIOS["zero2-cpu-reload"] = (1, lambda: cpu_reload("zero2"))
+# without offload on the same group: the engine's streams per collective on the device (Note [streams per collective])
+SCENARIOS["zero2-streams"] = (2, lambda: base.train("zero2"), MIXED)
+SCENARIOS["zero3-streams-prefetch1"] = (2, lambda: base.train("zero3", shard={"prefetch": 1}), MIXED)
+SCENARIOS["zero3-streams-ws4"] = (4, lambda: base.train("zero3"), MIXED)
 SCENARIOS["zero3-cpu-reload"] = (1, lambda: cpu_reload("zero3"))
 SCENARIOS["zero3-host-ws4"] = (4, lambda: train_host("zero3"), MIXED)
 SCENARIOS["zero2-host-bf16"] = (2, lambda: train_host("zero2", "bf16"), MIXED)
@@ -186,6 +191,21 @@ def _blocking_copies():
 
 
 @contextlib.contextmanager
+def _item_in_copy():
+    """A host read of a device value in every copy of rows to the device (a logging line, say)."""
+    from shardwise.engine.memory.host_offload import HostCopies
+
+    real = HostCopies.to_device
+
+    def to_device(self, unit, flat, dtype):
+        cast = real(self, unit, flat, dtype)
+        cast.sum().item()
+        return cast
+    with base._patched(HostCopies, "to_device", to_device):
+        yield
+
+
+@contextlib.contextmanager
 def _unpinned():
     """Host rows and gradient buffers in pageable memory: every `non_blocking` copy then blocks the host."""
     from shardwise.engine.memory import host_offload
@@ -219,7 +239,7 @@ def _load_skipped():
         yield
 
 
-base.MUTATIONS.update({"load-skipped": base._mutated(_load_skipped),
+base.MUTATIONS.update({"load-skipped": base._mutated(_load_skipped), "item-in-copy": base._mutated(_item_in_copy),
                        "old-group-check": base._mutated(_old_group_check), "no-host-wait": base._mutated(_no_host_wait),
                        "unpinned": base._mutated(_unpinned),
                        "blocking-copies": base._mutated(_blocking_copies),
