@@ -66,14 +66,16 @@ def test_estimate_matches_the_device_and_host_bytes(reports, name):
 
 
 def test_dcp_state_dict_holds_the_host_rows_in_place(reports):
-    """Catches sw.dcp_state_dict handing DCP copies of the host rows on the accelerator: a mesh of the compute
-    device (what issue 58's note proposed for offload) makes `from_local` move them, and `dcp.load` would then
-    fill copies while the rows stay as they were. The rows' own device (the host's) keeps them in place."""
+    """Catches sw.dcp_state_dict or model.state_dict() handing DCP copies of the host rows on the accelerator: a
+    mesh of the compute device (what issue 58's note proposed for dcp.py, and what engine/state_dict.py did) makes
+    `from_local` move them, and `dcp.load` would then fill copies while the rows stay as they were. The rows' own
+    device (the host's) keeps them in place: state_dict()'s DTensors were device copies before the fix."""
     report = reports["zero2-host-dcp"]
     _clean(report)
-    assert report["dcp"] == {"mesh": ["cpu"], "local": ["cpu"], "views": True}, report["dcp"]
+    for what in ("dcp", "state_dict"):
+        assert report[what] == {"mesh": ["cpu"], "local": ["cpu"], "views": True}, (what, report[what])
     moved = reports["zero2-host-dcp:dcp-on-device"]
-    assert moved["ok"] and not moved["dcp"]["views"], moved
+    assert moved["ok"] and not moved["dcp"]["views"] and not moved["state_dict"]["views"], moved
 
 
 def test_a_group_without_a_host_backend_is_refused(reports):

@@ -75,14 +75,16 @@ def train_host(strategy: str, precision: str = "fp32", dcp: bool = False):
     checks.extra = {"placement": placement(model, optimizer),
                     "bytes": {"measured": counted_bytes(model, optimizer),
                               "estimated": {"device": predicted.model_state, "host": predicted.host}}}
-    if dcp:
+    if dcp:  # model.state_dict() first: a layout keeps the first DTensor mesh it made (ParallelLayout._flat_mesh)
+        from_model = list(model.state_dict().values())
         state = sw.dcp_state_dict(model, optimizer)
         tensors = list(state["model"].values()) + [v for entry in state["optim"].values() for v in entry.values()
                                                    if hasattr(v, "device_mesh")]
         rows = {t.untyped_storage()._cdata for t in _model_state(model, optimizer)}
-        checks.extra["dcp"] = {"mesh": sorted({t.device_mesh.device_type for t in tensors}),
-                               "local": sorted({t.to_local().device.type for t in tensors}),
-                               "views": all(t.to_local().untyped_storage()._cdata in rows for t in tensors)}
+        for what, found in (("dcp", tensors), ("state_dict", from_model)):
+            checks.extra[what] = {"mesh": sorted({t.device_mesh.device_type for t in found}),
+                                  "local": sorted({t.to_local().device.type for t in found}),
+                                  "views": all(t.to_local().untyped_storage()._cdata in rows for t in found)}
     return checks
 
 
@@ -225,10 +227,14 @@ def _rows_not_copied():
 
 @contextlib.contextmanager
 def _dcp_on_compute_device():
-    """sw.dcp_state_dict's meshes on the compute device (the accelerator) rather than on the rows' own."""
+    """sw.dcp_state_dict's and model.state_dict()'s meshes on the compute device (the accelerator) rather than on
+    the rows' own (both: a layout keeps the first mesh it made)."""
     from shardwise.checkpoint.interop import dcp
+    from shardwise.engine import state_dict
 
-    with base._patched(dcp, "as_dtensor", lambda tensor, info, device_type: _as_dtensor(tensor, info, DEVICE)):
+    def on_device(tensor, info, device_type):
+        return _as_dtensor(tensor, info, DEVICE)
+    with base._patched(dcp, "as_dtensor", on_device), base._patched(state_dict, "as_dtensor", on_device):
         yield
 
 

@@ -37,15 +37,17 @@ Device choices, all of them (Note [one device path], streams.py):
   one, and a CPU run copies host to host.
 - The copy streams come from the engine's device API (`unit.comm.api`): on a CPU device they are the
   host's order, where the copies run at once and every wait is a no-op, so the same code runs on this host.
-- The state-dict's DTensors keep the compute device's mesh over local rows in host memory (state_dict.py
-  unchanged), as FSDP2's CPU offload keeps its sharded DTensors.
+- The state dict's DTensors (state_dict.py, dcp.py) are views of the host rows over a mesh of the host's device
+  type: `DTensor.from_local` moves a local tensor to its mesh's device, so a mesh of the accelerator would hand
+  out copies (FSDP2 builds its CPU-offloaded DTensors without that move, through a private constructor).
 
 The process group (Note [group backends], comm/context.py): `sw.clip_grad_norm_` and `sw.grad_norms`
 all-reduce norms of host gradients, which NCCL alone cannot, so the group needs a CPU backend beside the
 device's (`sw.init(backend="cpu:gloo,cuda:nccl")`, as FSDP2's CPU offload asks): `check_group` refuses a
 group without one when the first unit takes its rows, on every rank. Such a mixed group runs the gathers on
 the accelerator with the engine's streams (CommContext.for_group reads it as NCCL). `sw.dcp_state_dict`'s
-DTensors take the compute device's mesh over the host rows, as the engine's state dict does.
+and `model.state_dict()`'s DTensors take a mesh on the rows' own device (the host's): one of the compute device
+would make `from_local` hand DCP device copies, which `dcp.load` fills while the rows stay as they were.
 
 Where it does not apply (refused with the fix, config.py and optim_hooks.py): ddp (torch's reducer keeps
 everything on the device), disk offload at once (one place per run), an optimizer stepped on whole tensors
