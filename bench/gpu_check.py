@@ -21,6 +21,12 @@ when any failed:
                  times (host syncs per step, counted). On CPU, or at ws 1 (nothing gathered), it says it
                  skipped and why.
   timed step     zero3, one step after a warm-up (synchronized): printed, not judged
+  path NAME      every engine path of issue 58 point 5 (bench/gpu_paths.py PATHS: streams per collective and
+                 prefetch, device-form tags, hybrid, hpZ, compression, bf16, fp16 + scaler, clipping and norms,
+                 optimizer in backward, Muon, host offload on a "cpu:gloo,cuda:nccl" group, a pipeline stage,
+                 compile) against one process, the steps after the first under set_sync_debug_mode("error")
+  step time      ddp, zero3 and FSDP2 fully_shard per block, median step (printed, not judged)
+`--dry-run` prints every check this device would run and exits (no process group, no device: a CPU host runs it).
 At ws 1 nothing crosses a link (a one-rank group moves no bytes, the reduce-scatter is skipped), so one
 GPU checks the device code, not the communication. Two NCCL ranks cannot share one GPU (NCCL refuses
 a duplicate device), so gpu_check.sh runs a second pass on one GPU with `--backend gloo` at 2 ranks,
@@ -49,6 +55,9 @@ import shardwise as sw
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.testing import make_optimizer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for gpu_paths beside this script
+import gpu_paths  # noqa: E402
+
 CONFIG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
 STEPS, BATCH = 3, 8
 
@@ -57,7 +66,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default=None, help="nccl on cuda, gloo on cpu unless given")
+    p.add_argument("--dry-run", action="store_true", help="print every check this device would run, then exit")
     return p.parse_args(argv)
+
+
+def plan(device: str) -> list[str]:
+    """Every check's name, in the order run_checks runs them (`--dry-run`)."""
+    checks = [f"parity {s}" for s in ("ddp", "zero1", "zero2", "zero3")] + ["no_sync+clip zero2", "no_sync+clip zero3",
+                                                                            "bf16 zero3"]
+    checks += [f"save/load zero3 {how}" for how in ("sw.save", "sw.save_async")] + ["save/load zero3 host offload"]
+    checks += ["overlap zero3", "host syncs per step zero3"] + (["no host sync zero2", "no host sync zero3"]
+                                                                  if device == "cuda" else [])
+    checks += ["timed step zero3"] + [f"path {name}" for name in gpu_paths.PATHS]
+    return checks + [f"step time {arm}" for arm in ("ddp", "zero3", "fsdp2")]
 
 
 def global_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,32 +88,46 @@ def global_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def build(device: torch.device, **shard_kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The GPT (seed 0) on the device, sharded when `strategy` is given, and its AdamW."""
+def build(device: torch.device, process_group=None, **shard_kwargs) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT (seed 0) on the device, sharded when `strategy` is given (over `process_group`, else the world), and
+    its AdamW."""
     torch.manual_seed(0)
     model = GPT(CONFIG).to(device)
-    ndim = {name: p.ndim for name, p in model.named_parameters()}  # shards are 1-D: group by the full ndim
     if shard_kwargs:
-        sw.shard(model, units=Block, **shard_kwargs)
-    return model, make_optimizer(model, ndim_by_name=ndim)
+        sw.shard(model, units=Block, **shard_kwargs, **({"process_group": process_group} if process_group else {}))
+    return model, make_optimizer(model, ndim_by_name=full_ndim())
+
+
+def full_ndim() -> dict[str, int]:
+    """Each parameter's full ndim by name (shards are 1-D: the optimizer's groups go by the full one)."""
+    with torch.device("meta"):
+        return {name: p.ndim for name, p in GPT(CONFIG).named_parameters()}
 
 
 def train(model, optim, steps: range, device, rank: int = 0, world: int = 1, accum: int = 1,
-          clip: float | None = None, sharded: bool = True) -> list[float]:
-    """Steps of this rank's slice of each global batch (the whole batch when unsharded); returns the norms."""
-    norms = []
+          clip: float | None = None, sharded: bool = True, sharded_model=None, scaler=None) -> list[float]:
+    """Steps of this rank's slice of each global batch (the whole batch when unsharded); returns the norms.
+    `sharded_model`: the sharded model where `model` is its compiled handle; `scaler`: an sw.LossScaler."""
+    norms, owner = [], sharded_model if sharded_model is not None else model
     for step in steps:
         x, y = (t.chunk(world)[rank] for t in global_batch(step, device))
         for i, (mx, my) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-            with sw.no_sync(model) if sharded and i < accum - 1 else nullcontext():
-                (model(mx, my) / accum).backward()
+            with sw.no_sync(owner) if sharded and i < accum - 1 else nullcontext():
+                loss = model(mx, my) / accum
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(optim)
         if clip is not None:
-            norm = sw.clip_grad_norm_(model, clip) if sharded else torch.nn.utils.clip_grad_norm_(
+            norm = sw.clip_grad_norm_(owner, clip) if sharded else torch.nn.utils.clip_grad_norm_(
                 model.parameters(), clip)
-            norms.append(float(norm))
-        optim.step()
+            norms.append(norm)
+        if scaler is not None:
+            scaler.step(optim)
+            scaler.update()
+        else:
+            optim.step()
         optim.zero_grad(set_to_none=True)
-    return norms
+    return [float(norm) for norm in norms]  # read once the steps are done: no host sync inside them
 
 
 def full(model, sharded: bool = True) -> dict[str, torch.Tensor]:
@@ -119,8 +154,12 @@ class Report:
             print(line, flush=True)
 
 
+def tolerance(device: torch.device) -> float:
+    return 1e-5 if device.type == "cpu" else 1e-4  # CUDA: kernels pick their own reduction orders
+
+
 def run_checks(device: torch.device, rank: int, world: int, report: Report) -> None:
-    tolerance = 1e-5 if device.type == "cpu" else 1e-4  # CUDA: kernels pick their own reduction orders
+    tolerance = globals()["tolerance"](device)
     reference, ref_optim = build(device)
     train(reference, ref_optim, range(STEPS), device, sharded=False)
     want = full(reference, sharded=False)
@@ -170,19 +209,32 @@ def run_checks(device: torch.device, rank: int, world: int, report: Report) -> N
     train(model, optim, range(1, 2), device, rank, world)
     sync()
     report.say(f"timed step zero3        ws {world}: {(time.perf_counter() - start) * 1e3:.1f} ms (not judged)")
+    this = sys.modules[__name__]
+    for name in gpu_paths.PATHS:
+        gpu_paths.run_path(name, this, device, rank, world, report)
+    gpu_paths.time_arms(this, device, rank, world, report)
 
 
 def check_save_load(device, rank: int, world: int, report: Report) -> None:
+    """sw.save and sw.save_async after 2 steps, sw.load into a fresh model, one more step on both: equal; and a
+    host-offloaded run's checkpoint loaded by a run without offload (Note [host offload])."""
     path = [tempfile.mkdtemp(prefix="sw-gpu-check-") if rank == 0 else None]
     dist.broadcast_object_list(path)  # one directory for every rank (one host)
-    model, optim = build(device, strategy="zero3")
-    train(model, optim, range(2), device, rank, world)
-    sw.save(os.path.join(path[0], "step-2"), model, optim)
-    loaded, loaded_optim = build(device, strategy="zero3")
-    sw.load(os.path.join(path[0], "step-2"), loaded, loaded_optim)
-    train(model, optim, range(2, 3), device, rank, world)
-    train(loaded, loaded_optim, range(2, 3), device, rank, world)
-    report.check("save/load zero3", worst(full(loaded), full(model)), 0.0)
+    mixed = dist.new_group(list(range(world)), backend="cpu:gloo,cuda:nccl") if device.type == "cuda" else None
+    for how, saved_by, options in (("sw.save", "zero3", {}), ("sw.save_async", "zero3", {}),
+                                   ("host offload", "zero3", {"offload": "host", "process_group": mixed})):
+        where = os.path.join(path[0], how.replace(" ", "-"))
+        model, optim = build(device, strategy=saved_by, **options)
+        train(model, optim, range(2), device, rank, world)
+        if how == "sw.save_async":
+            sw.save_async(where, model, optim).wait()
+        else:
+            sw.save(where, model, optim)
+        loaded, loaded_optim = build(device, strategy="zero3")
+        sw.load(where, loaded, loaded_optim)
+        train(model, optim, range(2, 3), device, rank, world)
+        train(loaded, loaded_optim, range(2, 3), device, rank, world)
+        report.check(f"save/load zero3 {how}", worst(full(loaded), full(model)), 0.0)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path[0], ignore_errors=True)
@@ -280,6 +332,9 @@ def _covered(start: float, end: float, spans: list[tuple[float, float]]) -> floa
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        print("\n".join(plan(args.device)))
+        return 0
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     sw.init(backend=backend)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks (bench/gpu_check.py: parity of ddp/zero1/zero2/zero3, no_sync + clipping, bf16, save/load,
-# no host sync, one timed step, each against one process on the same device; and at 2 or more ranks zero3's
-# overlap: all-gathers beside compute seen in the profiler's kernel trace, 0 host syncs per step counted).
-# Written on a CPU-only machine and never run on a GPU yet.
+# The GPU checks (bench/gpu_check.py: parity of ddp/zero1/zero2/zero3, no_sync + clipping, bf16, sw.save /
+# sw.save_async / sw.load (a host-offloaded run's too), no host sync, one timed step, each against one process on
+# the same device; at 2 or more ranks zero3's overlap: all-gathers beside compute seen in the profiler's kernel
+# trace, 0 host syncs per step counted; then every engine path of issue 58 point 5 (bench/gpu_paths.py: streams
+# and prefetch, device-form tags, hybrid, hpZ, compression, bf16, fp16 + scaler, norms, optimizer in backward,
+# Muon, host offload on a "cpu:gloo,cuda:nccl" group, a pipeline stage, compile) under
+# set_sync_debug_mode("error"), and ddp / zero3 / FSDP2 step times). `python bench/gpu_check.py --dry-run` lists
+# them. Written on a CPU-only machine and never run on a GPU yet.
 #   bench/gpu_check.sh     # GPU found by nvidia-smi: a fresh venv (.venv-gpu) with the CUDA build of the pinned
 #                          # torch, then one rank per GPU (NCCL); no GPU: the CPU path (.venv, 2 ranks on gloo)
 # CUDA_INDEX overrides the wheel index (default: cu130, cu128 or cu126, the newest the driver takes).

@@ -102,8 +102,9 @@ def test_a_host_to_device_copy_in_a_step_is_counted(reports):
 def test_a_buffer_freed_before_its_readers_event_is_caught(reports):
     """Catches a stream model that cannot fail (Note [modelled streams], helpers/fake_streams.py): a buffer
     read on a side stream and freed on the compute stream after waiting for the reader's event is clean;
-    freed without that wait it is a hazard. The engine has no streams on an accelerator other than CUDA yet
-    (engine/comm/context.py), so its runs above are checked on one stream only."""
+    freed without that wait it is a hazard. The runs above use the plain fake world, where the engine keeps the
+    host's order (its group reads as no device backend); tests/test_fake_gpu_offload.py runs the engine's streams
+    on the device (a group that reads as cpu:gloo,cuda:nccl)."""
     assert reports["streams"]["ok"] and reports["streams"]["hazards"] == [], reports["streams"]
     report = reports["streams:free-early"]
     assert report["ok"], report["error"]

@@ -14,7 +14,9 @@ needs a CUDA device guard the build lacks. So the device here is torch's Private
 gives its nodes streams, `torch.Stream`/`torch.Event` take it), its tensors are FakeTensors (shapes,
 dtypes, devices; no values), and a CPU tensor meeting one is a device mismatch as on CUDA. What it does
 not reach: code that tests `device.type == "cuda"`, calls `torch.cuda.*`, or asks whether the backend is
-"nccl" (docs/status.md lists those branches).
+exactly "nccl" (docs/status.md lists those branches). A world made with `backend=fake_gpu.MIXED` reads to the
+engine as "cpu:gloo,fakegpu:nccl", the mixed group host offload needs on a GPU (Note [group backends]): the
+engine then runs its streams on the accelerator. Pinned host memory is ordinary host memory noted as pinned.
 
 The parts:
 - ranks: torch's `fake` process group at world size N in one process, with every collective replaced by
@@ -31,7 +33,8 @@ The parts:
 - checks (`StepChecks`, a dispatch mode over the counted steps): a read of a device value on the host
   (`_local_scalar_dense`, `is_nonzero`, `equal`, `nonzero`, a device-to-host copy) is counted by the
   shardwise function that made it and answered with a dummy, so the run goes on and the test reports
-  every site; a blocking host-to-device copy (torch waits for the stream) counts too; a real CPU tensor of
+  every site; a blocking host-to-device copy (torch waits for the stream) counts too, and so does a
+  `non_blocking` copy from or into host memory that is not pinned, and every `synchronize`; a real CPU tensor of
   more than one element meeting a device tensor in one op is a tensor that belongs on the device (0-dim CPU
   scalars mix as torch allows); FakeTensorMode itself raises on a device mismatch.
 - streams: torch's device-generic streams and events, modelled (helpers/fake_streams.py, Note [modelled
@@ -49,10 +52,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "fake_gpu_run.py"
 
 
-def run_in_child(*scenarios: str, timeout: float = 240) -> dict:
-    """Run `scenarios` (names of fake_gpu_run.SCENARIOS, with ":mutation" where wanted) in one child: each
-    one's report (a dict) by name."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), *scenarios], capture_output=True, text=True,
+def run_in_child(*scenarios: str, timeout: float = 240, script: Path = SCRIPT) -> dict:
+    """Run `scenarios` (names of `script`'s SCENARIOS, fake_gpu_run.py's by default, with ":mutation" where
+    wanted) in one child: each one's report (a dict) by name."""
+    proc = subprocess.run([sys.executable, str(script), *scenarios], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     reports = {}

@@ -94,17 +94,27 @@ def _world(group) -> int:
     return dist.get_world_size(group)
 
 
-def _me(group) -> int:
-    return dist.get_rank(group)
 
 
 def _check_devices(name, group, tensors):
-    """A collective's tensors share one device; a host group's are on the CPU (gloo's), another's anywhere."""
+    """A collective's tensors share one device; a host group's are on the CPU (gloo's); a mixed group's
+    (MIXED) device tensors go to its device backend and CPU ones to its host backend; another's anywhere."""
     devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if len(devices) > 1:
         COLLECTIVE_ERRORS.append(f"{name} mixes devices {sorted(devices)}:\n{_where()}")
     if group in HOST_GROUPS and devices - {"cpu"}:
         COLLECTIVE_ERRORS.append(f"{name} on a host group with {sorted(devices)} tensors:\n{_where()}")
+    served = _real_get_backend(group)
+    if ":" in served and devices - {spec.split(":")[0] for spec in served.split(",")}:
+        COLLECTIVE_ERRORS.append(f"{name} of {sorted(devices)} tensors on a group with backends {served}:\n{_where()}")
+
+
+_real_get_backend = dist.get_backend
+
+
+def _reported_backend(group=None):
+    """What the engine reads of a group: MIXED as the mixed NCCL group it stands in for (Note [fake accelerator])."""
+    return _real_get_backend(group).replace(f"{DEVICE}:fake", f"{DEVICE}:nccl").replace("cpu:fake", "cpu:gloo")
 
 
 def _where() -> str:
@@ -125,7 +135,7 @@ def _mirror_collectives() -> None:
 
     def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         _check_devices("reduce_scatter_single", group, [output, input])
-        output.view(-1).copy_(input.view(_world(group), -1)[_me(group)])
+        output.view(-1).copy_(input.view(_world(group), -1)[dist.get_rank(group)])
         _scale(output, op, _world(group))
         return _Done() if async_op else None
 
@@ -147,7 +157,7 @@ def _mirror_collectives() -> None:
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op=False):
         _check_devices("all_to_all_single", group, [output, input])
-        mine = input.reshape(_world(group), -1)[_me(group)]
+        mine = input.reshape(_world(group), -1)[dist.get_rank(group)]
         output.view(_world(group), -1).copy_(mine.reshape(1, -1).expand(_world(group), -1))
         return _Done() if async_op else None
 
@@ -160,7 +170,7 @@ def _mirror_collectives() -> None:
     def scatter(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
         _check_devices("scatter", group, [tensor, *(scatter_list or [])])
         if scatter_list:
-            tensor.copy_(scatter_list[_me(group)])
+            tensor.copy_(scatter_list[dist.get_rank(group)])
         return _Done() if async_op else None
 
     def barrier(group=None, async_op=False, device_ids=None):
@@ -170,7 +180,10 @@ def _mirror_collectives() -> None:
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
                   group_desc=None, device_id=None):
-        group = real_new_group(ranks, timeout=timeout, backend="fake" if backend == "gloo" else backend,
+        made = "fake" if backend == "gloo" else backend
+        if made and f"{DEVICE}:nccl" in made:  # a group like one of the fake world's (as reported)
+            made = made.replace(f"{DEVICE}:nccl", f"{DEVICE}:fake").replace("cpu:gloo", "cpu:fake")
+        group = real_new_group(ranks, timeout=timeout, backend=made,
                                use_local_synchronization=use_local_synchronization)
         if backend == "gloo":
             HOST_GROUPS.add(group)
@@ -180,16 +193,23 @@ def _mirror_collectives() -> None:
                                reduce_scatter_single=reduce_scatter_single, reduce_scatter_tensor=reduce_scatter_single,
                                all_reduce=all_reduce, broadcast=broadcast, all_gather=all_gather,
                                all_to_all_single=all_to_all_single, gather=gather, scatter=scatter,
-                               barrier=barrier, new_group=new_group).items():
+                               barrier=barrier, new_group=new_group, get_backend=_reported_backend).items():
         setattr(dist, name, function)
 
 
+# torch's fake process group registered for the accelerator as well as the host: to the engine it reads as
+# "cpu:gloo,fakegpu:nccl" (`_reported_backend`), a mixed group as `sw.init(backend="cpu:gloo,cuda:nccl")` makes on
+# a GPU: the accelerator's tensors on a device backend, the host's on gloo (Note [host offload]).
+MIXED = f"cpu:fake,{DEVICE}:fake"
+
+
 @contextlib.contextmanager
-def fake_world(world_size: int):
-    """torch's fake process group at `world_size`, this process rank 0 (destroyed after)."""
+def fake_world(world_size: int, backend: str = "fake"):
+    """torch's fake process group at `world_size`, this process rank 0 (destroyed after); `backend=MIXED`: the
+    mixed group a GPU run with host values on the CPU uses (the default reads as no device backend at all)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
@@ -203,9 +223,19 @@ def tensors_of(args, kwargs):
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
 
+PINNED: dict[int, torch.Tensor] = {}  # host storages made "pinned" (page-locked on a GPU), by storage
+
+
+def is_pinned(tensor: torch.Tensor) -> bool:
+    return not isinstance(tensor, FakeTensor) and tensor.untyped_storage()._cdata in PINNED
+
+
 class HostStaysReal(TorchDispatchMode):
     """Above a FakeTensorMode: an op on real CPU tensors only (or a CPU factory call) runs for real; one that
-    moves real tensors to the device gets them as fakes (FakeTensorMode would run it for real: no kernel)."""
+    moves real tensors to the device gets them as fakes (FakeTensorMode would run it for real: no kernel).
+    Pinned host memory (`pin_memory=True`, `.pin_memory()`), which a Python backend cannot allocate, is
+    ordinary host memory noted in PINNED: `is_pinned` answers from it, and StepChecks counts a
+    `non_blocking` copy from or into host memory that is not pinned as the blocking copy torch makes of it."""
 
     def __init__(self, fake_mode: FakeTensorMode):
         super().__init__()
@@ -213,6 +243,13 @@ class HostStaysReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.is_pinned.default and not isinstance(args[0], FakeTensor):
+            return is_pinned(args[0])
+        if func is aten._pin_memory.default and not isinstance(args[0], FakeTensor):
+            with _disable_current_modes():
+                return _pinned(args[0].clone())
+        if kwargs.get("pin_memory"):
+            return _pinned(self.__torch_dispatch__(func, types, args, {**kwargs, "pin_memory": False}))
         tensors = tensors_of(args, kwargs)
         device = kwargs.get("device")
         to_device = device is not None and torch.device(device).type != "cpu"
@@ -222,6 +259,11 @@ class HostStaysReal(TorchDispatchMode):
                     return func(*args, **kwargs)
             args, kwargs = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    PINNED[tensor.untyped_storage()._cdata] = tensor  # kept alive: the key is never another storage's
+    return tensor
 
 
 @contextlib.contextmanager
@@ -265,15 +307,33 @@ def _caller() -> str:
     return f"{f.filename.split('shardwise/')[-1]}:{f.name}"
 
 
+_active: list = []  # the StepChecks entered, innermost last
+
+
+def note_host_wait(what: str) -> None:
+    """The host waits for the device (an event's or a stream's `synchronize`): a sync, counted where checked."""
+    if _active:
+        _active[-1].syncs[f"{what} at {_caller()}"] += 1
+
+
 class StepChecks(TorchDispatchMode):
-    """Counts, per shardwise caller, reads of device values on the host (`syncs`) and real CPU tensors of
-    more than one element meeting a device tensor (`host_tensors`). Entered above `fake_device()`."""
+    """Counts, per shardwise caller, reads of device values on the host and host waits for the device
+    (`syncs`), and real CPU tensors of more than one element meeting a device tensor (`host_tensors`).
+    Entered above `fake_device()`."""
 
     def __init__(self):
         super().__init__()
         self.syncs = collections.Counter()
         self.host_tensors = collections.Counter()
         self.device_ops = collections.Counter()  # what the checks saw: every op on device tensors, by name
+
+    def __enter__(self):
+        _active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -288,33 +348,43 @@ class StepChecks(TorchDispatchMode):
                 return _dummy(func, on_device[0])
             if _to_host(func, args, kwargs):
                 self.syncs[f"device-to-host {func.__name__} at {_caller()}"] += 1
-            if any(not isinstance(t, FakeTensor) and t.device.type == "cpu" and t.dim() > 0 for t in tensors):
+            # a copy between host and device memory is a transfer, not a host tensor in the device's arithmetic:
+            # counted above where the host waits for it
+            if func is not aten.copy_.default and any(
+                    not isinstance(t, FakeTensor) and t.device.type == "cpu" and t.dim() > 0 for t in tensors):
                 self.host_tensors[f"{func.__name__} at {_caller()}"] += 1
         return func(*args, **kwargs)
 
 
+def _non_blocking(func, args, kwargs) -> bool:
+    return bool(kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2 and args[2]))
+
+
 def _to_host(func, args, kwargs) -> bool:
-    """A copy from the device into host memory (the host then waits for the device)."""
+    """A copy from the device into host memory that the host waits for: all but a `non_blocking` copy into
+    pinned memory (`_to_copy` makes new, unpinned memory: torch waits)."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
         return device is not None and torch.device(device).type == "cpu"
     if func is aten.copy_.default:
-        return args[0].device.type == "cpu"
+        return args[0].device.type == "cpu" and not (_non_blocking(func, args, kwargs) and is_pinned(args[0]))
     return False
 
 
 def _from_host(func, args, kwargs) -> bool:
     """A blocking copy of host memory to the device: torch waits for the device's stream to finish it
-    (`memcpy_and_sync`), as `torch.tensor(data, device=...)` does. `non_blocking=True` from pinned memory
-    would not wait; none is made here."""
-    if kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2 and args[2]):
-        return False
+    (`memcpy_and_sync`), as `torch.tensor(data, device=...)` does; `non_blocking=True` waits too unless the
+    host memory is pinned."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
-        return device is not None and torch.device(device).type == DEVICE and args[0].device.type == "cpu"
-    if func is aten.copy_.default:
-        return args[0].device.type == DEVICE and args[1].device.type == "cpu"
-    return False
+        source = args[0]
+    elif func is aten.copy_.default:
+        device, source = args[0].device, args[1]
+    else:
+        return False
+    if device is None or torch.device(device).type != DEVICE or source.device.type != "cpu":
+        return False
+    return not (_non_blocking(func, args, kwargs) and is_pinned(source))
 
 
 def _dummy(func, tensor):

@@ -9,9 +9,14 @@ be done on every other (its own queue; `wait_event` and `wait_stream` merge the 
 other stream has; `synchronize` makes everything so far done for all). Freeing a storage (`resize_(0)`, how
 the engine frees a unit's full values) from a stream that does not know that every op reading or writing it
 on another stream is done, with no `record_stream` of that stream on it, is the hazard CUDA's caching
-allocator would turn into another tensor's memory under a running kernel: `HAZARDS` names each. The engine
-has no streams on an accelerator other than CUDA today (engine/comm/context.py keys them on "cuda"), so only
-code that uses the device-generic API is checked.
+allocator would turn into another tensor's memory under a running kernel: `HAZARDS` names each. Host memory
+a `non_blocking` copy reads or writes (pinned: the copy runs on the device's queue, the host goes on) is the
+copy's until a `synchronize` makes that copy known done: a host op on it before then (the CPU optimizer
+stepping gradient rows still being copied, rows overwritten while the device reads them) is a hazard too.
+Every `synchronize` is a host wait for the device: counted with the step's syncs (fake_gpu.note_host_wait).
+The engine's streams are the device API's where its group runs on the accelerator (engine/comm/context.py:
+a MIXED world, fake_gpu.fake_world); on the plain fake world it has the host's order, and only code that uses
+the device-generic API itself is checked.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers.fake_gpu import DEVICE, tensors_of
+from helpers.fake_gpu import DEVICE, is_pinned, note_host_wait, tensors_of
 
 HAZARDS: list[str] = []
 _ids = itertools.count()
 _done: dict[int, int] = {}  # what a synchronize made known to be done, by stream id
 _accesses: dict[int, dict[int, int]] = {}  # storage -> stream id -> the last queue position touching it
 _recorded: dict[int, set[int]] = {}  # storage -> streams record_stream named
+_host_pending: dict[int, tuple[int, int]] = {}  # host storage -> (stream, position) of a non_blocking copy of it
 _streams: list = []
 
 
@@ -55,6 +61,7 @@ class ModelStream:
         return event
 
     def synchronize(self):
+        note_host_wait("stream.synchronize")
         _merge(_done, {self.id: self.position})
 
     def query(self):
@@ -88,6 +95,7 @@ class ModelEvent:
         (stream or _current[0]).wait_event(self)
 
     def synchronize(self):
+        note_host_wait("event.synchronize")
         _merge(_done, self.clock)
 
     def query(self):
@@ -107,19 +115,64 @@ def _key(tensor) -> int:
 
 
 class StreamOrder(TorchDispatchMode):
-    """Gives each op on a device tensor its place in the current stream and notes which storages it touched."""
+    """Gives each op on a device tensor its place in the current stream and notes which storages it touched;
+    checks each host op against the copies of host memory still in flight (Note [modelled streams])."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tensors = tensors_of(args, kwargs)
+        host = [t for t in tensors if not isinstance(t, FakeTensor) and t.device.type == "cpu"]
         out = func(*args, **kwargs)
-        touched = [t for t in tensors_of(args, kwargs) + tensors_of(out, {})
-                   if isinstance(t, FakeTensor) and t.device.type == DEVICE]
+        touched = [t for t in tensors + tensors_of(out, {}) if isinstance(t, FakeTensor) and t.device.type == DEVICE]
         if touched:
             stream = _current[0]
             stream.position += 1
             for tensor in touched:
                 _accesses.setdefault(_key(tensor), {})[stream.id] = stream.position
+            if _copy_in_flight(func, args, kwargs):  # the host memory is the copy's: written by it, or read
+                written = args[0].device.type == "cpu"
+                for tensor in host:
+                    _host_pending[_key(tensor)] = (stream.id, stream.position, written)
+        elif not func.is_view and func not in _NO_DATA:
+            written = {_key(t) for t in _written(func, args, kwargs)}
+            for tensor in host:
+                _check_host(func, _key(tensor), _key(tensor) in written)
         return out
+
+
+_NO_DATA = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default,
+            torch.ops.aten.is_pinned.default, torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default}
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors `func` writes (its schema's mutable arguments)."""
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    out = []
+    for argument in func._schema.arguments:
+        if argument.alias_info is not None and argument.alias_info.is_write and argument.name in named:
+            out += tensors_of(named[argument.name], {})
+    return out
+
+
+def _copy_in_flight(func, args, kwargs) -> bool:
+    """A copy between the device and pinned host memory that the host does not wait for."""
+    non_blocking = kwargs.get("non_blocking") or (len(args) > 2 and args[2])
+    return func is torch.ops.aten.copy_.default and bool(non_blocking) and any(
+        not isinstance(t, FakeTensor) and t.device.type == "cpu" and is_pinned(t) for t in args[:2])
+
+
+def _check_host(func, key: int, writes: bool) -> None:
+    """A host op on `key`: a hazard while a copy into it is in flight, or, writing it, one out of it."""
+    if key not in _host_pending:
+        return
+    stream, position, written = _host_pending[key]
+    if _done.get(stream, 0) >= position:
+        del _host_pending[key]
+    elif written or writes:
+        del _host_pending[key]
+        frames = [f for f in traceback.extract_stack() if "/src/shardwise/" in f.filename]
+        HAZARDS.append(f"host op {func.__name__} on host memory that stream {stream}'s copy #{position} may still "
+                       "read or write (no synchronize of its event):\n" + "".join(traceback.format_list(frames[-4:])))
 
 
 def _resize(storage, size):
@@ -146,8 +199,15 @@ def _record_stream(tensor, stream):
 
 
 def _synchronize(device=None):
+    note_host_wait("accelerator.synchronize")
     for stream in _streams:
-        stream.synchronize()
+        _merge(_done, {stream.id: stream.position})
+
+
+def reset() -> None:
+    """A new scenario: no hazard, no copy in flight."""
+    HAZARDS.clear()
+    _host_pending.clear()
 
 
 _real_resize = torch.UntypedStorage.resize_

@@ -236,15 +236,15 @@ SCENARIOS["zero3-compressed"] = (2, lambda: train("zero3", shard={"compression":
 
 def run(name: str) -> dict:
     base, _, mutation = name.partition(":")
-    world_size, scenario = SCENARIOS[base]
+    world_size, scenario, *backend = SCENARIOS[base]  # backend: fake_world's (the default, or MIXED)
     report = {"name": name, "ok": False, "syncs": {}, "host_tensors": {}, "collectives": [], "error": ""}
     fake_gpu.COLLECTIVE_ERRORS.clear()
-    fake_streams.HAZARDS.clear()
+    fake_streams.reset()
     try:
-        with fake_world(world_size), fake_device(), fake_streams.StreamOrder():
+        with fake_world(world_size, *backend), fake_device(), fake_streams.StreamOrder():
             checks = scenario() if not mutation else MUTATIONS[mutation](scenario)
         report.update(ok=True, syncs=dict(checks.syncs), host_tensors=dict(checks.host_tensors),
-                      device_ops=dict(checks.device_ops))
+                      device_ops=dict(checks.device_ops), **getattr(checks, "extra", {}))
     except Exception as error:  # reported, not raised: the test says which scenario failed and where
         frames = [f for f in traceback.extract_tb(error.__traceback__) if "/shardwise/" in f.filename
                   or "/tests/" in f.filename]

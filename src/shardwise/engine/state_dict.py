@@ -35,7 +35,10 @@ def install_state_dict_hooks(model: nn.Module, engine) -> None:
     def to_dtensors(module, state_dict, prefix, local_metadata):
         for key, info in names_and_infos(prefix):
             if key in state_dict:
-                state_dict[key] = as_dtensor(info.param, info, engine.root.device.type)
+                # The mesh on the rows' own device, never the compute device: under offload="host" the rows are host
+                # memory and a mesh of the accelerator makes `from_local` hand out device copies, which
+                # `dcp.load(model.state_dict())` would fill while the rows stayed as they were (Note [host offload]).
+                state_dict[key] = as_dtensor(info.param, info, info.param.device.type)
 
     def from_full_values(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                          error_msgs):

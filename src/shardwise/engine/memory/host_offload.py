@@ -1,5 +1,5 @@
 """`shard(..., offload="host")`: master rows, their gradients and the optimizer state in host memory, the
-optimizer stepped on the CPU. Uses: streams.
+optimizer stepped on the CPU. Uses: context, streams.
 
 Note [host offload]: FSDP2's `CPUOffloadPolicy` and DeepSpeed's ZeRO-Offload keep a GPU's model state off
 the GPU: the device holds only full values (zero3: of the units in use; zero1/zero2: kept) and what
@@ -37,14 +37,17 @@ Device choices, all of them (Note [one device path], streams.py):
   one, and a CPU run copies host to host.
 - The copy streams come from the engine's device API (`unit.comm.api`): on a CPU device they are the
   host's order, where the copies run at once and every wait is a no-op, so the same code runs on this host.
-- The state-dict's DTensors keep the compute device's mesh over local rows in host memory (state_dict.py
-  unchanged), as FSDP2's CPU offload keeps its sharded DTensors.
+- The state dict's DTensors (state_dict.py, dcp.py) are views of the host rows over a mesh of the host's device
+  type: `DTensor.from_local` moves a local tensor to its mesh's device, so a mesh of the accelerator would hand
+  out copies (FSDP2 builds its CPU-offloaded DTensors without that move, through a private constructor).
 
-What a GPU run needs beyond this module (never run on one; the lead's list, outside memory/):
-- `sw.clip_grad_norm_` and `sw.grad_norms` all-reduce norms of host gradients, which NCCL alone cannot:
-  the process group needs a CPU backend too (`backend="cpu:gloo,cuda:nccl"`, as FSDP2's CPU offload asks),
-  and `CommContext.for_group` / layout/groups.py then read `get_backend` as not "nccl" (a CPU context).
-- checkpoint/dcp.py's DTensors take the first parameter's device type: the host's here.
+The process group (Note [group backends], comm/context.py): `sw.clip_grad_norm_` and `sw.grad_norms`
+all-reduce norms of host gradients, which NCCL alone cannot, so the group needs a CPU backend beside the
+device's (`sw.init(backend="cpu:gloo,cuda:nccl")`, as FSDP2's CPU offload asks): `check_group` refuses a
+group without one when the first unit takes its rows, on every rank. Such a mixed group runs the gathers on
+the accelerator with the engine's streams (CommContext.for_group reads it as NCCL). `sw.dcp_state_dict`'s
+and `model.state_dict()`'s DTensors take a mesh on the rows' own device (the host's): one of the compute device
+would make `from_local` hand DCP device copies, which `dcp.load` fills while the rows stay as they were.
 
 Where it does not apply (refused with the fix, config.py and optim_hooks.py): ddp (torch's reducer keeps
 everything on the device), disk offload at once (one place per run), an optimizer stepped on whole tensors
@@ -54,9 +57,11 @@ everything on the device), disk offload at once (one place per run), an optimize
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.config import HostOffload
+from shardwise.engine.comm.context import has_host_backend
 from shardwise.engine.comm.streams import GATHER
 from shardwise.errors import ShardwiseError
 
@@ -89,6 +94,17 @@ class HostCopies:
         self._events[direction] = event
         self.copies[direction] += 1
         return event
+
+    def check_group(self, group) -> None:
+        """Refuse, on every rank alike (the group is the same everywhere), a group whose collectives cannot take
+        the host gradients' norms: NCCL alone (Note [host offload])."""
+        if has_host_backend(group):
+            return
+        raise ShardwiseError(
+            f"offload='host' keeps gradients in host memory, and sw.clip_grad_norm_ / sw.grad_norms all-reduce their "
+            f"norms there, but this process group's backend ({dist.get_backend(group)!r}) has none for CPU tensors. "
+            "Start the job with a CPU backend beside the device's: sw.init(backend='cpu:gloo,cuda:nccl') (or "
+            "torch.distributed.init_process_group('cpu:gloo,cuda:nccl')), or drop offload='host'.")
 
     def host_empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A host buffer for rows of a unit computing on `device` (pinned where that copies faster)."""

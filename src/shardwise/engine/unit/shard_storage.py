@@ -116,6 +116,7 @@ class HostRows(OwnShards):
         self.copies = self.host = copies
 
     def new_flat(self, unit) -> Tensor:
+        self.copies.check_group(unit.mesh.norm_group)  # the host gradients' norms meet there (Note [host offload])
         return self.copies.host_empty(unit.shard_total, unit.dtype, unit.device).zero_()
 
     def own_parts(self, unit, dtype: torch.dtype, indices) -> list[Tensor]:
