@@ -154,7 +154,7 @@ def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
         first, second = batches_of(trainer.sampler, 2)
         trainer.step(first)
         gathers, reduces, headers = {}, {}, []
-        start_gather, launch, open_header = FlatUnit.start_gather, Reducer._launch, Agreement.open
+        start_gather, launch, open_header = FlatUnit.start_gather, Reducer._launch, Agreement.announce
 
         def counted_gather(unit, *args, **kwargs):
             gathers[id(unit)] = gathers.get(id(unit), 0) + 1
@@ -169,11 +169,11 @@ def _per_step_counts_on_rank(cases: list[tuple[str, bool, bool]]) -> list[dict]:
             headers.append(phase)
             return open_header(agreement, phase, *args)
 
-        FlatUnit.start_gather, Reducer._launch, Agreement.open = counted_gather, counted_reduce, counted_header
+        FlatUnit.start_gather, Reducer._launch, Agreement.announce = counted_gather, counted_reduce, counted_header
         try:
             trainer.step(second)
         finally:
-            FlatUnit.start_gather, Reducer._launch, Agreement.open = start_gather, launch, open_header
+            FlatUnit.start_gather, Reducer._launch, Agreement.announce = start_gather, launch, open_header
         units = [id(u) for u in engine_of(trainer.stage_module).units if u.trainable()]
         out.append({"reduces": [reduces.get(u, 0) for u in units], "gathers": [gathers.get(u, 0) for u in units],
                     "headers": len(headers)})

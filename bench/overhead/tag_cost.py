@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 FORMS = ("host", "tags-device", "device")
-_TIMED = {"tags": ("send", "check", "settle", "explain"), "headers": ("open", "confirm", "settle", "agree_on_step")}
+_TIMED = {"tags": ("send", "check", "settle", "explain"), "headers": ("announce", "confirm", "settle", "agree_on_step")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

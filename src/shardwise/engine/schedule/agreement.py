@@ -116,7 +116,7 @@ class Agreement:
         self.refusal = None  # the refusing header in flight (never waited for: this rank is raising)
         self.host_waits = 0  # times the host thread waited for the other ranks' header (a host rendezvous)
 
-    def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
+    def announce(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
         """Issue this phase's header (asynchronously); the previous one is confirmed first."""
         self.confirm()
         if self.group is None:  # one rank: nothing to pair, and its order is every rank's
@@ -187,7 +187,7 @@ class Agreement:
         """Before an optimizer step: every rank's header says it is at its step, or the step is refused on every
         rank before it runs (Note [uneven work]). Waited for here: the last header a rank that ran out of work
         sends may be its last."""
-        self.open(STEP, num_forwards, order, [])
+        self.announce(STEP, num_forwards, order, [])
         try:
             self.confirm()
         except ShardwiseError:

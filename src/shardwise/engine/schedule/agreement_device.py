@@ -98,7 +98,7 @@ class HeadersOnDevice(Agreement):
         self.stream = self.api.new_stream()
         self.in_flight: list[_Header] = []  # in issue order
 
-    def open(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
+    def announce(self, phase: int, num_forwards: int, order: list[int], regather: list[FlatUnit]) -> None:
         """Send this phase's header; compared at the next settle. A write of the user's among the re-gathers is
         agreed on now, before they are issued (the set-up allowance)."""
         row = self.header(phase, num_forwards, order, regather)
@@ -123,7 +123,7 @@ class HeadersOnDevice(Agreement):
         """Before an optimizer step: this step's headers compared, then its own STEP header sent, compared at the
         next settle (Note [headers on the device]: what that gives up)."""
         self.settle()
-        self.open(STEP, num_forwards, order, [])
+        self.announce(STEP, num_forwards, order, [])
 
     def refuse(self) -> None:
         """This rank is about to raise: a header that says so, for ranks that wait for its next one."""

@@ -217,7 +217,7 @@ class StepDriver:
         self.gathers.forward_queue = queue
         if queue:  # this forward communicates: its header goes first, checked where the gathers land
             phase = FORWARD_WITH_GRAD if torch.is_grad_enabled() else FORWARD_NO_GRAD
-            self.agreement.open(phase, self.num_forwards, self.forward_order, queue)
+            self.agreement.announce(phase, self.num_forwards, self.forward_order, queue)
             if any(unit.written() for unit in queue):  # only the writers know: agreed before re-gathering
                 self.agreement.confirm()
 
@@ -262,7 +262,7 @@ class StepDriver:
         if self.window.enter_backward():  # the backward's first hook (Note [window states])
             if self._backward_communicates():  # a header first
                 phase = BACKWARD if self.sync_grads else BACKWARD_NO_SYNC  # Note [uneven work] (agreement.py)
-                self.agreement.open(phase, self.num_forwards, self.forward_order, [])
+                self.agreement.announce(phase, self.num_forwards, self.forward_order, [])
             queue_backward_callback(self._finalize_backward)
 
     def _backward_communicates(self) -> bool:
