@@ -31,9 +31,10 @@ anyway). shardwise zero* build it under `sw.deferred_init()` when this version h
 no rank ever holds the full model; FSDP2 uses its own documented equivalent (build on
 the meta device, `fully_shard`, `to_empty`, then initialize the local shards).
 
-Note [search]: the estimator's total is affine in depth, so two estimates (8 and 16
-blocks, _SLOPE_DEPTHS) give its predicted maximum depth: the first probe. A probe that fits raises the
-lower bound, one that does not (over budget, or crashed) lowers the upper bound. A probe
+Note [search]: the first probe is the estimator's deepest model within the budget, found by the
+search `shardwise plan --max-model` runs (sw.max_model's largest_fitting; the table's "estimator's
+depth"); the estimator's slope through 8 and 16 blocks (_SLOPE_DEPTHS) steers the later probes.
+A probe that fits raises the lower bound, one that does not (over budget, or crashed) lowers the upper bound. A probe
 runs to its end unless a rank passes `--kill-at` budgets, so its true peak RSS is known,
 and the next depth is where a line through the last two measured peaks (or one peak and
 the estimator's bytes per block) meets the budget, kept strictly between the bounds. The
@@ -298,10 +299,14 @@ def estimated_total(args, config: str, layers: int) -> int:
 
 
 def predicted_layers(args, config: str) -> tuple[int, int]:
-    """Note [search]: the estimator's deepest model within the budget, and its total."""
-    base, per_layer = _affine(args, config)
-    layers = max(1, int((args.budget_bytes - base) // per_layer))
-    return layers, base + layers * per_layer
+    """Note [search]: the estimator's deepest model within the budget, and its total: the search `shardwise plan
+    --max-model` runs (sw.max_model, Note [largest search]), on this config's estimate."""
+    from shardwise.estimate.largest import largest_fitting
+
+    totals: dict[int, int] = {}
+    layers = largest_fitting(lambda depth: estimated_total(args, config, depth), args.budget_bytes, totals=totals)
+    layers = layers or 1  # not even one block within the budget: probe one (it will say by how much)
+    return layers, totals.get(layers) or estimated_total(args, config, layers)
 
 
 # The estimator is affine in depth only once a few units exist (from 1 to 2 blocks it adds the
@@ -311,7 +316,8 @@ _SLOPE_DEPTHS = (8, 16)
 
 
 def _affine(args, config: str) -> tuple[int, int]:
-    """(bytes at depth 0, bytes per block) of the estimator's line through _SLOPE_DEPTHS."""
+    """(bytes at depth 0, bytes per block) of the estimator's line through _SLOPE_DEPTHS: the slope that
+    steers the probes (Note [search])."""
     low, high = _SLOPE_DEPTHS
     at_low, at_high = estimated_total(args, config, low), estimated_total(args, config, high)
     per_layer = (at_high - at_low) // (high - low)
@@ -533,7 +539,8 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
              f"{'sw.deferred_init()' if meta['deferred_init'] else 'eager init (no sw.deferred_init yet)'}; "
              f"FSDP2 on meta + to_empty. Max layers: the deepest probe that fit (≥: the scan stopped at the "
              f"offload cap); first depth over: the shallowest probe over budget (—: none was probed); estimated: "
-             f"sw.estimate's peak at the max depth; estimator's depth: its own prediction. "
+             f"sw.estimate's peak at the max depth; estimator's depth: the deepest whose estimate is within the budget "
+             f"(`shardwise plan --max-model`'s search, sw.max_model). "
              f"{sum(len(r.get('probes', [])) for r in rows)} probes, "
              f"{sum(p['wall_s'] for r in rows for p in r.get('probes', [])) / 60:.0f} min of probe time.",
              "", "| config | max layers | max params | × torch DDP | × shardwise ddp | × FSDP2 | peak RSS MiB "

@@ -37,7 +37,7 @@ from shardwise.engine.memory.precision import LossScaler
 from shardwise.engine.optim.grads import clip_grad_norm_, grad_norms, no_sync, param_norms
 from shardwise.engine.optim.step_in_backward import optimizer_in_backward
 from shardwise.errors import ShardwiseError, ShardwiseWarning
-from shardwise.estimate import MemoryEstimate, estimate, estimate_pipe, plan
+from shardwise.estimate import MemoryEstimate, estimate, estimate_pipe, max_model, plan
 from shardwise.parallel import HogwildResult, Slice, SlicedLogits, gather_logits, hogwild, slice, sliced_cross_entropy
 from shardwise.sampler import ResumableSampler
 
@@ -82,6 +82,7 @@ __all__ = [
     "is_main",
     "latest",
     "load",
+    "max_model",
     "no_sync",
     "optimizer_in_backward",
     "param_norms",

@@ -4,6 +4,7 @@
         --world-size 4 --precision bf16 --batch 4 --seq 128
     shardwise plan llama hidden_size=2048 num_hidden_layers=22 --memory 8GiB --world-size 4
     shardwise estimate gpt n_layers=8 --strategy zero3 --world-size 4 --pipe 2    # pipe 2 x zero3 2
+    shardwise plan gpt d_model=512 --memory 2GiB --world-size 4 --max-model   # the deepest each row trains
 
 MODEL [KEY=VALUE ...] is read by cli/models.py: a zoo name, module:function, a .py file, a
 Hugging Face model type with its sizes, or a directory with a config.json.
@@ -33,7 +34,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.estimate.core import MIB, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
 from shardwise.estimate.measure import process_rss
 from shardwise.estimate.pipe import estimate_pipe, plan_pipe
-from shardwise.estimate.plan import plan
+from shardwise.estimate.plan import PLAN_MARGIN, plan, usable_memory
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -45,6 +46,15 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ShardwiseError(f"memory size {text!r} is not understood: write e.g. 8GiB, 512MiB or 2GB")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_margin(text: str) -> float:
+    """"3%" -> 0.03: the share of the budget a plan keeps free (Note [plan margin])."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", text)
+    if not match or float(match.group(1)) >= 100:
+        raise ShardwiseError(f"--margin {text!r} is not a percentage below 100: write e.g. --margin 3% (the "
+                             "default) or --margin 0% (plan to the byte)")
+    return float(match.group(1)) / 100
 
 
 # ---- the two commands --------------------------------------------------------------
@@ -80,13 +90,28 @@ def add_commands(commands) -> None:
         description="Weigh ddp, zero1, zero2, zero3, zero3+bf16 and zero3 with disk offload (cheapest "
                     "first) against --memory per rank; name the first that fits and say why each other "
                     "does not. When none fits and MODEL is a chain of layers (shardwise.pipeline), the pipe x "
-                    "shard layouts are weighed too (activations not counted for them). Exit status 1 when "
-                    "none fits.")
+                    "shard layouts are weighed too (activations not counted for them). A row fits when its "
+                    "estimate is within the budget less --margin (3%, for the estimator's error). With --max-model: "
+                    "for a model family (gpt or a Hugging Face model type or config), the largest depth (or KEY) "
+                    "each configuration trains. Exit status 1 when none fits.")
     _add_model(pl)
     pl.add_argument("--memory", required=True, help="per-rank budget, e.g. 8GiB, 512MiB, 2GB")
     pl.add_argument("--world-size", type=int, required=True, help="ranks")
     pl.add_argument("--offload-dir", default="/tmp/shardwise-offload",
                     help="directory the offload options would use (default: /tmp/shardwise-offload)")
+    pl.add_argument("--margin", default=f"{PLAN_MARGIN:.0%}",
+                    help="share of --memory kept free for the estimator's error: 3%% by default (Note [plan margin]: "
+                         "its measured error was -1.3%% to +5.9%%), 0%% to plan to the byte")
+    pl.add_argument("--max-model", nargs="?", const="depth", default=None, metavar="KEY",
+                    help="instead of one model's plan: the largest model of MODEL's family each configuration "
+                         "trains within --memory, by sw.estimate (sw.max_model). MODEL is gpt or a Hugging Face "
+                         "model type or config.json with its other sizes as KEY=VALUE; KEY is the size left free "
+                         "(default: the depth, n_layers or num_hidden_layers; e.g. hidden_size with --step 64)")
+    pl.add_argument("--step", type=int, default=1, help="with --max-model: sizes searched from --step by --step "
+                                                         "(default: 1)")
+    pl.add_argument("--limit", type=int, default=None,
+                    help="with --max-model: the largest size tried (default: 1024 steps); a row that fits there is "
+                         "shown as >= it")
     pl.add_argument("--pipelines", action="store_true",
                     help="also weigh the pipe x shard layouts (shardwise.pipeline: STAGES stages, each sharded over "
                          "its ranks) and print their rows; without it they are weighed only when nothing flat fits")
@@ -132,22 +157,28 @@ def _add_common(parser) -> None:
                              "step (each block's input kept, one block's activations live during its recompute)")
 
 
+def prepare(args) -> tuple[str, nn.Module, dict, int]:
+    """MODEL built on meta, and the keyword arguments every estimate of it takes (units=, runtime=, inputs=):
+    its spec, the model, those arguments and the RSS its import and build added (counted in runtime=)."""
+    spec = model_spec(args)
+    _warm_meta()
+    gc.collect()  # garbage freed while the model builds would hide what its import holds
+    before = process_rss()
+    model, units = build_model(spec, args.overrides)
+    imported = max(0, process_rss() - before) if _is_function(spec) else 0
+    args.model = " ".join([spec, *args.overrides])  # as the output names it
+    units = _units(model, args.units, units)
+    runtime = (RUNTIME_BYTES if args.world_size > 1 else RUNTIME_BYTES_SINGLE) + imported
+    inputs = load_function(args.inputs) if args.inputs else None
+    return spec, model, dict(units=units, runtime=runtime, inputs=inputs), imported
+
+
 def run(args) -> int:
     """Run `shardwise estimate` or `shardwise plan` from parsed arguments."""
     try:
-        spec = model_spec(args)
-        _warm_meta()
-        gc.collect()  # garbage freed while the model builds would hide what its import holds
-        before = process_rss()
-        model, units = build_model(spec, args.overrides)
-        imported = max(0, process_rss() - before) if _is_function(spec) else 0
-        args.model = " ".join([spec, *args.overrides])  # as the output names it
-        units = _units(model, args.units, units)
-        runtime = (RUNTIME_BYTES if args.world_size > 1 else RUNTIME_BYTES_SINGLE) + imported
-        inputs = load_function(args.inputs) if args.inputs else None
-        extra = dict(units=units, runtime=runtime, inputs=inputs)
+        _, model, extra, imported = prepare(args)
         if args.command == "estimate" and args.pipe is not None:
-            return _print_pipe(model, args, runtime)
+            return _print_pipe(model, args, extra["runtime"])
         if args.command == "estimate":
             est = estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
                            args.offload, args.batch, args.seq, checkpoint_activations=args.checkpoint_activations,
@@ -155,7 +186,7 @@ def run(args) -> int:
             if imported and not args.json:
                 est = dataclasses.replace(est, notes=est.notes + (
                     f"runtime includes {imported / MIB:.0f} MiB that importing and building {args.model} added",))
-            print(json.dumps(_as_json(est)) if args.json else est)
+            print(json.dumps(as_json(est)) if args.json else est)
             return 0
         return _print_plan(model, extra, args)
     except ShardwiseError as error:
@@ -178,7 +209,8 @@ def _is_function(spec: str) -> bool:
     return spec not in ZOO and spec != "gpt" and not spec.startswith("gpt:")
 
 
-def _as_json(est) -> dict:
+def as_json(est) -> dict:
+    """An estimate as --json prints it: its fields, total and model_state."""
     return dict(dataclasses.asdict(est), total=est.total, model_state=est.model_state)
 
 
@@ -204,17 +236,19 @@ ALLOCATOR = "MALLOC_MMAP_THRESHOLD_=65536"  # the environment the estimate is ca
 
 
 def _print_plan(model, extra: dict, args) -> int:
-    memory, units = parse_bytes(args.memory), extra["units"]
+    memory, units, margin = parse_bytes(args.memory), extra["units"], parse_margin(args.margin)
+    usable = usable_memory(memory, margin)  # the pipe rows keep the flat rows' margin: Note [plan margin]
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
-                   offload_dir=args.offload_dir, checkpoint_activations=args.checkpoint_activations, **extra)
+                   offload_dir=args.offload_dir, checkpoint_activations=args.checkpoint_activations, margin=margin,
+                   **extra)
     if args.json:
-        print(json.dumps([dict(label=o.label, fits=o.fits, reason=o.reason, estimate=_as_json(o.estimate))
+        print(json.dumps([dict(label=o.label, fits=o.fits, reason=o.reason, estimate=as_json(o.estimate))
                           for o in options]))
         return 0 if any(o.fits for o in options) else 1
     num_params = sum(p.numel() for p in model.parameters())
     batch = f", batch {args.batch}" if args.batch else ", no activations (pass --batch)"
     print(f"{args.model}: {num_params / 1e6:.1f}M parameters, {args.world_size} ranks, "
-          f"{memory / 2**30:.2f} GiB per rank, {args.optimizer}{batch}")
+          f"{memory / 2**30:.2f} GiB per rank ({margin:.0%} kept for the estimator's error), {args.optimizer}{batch}")
     best = next((o for o in options if o.fits), None)
     width = max(len(o.label) for o in options) + 2
     for option in options:
@@ -222,8 +256,8 @@ def _print_plan(model, extra: dict, args) -> int:
         verdict = "fits  <- cheapest that fits" if option is best else ("fits" if option.fits else option.reason)
         print(f"  {option.label:<{width}}{total}   {verdict}")
     if best is None:
-        rescue = _fits_with_recompute(model, memory, extra, args)
-        if rescue is None and _print_pipe_rows(model, memory, args, extra["runtime"], propose=True):
+        rescue = _fits_with_recompute(model, memory, margin, extra, args)
+        if rescue is None and _print_pipe_rows(model, usable, args, extra["runtime"], propose=True):
             return 0
         if rescue is not None:
             print(f"nothing fits as asked; with checkpoint_activations {rescue.label} fits "
@@ -235,7 +269,7 @@ def _print_plan(model, extra: dict, args) -> int:
                   + "or raise the budget")
         return 1
     if args.pipelines:
-        _print_pipe_rows(model, memory, args, extra["runtime"], propose=False)
+        _print_pipe_rows(model, usable, args, extra["runtime"], propose=False)
     offload = f', offload="{best.offload}"' if best.offload else ""
     recompute = ", checkpoint_activations=True" if args.checkpoint_activations and best.strategy != "ddp" else ""
     print(f'use: sw.shard(model, strategy="{best.strategy}", precision="{best.precision}"{_units_argument(units)}'
@@ -254,7 +288,7 @@ def _print_pipe(model, args, runtime: int) -> int:
                         keep_gathered=not args.regather)
     if args.json:
         print(json.dumps(dict(label=est.label, total=est.total, bounds=est.bounds, build_bytes=est.build_bytes,
-                              stages=[_as_json(stage) for stage in est.stages])))
+                              stages=[as_json(stage) for stage in est.stages])))
     else:
         print(est)
     return 0
@@ -287,13 +321,13 @@ def _print_pipe_rows(model, memory: int, args, runtime: int, propose: bool) -> b
     return True
 
 
-def _fits_with_recompute(model, memory: int, extra: dict, args):
+def _fits_with_recompute(model, memory: int, margin: float, extra: dict, args):
     """The cheapest option that fits once activations are checkpointed, when the plan was made without
     it and the batch's activations are counted; else None."""
     if args.checkpoint_activations or not args.batch:
         return None
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
-                   offload_dir=args.offload_dir, checkpoint_activations=True, **extra)
+                   offload_dir=args.offload_dir, checkpoint_activations=True, margin=margin, **extra)
     return next((o for o in options if o.fits and o.strategy != "ddp"), None)
 
 

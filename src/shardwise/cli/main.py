@@ -8,6 +8,7 @@ import sys
 
 import shardwise.cli.ckpt as cli_ckpt
 import shardwise.cli.estimate as cli_estimate
+import shardwise.cli.max_model as cli_max_model
 from shardwise._version import __version__
 
 # What a shell reports for a command that SIGPIPE ended (128 + 13): `shardwise ckpt inspect DIR | head`.
@@ -50,6 +51,8 @@ def _dispatch(argv: list[str]) -> int:
         from shardwise import demo
 
         return demo.main(rest)
+    if args.command == "plan" and not rest and (args.max_model is not None or args.step != 1 or args.limit):
+        return cli_max_model.run(args)
     if args.command in ("estimate", "plan") and not rest:
         return cli_estimate.run(args)
     if args.command == "units" and not rest:

@@ -65,6 +65,26 @@ def build_model(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple
         f"gpt2), module:function, a .py file or a directory with a config.json{hint}")
 
 
+def depth_key(spec: str, model: nn.Module) -> str:
+    """The config field MODEL's depth is: `n_layers` for gpt, the Hugging Face config's `num_hidden_layers`
+    (under its own name: GPT-2's is `n_layer`); a one-line error for a model that is no family of sizes."""
+    from shardwise.models.zoo import ZOO
+
+    if spec == "gpt" or spec.startswith("gpt:"):
+        return "n_layers"
+    config = getattr(model, "config", None) if spec not in ZOO and ":" not in spec and not spec.endswith(".py") \
+        else None
+    if config is not None and hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        key = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
+        if key in config.to_dict():
+            return key
+        raise ShardwiseError(f"MODEL {spec}: its config has no num_hidden_layers: name the size to search, "
+                             "--max-model KEY (a field of its config)")
+    raise ShardwiseError(f"MODEL {spec} is not a family of sizes: --max-model searches a size of `gpt` or of a "
+                         "Hugging Face model type or config.json (e.g. `shardwise plan llama hidden_size=2048 "
+                         "--max-model ...`); for your own model, call sw.max_model(lambda size: build(size), ...)")
+
+
 def parse_overrides(items) -> dict:
     """KEY=VALUE strings -> {key: int | float | bool | str}."""
     values = {}
