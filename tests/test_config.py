@@ -27,7 +27,7 @@ RULES = [
     ({"strategy": "zero3", "offload": ("host", "disk:/tmp/x")}, "not both; pick one"),
     ({"strategy": "zero3", "precision": "fp8"}, "or a MixedPrecision(...)"),
     ({"strategy": "zero2", "prefetch": 3}, "so there is nothing to gather ahead of use"),
-    ({"strategy": "zero3", "prefetch": 0}, "an int of at least 1 (default 2)"),
+    ({"strategy": "zero3", "prefetch": 0}, "an int of at least 1 (default 1)"),
 ]
 # How a message is spelled in the source where it is formatted from a constant.
 SOURCE_FORM = {RULES[0][1]: "is not one of {STRATEGIES}"}

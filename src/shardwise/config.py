@@ -229,7 +229,7 @@ class ShardConfig:
     # (hpZ: Note [secondary shards], engine/unit/secondary.py)
     reshard_after_forward: bool | int = True
     compression: Compression | None = None
-    prefetch: int | None = None  # zero3: gathers issued ahead of use; None: 2 (Note [prefetch depth], stage.py)
+    prefetch: int | None = None  # zero3: gathers issued ahead of use; None: 1 (Note [prefetch depth], stage.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -269,7 +269,7 @@ class ShardConfig:
             return
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ShardwiseError(f"prefetch={value!r}: pass the number of unit gathers zero3 keeps issued ahead of "
-                                 "use, an int of at least 1 (default 2), or leave it out")
+                                 "use, an int of at least 1 (default 1), or leave it out")
         if self.strategy != "zero3":
             raise ShardwiseError(f"prefetch={value} is a zero3 option: {self.strategy} keeps every unit's full "
                                  "parameters, so there is nothing to gather ahead of use. Use strategy='zero3', or "

@@ -105,9 +105,9 @@ def shard(
     quantized. `sw.describe` and the checkpoint index record it. An optimizer stepped on whole tensors
     (Muon, Adafactor, ...) is refused with it. Note [quantized collectives] in engine/comm/quantize.py.
     `prefetch` (zero3): how many units' all-gathers are kept issued ahead of use, each on the gathers' own
-    stream (default 2; 1 issues the next only once this one landed); each more holds one more unit's full
-    parameters and buys overlap where a unit computes faster than the next one gathers. The result is
-    unchanged. Note [prefetch depth] in engine/unit/stage.py.
+    stream (default 1, FSDP2's one unit ahead: the next issued once this one landed); each more holds one
+    more unit's full parameters and buys overlap where a unit computes faster than the next one gathers. The
+    result is unchanged. Note [prefetch depth] in engine/unit/stage.py.
     The option rules live in `shardwise.config.ShardConfig`; every rank passes the same options (compared
     at once: Note [options by construction]). The model gains `model.no_sync()`, `sw.no_sync(model)` as DDP's
     and FSDP1's habit spells it.

@@ -28,10 +28,11 @@ def secondary_bytes(full_sizes: list[int], compute_bytes: int, reshard_after_for
     return sum(compute_bytes * -(-full // per_node) for full in full_sizes[:-1])
 
 
-def gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = False) -> str:
-    """What the gather/reduce buffers row holds, in a line (Note [transient buffers])."""
+def gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = False, prefetch: int = 1) -> str:
+    """What the gather/reduce buffers row holds, in a line (Note [transient buffers]); `prefetch`: zero3's gathers in
+    flight beside the unit in use (Note [prefetch depth], stage.py)."""
     held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
-            "zero3": "the root unit and up to 3 others gathered at once"}.get(
+            "zero3": f"the root unit and up to {1 + prefetch} others gathered at once"}.get(
                 strategy, "two units re-gathered after the step")
     if strategy == "ddp":
         return f"gather/reduce buffers: held only while a step runs: {held}"

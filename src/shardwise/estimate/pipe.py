@@ -124,7 +124,7 @@ def estimate_pipe(model: nn.Module, strategy: str, world_size: int, num_stages: 
 def _kept_gathered(est: MemoryEstimate, stage: nn.Module, shards: int, precision: str) -> MemoryEstimate:
     """zero3 under keep_gathered (Note [micro-batches keep their gathers], schedule/driver.py): every unit of
     the stage stays whole from its first gather to the step's reduce. Counted on top of the step's usual
-    buffers (which already hold up to 3 units whole): an upper bound by those units."""
+    buffers (which already hold 1 + prefetch units whole, 2 by default): an upper bound by those units."""
     c = 2 if precision in ("bf16", "fp16") else 4
     whole = c * sum(shards * shard_numel(p.shape, shards) for p in stage.parameters())
     return replace(est, gather_buffers=est.gather_buffers + whole, notes=est.notes + (

@@ -50,8 +50,8 @@ way: the tail 616 MiB, the peak now the blocks' backward at 626 (44 blocks: 970 
 is fresh allocations: 9 of a step's 67 lends at 16 blocks (179 at 44), where the kept pool made none and
 no pool all 32 of its buffers; a fixed count a step, so a deeper model loses less. zero1/zero2 (no
 re-gathers in backward) never trim. `sw.describe` shows the bound, what is held, and the trims. Left over
-FSDP2 at the blocks' backward: prefetch=2 against its one unit ahead (prefetch=1 measured 12 MiB lower
-there) and gloo's all-to-all receive buffer (a unit's full size, Note [gloo collectives]).
+FSDP2 at the blocks' backward then: prefetch=2 against its one unit ahead (now 1: Note [prefetch depth], stage.py)
+and gloo's all-to-all receive buffer (a unit's full size, Note [gloo collectives]).
 """
 
 from __future__ import annotations

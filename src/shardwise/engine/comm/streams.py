@@ -42,7 +42,7 @@ ours is one `torch.cat` or none at all, Note [gathered in place], so it shares t
   with an event recorded on the compute stream that read them. The next taker's stream waits for those
   events before it writes (FSDP2 keeps the all-gather result referenced until its copy-out event, and
   waits for `_reshard_after_forward_event` before the next all-gather reuses the memory).
-- Prefetch depth: `sw.shard(prefetch=N)` (zero3; default 2, FSDP2's implicit prefetch keeps one unit
+- Prefetch depth: `sw.shard(prefetch=N)` (zero3; default 1, as FSDP2's implicit prefetch keeps one unit
   ahead in forward and backward): at most N gathers issued ahead of use (schedule/gather_schedule.py).
 """
 

@@ -9,7 +9,7 @@ Note [stages]: the three zero strategies are one mechanism (flat_unit.py) under 
 |-------|------------------|--------------------------------|-------------------|
 | zero1 | yes              | yes: reduce-scattered per unit | 1 (re-gathers after a step) |
 | zero2 | yes              | no: reduce-scattered per unit  | 1 |
-| zero3 | no: per use      | no                             | `prefetch` (default 2: Note [prefetch depth]) |
+| zero3 | no: per use      | no                             | `prefetch` (default 1: Note [prefetch depth]) |
 
 Each stage is a class: the base answers for zero1/zero2 (full values kept), `Zero3` overrides what
 zero3 does differently (when the full values exist: `needs_gather`, `free`, `storage`, `freshness`),
@@ -189,13 +189,17 @@ class Zero2(StagePolicy):
 
 
 # Note [prefetch depth]: zero3 keeps up to `prefetch` gathers issued ahead of use (sw.shard(prefetch=N), default
-# PREFETCH = 2): while a unit computes, the next two units' gathers are in flight on the gathers' stream (Note
-# [streams per collective], comm/streams.py), in forward and in backward (FSDP2's implicit prefetch keeps one
-# ahead; its `set_modules_to_forward_prefetch` more). Each more costs one unit's full values in memory (the pool's
-# bound and the estimator count 1 + prefetch units beside the root) and buys overlap where one unit's compute is
-# shorter than the next unit's gather (small units, a slow network). 1 gathers the next unit only once this one
-# landed. The order of the gathers is the same on every rank whatever the depth (Note [collective order]).
-PREFETCH = 2
+# PREFETCH = 1): while a unit computes, the next unit's gather is in flight on the gathers' stream (Note [streams per
+# collective], comm/streams.py), in forward and in backward, as FSDP2's implicit prefetch keeps one unit ahead (its
+# `set_modules_to_forward_prefetch` more). A unit's gather lands when it is used, and the next is issued then: the
+# unit in use and one in flight, two units' full values beside the root. Each more costs one unit's full values at
+# every zero3 peak (the pool's bound and the estimator count 1 + prefetch units beside the root) and buys overlap
+# only where one unit's compute is shorter than the next unit's gather (small units, a slow network). The default
+# was 2 until issue 61: measured at the peak (the blocks' backward; 4 ranks, 16 blocks of bench/memory/max_model.py's
+# GPT, fp32, peak RSS per rank over 3 steps) 2 held about one unit more than FSDP2 (626 MiB against 607; 1: 616),
+# one block of that GPT's depth at 2 GiB, and no step time was ever measured in its favour. The order of the
+# gathers is the same on every rank whatever the depth (Note [collective order]).
+PREFETCH = 1
 
 
 class Zero3(StagePolicy):
