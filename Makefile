@@ -8,10 +8,14 @@ WORKERS ?= 2
 
 .PHONY: demo test test-all lint bench setup clean docs
 
+# The lowbit extra (torchao) beside the venv, not in it: transformers imports torchao whenever it can
+# (its quantizer), and on a CPU host torchao prints "Failed to load ..._C_mxfp8" at every import, which
+# the examples' quiet checks read as a library's notice. tests/test_lowbit_optim.py puts .lowbit first.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs,lowbit]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps --upgrade --target .lowbit torchao
 	touch $(STAMP)
 
 setup: $(STAMP)
