@@ -84,7 +84,8 @@ def run(mutation) -> tuple[str, str, float]:
         started = time.time()
         done = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider {tests}", shell=True,
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        verdict = "caught" if done.returncode != 0 else "NOT CAUGHT"
+        # pytest's 5: the selector collected no test, which would have read as caught
+        verdict = {0: "NOT CAUGHT", 5: "NO TEST SELECTED"}.get(done.returncode, "caught")
         return name, verdict, time.time() - started
 
 
