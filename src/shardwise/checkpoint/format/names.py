@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Sequence
 
 from torch import Tensor, nn
 
+from shardwise.engine.unit.info import shard_info
 from shardwise.errors import ShardwiseError
 
 # Note [wrapper prefixes]: wrappers add path components that are not part of the
@@ -23,6 +24,11 @@ def clean_name(name: str) -> str:
     while len(parts) > 1 and parts[0] == "module":
         parts.pop(0)
     return ".".join(parts)
+
+
+def clean_names(names) -> dict[str, str]:
+    """Each of `names` -> its `clean_name`."""
+    return {name: clean_name(name) for name in names}
 
 
 Rename = Mapping[str, str] | Sequence[tuple[str, str]] | None
@@ -62,3 +68,12 @@ def persistent_buffers(model: nn.Module) -> dict[str, Tensor]:
             full = f"{module_name}.{name}" if module_name else name
             out.setdefault(clean_name(full), buffer)
     return out
+
+
+def model_names(model: nn.Module) -> set[str]:
+    """Every name the model's tensors go by in a state dict, cleaned (a tied weight's names all)."""
+    names = set(map(clean_name, persistent_buffers(model)))
+    for raw, info in shard_info(model).items():
+        names.add(clean_name(raw))
+        names.update(map(clean_name, info.aliases))
+    return names

@@ -68,6 +68,17 @@ def from_json(value, device: torch.device | str = "cpu", where: str = "a saved v
     return value
 
 
+def number_from_json(value, where: str):
+    """`from_json` of a saved number (a per-parameter optimizer scalar, AdamW's `step`): a number or a one-element
+    tensor, anything else refused as an edited or damaged checkpoint."""
+    decoded = from_json(value, where=where)
+    if type(decoded) in (bool, int, float) or decoded is None or isinstance(decoded, torch.Tensor) \
+            and decoded.numel() == 1:
+        return decoded
+    raise ShardwiseError(f"{where} is {str(decoded)[:60]!r} in the checkpoint, not a number: the checkpoint was "
+                         "edited or damaged. Load an earlier checkpoint.")
+
+
 def _dtype(value: dict, where: str) -> torch.dtype:
     name = value.get("dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None

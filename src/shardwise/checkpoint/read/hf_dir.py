@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardwise.checkpoint.format.bounded_json import parse_json, read_bounded, short
+from shardwise.checkpoint.format.names import model_names
 from shardwise.checkpoint.read.hf_names import HFNames
 from shardwise.checkpoint.read.reader import FileReader
 from shardwise.checkpoint.read.source_base import Source, SourceTensor
@@ -77,7 +78,8 @@ class HFDirectory(Source):
         # in the metadata as {dropped: kept}.
         tied = {} if not one_file else {dropped: kept for dropped, kept in self.files[self.path.name].metadata.items()
                                         if kept in held and dropped not in held}
-        self.hf_names = HFNames(model, renamer)
+        targets = model_names(model) if model is not None else set()
+        self.hf_names = HFNames(model, renamer, targets)
         names = self.hf_names.source_names(held, tied, self.path)
         for key, name in names.names.items():
             reader, entry = self.files[held[key]], self.files[held[key]].entries[key]

@@ -29,9 +29,8 @@ from typing import Callable
 
 from torch import nn
 
-from shardwise.checkpoint.format.names import clean_name, persistent_buffers
+from shardwise.checkpoint.format.names import clean_names
 from shardwise.checkpoint.read.source_base import SourceNames
-from shardwise.engine.unit.info import shard_info
 from shardwise.errors import ShardwiseError
 
 
@@ -41,15 +40,6 @@ def pretrained_model(model: nn.Module):
     if modeling is None or not isinstance(model, modeling.PreTrainedModel):
         return None
     return model
-
-
-def model_names(model: nn.Module) -> set[str]:
-    """Every name the model's tensors go by in a state dict, cleaned (a tied weight's names all)."""
-    names = set(map(clean_name, persistent_buffers(model)))
-    for raw, info in shard_info(model).items():
-        names.add(clean_name(raw))
-        names.update(map(clean_name, info.aliases))
-    return names
 
 
 @dataclass
@@ -64,25 +54,26 @@ class KeyNames:
 
 class HFNames:
     """How a Hugging Face file's keys map to `model`'s names (Note [transformers names]): `source_names(keys)`,
-    every key of a source named in one call (hf_dir.py's); `rename(key)`, the user's `renamer` first (as
-    transformers applies its `key_mapping` first), then transformers' renames, then the base-model prefix;
-    `ignored(key)`, a key transformers drops unread."""
+    every key of a source named in one call (hf_dir.py's): the keys cleaned (`clean_names`), each renamed
+    (`rename`: the user's `renamer` first, as transformers applies its `key_mapping` first, then transformers'
+    renames, then the base-model prefix), the keys transformers drops unread set apart, then every name
+    registered (`SourceNames`). `targets`: the model's names (`model_names`)."""
 
-    def __init__(self, model: nn.Module | None, renamer: Callable[[str], str]):
-        self.renamer = renamer
+    def __init__(self, model: nn.Module | None, renamer: Callable[[str], str], targets: set[str]):
+        self.renamer, self.targets = renamer, targets  # the model's names (names.py's `model_names`)
         hf = pretrained_model(model) if model is not None else None
         self.prefix = getattr(hf, "base_model_prefix", "") or ""
         self.renamings, self.converters = _transforms(hf)
         self._ignore = _patterns(hf, "_keys_to_ignore_on_load_unexpected") + _legacy_buffers(hf)
         self._absent = _patterns(hf, "_keys_to_ignore_on_load_missing")
-        self.targets = model_names(model) if model is not None else set()
 
     def may_be_absent(self, name: str) -> bool:
         """True for a model tensor transformers lets be absent from the files (`_keys_to_ignore_on_load_missing`)."""
         return any(p.search(name) for p in self._absent)
 
-    def rename(self, key: str) -> str:
-        name = self.renamer(clean_name(key))
+    def rename(self, key: str, clean: str) -> str:
+        """`key` (`clean` once wrapper components are dropped, `clean_names`) under the model's name."""
+        name = self.renamer(clean)
         if name in self.targets or not self.targets:
             return name
         for renaming in self.renamings:
@@ -105,26 +96,24 @@ class HFNames:
         """A file's `keys` under the model's names, each name once (`SourceNames`), the keys transformers ignores
         set apart; `tied` ({dropped: kept}: tied weights stored once) adds each dropped name as an alias of the
         kept tensor's."""
-        seen, found = SourceNames(where), KeyNames()
-        found.ignored = [key for key in keys if self.ignored(key)]
+        clean = clean_names([*keys, *tied])  # every key, wrapper components dropped, in one call
+        renamed = {key: self.rename(key, clean[key]) for key in keys}  # a converter's key refused before a clash
+        found = KeyNames(ignored=[key for key in keys if self._ignored(renamed[key])])
         skipped = set(found.ignored)
-        for key in keys:
-            if key in skipped:
-                continue
-            name = self.rename(key)
-            found.names[key] = seen.add(name, key)
-        read = set(found.names.values())
-        for dropped, kept in tied.items():
-            target = self.rename(kept)
-            if target in read:
-                alias = self.rename(dropped)
-                found.aliases[target] = found.aliases.get(target, ()) + (seen.add(alias, dropped),)
+        read = {key: name for key, name in renamed.items() if key not in skipped}
+        read_names = set(read.values())
+        aliases = {dropped: self.rename(dropped, clean[dropped]) for dropped, kept in tied.items()
+                   if renamed[kept] in read_names}
+        seen = SourceNames(where)  # every name once: the names read, then the aliases
+        found.names = seen.add_all(read)
+        for dropped, alias in seen.add_all(aliases).items():
+            target = renamed[tied[dropped]]
+            found.aliases[target] = found.aliases.get(target, ()) + (alias,)
         return found
 
-    def ignored(self, key: str) -> bool:
-        """True for a key transformers ignores when it loads (`_keys_to_ignore_on_load_unexpected`) that
-        names nothing in the model."""
-        name = self.rename(key)
+    def _ignored(self, name: str) -> bool:
+        """True for a key (renamed: `name`) transformers ignores when it loads (`_keys_to_ignore_on_load_unexpected`)
+        that names nothing in the model."""
         return name not in self.targets and any(p.search(name) for p in self._ignore)
 
     def _with_prefix(self, name: str) -> str:

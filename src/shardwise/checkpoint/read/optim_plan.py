@@ -19,7 +19,7 @@ from shardwise.checkpoint.format.optim_state import (
     placements,
 )
 from shardwise.checkpoint.format.records import OptimizerRecord
-from shardwise.checkpoint.format.values import check_like, from_json, like_current
+from shardwise.checkpoint.format.values import check_like, from_json, like_current, number_from_json
 from shardwise.checkpoint.read.report import LoadReport
 from shardwise.checkpoint.read.source_base import Source, SourceTensor
 from shardwise.engine.layout.rows import num_rows
@@ -65,8 +65,9 @@ def pair_optimizers(source: Source, given: list, form: str, infos, pairs,
         report.problems.append("the checkpoint holds no optimizer state (it was saved without optim=)")
         return []
     where = source.values_file or source.description
+    kinds = [class_name(o) for _, o in given]  # each given optimizer's class, gathered once
     then = _show((r.name, r.class_name) for r in saved)
-    now = _show((name, class_name(o)) for name, o in given)
+    now = _show((name, kind) for (name, _), kind in zip(given, kinds))
     if len(saved) != len(given):
         raise ShardwiseError(
             f"{where} holds the state of {len(saved)} optimizer(s) [{then}] and sw.load was given {len(given)} "
@@ -80,16 +81,16 @@ def pair_optimizers(source: Source, given: list, form: str, infos, pairs,
                                  "with the names sw.save was given")
         order = [by_name[name] for name, _ in given]
     paired = []
-    for number, (_, optim) in zip(order, given):
+    for number, (_, optim), kind in zip(order, given, kinds):
         record = saved[number]
-        if not same_class(record.class_name, optim):  # Note [optimizer class]
+        if not same_class(record.class_name, optim, kind):  # Note [optimizer class]
             label = f" ({record.name!r})" if record.name else f" (number {number})" if len(saved) > 1 else ""
             raise ShardwiseError(
                 f"{where}: the optimizer state{label} was saved from {record.class_name} and would load into "
-                f"{class_name(optim)}: one optimizer class's state means nothing to another. Build the "
+                f"{kind}: one optimizer class's state means nothing to another. Build the "
                 f"{record.class_name} the checkpoint was saved with, or load the model alone (sw.load(path, model)) "
                 "and start the new optimizer fresh")
-        check_group_keys(record.groups, optim, where)
+        check_group_keys(record.groups, optim, kind, where)
         paired.append((number, record, optim))
     for number, record, optim in paired:
         _check_groups(record, optim, infos, pairs, report, f"optimizer {number}: " if len(paired) > 1 else "")
@@ -150,8 +151,7 @@ def plan_optimizer(source: Source, number: int, saved: OptimizerRecord, optim, i
             shapes.check(name, index, tuple(infos[name].full_shape), param.dtype, state, source.values_file)
             load.prototypes[id(param)] = shapes.prototype(index, tuple(infos[name].full_shape), param.dtype)
             for key, value in state.scalars.items():
-                where = f"{source.values_file}: optimizer state {key!r} of {name!r}"
-                _check_scalar(from_json(value, where=where), where)
+                number_from_json(value, f"{source.values_file}: optimizer state {key!r} of {name!r}")
             info = infos[name] if place.owner is None else full_info(infos[name])
             shape = tuple(param.shape) if place.owner is None else tuple(info.full_shape)
             reads = []
@@ -191,14 +191,6 @@ def _check_owners(where: str, saved: OptimizerRecord, optim, names, pairs, where
             "with, in the same order (Note [recorded owners])")
 
 
-def _check_scalar(value, where: str) -> None:
-    """A per-parameter optimizer scalar (AdamW's `step`) is a number or a one-element tensor."""
-    if type(value) in (bool, int, float) or value is None or isinstance(value, torch.Tensor) and value.numel() == 1:
-        return
-    raise ShardwiseError(f"{where} is {str(value)[:60]!r} in the checkpoint, not a number: the checkpoint was edited "
-                         "or damaged. Load an earlier checkpoint.")
-
-
 # Note [optimizer class]: a checkpoint records the optimizer's class qualified by its module (`class_name`)
 # (`torch.optim.adafactor.Adafactor`), and loads only into the same class: `transformers`' Adafactor
 # and torch's share a name and nothing else (other group keys, other state). Two names are the same
@@ -210,11 +202,12 @@ def _check_scalar(value, where: str) -> None:
 # shapes the loading class gives it (`StateShapes`).
 
 
-def same_class(recorded: str, optim) -> bool:
-    """Whether a checkpoint's recorded optimizer class is `optim`'s (Note [optimizer class])."""
+def same_class(recorded: str, optim, kind: str) -> bool:
+    """Whether a checkpoint's recorded optimizer class is `optim`'s, `kind` (its `class_name`) (Note [optimizer
+    class])."""
     def key(name: str) -> tuple[str, str]:  # (top-level package, class name)
         return name.split(".")[0], name.rsplit(".", 1)[-1]
-    names = {class_name(optim), f"{type(optim).__module__}.{type(optim).__qualname__}"}  # or the wrapper's own
+    names = {kind, f"{type(optim).__module__}.{type(optim).__qualname__}"}  # or the wrapper's own
     bare = {name.rsplit(".", 1)[-1] for name in names}
     if "." not in recorded or recorded.startswith("__main__.") or any(n.startswith("__main__.") for n in names):
         return recorded.rsplit(".", 1)[-1] in bare  # bare (saved before), or a script's class imported elsewhere
@@ -226,14 +219,14 @@ def same_class(recorded: str, optim) -> bool:
 SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"})
 
 
-def check_group_keys(saved_groups, optim, where: str) -> None:
+def check_group_keys(saved_groups, optim, kind: str, where: str) -> None:
     """Refuse saved param-group settings the loading optimizer's groups do not have (Note [optimizer class]):
     loaded, they would be added to its groups and its step would misread or trip over them."""
     have = {key for group in optim.param_groups for key in group}
     unknown = sorted({key for group in saved_groups for key in group.options} - have - SCHEDULER_KEYS)
     if unknown:
         raise ShardwiseError(
-            f"{where}: the saved param groups hold settings a {class_name(optim)} does not have "
+            f"{where}: the saved param groups hold settings a {kind} does not have "
             f"({', '.join(unknown[:6])}{'...' if len(unknown) > 6 else ''}): the state was saved from another "
             "optimizer class, or another version of it. Build the optimizer the checkpoint was saved with, or "
             "load the model alone (sw.load(path, model)) and start the new optimizer fresh")

@@ -98,3 +98,9 @@ class SourceNames:
                                  "prefixes (module., _orig_mod., ...) are dropped and rename= applied, so one would "
                                  "silently replace the other. Pass a rename= that keeps them apart, or remove one.")
         return name
+
+    def add_all(self, names: dict[str, str]) -> dict[str, str]:
+        """`add` each of `names` ({original: name}) in their order; the same dict back."""
+        for original, name in names.items():
+            self.add(name, original)
+        return names
