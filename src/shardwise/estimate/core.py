@@ -270,8 +270,8 @@ def estimate(
         comm_pool = comm_pool_bytes(plan_units, shard_config, c, r, layout_size)
         gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
     if gather:
-        notes.append(gather_note(strategy, probed, batch is None, gradients_kept,
-                                 policy_of(strategy, shard_config.prefetch).gathers_in_flight))
+        in_flight = 0 if strategy == "ddp" else policy_of(strategy, shard_config.prefetch).gathers_in_flight
+        notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight))
     if host:
         notes.append("offload='host': fp32 master rows, their gradients and the optimizer state in host memory "
                      "(`host`); the compute device holds the rest")
