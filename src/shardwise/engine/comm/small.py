@@ -8,10 +8,26 @@ header, one norm per tensor, a flag): no buffers to reuse, no form to pick.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from shardwise.engine.comm.collectives import named_failure
+
+
+def host_values_to(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A step's few host values (a header, a tag, used flags) on `device` without blocking the host: staged in
+    pinned memory where `device` is an accelerator, as a `non_blocking` copy from pageable memory is a blocking
+    one (the fake accelerator's checks count it: tests/helpers/fake_gpu.py)."""
+    host = torch.tensor(values, dtype=dtype)
+    return (host if device.type == "cpu" else host.pin_memory()).to(device, non_blocking=True)
+
+
+def wait_for_copy(passed) -> None:
+    """Before the host reads a copy that event `passed` follows: a query first (in a step's settle the copy has
+    long passed, and the host goes on without a wait), a blocking wait only where it has not."""
+    if not passed.query():
+        passed.synchronize()
 
 
 def all_reduce_max(tensor: Tensor, group, what: str = "an all-reduce") -> Tensor:

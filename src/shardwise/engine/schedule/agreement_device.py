@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import named_failure
-from shardwise.engine.comm.small import start_all_gather_rows
+from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import device_api
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.schedule.agreement import REFUSED, STEP, Agreement
@@ -133,7 +133,7 @@ class HeadersOnDevice(Agreement):
     def _send(self, row: list[int], order: list[int]) -> _Header:
         where = self.units[0].where
         with self.stream:  # behind nothing of the compute stream's: the header's values are the host's
-            sent = torch.tensor(row, dtype=torch.int64).to(self.device, non_blocking=True)
+            sent = host_values_to(row, torch.int64, self.device)
             received = torch.empty(self.world * sent.numel(), dtype=torch.int64, device=self.device)
             with named_failure(f"the agreement of a phase ({where})"):
                 work = start_all_gather_rows(received, sent, self.group)
@@ -165,7 +165,7 @@ class HeadersOnDevice(Agreement):
             for header in headers:
                 if header.passed is None:
                     self._land(header)
-                header.passed.synchronize()
+                wait_for_copy(header.passed)
                 self.check(self.rows_of(header), header.order)
         except ShardwiseError:
             self.refuse()

@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.context import CommContext
-from shardwise.engine.comm.small import start_all_gather_rows
+from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import GATHER
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, REFUSED, Agreement
@@ -187,7 +187,7 @@ class TagsOnDevice(GatherTags):
         self.settle_every = SETTLE_STEPS * 2 * len(units)
 
     def send(self, unit: FlatUnit) -> None:
-        sent = torch.tensor(self._row(unit), dtype=torch.int64).to(self.device, non_blocking=True)
+        sent = host_values_to(self._row(unit), torch.int64, self.device)
         tag = _TagInFlight(self.comm.gather_rows(
             sent, self.world, self.group, f"the tag of the all-gather of unit {unit.label} ({unit.where})"))
         self.in_flight.append(tag)
@@ -227,7 +227,7 @@ class TagsOnDevice(GatherTags):
         for tag in in_flight:
             if tag.passed is None:
                 self._land(tag)
-            tag.passed.synchronize()
+            wait_for_copy(tag.passed)
             rows = self.rows_of(tag)
             if any(row[:3] != rows[0][:3] for row in rows):
                 self._raise_for(rows)

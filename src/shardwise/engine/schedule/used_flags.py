@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.engine.comm.collectives import any_rank, named_failure
-from shardwise.engine.comm.small import start_all_reduce_max
+from shardwise.engine.comm.small import host_values_to, start_all_reduce_max, wait_for_copy
 from shardwise.engine.comm.streams import device_api
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -91,7 +91,7 @@ class UsedFlagsOnDevice:
         if not flags:  # no parameter reduced: on every rank alike
             return exchange
         with self.stream:  # behind nothing of the compute stream's: the flags are the host's values
-            exchange.values = torch.tensor(flags, dtype=torch.int32).to(self.device, non_blocking=True)
+            exchange.values = host_values_to(flags, torch.int32, self.device)
             with named_failure(WHAT):
                 exchange.work = start_all_reduce_max(exchange.values, self.group)
         if self.device.type != "cpu":  # on a host group (forced onto gloo) the host would wait here: at `agree`
@@ -106,7 +106,7 @@ class UsedFlagsOnDevice:
         self.host_waits += 1
         if exchange.passed is None:
             self._land(exchange)
-        exchange.passed.synchronize()
+        wait_for_copy(exchange.passed)
         return self.result_of(exchange)
 
     def _land(self, exchange: _Exchange) -> None:
