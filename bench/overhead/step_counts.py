@@ -1,5 +1,5 @@
 """Where a step's host work goes, COUNTED rather than timed (a loaded host moves times, not counts): per training
-step of make demo's GPT (bench/speed/demo_gpt.py's arms, the demo's step), each arm's
+step of make demo's GPT (bench/overhead/demo_gpt.py's arms, the demo's step), each arm's
 
 - Python-level calls (cProfile's call counts, C builtins called from Python included), in all and by file,
   grouped as shardwise's engine, FSDP2 (torch/distributed/fsdp), DTensor, torch.distributed's c10d, DDP,

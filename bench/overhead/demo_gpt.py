@@ -3,8 +3,8 @@ under torch DDP, shardwise ddp, shardwise zero3 (units=Block, the demo's setting
 plus the root, every arm in the same processes and stepping in turn (Note [paired steps] in
 bench/overhead/paired_steps.py), at 2 ranks and at 1 rank (Note [demo comm stripped]).
 
-    python bench/speed/demo_gpt.py                                     # quiet host: 2 and 1 rank, 100 rounds (~5 min)
-    python bench/speed/demo_gpt.py --rounds 2 --warmup 1 --layers 2 --width 64   # does it run
+    python bench/overhead/demo_gpt.py                                  # quiet host: 2 and 1 rank, 100 rounds (~5 min)
+    python bench/overhead/demo_gpt.py --rounds 2 --warmup 1 --layers 2 --width 64   # does it run
 
 It answers issue 58's "make demo's zero3 / ddp <= 1.05": is that reachable on this host? FSDP2 per block is the
 field's form of the same route (a gather before each block, a reduce-scatter after it); if it costs as much over
@@ -225,7 +225,7 @@ def markdown(args, summaries: dict, command: str, wall_s: float) -> str:
              f"{args.batch}/rank, AdamW lr {args.lr}, clipped to 1.0), gloo, 1 thread/rank, "
              f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 65536)}; every arm in the same "
              f"processes, one demo step each per round in a rotated order, {args.rounds} "
-             f"rounds after {args.warmup} dropped (bench/speed/demo_gpt.py). Step: the slowest rank's, from a "
+             f"rounds after {args.warmup} dropped (bench/overhead/demo_gpt.py). Step: the slowest rank's, from a "
              "barrier, timed as the demo times it; × DDP: over torch DDP's step of the same round, median "
              "(quartiles, range) over rounds; CPU: rank 0's process CPU seconds (gloo's threads too). At 1 rank "
              "the collectives are local: the engine's host cost apart from communication (Note [demo comm "
@@ -292,7 +292,7 @@ def run_launcher(args) -> None:
     started = time.time()
     records = {int(w): run_ranks(__file__, int(w), args.timeout, "record.json") for w in args.world_sizes.split(",")}
     summaries = {ws: summarize(args, record) for ws, record in records.items()}
-    command = ("python bench/speed/demo_gpt.py " + " ".join(sys.argv[1:])).strip()
+    command = ("python bench/overhead/demo_gpt.py " + " ".join(sys.argv[1:])).strip()
     settings = {k: v for k, v in vars(args).items() if k != "worker"}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
