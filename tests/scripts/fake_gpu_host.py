@@ -90,24 +90,10 @@ def train_host(strategy: str, precision: str = "fp32", dcp: bool = False):
 
 def train_stage_host(strategy: str):
     """A ShardedStage under offload="host", run by torch's ScheduleGPipe (fake_gpu_run.train_stage's set-up)."""
-    from torch.distributed.pipelining import ScheduleGPipe
-
-    from shardwise.pipeline.sharded import ShardedStage
-
     model = _deferred(base.TinyLogits)
     sw.shard(model, strategy=strategy, units=base.Block, offload="host")
     optimizer = base._adamw(model)
-    pipe = dist.new_group([0], use_local_synchronization=True)
-    stage = ShardedStage(model, 0, 1, torch.device(DEVICE, 0), group=pipe)
-    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda logits, _: logits.square().mean())
-    tokens = torch.zeros(4, 4, dtype=torch.long, device=DEVICE)
-
-    def one_step():
-        schedule.step(tokens, target=tokens)
-        sw.clip_grad_norm_(model, 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    checks = base._counted(one_step)
+    checks = base._counted_pipeline_step(model, optimizer)
     checks.extra = {"placement": placement(model, optimizer)}
     return checks
 

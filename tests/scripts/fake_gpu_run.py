@@ -152,13 +152,18 @@ def train_compiled(strategy):
 
 def train_stage(strategy):
     """A ShardedStage run by torch's ScheduleGPipe, two micro-batches (one stage: no point-to-point traffic)."""
+    model = _model(TinyLogits)
+    sw.shard(model, strategy=strategy, units=Block)
+    optimizer = _adamw(model)
+    return _counted_pipeline_step(model, optimizer)
+
+
+def _counted_pipeline_step(model, optimizer):
+    """`model` as one GPipe stage of a one-rank pipe, a step of two micro-batches, clipped, counted."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     from shardwise.pipeline.sharded import ShardedStage
 
-    model = _model(TinyLogits)
-    sw.shard(model, strategy=strategy, units=Block)
-    optimizer = _adamw(model)
     pipe = torch.distributed.new_group([0], use_local_synchronization=True)  # this rank's pipe: one stage
     stage = ShardedStage(model, 0, 1, torch.device(DEVICE, 0), group=pipe)
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda logits, _: logits.square().mean())
