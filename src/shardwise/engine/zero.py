@@ -28,7 +28,7 @@ from shardwise.engine.memory.precision import cast_floating_inputs
 from shardwise.engine.optim.optim_hooks import StepWatch
 from shardwise.engine.phase import Clock
 from shardwise.engine.protocol import Engine, slicing_of
-from shardwise.engine.schedule.consistency import check_same_model_on_every_rank, layout_words
+from shardwise.engine.schedule.consistency import check_same_model_on_every_rank
 from shardwise.engine.schedule.driver import StepDriver
 from shardwise.engine.state_dict import install_state_dict_hooks
 from shardwise.engine.unit.info import ShardInfo, module_paths, units_shard_info
@@ -55,7 +55,7 @@ class ZeroEngine(Engine):
         if not names_the_root(model, units):  # the caller's own choice: nothing to warn about
             warn_if_root_holds_most(model, [owned.param for owned in plans[0].params])
         self.module_paths = module_paths(model)
-        check_same_model_on_every_rank(model, group, layout_words(mesh))  # before any group of the mesh's
+        check_same_model_on_every_rank(model, group)  # before any group is made
         self.store = open_store(config.offload, self.rank)  # disk offload: the master rows' files
         self.host = open_host(config.offload)  # offload="host": the copies to and from host rows (Note [host offload])
         self.host_group = host_group_of(group)  # Note [host values] (collectives.py)

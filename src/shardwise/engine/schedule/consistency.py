@@ -19,28 +19,20 @@ from shardwise.wire.canonical import canonical, first_difference, shown
 from shardwise.wire.messages import all_gather_json
 
 
-def check_same_model_on_every_rank(model: nn.Module, group, layout: str = "") -> None:
-    """Fail at shard() — not with a hang mid-step — when ranks built different models, or were given
-    different layouts (`layout`: the mesh= each rank passed, in words; a rank with another mesh would
-    create other groups and pair its collectives with the wrong ranks' until the timeout).
+def check_same_model_on_every_rank(model: nn.Module, group) -> None:
+    """Fail at shard() — not with a hang mid-step — when ranks built different models. (Different mesh=
+    layouts are refused before this, by shard()'s options check: Note [options by construction].)
 
-    Ranks first compare a hash of the layout and (name, shape, dtype, requires_grad) of every parameter:
-    one small all-gather. Only when the hashes differ are the full lists exchanged, to name the
-    first difference (as JSON: nothing from another rank is unpickled)."""
+    Ranks first compare a hash of (name, shape, dtype, requires_grad) of every parameter: one small all-gather.
+    Only when the hashes differ are the full lists exchanged, to name the first difference (as JSON: nothing
+    from another rank is unpickled)."""
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
     device = _device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    all_gather_list(signatures, torch.tensor([digest(repr((layout, mine)))], device=device), group)
+    all_gather_list(signatures, torch.tensor([digest(repr(mine))], device=device), group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
         return
-    # JSON, never a pickle between ranks
-    everyone = all_gather_json({"layout": layout, "params": [list(entry) for entry in mine]}, group)
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        if theirs["layout"] != everyone[0]["layout"]:
-            raise ShardwiseError(
-                f"ranks 0 and {rank} were given different layouts: rank 0 {everyone[0]['layout']}, rank {rank} "
-                f"{theirs['layout']}. Pass the same mesh= to sw.shard on every rank (built by the same "
-                "init_device_mesh call from the same sizes), or none on any.")
+    everyone = all_gather_json({"params": [list(entry) for entry in mine]}, group)  # JSON, never a pickle
     reference = everyone[0]["params"]
     for rank, theirs in enumerate((item["params"] for item in everyone[1:]), start=1):
         if theirs == reference:
