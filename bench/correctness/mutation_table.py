@@ -423,6 +423,12 @@ ENGINE_MUTATIONS = [
      'if len({crcs[rank] for rank in readers}) <= 1:',
      'if True:',
      'tests/test_host_copy_safety.py -k differ_between_hosts'),
+    ("sw.shard makes each deferred weight nothing wrote whole before keeping its rows (Note [rows without a full "
+     "tensor]: 762 MiB per rank under sw.from_pretrained's Llama)",
+     'replay',
+     '                continue  # made and never touched',
+     '                pass  # made and never touched',
+     'tests/test_deferred.py -k unwritten'),
 ]
 
 MUTATIONS = (ENGINE_MUTATIONS + PIPELINE_MUTATIONS + STEP_MUTATIONS + DEVICE_MUTATIONS + COMM_MUTATIONS
