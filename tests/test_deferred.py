@@ -169,7 +169,8 @@ PEAK_SCRIPT = textwrap.dedent("""
     units = engine_of(model).units
     shards = sum(u.shard_flat.numel() * 4 for u in units)
     largest_unit = max(u.full_flat.numel() * 4 for u in units)
-    full = sum(p.numel() for p in GPT(config).parameters()) * 4 if sw.get_rank() == 0 else 0
+    with torch.device("meta"):  # its size only: nothing allocated, no init drawn
+        full = sum(p.numel() for p in GPT(config).parameters()) * 4
     # One file per rank: four ranks printing to one pipe can interleave their lines.
     report = dict(rank=sw.get_rank(), growth=peak - before, shards=shards, unit=largest_unit, full=full)
     pathlib.Path(sys.argv[1], f"rank{sw.get_rank()}.json").write_text(json.dumps(report))
