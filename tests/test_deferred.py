@@ -102,6 +102,51 @@ def _shard_plain_meta_model():
     sw.shard(model, strategy="zero3")
 
 
+class _UnwrittenWeight(nn.Module):
+    """A weight `torch.empty` made and nothing wrote (every nn.Linear under transformers' `no_init_weights`, as
+    `sw.from_pretrained` builds it), beside a layer whose init draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.unwritten = nn.Parameter(torch.empty(96, 40))
+        self.drawn = nn.Linear(8, 8)
+
+
+def _shapes_made_while_sharding(strategy):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Factories(TorchDispatchMode):
+        shapes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ in {"empty", "empty_strided", "zeros", "new_empty", "empty_like"}:
+                Factories.shapes.add(tuple(out.shape))
+            return out
+
+    torch.manual_seed(5)
+    eager = _UnwrittenWeight().drawn.weight.detach()
+    after_eager = torch.rand(3)
+    torch.manual_seed(5)
+    with sw.deferred_init():
+        model = _UnwrittenWeight()
+    with Factories():
+        sw.shard(model, strategy=strategy)
+    full = sw.full_parameters(model)
+    return ((96, 40) in Factories.shapes, torch.count_nonzero(full["unwritten"]).item(),
+            torch.equal(full["drawn.weight"], eager), torch.equal(torch.rand(3), after_eager))
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "ddp"])
+def test_unwritten_weight_is_never_made_whole(ranks, strategy):
+    """Catches shard() making a full tensor of a deferred weight nothing wrote, only to keep its rows (Note [rows
+    without a full tensor]: 762 MiB made and freed per rank by sw.from_pretrained's Llama), or skipping it in a way
+    that moves the random stream or the drawn layer's values. Its rows are zeros, as ddp's full copy."""
+    made_whole, nonzero, drawn_equal, rng_continues = ranks.run(_shapes_made_while_sharding, 2, strategy)[0]
+    assert made_whole == (strategy == "ddp")  # ddp keeps every full parameter: its own, not the replay's
+    assert nonzero == 0 and drawn_equal and rng_continues
+
+
 PEAK_SCRIPT = textwrap.dedent("""
     import faulthandler, json, pathlib, resource, signal, sys, torch, shardwise as sw
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a timed-out launch asks each rank for its stacks
@@ -124,7 +169,8 @@ PEAK_SCRIPT = textwrap.dedent("""
     units = engine_of(model).units
     shards = sum(u.shard_flat.numel() * 4 for u in units)
     largest_unit = max(u.full_flat.numel() * 4 for u in units)
-    full = sum(p.numel() for p in GPT(config).parameters()) * 4 if sw.get_rank() == 0 else 0
+    with torch.device("meta"):  # its size only: nothing allocated, no init drawn
+        full = sum(p.numel() for p in GPT(config).parameters()) * 4
     # One file per rank: four ranks printing to one pipe can interleave their lines.
     report = dict(rank=sw.get_rank(), growth=peak - before, shards=shards, unit=largest_unit, full=full)
     pathlib.Path(sys.argv[1], f"rank{sw.get_rank()}.json").write_text(json.dumps(report))

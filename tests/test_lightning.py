@@ -39,12 +39,13 @@ def test_lightning_strategy_matches_one_process_and_resumes(tmp_path):
     reduces wrongly, and a checkpoint holding rank 0's rows: zero3 at world size 2 for 3 steps equals
     plain Lightning on one process, and so does a resume from its checkpoint to step 5 (compared
     with plain Lightning resuming its own .ckpt: Lightning's resume is not its uninterrupted run)."""
-    plain = _fit(1, tmp_path / "plain.json", "--strategy", "none", "--save", str(tmp_path / "plain.ckpt"))
+    # plain Lightning's 3 steps, then its resume of its own .ckpt to step 5 by a fresh trainer in the same process
+    plain = _fit(1, tmp_path / "plain.json", "--strategy", "none", "--save", str(tmp_path / "plain.ckpt"),
+                 "--resume-to", "5", "--resumed-out", str(tmp_path / "plain5.json"))
     sharded = _fit(2, tmp_path / "sharded.json", "--strategy", "zero3", "--save", str(tmp_path / "ckpt"))
     assert len(plain["losses"]) == 6  # micro-batches
     _assert_same(sharded, plain, "3 steps")
-    plain = _fit(1, tmp_path / "plain5.json", "--strategy", "none", "--max-steps", "5",
-                 "--resume", str(tmp_path / "plain.ckpt"))
+    plain = json.loads((tmp_path / "plain5.json").read_text())
     resumed = _fit(2, tmp_path / "resumed.json", "--strategy", "zero3", "--max-steps", "5",
                    "--resume", str(tmp_path / "ckpt"))
     assert resumed["global_step"] == 5 and len(resumed["losses"]) == 4, resumed["losses"]

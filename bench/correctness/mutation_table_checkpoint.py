@@ -1,6 +1,6 @@
 """bench/correctness/mutations.py's table, its second part: mutations of checkpoints, exports and the integrations
 (Trainer, Accelerate, Lightning, the CLI), each with the test that must catch it. Fields as in
-mutation_table.py, which joins the two parts into MUTATIONS.
+mutation_table.py, which joins the parts into MUTATIONS.
 """
 
 CHECKPOINT_MUTATIONS = [

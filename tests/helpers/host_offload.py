@@ -56,10 +56,15 @@ def copy_order(strategy: str) -> dict:
     from helpers.recording_streams import RecordingApi
 
     apis: list[RecordingApi] = []
-    context.device_api = lambda device: apis.append(RecordingApi()) or apis[-1]  # this rank process only
+    original, context.device_api = context.device_api, lambda device: apis.append(RecordingApi()) or apis[-1]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
-    sw.shard(model, strategy=strategy, units=torch.nn.Linear, offload="host")
+    try:
+        sw.shard(model, strategy=strategy, units=torch.nn.Linear, offload="host")
+    finally:
+        # the pool's rank processes run later files' tests: an engine built there must get the host order
+        # (tests/test_comm.py read "recording" in sw.describe after this file had run in its worker)
+        context.device_api = original
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     (api,) = apis
     for step in range(2):

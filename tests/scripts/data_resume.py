@@ -1,5 +1,5 @@
-"""Run under torchrun by tests/test_data_resume.py: one epoch of a multi-worker StatefulDataLoader,
-whole, or stopped and saved after `--stop-at` batches, or resumed from `--path`."""
+"""Run under torchrun by tests/test_data_resume.py: `--total` batches of one epoch of a multi-worker
+StatefulDataLoader, saved after `--save-at` batches (and going on), or resumed from `--path`."""
 
 import argparse
 import json
@@ -15,7 +15,7 @@ import shardwise as sw
 warnings.filterwarnings("ignore")
 parser = argparse.ArgumentParser()
 parser.add_argument("--path", default="")
-parser.add_argument("--stop-at", type=int, default=None)
+parser.add_argument("--save-at", type=int, default=None)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--total", type=int, default=7)
 parser.add_argument("--out", required=True)
@@ -35,9 +35,8 @@ try:
         sw.load(args.path, model, loader=loader)
     for batch in loader:
         seen.append(batch[:, 0].tolist())
-        if args.stop_at is not None and len(seen) == args.stop_at:
+        if args.save_at is not None and len(seen) == args.save_at:
             sw.save(args.path, model, loader=loader)
-            break
         if len(seen) == args.total:
             break
 except sw.ShardwiseError as exc:

@@ -20,6 +20,9 @@ parser.add_argument("--max-steps", type=int, default=3)
 parser.add_argument("--save", default=None)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--out", required=True)
+parser.add_argument("--resume-to", type=int, default=None,
+                    help="then a fresh trainer in this process resumes --save's checkpoint to this step")
+parser.add_argument("--resumed-out", default=None)
 parser.add_argument("--muon", action="store_true", help="manual optimization: Muon on matrices, AdamW on the rest")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -53,30 +56,38 @@ class LitGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-3)
 
 
-torch.manual_seed(0)
-module = LitGPT()
-data = torch.randint(0, 128, (GLOBAL_BATCH * ACCUMULATE * 3, 8), generator=torch.Generator().manual_seed(1))
-# One epoch is 3 steps, so a checkpoint at step 3 resumes at an epoch start.
-# Micro-batch k of the global batch is the reference's micro-batch k, split between the ranks.
-micro, rank = GLOBAL_BATCH // ACCUMULATE, int(os.environ.get("RANK", "0"))
-per_rank = micro // world
-order = [k * micro + rank * per_rank + i for k in range(len(data) // micro) for i in range(per_rank)]
-loader = torch.utils.data.DataLoader(data, batch_size=per_rank, sampler=order)
-strategy = "auto" if args.strategy == "none" else ShardwiseStrategy(args.strategy)
-trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=args.max_steps,
-                    gradient_clip_val=None if args.muon else 0.5, accumulate_grad_batches=ACCUMULATE,
-                    enable_checkpointing=False,
-                    logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    use_distributed_sampler=False)
-trainer.fit(module, loader, ckpt_path=args.resume)
-if args.save:
-    trainer.save_checkpoint(args.save)
-losses = torch.stack(module.losses) if module.losses else torch.zeros(0)
-if world > 1:
-    torch.distributed.all_reduce(losses, op=torch.distributed.ReduceOp.AVG)
-params = sw.full_parameters(module)
-if rank == 0:
-    result = {"losses": losses.tolist(), "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-              "params": {k: v.flatten().tolist() for k, v in params.items()}}
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+
+
+def fit(max_steps: int, resume: str | None, save: str | None, out: str) -> None:
+    torch.manual_seed(0)
+    module = LitGPT()
+    data = torch.randint(0, 128, (GLOBAL_BATCH * ACCUMULATE * 3, 8), generator=torch.Generator().manual_seed(1))
+    # One epoch is 3 steps, so a checkpoint at step 3 resumes at an epoch start.
+    # Micro-batch k of the global batch is the reference's micro-batch k, split between the ranks.
+    micro, rank = GLOBAL_BATCH // ACCUMULATE, int(os.environ.get("RANK", "0"))
+    per_rank = micro // world
+    order = [k * micro + rank * per_rank + i for k in range(len(data) // micro) for i in range(per_rank)]
+    loader = torch.utils.data.DataLoader(data, batch_size=per_rank, sampler=order)
+    strategy = "auto" if args.strategy == "none" else ShardwiseStrategy(args.strategy)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=max_steps,
+                        gradient_clip_val=None if args.muon else 0.5, accumulate_grad_batches=ACCUMULATE,
+                        enable_checkpointing=False,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module, loader, ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)
+    losses = torch.stack(module.losses) if module.losses else torch.zeros(0)
+    if world > 1:
+        torch.distributed.all_reduce(losses, op=torch.distributed.ReduceOp.AVG)
+    params = sw.full_parameters(module)
+    if rank == 0:
+        result = {"losses": losses.tolist(), "global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                  "params": {k: v.flatten().tolist() for k, v in params.items()}}
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+fit(args.max_steps, args.resume, args.save, args.out)
+if args.resume_to is not None:  # plain Lightning's reference resume, one process fewer (tests/test_lightning.py)
+    fit(args.resume_to, args.save, None, args.resumed_out)

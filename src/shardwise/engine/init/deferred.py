@@ -17,6 +17,12 @@ kaiming init, later replaced by the model's own `normal_`) run on a scratch tens
 of the same shape, only to advance the generator exactly as eager did. A parameter
 is handed to the engine right after its last operation, which keeps this rank's
 rows and lets the rest go.
+
+Note [rows without a full tensor]: a parameter made by `torch.empty` that no later op reads or writes (every
+`nn.Linear` built under transformers' `no_init_weights`, as `sw.from_pretrained` builds a model the load then
+overwrites) has no value to replay: eager would hold whatever memory it got. Making it real only to keep this
+rank's rows cost a whole-model's worth of allocations per rank (762 MiB on bench/checkpoints/hf_load.py's
+Llama). It is delivered as None instead, and the engine keeps the zeros its rows start with.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from shardwise.errors import ShardwiseError
 # In-place ops that overwrite every element of their target without reading it.
 _FILLS = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_",
           "geometric_", "fill_", "zero_"}
+# Factories whose tensor holds no values yet: eager holds whatever memory it got (Note [rows without a full tensor]).
+_UNINITIALIZED = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 # Ops that draw from the generator (their draws must be replayed even when discarded).
 _RANDOM = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_",
            "geometric_", "normal", "rand", "randn", "randint", "randperm", "bernoulli", "multinomial",
@@ -203,16 +211,18 @@ def replay(params: dict[str, torch.Tensor], deliver: Callable[[str, torch.Tensor
            device: torch.device | str = "cpu", extra_log: list | None = None) -> None:
     """Run the recorded initialization of the meta `params` (by name), calling
     `deliver(name, value)` once per parameter as soon as its final value exists
-    (Note [init replay]). `extra_log` (from `record`) runs after the construction."""
+    (Note [init replay]); `value` is None for a parameter nothing wrote (Note [rows without a full tensor]):
+    the caller gives it zeros. `extra_log` (from `record`) runs after the construction."""
     names_by_key = {}
     for name, param in params.items():
         names_by_key.setdefault(_key(param), []).append((name, param))
     log, rng_state = _take_log(set(names_by_key))
     log = log + (extra_log or [])
-    last_fill, last_use = {}, {}
+    last_fill, last_use, num_entries = {}, {}, {}
     for index, entry in enumerate(log):
         for key in entry.reads + entry.writes:
             last_use[key] = index
+            num_entries[key] = num_entries.get(key, 0) + 1
         for key in entry.writes:
             target = _target_ref(entry, key)
             fills = entry.name in _FILLS or entry.name.startswith("init:")
@@ -225,6 +235,8 @@ def replay(params: dict[str, torch.Tensor], deliver: Callable[[str, torch.Tensor
     delivered = set()
     try:
         for index, entry in enumerate(log):
+            if entry.name in _UNINITIALIZED and all(num_entries[key] == 1 for key in entry.writes):
+                continue  # made and never touched: no value, no draw (Note [rows without a full tensor])
             dead = all(index < last_fill.get(key, -1) for key in entry.writes)
             if dead:  # its result is overwritten later: only its random draws matter
                 if entry.name in _RANDOM or entry.name.startswith("init:"):
@@ -242,8 +254,8 @@ def replay(params: dict[str, torch.Tensor], deliver: Callable[[str, torch.Tensor
             torch.set_rng_state(saved_rng)  # the user drew in between: leave their stream alone
     for key, entries in names_by_key.items():
         for name, param in entries:
-            if name not in delivered:  # created but never written: eager would hold garbage
-                deliver(name, torch.zeros(param.shape, dtype=param.dtype, device=device))
+            if name not in delivered:  # never written: eager would hold garbage
+                deliver(name, None)
 
 
 def _take_log(keys: set[int]):
@@ -336,9 +348,9 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = 
 
     def deliver(name, value):
         if name in current:
-            current[name].copy_(value)
+            current[name].copy_(value) if value is not None else current[name].zero_()
         else:
-            set_buffer(model, name, value)
+            set_buffer(model, name, value if value is not None else zeros_like_meta(buffers[name], device))
 
     with torch.no_grad():
         replay({**aliases, **buffers}, deliver, device=device, extra_log=extra_log)
@@ -347,6 +359,12 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = 
 def meta_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Buffers still on the meta device, by every name they are registered under."""
     return {name: b for name, b in model.named_buffers(remove_duplicate=False) if b.device.type == "meta"}
+
+
+def zeros_like_meta(meta: torch.Tensor, device) -> torch.Tensor:
+    """Zeros of a meta tensor's shape and dtype on `device`: a buffer nothing wrote (Note [rows without a full
+    tensor])."""
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
 
 def set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.config import ShardConfig
-from shardwise.engine.init.deferred import is_deferred, meta_buffers, record, replay, set_buffer
+from shardwise.engine.init.deferred import is_deferred, meta_buffers, record, replay, set_buffer, zeros_like_meta
 from shardwise.engine.layout.parallel_layout import ParallelLayout
 from shardwise.engine.memory.offload import DiskStore, register_offloaded
 from shardwise.engine.phase import Clock
@@ -53,9 +53,10 @@ def shard_units(model: nn.Module, plans: list[UnitPlan], config: ShardConfig, gr
 
         def deliver(name, value):
             if name in where:
-                where[name][0].set_value(where[name][1], value)
+                if value is not None:  # None: nothing wrote it, its rows keep their zeros
+                    where[name][0].set_value(where[name][1], value)
             else:
-                set_buffer(model, name, value)
+                set_buffer(model, name, value if value is not None else zeros_like_meta(buffers[name], units[0].device))
 
         replay({**deferred, **{n: b for n, b in buffers.items()}}, deliver, device=units[0].device,
                extra_log=extra_log)
