@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
-import bench.speed.demo_gpt as D  # noqa: E402
+import bench.overhead.demo_gpt as D  # noqa: E402
 from bench.common.launch import publish  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
