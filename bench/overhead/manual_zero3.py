@@ -5,16 +5,16 @@ Note [engine-free route]: what the per-block zero3 route itself costs over DDP o
 Each block, and the root (the embeddings, the tied head, ln_f), is one unit: its parameters flattened into one
 buffer, padded to a multiple of the world size, each rank keeping its contiguous 1/N of it (a flat shard, as FSDP1;
 the engine keeps every parameter's own dim-0 rows so names and shapes stay). A block's full buffer is gathered
-before its forward and again before its backward (a hook on the block's output gradient); the root once, before
-the forward. The parameters the modules read are `torch.split` views of the full buffer, a leaf that requires
-grad, so autograd's split backward leaves each unit's whole gradient in one flat `full.grad`; its post-accumulate
-hook issues the unit's reduce-scatter (averaging) asynchronously, and the clip waits for all of them. Clipping is
-the global norm of the shards' gradients (one all-reduce), and AdamW steps the flat shards (7 tensors where DDP and
-the engine step 70). Its bound is from below in one respect: each unit's full buffer stays allocated (a perfect
-buffer pool), so no gather pays for fresh pages; its traffic, copies and collectives are the route's. Forms:
-"torch" gathers with `all_gather_into_tensor` and reduces with `reduce_scatter_tensor` (NCCL's forms; on gloo the
-slow ones, Note [gloo collectives] in engine/comm/collectives.py); "gloo" with what the engine uses on gloo: one
-broadcast per rank straight into the full buffer, and an all-to-all whose copies this rank sums.
+before its forward and again before its backward (a hook on the block's output gradient); the root once, before the
+forward. The parameters the modules read are `torch.split` views of the full buffer, a leaf that requires grad, so
+autograd's split backward leaves each unit's whole gradient in one flat `full.grad`; its post-accumulate hook issues
+the unit's reduce-scatter (averaging) asynchronously, and the clip waits for all of them. Clipping is the global
+norm of the shards' gradients (one all-reduce), and AdamW steps the flat shards (7 tensors where DDP and the engine
+step 70). Its bound is from below in one respect: each unit's full buffer stays allocated (a perfect buffer pool),
+so no gather pays for fresh pages, nor the all-to-all's receive buffer; its traffic, copies and collectives are the
+route's. Forms: "torch" gathers with `all_gather_into_tensor` and reduces with `reduce_scatter_tensor` (NCCL's
+forms; on gloo the slow ones, Note [gloo collectives] in engine/comm/collectives.py); "gloo" with what the engine
+uses on gloo: one broadcast per rank straight into the full buffer, and an all-to-all whose copies this rank sums.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class FlatUnit:
         self.shard = nn.Parameter(self.full[self.rank * self.rows:(self.rank + 1) * self.rows].clone())
         self.full.requires_grad_(True)
         self.full.register_post_accumulate_grad_hook(self._reduce)
+        self.received = torch.empty(self.world * self.rows) if forms == "gloo" else None  # kept, as `full` is
         self.pending = None
 
     def gather(self, *_unused) -> None:
@@ -72,8 +73,7 @@ class FlatUnit:
         if self.forms == "torch":
             self.pending = (dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.AVG, async_op=True), out, None)
         else:
-            received = torch.empty_like(grad)
-            self.pending = (dist.all_to_all_single(received, grad, async_op=True), out, received)
+            self.pending = (dist.all_to_all_single(self.received, grad, async_op=True), out, self.received)
 
     def land(self) -> None:
         """Wait for the reduce; the averaged rows are the shard's gradient."""
