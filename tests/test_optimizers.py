@@ -59,7 +59,13 @@ def run(strategy: str | None, optimizer: tuple, write: str | None = None, order:
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if strategy else (0, 1)
     model = build(MODEL)
     spec = ZOO[MODEL]
-    if strategy and order == "before":  # the order Accelerate and HF examples use
+    later = []  # order "group_after_a_step": the parameters the optimizer takes after its first step
+    if order == "group_after_a_step":  # the reference too: the same groups at the same steps
+        if strategy:
+            sw.shard(model, strategy=strategy, units=spec.unit_class)
+        params = list(model.parameters())
+        optim, later = make(params[:1], *optimizer), params[1:]
+    elif strategy and order == "before":  # the order Accelerate and HF examples use
         optim = make(model.parameters(), *optimizer)
         sw.shard(model, strategy=strategy, units=spec.unit_class)
     elif strategy and order == "added_later":
@@ -76,6 +82,9 @@ def run(strategy: str | None, optimizer: tuple, write: str | None = None, order:
 
     def step():
         optim.step()
+        if later:
+            optim.add_param_group({"params": later[:]})
+            later.clear()
         if write:
             # An evaluation forward first: it re-gathers what the step changed, so the write
             # below is the only change the next forward can see (the step's mark is spent).
@@ -128,6 +137,17 @@ def test_optimizer_built_before_shard_or_groups_added_later(ranks, strategy, ord
     optimizer = ("AdamW", "foreach", {})
     reference = run(None, optimizer)
     for result in ranks.run(run, 2, strategy, optimizer, None, order):
+        assert_close_runs(reference, result)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_a_group_added_after_a_step_is_marked_stepped(ranks, strategy):
+    """Catches an optimizer's step plan (Note [step plan]) kept after a parameter group is added between steps:
+    the new group's units were never marked stepped, and fused AdamW bumps no version counter, so zero1/zero2
+    kept their full values from before every later step."""
+    optimizer = ("AdamW", "fused", {})
+    reference = run(None, optimizer, order="group_after_a_step")
+    for result in ranks.run(run, 2, strategy, optimizer, None, "group_after_a_step"):
         assert_close_runs(reference, result)
 
 

@@ -1,7 +1,7 @@
 """Benchmark: `make demo`'s step (python -m shardwise.demo: its GPT, its text, its batches, its clipped AdamW step)
-under torch DDP, shardwise ddp, shardwise zero3 (units=Block, the demo's settings) and FSDP2 `fully_shard` per block
-plus the root, every arm in the same processes and stepping in turn (Note [paired steps] in
-bench/overhead/paired_steps.py), at 2 ranks and at 1 rank (Note [demo comm stripped]).
+under torch DDP, shardwise ddp, shardwise zero3 (units=Block, the demo's settings), FSDP2 `fully_shard` per block
+plus the root and the same route with no engine, every arm in the same processes and stepping in turn (Note [paired
+steps] in bench/overhead/paired_steps.py), at 2 ranks and at 1 rank (Note [demo comm stripped]).
 
     python bench/overhead/demo_gpt.py                                  # quiet host: 2 and 1 rank, 100 rounds (~5 min)
     python bench/overhead/demo_gpt.py --rounds 2 --warmup 1 --layers 2 --width 64   # does it run
@@ -27,9 +27,14 @@ compute plus its host-side bookkeeping (hooks, views, copies into and out of fla
 less the 1-rank step is what communication (gloo's time on the same 2 cores) adds. Each rank keeps the demo's
 per-rank batch at both world sizes, so a rank computes the same at 1 rank as at 2.
 
+"manual_zero3" and "manual_zero3_gloo" are the same per-block route with no engine: plain torch.distributed, flat
+shards, hooks, AdamW on 7 flat tensors (bench/overhead/manual_zero3.py, Note [engine-free route]), in torch's forms
+and in the engine's gloo forms: what the route itself costs over DDP on this host. zero3 over the better of the two
+is what the engine adds.
+
 The ranks run with `MALLOC_MMAP_THRESHOLD_=65536` unless it is set, as the demo's launcher starts them (Note [demo
 memory] in shardwise/demo.py; `sw.init()` would set the same threshold: Note [allocator at init]). Writes
-bench/speed/results/NAME.{json,md,png} (`--name`, default demo_gpt).
+bench/overhead/results/NAME.{json,md,png} (`--name`, default demo_gpt).
 """
 
 from __future__ import annotations
@@ -53,11 +58,15 @@ from bench.common.plot import panels, save  # noqa: E402
 from bench.overhead.paired_steps import _spread as spread  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("torch_ddp", "sw_ddp", "zero3", "zero3_packed", "fsdp2")  # torch_ddp first: every ratio's base
+ARMS = ("torch_ddp", "sw_ddp", "zero3", "zero3_packed", "fsdp2", "manual_zero3", "manual_zero3_gloo")  # torch_ddp first
 LABELS = {"torch_ddp": "torch DDP", "sw_ddp": "shardwise ddp (make demo's ddp)",
           "zero3": "shardwise zero3, units=Block", "zero3_packed": "zero3, every gather packed (Note [packed arm])",
-          "fsdp2": "FSDP2 fully_shard per block + root"}
-PAIRS = (("zero3", "sw_ddp"), ("zero3", "fsdp2"), ("fsdp2", "sw_ddp"), ("zero3_packed", "zero3"))  # (numerator, base)
+          "fsdp2": "FSDP2 fully_shard per block + root",
+          "manual_zero3": "engine-free zero3 per block, torch's forms (Note [engine-free route])",
+          "manual_zero3_gloo": "engine-free zero3 per block, the engine's gloo forms (Note [engine-free route])"}
+PAIRS = (("zero3", "sw_ddp"), ("zero3", "fsdp2"), ("fsdp2", "sw_ddp"), ("zero3_packed", "zero3"),
+         ("zero3", "manual_zero3_gloo"), ("zero3", "manual_zero3"))  # (numerator, base)
+MANUAL = {"manual_zero3": "torch", "manual_zero3_gloo": "gloo"}  # arm -> the engine-free route's forms
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,6 +129,10 @@ def build_arm(arm: str, args, world_size: int):
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)  # root last: embeddings, the tied head, ln_f
+    elif arm in MANUAL:  # bench/overhead/manual_zero3.py: its own optimizer over flat shards and its own clip
+        from bench.overhead.manual_zero3 import build
+
+        return (*build(model, MANUAL[arm], args.lr), contextlib.nullcontext)
     else:
         raise ValueError(f"unknown arm {arm!r}; pick from {ARMS}")
     if arm in ("sw_ddp", "zero3", "zero3_packed"):
@@ -242,7 +255,7 @@ def markdown(args, summaries: dict, command: str, wall_s: float) -> str:
             units = args.layers + 1  # a unit per block and the root (FSDP2: fully_shard per block and the root)
             lines.append(f"- per unit, over torch DDP's step of the same round ({units} units), ms: " + "; ".join(
                 f"{arm} {statistics.median(_per_unit(row, summary, units)):.2f}"
-                for arm, row in summary["arms"].items() if arm in ("zero3", "zero3_packed", "fsdp2")))
+                for arm, row in summary["arms"].items() if arm != "torch_ddp" and arm != "sw_ddp"))
     if 1 in summaries and len(summaries) > 1:  # Note [demo comm stripped]
         alone = {arm: statistics.median(row["step_s"]) for arm, row in summaries[1]["arms"].items()}
         added = [f"{world_size} ranks: " + ", ".join(

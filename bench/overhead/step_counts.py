@@ -6,14 +6,18 @@ step of make demo's GPT (bench/overhead/demo_gpt.py's arms, the demo's step), ea
   autograd / nn and the rest, and the functions called most;
 - collectives issued (torch.distributed's functions, by name, with their bytes) and host waits (`Work.wait`
   and `dist.barrier` called from Python);
+- minor page faults (getrusage) over a plain step just before: what fresh memory costs, the storages a zero3
+  gather refills (`resize_`, which the dispatch mode below does not see) and mmap'd temporaries included (the
+  ranks run with MALLOC_MMAP_THRESHOLD_=65536, as the demo's: every buffer from 64 KiB is fresh pages);
 - aten operations seen by a dispatch mode, by phase: all ops, fresh allocations (an output whose storage is
   no input's: count and bytes) and copies (copy_, clone, cat, ...: count and bytes), each attributed to the
   innermost Python frame of the engine or FSDP2 that issued it (else "model/autograd").
 
-Counted on the same ranks at one step per arm after `--warmup` steps: a step under cProfile and the next under the
-dispatch mode (each would count the other's own calls). DTensor operations (FSDP2's sharded parameters in clip and
-the optimizer step) are counted once at the DTensor level: the mode does not see the local operations DTensor runs
-under them. DDP's C++ reducer issues its all-reduce below Python: the mode's `c10d` ops count it.
+Counted on the same ranks at one step per arm after `--warmup` steps: a plain step, a step under cProfile and the
+next under the dispatch mode (each would count the other's own calls). DTensor operations (FSDP2's sharded
+parameters in clip and the optimizer step) are counted once at the DTensor level: the mode does not see the local
+operations DTensor runs under them.
+DDP's C++ reducer issues its all-reduce below Python: the mode's `c10d` ops count it.
 
     python bench/overhead/step_counts.py                                    # 2 ranks, the demo's GPT
     python bench/overhead/step_counts.py --layers 2 --width 64 --warmup 1   # does it run
@@ -29,13 +33,14 @@ import cProfile
 import json
 import os
 import pstats
+import resource
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
-import bench.speed.demo_gpt as D  # noqa: E402
+import bench.overhead.demo_gpt as D  # noqa: E402
 from bench.common.launch import publish  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,7 +59,7 @@ OWNERS = ("shardwise/engine/", "distributed/fsdp/", "nn/parallel/", "torch/optim
 def parse_args(argv=None) -> argparse.Namespace:
     p = D.parse_args([])  # the demo's model flags and defaults
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default="torch_ddp,zero3,zero3_packed,fsdp2",
+    parser.add_argument("--arms", default="torch_ddp,zero3,zero3_packed,fsdp2,manual_zero3_gloo",
                         help=f"comma-separated, of {', '.join(D.ARMS)}")
     parser.add_argument("--warmup", type=int, default=3, help="steps per arm before the counted ones")
     parser.add_argument("--world-size", type=int, default=2)
@@ -142,6 +147,9 @@ def count_arm(arm, built, text, args, rank, world_size, step) -> dict:
 
     from shardwise.collective_watch import watch_collectives
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    D.demo_step(*built, text, step, args, rank, world_size)  # a plain step: its page faults
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     profile = cProfile.Profile()
     profile.enable()
     D.demo_step(*built, text, step, args, rank, world_size)
@@ -170,7 +178,7 @@ def count_arm(arm, built, text, args, rank, world_size, step) -> dict:
     with watch_collectives(on_call), ops.mode:
         D.demo_step(*built, text, step + 1, args, rank, world_size, mark=mark)
     dist.barrier()
-    return {"python_calls": sum(by_group.values()), "by_group": dict(by_group.most_common()),
+    return {"python_calls": sum(by_group.values()), "page_faults": faults, "by_group": dict(by_group.most_common()),
             "by_file": dict(by_file.most_common(40)), "top": funcs.most_common(args.top), "host_waits": dict(waits),
             "collectives": [[*key, n] for key, n in sorted(issued.items())],
             "ops": [[*key, *row] for key, row in sorted(ops.rows.items())]}
@@ -216,6 +224,8 @@ def markdown(args, counted: dict, command: str) -> str:
         lines.append(f"| {label} | " + " | ".join(str(v) for v in values) + " |")
 
     row("Python calls (cProfile)", [counted[a]["python_calls"] for a in arms])
+    row("minor page faults (a plain step before)", [counted[a].get("page_faults", 0) for a in arms])
+    row("  faulted MiB (4 KiB pages)", [f"{counted[a].get('page_faults', 0) * 4096 / 2**20:.1f}" for a in arms])
     groups = sorted({g for a in arms for g in counted[a]["by_group"]})
     for group in groups:
         row(f"  in {group}", [counted[a]["by_group"].get(group, 0) for a in arms])

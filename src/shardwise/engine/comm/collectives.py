@@ -14,7 +14,6 @@ Every call names its process group: nothing here reads global state.
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -85,17 +84,26 @@ class Pending:
             self.pool.give_back(buffer, after=self.event)  # reused once this collective's stream passed it
 
 
-@contextmanager
-def named_failure(what: str):
-    """Re-raise a collective's failure (a timeout, a peer gone) as an error naming `what`."""
-    try:
-        yield
-    except (RuntimeError, dist.DistBackendError) as error:
-        if isinstance(error, ShardwiseError):
-            raise
+class named_failure:
+    """Re-raise a collective's failure (a timeout, a peer gone) as an error naming `what`. A class, not a
+    generator context: it wraps every collective and every wait (200 a step of make demo's zero3 at 2 ranks),
+    and contextlib's form cost 5 Python calls each where this costs 2 (bench/overhead/step_counts.py)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None or isinstance(error, ShardwiseError) or \
+                not isinstance(error, (RuntimeError, dist.DistBackendError)):
+            return False  # nothing raised, or not a collective's failure: as it is
         raise ShardwiseError(
-            f"{what} failed on this rank: {str(error).splitlines()[0]}. Another rank most likely died, hangs, or "
-            "ran a different sequence of steps (a forward or backward this rank did not run); its own error, "
+            f"{self.what} failed on this rank: {str(error).splitlines()[0]}. Another rank most likely died, hangs, "
+            "or ran a different sequence of steps (a forward or backward this rank did not run); its own error, "
             "if any, says why. The wait is bounded by sw.init(timeout=...)."
         ) from error
 
@@ -166,7 +174,7 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
             by_rank = gathered.view(world_size, -1)
             torch.cat(parts, out=by_rank[dist.get_rank(group)])
             shard_flat = None  # nothing else is sent: the buffer holds it
-            works = [dist.broadcast(rows, src=dist.get_global_rank(group, rank), group=group, async_op=True)
+            works = [dist.broadcast(rows, group=group, async_op=True, group_src=rank)  # Note [group ranks]
                      for rank, rows in enumerate(by_rank)]
         else:
             shard_flat = torch.cat(parts) if len(parts) > 1 else like
@@ -192,6 +200,11 @@ def all_gather(shard_flat: Tensor | list[Tensor], world_size: int, group, async_
 # NCCL's all-gather is one call into a rank-major buffer: there everything travels packed.
 GLOO_IN_PLACE_FROM_BYTES = 64 * 1024
 
+# Note [group ranks]: a gather's broadcasts name their source by its rank in the group (`group_src`), which
+# torch's broadcast takes as it is; a global `src` made each broadcast translate twice (ours to global, torch's
+# back to the group's), 10 Python calls per broadcast, 114 broadcasts a step of make demo's zero3 at 2 ranks
+# (bench/overhead/step_counts.py).
+
 
 def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, group, async_op: bool,
                 what: str = "an all-gather", own_in_place: bool = False, *, gloo: bool | None = None,
@@ -211,7 +224,7 @@ def gather_into(rows: list[Tensor], regions: list[Tensor], world_size: int, grou
                 continue
             for src in range(world_size):  # Note [gathered in place]
                 target = part if src == rank else by_rank[src]
-                works.append(dist.broadcast(target, src=dist.get_global_rank(group, src), group=group, async_op=True))
+                works.append(dist.broadcast(target, group=group, async_op=True, group_src=src))  # Note [group ranks]
             if not own_in_place:
                 by_rank[rank].copy_(part)
     packed = [i for i, direct in enumerate(in_place) if not direct]

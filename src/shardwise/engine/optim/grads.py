@@ -49,8 +49,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         return slicing.clip_grad_norm_(model, max_norm, norm_type)
     if engine is not None and engine.shards_rows:  # zero: each rank holds some gradient rows
         # model.parameters() order, as torch's clip_grad_norm_(model.parameters()) stacks its norms.
-        grads = [p.grad for p in model.parameters() if getattr(p, "_sw_unit", None) is not None
-                 and p.grad is not None]
+        # Each gradient read once: `p.grad` of a shard is a property (shard_param.py), 4 Python calls a read.
+        grads = [grad for p in model.parameters() if getattr(p, "_sw_unit", None) is not None
+                 for grad in (p.grad,) if grad is not None]
         return _clip_sharded(grads, max_norm, float(norm_type), engine.mesh.norm_group)  # Note [mesh info]
     # Unsharded and ddp: every rank holds the full, already-averaged gradients.
     grads = [p for p in model.parameters() if p.grad is not None]

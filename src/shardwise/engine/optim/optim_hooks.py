@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -82,17 +83,19 @@ class StepWatch:
         for unit in units:
             for shard, layout in zip(unit.shard_params, unit.layouts):
                 shard._sw_unit, shard._sw_layout, shard._sw_watch = unit, layout, self
+        _WATCHES_MADE[0] += 1  # Note [step plan]: every optimizer's plan is made again at its next step
         _LIVE.add(self)
         install()
 
-    def mark_stepped(self, params) -> None:
-        """Before a step: the units whose shards among `params` are about to be written."""
-        for unit, indices in _stepped_units(params, self).values():  # once each: a unit's mark records whether
+    def mark_stepped(self, stepped) -> None:
+        """Before a step: the units whose shards are about to be written (`stepped`: the step plan's units of
+        this watch and their layout indices, each unit once)."""
+        for unit, indices in stepped:  # once each: a unit's mark records whether
             unit.mark_stepped(indices)  # it was current (FlatUnit.mark_stepped)
 
-    def after_step(self, params) -> None:
+    def after_step(self, stepped) -> None:
         """The step ended (or was undone): its writes are accounted for (Note [stepped parameters])."""
-        for unit, _indices in _stepped_units(params, self).values():
+        for unit, _indices in stepped:
             unit.after_step()
 
 
@@ -108,6 +111,39 @@ def install() -> None:
 
 def _params(optimizer) -> list:
     return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+# Note [step plan]: which engines' watches an optimizer's parameters belong to, which units of each it steps (and
+# their layout indices), and whether it holds a parameter shard() replaced depend only on its parameter objects
+# and on what shard() wrote on them, which only a new StepWatch does (`_WATCHES_MADE` counts them). So they are
+# found once and kept on the optimizer under a key of both, and made again whenever either changed (a parameter
+# group added, a model sharded): 1.3k Python calls a step on make demo's GPT were these walks over 70 parameters,
+# three and two times a step (bench/overhead/step_counts.py). The plan holds the parameters themselves, so their
+# ids in the key cannot be reused by other objects while it lives. The checks that read values which do change
+# between steps (gradients, state: Note [plain rows step]) still run at every step.
+_WATCHES_MADE = [0]
+
+
+@dataclass
+class _StepPlan:
+    key: tuple
+    params: list  # held: see the Note
+    replaced: bool  # some parameter is one shard() replaced (_refuse_replaced_params)
+    watches: list
+    stepped: dict  # id(watch) -> [(unit, its layout indices among the parameters)]
+
+
+def _plan(optimizer, params) -> _StepPlan:
+    """`optimizer`'s step plan for `params` (its parameters now): kept, or made again (Note [step plan])."""
+    key = (_WATCHES_MADE[0], tuple(map(id, params)))
+    plan = optimizer.__dict__.get("_sw_step_plan")
+    if plan is None or plan.key != key:
+        watches = _watches(params)
+        plan = _StepPlan(key, params, any(getattr(param, "_sw_replaced", False) for param in params), watches,
+                         {id(watch): [(unit, frozenset(indices)) for unit, indices
+                                      in _stepped_units(params, watch).values()] for watch in watches})
+        optimizer._sw_step_plan = plan
+    return plan
 
 
 def _watches(params) -> list[StepWatch]:
@@ -132,9 +168,10 @@ def _stepped_units(params, watch: StepWatch) -> dict:
 
 def _before_step(optimizer, args, kwargs) -> None:
     params = _params(optimizer)
-    _refuse_replaced_params(optimizer, params)
+    plan = _plan(optimizer, params)
+    _refuse_replaced_params(optimizer, plan.replaced)
     _refuse_optimizer_of_nothing(optimizer, params)
-    watches = _watches(params)
+    watches = plan.watches
     for watch in watches:  # every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py)
         if watch.agree_on_step is not None:
             watch.agree_on_step()
@@ -144,7 +181,7 @@ def _before_step(optimizer, args, kwargs) -> None:
         if watch.before_step is not None:
             watch.before_step()
     for watch in watches:
-        watch.mark_stepped(params)
+        watch.mark_stepped(plan.stepped[id(watch)])
     chunked_step(optimizer, args, kwargs)  # offloaded shards: stepped here, chunk by chunk (offload.py)
     _begin_whole_step(optimizer)
 
@@ -192,13 +229,13 @@ def _step_failed(optimizer, error) -> None:
 
 
 def _settle(optimizer) -> None:
-    params = _params(optimizer)
-    for watch in _watches(params):
-        watch.after_step(params)
+    plan = _plan(optimizer, _params(optimizer))
+    for watch in plan.watches:
+        watch.after_step(plan.stepped[id(watch)])
 
 
-def _refuse_replaced_params(optimizer, params) -> None:
-    if any(getattr(param, "_sw_replaced", False) for param in params):
+def _refuse_replaced_params(optimizer, replaced: bool) -> None:
+    if replaced:
         raise ShardwiseError(
             f"this {type(optimizer).__name__} holds parameters of a model that sw.shard(...) has since sharded: "
             "the model was built under sw.deferred_init(), so its parameters are new objects and this optimizer "
@@ -240,7 +277,7 @@ def _begin_whole_step(optimizer) -> None:
 
 def _whole_step_of(optimizer) -> tuple[StepWatch | None, WholeStep | None]:
     """The whole-tensor step in progress of `optimizer` (taken out of its watch), if any."""
-    for watch in _watches(_params(optimizer)):
+    for watch in _plan(optimizer, _params(optimizer)).watches:
         step = watch.whole_steps.pop(id(optimizer), None)
         if step is not None:
             return watch, step

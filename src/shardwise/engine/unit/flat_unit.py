@@ -81,6 +81,10 @@ class FlatUnit:
         self.full_flat = torch.empty(full_numel, dtype=self.compute_dtype, device=self.device)
         self.secondary = policy.secondary_shard(mesh)
         self.full_views = [self._full_view(layout) for layout in self.layouts]
+        # Each parameter's padded region of full_flat, made once like full_views: views stay valid while zero3
+        # frees and refills the storage (Note [reused buffers]); every gather reads them.
+        self.full_regions = [self._padded_region(layout) for layout in self.layouts]
+        self.shard_sizes = [layout.shard_numel for layout in self.layouts]  # each parameter's rows per rank
         self.shard_flat: Tensor | None = None
         self.shard_params: list[nn.Parameter] = []
         self.grads = UnitGrads(self)
@@ -228,6 +232,8 @@ class FlatUnit:
         return self.storage.own_parts(self, dtype, indices)
 
     def _regions(self, target: Tensor, indices: list[int] | None = None) -> list[Tensor]:
+        if target is self.full_flat:
+            return self.full_regions if indices is None else [self.full_regions[i] for i in indices]
         indices = range(len(self.layouts)) if indices is None else indices
         return [self._padded_region(self.layouts[i], target) for i in indices]
 

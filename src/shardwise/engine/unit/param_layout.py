@@ -9,7 +9,7 @@ chunk sits at `offset` in that rank's shard segment, and the full padded value a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,14 +29,14 @@ class ParamLayout:
     row_numel: int  # elements per row
     rows_per_rank: int  # c: rows each rank holds, padding included
     offset: int  # start in one rank's shard segment
+    # Derived once here, not per read: the hot path reads them for every parameter of every gather, reduce and
+    # hand-out (a property was 600 Python calls a step on make demo's GPT: bench/overhead/step_counts.py).
+    shard_numel: int = field(init=False)  # elements each rank holds, padding included
+    shard_shape: tuple[int, ...] = field(init=False)
 
-    @property
-    def shard_numel(self) -> int:
-        return self.rows_per_rank * self.row_numel
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        return (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
+    def __post_init__(self) -> None:
+        self.shard_numel = self.rows_per_rank * self.row_numel
+        self.shard_shape = (self.rows_per_rank, *self.shape[1:]) if len(self.shape) else (self.rows_per_rank,)
 
 
 def lay_out(owned: list[OwnedParam], mesh: ParallelLayout) -> tuple[list[ParamLayout], int]:

@@ -263,5 +263,5 @@ def make_shard(original: nn.Parameter, rows: torch.Tensor) -> ShardParameter:
         original.__class__ = ShardParameter
         return original
     shard = ShardParameter(rows, requires_grad=original.requires_grad)
-    original._sw_replaced = True  # read by optim_hooks.refuse_replaced_params
+    original._sw_replaced = True  # read by optim_hooks._refuse_replaced_params (Note [step plan])
     return shard

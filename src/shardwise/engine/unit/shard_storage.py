@@ -90,7 +90,7 @@ class OwnShards(MasterStorage):
 
     def own_parts(self, unit, dtype: torch.dtype, indices) -> list[Tensor]:
         flat = unit.shard_flat.to(dtype).detach()  # a no-op at full precision, a cast to param_dtype otherwise
-        parts = flat.split([layout.shard_numel for layout in unit.layouts])
+        parts = flat.split(unit.shard_sizes)
         return [parts[i] for i in indices]
 
 
@@ -120,8 +120,7 @@ class HostRows(OwnShards):
         return self.copies.host_empty(unit.shard_total, unit.dtype, unit.device).zero_()
 
     def own_parts(self, unit, dtype: torch.dtype, indices) -> list[Tensor]:
-        parts = self.copies.to_device(unit, unit.shard_flat.detach(), dtype).split(
-            [layout.shard_numel for layout in unit.layouts])
+        parts = self.copies.to_device(unit, unit.shard_flat.detach(), dtype).split(unit.shard_sizes)
         return [parts[i] for i in indices]
 
     def grad_rows(self, unit, rows: Tensor, blocking: bool) -> Tensor:

@@ -221,10 +221,11 @@ class UnitGrads:
         unit, shard = self.unit, self.unit.shard_params[i]
         carried = self.carried.pop(i, None)  # zero1: this shard's gradient from earlier backwards
         kept = unit.policy.kept_grads(self.full)
+        grad = shard.grad  # read once: a property (shard_param.py)
         # Where the master rows live (offload="host": copied to the host, at once where the host adds it next)
-        rows = unit.storage.grad_rows(unit, rows, blocking=shard.grad is not None or carried is not None)
-        if shard.grad is not None:
-            shard.grad.add_(rows)
+        rows = unit.storage.grad_rows(unit, rows, blocking=grad is not None or carried is not None)
+        if grad is not None:
+            grad.add_(rows)
         elif kept is not None and kept.dtype == unit.dtype and unit.storage.grads_in_kept:
             # zero1: the shard's grad is a view of its own rows of the kept full grads, so the
             # gradients are stored once, not twice (the all-to-all averaged them there already).
