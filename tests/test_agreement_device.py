@@ -1,7 +1,7 @@
 """The agreement's headers on the device (Note [headers on the device], engine/schedule/agreement_device.py):
 confirmed at each phase on the host where the collectives run on gloo, compared before the optimizer step where
-they run on a device. The device form runs here on gloo ranks, forced (`headers_on_device`, with zero3's tags'
-`tags_on_device`), so its host waits and its refusals can be counted; tests/test_agreement_fake_gpu.py runs it
+they run on a device. The device form runs here on gloo ranks, forced (`agreement_device.on_device`, with zero3's tags'
+`gather_tags.on_device`), so its host waits and its refusals can be counted; tests/test_agreement_fake_gpu.py runs it
 on the fake accelerator."""
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from test_options_agree import Net, Unit, assert_refused_alike, timed
 @contextlib.contextmanager
 def device_form(on_device: bool):
     """Engines built in the block take the device form of the headers and tags (or the host form), on gloo."""
-    headers, tags = agreement_device.headers_on_device, gather_tags.tags_on_device
-    agreement_device.headers_on_device = gather_tags.tags_on_device = lambda group: on_device
+    headers, tags = agreement_device.on_device, gather_tags.on_device
+    agreement_device.on_device = gather_tags.on_device = lambda group: on_device
     try:
         yield
     finally:  # the pool's rank processes run later tests
-        agreement_device.headers_on_device, gather_tags.tags_on_device = headers, tags
+        agreement_device.on_device, gather_tags.on_device = headers, tags
 
 
 def _build(strategy: str, on_device: bool):

@@ -1,6 +1,6 @@
 """The agreement's headers where the engine's collectives run on a device (NCCL): sent on a device group of their
 own and compared before the next optimizer step, never waited for by the host at a phase. Uses: agreement,
-collectives, flat_unit, groups, small, streams.
+backends, collectives, flat_unit, groups, small, streams.
 
 Note [headers on the device]: on gloo a header (Note [agreement rides the traffic], agreement.py) is confirmed
 where the host waits for the phase's collectives anyway, so it costs no rendezvous the payload did not already
@@ -64,6 +64,7 @@ import torch.distributed as dist
 from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import device_api
+from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.schedule.agreement import REFUSED, STEP, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -176,14 +177,9 @@ class HeadersOnDevice(Agreement):
         return header.host_rows.view(self.world, -1).tolist()
 
 
-def headers_on_device(group) -> bool:
-    """Whether `group`'s collectives run on a device (NCCL), where headers are compared off the host's path."""
-    return dist.get_backend(group) == "nccl"
-
-
 def make_agreement(units: list[FlatUnit], group) -> Agreement:
     """The agreement of an engine whose collectives run on `group`: confirmed at each phase on the host (gloo),
     before the step on a device (Note [headers on the device])."""
-    if dist.get_world_size(group) > 1 and headers_on_device(group):
+    if dist.get_world_size(group) > 1 and on_device(group):
         return HeadersOnDevice(units, group, units[0].full_flat.device)
     return Agreement(units, group)
