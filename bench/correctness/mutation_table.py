@@ -649,6 +649,12 @@ ENGINE_MUTATIONS = [
      '    return device_of(group).type != "cpu"',
      '    return dist.get_backend(group) == "nccl"',
      "tests/test_agreement_fake_gpu.py -k 'mixed and zero3-ws2'"),
+    ("issue 58: sw.save between steps leaves the last STEP header on the device unsettled (rows of diverged ranks "
+     "written)",
+     'HeadersOnDevice.settle_all',
+     '        self._compare(len(self.in_flight), counted=bool(self.in_flight))',
+     '        pass',
+     "tests/test_agreement_device.py -k 'save_after and save-'"),
     ("issue 58: a layout's DTensor mesh kept from the first device type asked (a second type gets the first's)",
      'ParallelLayout.dtensor_placements',
      '        return self._flat_mesh[device_type], [Shard(0)]',

@@ -45,7 +45,9 @@ still rides the device channel, so it pairs with whatever header the other ranks
 What it gives up against confirming each phase on the host (no GPU has run it yet):
 - a forward, backward or step whose header differs is refused at the next settle instead of at its phase: a
   loss computed from another phase's pairing may reach the user first (no parameter changes: the step is
-  refused), and the process group is spent after the error, as after any mismatched collective;
+  refused), and the process group is spent after the error, as after any mismatched collective. A save between
+  steps settles every header first, the last STEP header included (`settle_all`, through the engine's
+  `settle_agreement`), so it refuses before anything is written;
 - uneven work (Note [uneven work]): the step's header is compared at the next settle, so the ranks that reached
   their step first apply that one step before every rank refuses at the next one (their rows are then one step
   ahead of the others'; the run cannot go on: end it and restart from the last checkpoint). On gloo the step
@@ -119,6 +121,12 @@ class HeadersOnDevice(Agreement):
         if count and self.in_flight[-1].row[2] == STEP:
             count -= 1
         self._compare(count)
+
+    def settle_all(self) -> None:
+        """Before values leave the engine (`sw.save`, `save_async`): every header in flight compared, the last
+        STEP header included, so a checkpoint never holds rows of ranks whose last step differed (a host wait
+        where any is in flight: a save waits for the disk anyway)."""
+        self._compare(len(self.in_flight), counted=bool(self.in_flight))
 
     def agree_on_step(self, num_forwards: int, order: list[int]) -> None:
         """Before an optimizer step: this step's headers compared, then its own STEP header sent, compared at the
