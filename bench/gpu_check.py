@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.engine.layout.backends import on_device
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.testing import make_optimizer
 
@@ -254,7 +255,7 @@ def check_overlap(device, rank: int, world: int, report: Report) -> None:
     if world == 1:
         report.say("overlap                  skipped at ws 1: a one-rank group issues no gather")
         return
-    if dist.get_backend() != "nccl":
+    if not on_device(dist.group.WORLD):  # NCCL alone or beside gloo (Note [group backends])
         report.say("overlap                  skipped on gloo: its collectives run on host threads, not as kernels "
                    "in the trace")
         return

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise.engine.layout.backends import on_device
 
 # name: (sw.shard's options, the step's options, the least world size where the path does something)
 PATHS = {
@@ -78,26 +79,13 @@ def _shard_kwargs(options: dict, device: torch.device, world: int) -> dict:
 
 
 def _optimizer(model, step_options: dict, ndim: dict):
-    from shardwise.testing import make_optimizer
+    from shardwise.testing import Optimizers, make_optimizer
     if not step_options.get("muon"):
         return make_optimizer(model, ndim_by_name=ndim)
     named = list(model.named_parameters())
     matrices = [p for name, p in named if ndim[name] == 2 and "blocks" in name]
     rest = [p for name, p in named if not (ndim[name] == 2 and "blocks" in name)]
-    return _Both([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)])
-
-
-class _Both:
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    def step(self):
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True):
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=set_to_none)
+    return Optimizers([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)])
 
 
 def run_path(name: str, check, device: torch.device, rank: int, world: int, report, steps: int = 3) -> None:
@@ -107,7 +95,7 @@ def run_path(name: str, check, device: torch.device, rank: int, world: int, repo
     if world < least:
         report.say(f"path {name:<28} ws {world}: skipped (needs ws >= {least})")
         return
-    if step_options.get("tags") and dist.get_backend() != "nccl":
+    if step_options.get("tags") and not on_device(dist.group.WORLD):
         report.say(f"path {name:<28} ws {world}: skipped (device-form tags run on NCCL only)")
         return
     want = _reference(name, check, device, rank, world, steps)
@@ -129,8 +117,7 @@ def run_path(name: str, check, device: torch.device, rank: int, world: int, repo
     with no_host_sync(device) if quiet else nullcontext():
         train(runner, optim, range(1, steps), device, rank, world, **kwargs)
     if step_options.get("tags"):  # zero3 on NCCL: each gather's tag rides the device (Note [tags on the device])
-        from shardwise.engine.schedule.gather_tags import tags_on_device
-        report.check("path zero3 tags on the device", 0.0 if tags_on_device(dist.group.WORLD) else 1.0, 0.0)
+        report.check("path zero3 tags on the device", 0.0 if on_device(dist.group.WORLD) else 1.0, 0.0)
     if step_options.get("norms"):
         sw.grad_norms(model), sw.param_norms(model)
     bound = step_options.get("loose", check.tolerance(device))

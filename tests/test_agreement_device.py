@@ -1,12 +1,13 @@
 """The agreement's headers on the device (Note [headers on the device], engine/schedule/agreement_device.py):
 confirmed at each phase on the host where the collectives run on gloo, compared before the optimizer step where
-they run on a device. The device form runs here on gloo ranks, forced (`headers_on_device`, with zero3's tags'
-`tags_on_device`), so its host waits and its refusals can be counted; tests/test_agreement_fake_gpu.py runs it
+they run on a device. The device form runs here on gloo ranks, forced (`agreement_device.on_device`, with zero3's tags'
+`gather_tags.on_device`), so its host waits and its refusals can be counted; tests/test_agreement_fake_gpu.py runs it
 on the fake accelerator."""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +17,19 @@ import shardwise as sw
 import shardwise.engine.schedule.agreement_device as agreement_device
 import shardwise.engine.schedule.gather_tags as gather_tags
 from shardwise.engine import engine_of
+from shardwise.engine.schedule.agreement import STEP
 from test_options_agree import Net, Unit, assert_refused_alike, timed
 
 
 @contextlib.contextmanager
 def device_form(on_device: bool):
     """Engines built in the block take the device form of the headers and tags (or the host form), on gloo."""
-    headers, tags = agreement_device.headers_on_device, gather_tags.tags_on_device
-    agreement_device.headers_on_device = gather_tags.tags_on_device = lambda group: on_device
+    headers, tags = agreement_device.on_device, gather_tags.on_device
+    agreement_device.on_device = gather_tags.on_device = lambda group: on_device
     try:
         yield
     finally:  # the pool's rank processes run later tests
-        agreement_device.headers_on_device, gather_tags.tags_on_device = headers, tags
+        agreement_device.on_device, gather_tags.on_device = headers, tags
 
 
 def _build(strategy: str, on_device: bool):
@@ -188,3 +190,46 @@ def test_a_write_on_every_rank_is_agreed_before_its_regather_on_the_device(ranks
     for waits, losses in results:
         assert waits == [0, 1, 0], waits
     assert results[0][1] == results[1][1]
+
+
+def _forged_step_then_save(how: str, path: str):
+    """One zero2 step in the device form, rank 1's STEP header forging its forward count (compared at the next
+    settle), then `sw.<how>` to `path`: (error, whether anything was written at path or its partial)."""
+    original = agreement_device.HeadersOnDevice.header
+
+    def forged(self, *args):
+        row = original(self, *args)
+        if row[2] == STEP and dist.get_rank() == 1:
+            row[1] += 1
+        return row
+
+    agreement_device.HeadersOnDevice.header = forged
+    try:
+        model, _, _ = _build("zero2", True)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(4, 8)).backward()
+        optim.step()
+        optim.zero_grad()
+        error = None
+        try:
+            handle = getattr(sw, how)(path, model, optim)
+            if how == "save_async":
+                handle.wait()
+        except sw.ShardwiseError as raised:
+            error = str(raised)
+    finally:
+        agreement_device.HeadersOnDevice.header = original  # the pool's rank processes run later tests
+    target = Path(path)
+    return error, target.exists() or (target.parent / f".{target.name}.partial").exists()
+
+
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_save_after_a_step_whose_header_differed_is_refused_before_writing(ranks, tmp_path, how):
+    """Catches sw.save (or save_async) between steps leaving the last STEP header unsettled on the device (Note
+    [headers on the device]: it is compared at the next step's settle): a checkpoint of rows from ranks whose
+    step differed was written. The save settles it first: every rank raises the same words, nothing is written."""
+    results = ranks.run(_forged_step_then_save, 2, how, str(tmp_path / "ckpt"), timeout=60)
+    messages = {error for error, _ in results}
+    assert len(messages) == 1 and None not in messages, messages
+    assert "step" in messages.pop()
+    assert not any(written for _, written in results), "the refused save wrote a checkpoint"

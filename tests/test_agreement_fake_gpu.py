@@ -18,6 +18,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "fake_agreement_run.py"
 DEVICE = [f"{strategy}-ws{ws}" for strategy in ("zero1", "zero2", "zero3") for ws in (2, 4)]
 HOST_HEADERS = [f"{strategy}-ws2-host-headers" for strategy in ("zero1", "zero2", "zero3")]
 UNUSED = [f"{strategy}-ws2-unused" for strategy in ("zero2", "zero3")]
+MIXED = ["zero3-ws2-mixed", "zero3-ws4-mixed"]
 # The used-parameter flags' host form (Note [unused params], unit_grads.py): one all-reduce on the host group after
 # the backward's reduces, a host rendezvous a step on NCCL before Note [used flags on the device].
 USED_FLAGS = "all_reduce at engine/comm/collectives.py:any_rank"
@@ -25,14 +26,14 @@ USED_FLAGS = "all_reduce at engine/comm/collectives.py:any_rank"
 
 @pytest.fixture(scope="module")
 def reports():
-    proc = subprocess.run([sys.executable, str(SCRIPT), *DEVICE, *HOST_HEADERS, *UNUSED], capture_output=True,
+    proc = subprocess.run([sys.executable, str(SCRIPT), *DEVICE, *HOST_HEADERS, *UNUSED, *MIXED], capture_output=True,
                           text=True, timeout=400, cwd=ROOT)
     found = {}
     for line in proc.stdout.splitlines():
         if line.startswith("REPORT "):
             report = json.loads(line[len("REPORT "):])
             found[report["name"]] = report
-    missing = [name for name in DEVICE + HOST_HEADERS + UNUSED if name not in found]
+    missing = [name for name in DEVICE + HOST_HEADERS + UNUSED + MIXED if name not in found]
     assert not missing, (f"no report for {missing} (exit {proc.returncode}):"
                          f"\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return found
@@ -76,3 +77,19 @@ def test_a_rank_with_an_unused_parameter_reads_the_flags_once_a_step(reports, na
     assert report["ok"], report["error"]
     assert report["flag_waits"] == 1 and report["header_waits"] == 0 and report["tag_waits"] == 0, report
     assert report["syncs"] == {} and report["host_calls"] == {}, report
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_mixed_group_takes_the_device_forms(reports, name):
+    """Catches a site that reads a group's backend as `== "nccl"` (Note [group backends]): on the group
+    `sw.init(backend="cpu:gloo,cuda:nccl")` makes, the forms not forced, zero3's tags went back to a host
+    rendezvous per unit and the headers to three a step, the used flags to an all-reduce of host values. Asked
+    through the one predicate, a zero3 step on a mixed group waits for no header, tag or flag and issues no
+    collective of host tensors, and still compares every header before the step."""
+    report = reports[name]
+    assert report["ok"], report["error"]
+    assert report["tagged"], report
+    assert report["header_waits"] == 0 and report["tag_waits"] == 0 and report["flag_waits"] == 0, report
+    assert report["host_calls"] == {}, report["host_calls"]
+    assert report["syncs"] == {} and report["host_tensors"] == {} and report["collectives"] == [], report
+    assert report["headers_compared"] == 3, report

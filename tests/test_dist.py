@@ -348,3 +348,29 @@ def test_a_store_that_goes_away_mid_join_is_named(tmp_path):
     del store  # the host of the store exits before welcoming rank 1
     out, err = rank1.communicate(timeout=90)
     assert "lost the rendezvous store" in out, out + err[-2000:]
+
+
+class _Chosen(Exception):
+    """torch.cuda.set_device's argument, raised so that no group is formed."""
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_a_mixed_backend_gives_each_rank_its_gpu(monkeypatch, backend):
+    """Catches sw.init(backend="cpu:gloo,cuda:nccl") (the mixed group FSDP users pass, Note [group backends])
+    skipping torch.cuda.set_device(LOCAL_RANK), which only `backend == "nccl"` made: every rank of a node then
+    computed and ran NCCL on GPU 0."""
+    assert not dist.is_initialized()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # one process: local rank 0, no store to reach
+
+    def chosen(device):
+        raise _Chosen(device)
+
+    def formed(*args, **kwargs):
+        raise _Chosen("a group formed before any device was chosen")
+
+    monkeypatch.setattr(torch.cuda, "set_device", chosen)
+    monkeypatch.setattr(dist, "init_process_group", formed)
+    with pytest.raises(_Chosen) as caught:
+        sw.init(backend=backend)
+    assert caught.value.args == (0,)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from helpers.fake_cuda import ROOT, run_in_child
-from shardwise.engine.comm.context import backends_of, has_host_backend
+from shardwise.engine.layout.backends import backends_of, has_host_backend
 
 SCRIPT = ROOT / "tests" / "scripts" / "fake_gpu_host.py"
 HOST = ["zero1-host", "zero2-host", "zero3-host", "zero3-host-ws4", "zero2-host-bf16"]

@@ -1,6 +1,6 @@
 """zero3's gather tags (Note [gather tags], Note [tags on the device], engine/schedule/gather_tags.py): checked per
 unit on the host where the gathers run on gloo, before the optimizer step where they run on a device. The device
-form runs here on gloo ranks, forced (`tags_on_device`), so its host waits and its refusals can be counted."""
+form runs here on gloo ranks, forced (`gather_tags.on_device`), so its host waits and its refusals can be counted."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ class _Chain(nn.Module):
 @contextlib.contextmanager
 def _tags(on_device: bool):
     """Engines built in the block take the device form of the tags (or the host form), on gloo."""
-    original = gather_tags.tags_on_device
-    gather_tags.tags_on_device = lambda group: on_device
+    original = gather_tags.on_device
+    gather_tags.on_device = lambda group: on_device
     try:
         yield
     finally:
-        gather_tags.tags_on_device = original  # the pool's rank processes run later tests
+        gather_tags.on_device = original  # the pool's rank processes run later tests
 
 
 def _train(on_device: bool, order: str = NAMES, steps: int = 3, evaluate: bool = False):

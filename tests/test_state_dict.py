@@ -161,3 +161,23 @@ def test_export_of_a_submodule_of_a_sharded_model_is_whole(ranks, tmp_path):
     LightningModule) writing rank 0's rows as the whole tensors: (3, 4) for a (6, 4) weight."""
     for problems in ranks.run(_export_a_submodule, 2, str(tmp_path)):
         assert problems == []
+
+
+def _meshes_by_device_type():
+    from torch.distributed.tensor import Shard
+
+    from shardwise.engine.layout.parallel_layout import ParallelLayout
+
+    layout = ParallelLayout.flat(dist.group.WORLD)
+    first, _ = layout.dtensor_placements("cpu")
+    second, placements = layout.dtensor_placements("meta")
+    again, _ = layout.dtensor_placements("cpu")
+    return first.device_type, second.device_type, again is first, placements == [Shard(0)]
+
+
+def test_each_device_type_gets_its_own_mesh(ranks):
+    """Catches ParallelLayout.dtensor_placements keeping the first mesh it built whatever the device type asked
+    (rows on the host beside rows on the device, Note [state dict]): the second type's DTensors got a mesh of
+    the first's type. Each type gets its own mesh, built once."""
+    for result in ranks.run(_meshes_by_device_type, 2):
+        assert result == ("cpu", "meta", True, True), result

@@ -49,13 +49,13 @@ def _uses(rank: int, step: int) -> tuple[bool, bool]:
 @contextlib.contextmanager
 def flags_form():
     """Engines built in the block take the device form of the flags, headers and tags, on gloo."""
-    real = used_flags.flags_on_device
-    used_flags.flags_on_device = lambda group: True
+    real = used_flags.on_device
+    used_flags.on_device = lambda group: True
     try:
         with device_form(True):
             yield
     finally:  # the pool's rank processes run later tests
-        used_flags.flags_on_device = real
+        used_flags.on_device = real
 
 
 def _reference(world: int, clip: bool):

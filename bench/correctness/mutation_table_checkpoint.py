@@ -309,4 +309,10 @@ CHECKPOINT_MUTATIONS = [
      '        renamed = {key: self.rename(key, clean[key]) for key in keys}',
      '        renamed = {key: key for key in keys}',
      'tests/test_hf_pretrained.py -k legacy_names'),
+    ("issue 58: rank 0's sweep of leftovers after the publish raises out of the save (the other ranks hang in "
+     "broadcast_object)",
+     '_sweep',
+     '    except Exception as error:  # noqa: BLE001 - Note [sweep after publish]',
+     '    except ZeroDivisionError as error:',
+     'tests/test_checkpoint_publish.py -k sweep_that_fails'),
 ]

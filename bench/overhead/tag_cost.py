@@ -82,13 +82,13 @@ def run_form(form: str, args) -> dict:
                     n_heads=max(1, args.d_model // 64))
     torch.manual_seed(0)
     model = GPT(cfg)
-    originals = gather_tags.tags_on_device, agreement_device.headers_on_device
-    gather_tags.tags_on_device = lambda group: form != "host"
-    agreement_device.headers_on_device = lambda group: form == "device"
+    originals = gather_tags.on_device, agreement_device.on_device
+    gather_tags.on_device = lambda group: form != "host"
+    agreement_device.on_device = lambda group: form == "device"
     try:
         sw.shard(model, strategy="zero3", units=Block)
     finally:
-        gather_tags.tags_on_device, agreement_device.headers_on_device = originals
+        gather_tags.on_device, agreement_device.on_device = originals
     tags, headers = engine_of(model).driver.gathers.tags, engine_of(model).agreement
     spent, depth = [0.0], [0]
     _timed(tags, _TIMED["tags"], spent, depth)

@@ -97,7 +97,7 @@ def init(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     env = _read_launch_env()
-    if backend == "nccl":
+    if _uses_nccl(backend):
         torch.cuda.set_device(env["local_rank"])
     if env["world_size"] == 1 and env["rank"] == 0 and "MASTER_ADDR" not in os.environ:
         # One process, no launcher: an in-memory store needs no port.
@@ -310,6 +310,12 @@ def _claimed_twice_message(ranks: list[int]) -> str:
     return (f"two processes joined as rank {names} through one rendezvous store: two copies of a job (or two jobs "
             "without SHARDWISE_RUN_ID) were pointed at one MASTER_ADDR:MASTER_PORT. Give each job its own "
             "MASTER_PORT, and every rank of one hand-launched job the same SHARDWISE_RUN_ID.")
+
+
+def _uses_nccl(backend: str) -> bool:
+    """Whether `backend` gives NCCL the GPUs: "nccl", or a mixed one such as "cpu:gloo,cuda:nccl" (what FSDP users
+    pass; Note [group backends] in engine/layout/backends.py), whose ranks each need their own GPU as much."""
+    return any(part.rpartition(":")[2] == "nccl" for part in backend.split(","))
 
 
 def _read_launch_env() -> dict[str, int]:

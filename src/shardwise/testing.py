@@ -108,6 +108,22 @@ def make_optimizer(
     return torch.optim.AdamW(groups, eps=eps)
 
 
+class Optimizers:
+    """Several optimizers stepped and zeroed as one, each over its own parameters: Muon on the matrices and AdamW
+    on the rest, as torch's Muon docs prescribe (a whole-tensor step beside an elementwise one)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
 # ---- the loop ------------------------------------------------------------------
 
 

@@ -361,11 +361,13 @@ def _non_blocking(func, args, kwargs) -> bool:
 
 
 def _to_host(func, args, kwargs) -> bool:
-    """A copy from the device into host memory that the host waits for: all but a `non_blocking` copy into
-    pinned memory (`_to_copy` makes new, unpinned memory: torch waits)."""
+    """A copy from the device into host memory that the host waits for: all but a `non_blocking` one into pinned
+    memory. A `non_blocking` `_to_copy` (`.to("cpu", non_blocking=True)`) makes its new host memory pinned (torch's
+    `_to_copy` pins the output of a non-blocking copy from an accelerator), so the host does not wait for it: the
+    read that follows waits, for an event (counted where it waits)."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
-        return device is not None and torch.device(device).type == "cpu"
+        return device is not None and torch.device(device).type == "cpu" and not kwargs.get("non_blocking")
     if func is aten.copy_.default:
         return args[0].device.type == "cpu" and not (_non_blocking(func, args, kwargs) and is_pinned(args[0]))
     return False

@@ -99,6 +99,9 @@ class ModelEvent:
         _merge(_done, self.clock)
 
     def query(self):
+        # the model's work is always done: a True answer tells the host so, as a real one does (what was recorded
+        # before it is known done, e.g. a device form's tag, whose buffers go after its settle queried its copy)
+        _merge(_done, self.clock)
         return True
 
 
@@ -205,9 +208,12 @@ def _synchronize(device=None):
 
 
 def reset() -> None:
-    """A new scenario: no hazard, no copy in flight."""
+    """A new scenario: no hazard, no copy in flight, and no access of the last one's storages (keyed by address,
+    which a new storage may reuse)."""
     HAZARDS.clear()
     _host_pending.clear()
+    _accesses.clear()
+    _recorded.clear()
 
 
 _real_resize = torch.UntypedStorage.resize_

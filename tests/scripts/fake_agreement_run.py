@@ -6,9 +6,9 @@ tags and flags, the collectives of host tensors by caller and the headers compar
 
 The fake process group's collectives mirror this rank, so a header's or tag's rows are this rank's row on every
 rank, and the flags' OR is this rank's flags; their host copies have no values (fake tensors), so `rows_of` and
-`result_of` read what this rank sent, as the mirror would have filled it. A non-blocking device-to-host copy does
-not make the host wait (the read comes at the settle, or the flags' agreement, counted there), so the sync count
-here leaves it out; a blocking one still counts."""
+`result_of` read what this rank sent, as the mirror would have filled it (fake_gpu_run does it for every scenario).
+A non-blocking device-to-host copy does not make the host wait (the read comes at the settle, or the flags'
+agreement, counted there); a blocking one counts (helpers/fake_gpu.py's `_to_host`)."""
 
 from __future__ import annotations
 
@@ -34,35 +34,19 @@ import shardwise.engine.schedule.used_flags as used_flags  # noqa: E402
 from helpers import fake_gpu  # noqa: E402
 from shardwise.engine import engine_of  # noqa: E402
 
-# False: the headers' and flags' host forms (this tree before Note [headers on the device] on NCCL)
-HEADERS_ON_DEVICE = [True]
-agreement_device.headers_on_device = lambda group: HEADERS_ON_DEVICE[0]
-used_flags.flags_on_device = lambda group: HEADERS_ON_DEVICE[0]
-used_flags.UsedFlagsOnDevice.result_of = lambda self, exchange: exchange.flags
-gather_tags.tags_on_device = lambda group: True
-agreement_device.HeadersOnDevice.rows_of = lambda self, header: [header.row] * self.world
-gather_tags.TagsOnDevice.rows_of = lambda self, tag: [tag.row] * self.world
-
-_real_send = gather_tags.TagsOnDevice.send
+# True / False: the device / host forms of the headers and flags forced (the plain fake world reads as no device
+# backend; False: this tree before Note [headers on the device] on NCCL), zero3's tags on the device either way;
+# None: every form as the group's backends say (Note [group backends]: a MIXED world reads as "cpu:gloo,cuda:nccl")
+FORMS = [True]
 
 
-def _send_keeping_row(self, unit):
-    """TagsOnDevice.send, keeping this rank's row on the tag for `rows_of` (the mirror's rows)."""
-    row = self._row(unit)
-    _real_send(self, unit)
-    self.in_flight[-1].row = row
+def _forced(real, tags: bool = False):
+    return lambda group: real(group) if FORMS[0] is None else (True if tags else FORMS[0])
 
 
-gather_tags.TagsOnDevice.send = _send_keeping_row
-
-_real_to_host = fake_gpu._to_host
-
-
-def _blocking_to_host(func, args, kwargs) -> bool:
-    return not kwargs.get("non_blocking") and _real_to_host(func, args, kwargs)
-
-
-fake_gpu._to_host = _blocking_to_host
+agreement_device.on_device = _forced(agreement_device.on_device)
+used_flags.on_device = _forced(used_flags.on_device)
+gather_tags.on_device = _forced(gather_tags.on_device, tags=True)
 
 HOST_CALLS: collections.Counter = collections.Counter()
 COUNTING = [False]
@@ -96,16 +80,17 @@ class Skipping(fake_gpu_run.Tiny):
         return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def train(strategy: str, on_device: bool = True, cls=fake_gpu_run.Tiny):
+def train(strategy: str, on_device: bool | None = True, cls=fake_gpu_run.Tiny):
     """fake_gpu_run.train with the engine's header, tag and flag counters read over the counted steps
-    (`on_device`: the headers' and flags' device forms, else their host forms)."""
+    (`on_device`: the headers' and flags' device forms, False their host forms, None as the group says)."""
     model = _model(cls)
-    HEADERS_ON_DEVICE[0] = on_device
+    FORMS[0] = on_device
     sw.shard(model, strategy=strategy, units=fake_gpu_run.Block)
     engine = engine_of(model)
     agreement, tags, flags = engine.agreement, engine.driver.gathers.tags, engine.reducer.flags
-    assert isinstance(agreement, agreement_device.HeadersOnDevice) == on_device, type(agreement)
-    assert isinstance(flags, used_flags.UsedFlagsOnDevice) == on_device, type(flags)
+    if on_device is not None:
+        assert isinstance(agreement, agreement_device.HeadersOnDevice) == on_device, type(agreement)
+        assert isinstance(flags, used_flags.UsedFlagsOnDevice) == on_device, type(flags)
     compared = [0]
     real_check = agreement.check
 
@@ -137,6 +122,9 @@ SCENARIOS.update({f"{strategy}-ws2-host-headers": (2, lambda s=strategy: train(s
                   for strategy in ("zero1", "zero2", "zero3")})
 SCENARIOS.update({f"{strategy}-ws2-unused": (2, lambda s=strategy: train(s, cls=Skipping))
                   for strategy in ("zero2", "zero3")})
+# the group `sw.init(backend="cpu:gloo,cuda:nccl")` makes, the forms not forced (Note [group backends])
+SCENARIOS.update({f"zero3-ws{ws}-mixed": (ws, lambda: train("zero3", on_device=None), fake_gpu.MIXED)
+                  for ws in (2, 4)})
 
 if __name__ == "__main__":
     fake_gpu_run.SCENARIOS.update({f"device-headers-{name}": scenario for name, scenario in SCENARIOS.items()})

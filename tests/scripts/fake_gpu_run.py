@@ -22,6 +22,34 @@ from helpers.fake_gpu import DEVICE, StepChecks, fake_device, fake_parameters, f
 fake_gpu.install()
 fake_streams.install()
 import shardwise as sw  # noqa: E402
+import shardwise.engine.schedule.agreement_device as agreement_device  # noqa: E402
+import shardwise.engine.schedule.consistency as consistency  # noqa: E402
+import shardwise.engine.schedule.gather_tags as gather_tags  # noqa: E402
+import shardwise.engine.schedule.used_flags as used_flags  # noqa: E402
+from shardwise.testing import Optimizers  # noqa: E402
+
+# The device forms of the headers, zero3's tags and the used flags (Note [headers on the device], Note [tags on the
+# device], Note [used flags on the device]: a MIXED world, or the forms forced) read their rows on the host from
+# copies that have no values here (fake tensors); the mirror collectives fill every rank's row with this rank's,
+# so each reads what this rank sent.
+agreement_device.HeadersOnDevice.rows_of = lambda self, header: [header.row] * self.world
+gather_tags.TagsOnDevice.rows_of = lambda self, tag: [tag.row] * self.world
+used_flags.UsedFlagsOnDevice.result_of = lambda self, exchange: exchange.flags
+_real_send = gather_tags.TagsOnDevice.send
+
+
+def _send_keeping_row(self, unit):
+    """TagsOnDevice.send, keeping this rank's row on the tag for `rows_of` (the mirror's rows)."""
+    row = self._row(unit)
+    _real_send(self, unit)
+    self.in_flight[-1].row = row
+
+
+gather_tags.TagsOnDevice.send = _send_keeping_row
+# shard()'s consistency check reads its digests on the host; on a group with no host backend (NCCL alone) they
+# travel on the device, whose values do not exist here: the mirror's digests are this rank's on every rank, which
+# the host compares alike
+consistency.host_values_device = lambda group: torch.device("cpu")
 
 WIDTH = 8
 STEPS = 3  # the first is set-up (first-call work); the others are counted
@@ -186,21 +214,8 @@ def _hybrid():
 def _muon(model):
     """Muon (a whole-tensor step: Note [whole-tensor step]) on the blocks' matrices, AdamW on the rest."""
     named = list(model.named_parameters())
-    return _Both([torch.optim.Muon([p for name, p in named if name.endswith("lin.weight")], lr=0.02),
+    return Optimizers([torch.optim.Muon([p for name, p in named if name.endswith("lin.weight")], lr=0.02),
                   torch.optim.AdamW([p for name, p in named if not name.endswith("lin.weight")], lr=1e-3)])
-
-
-class _Both:
-    def __init__(self, optimizers):
-        self.optimizers = optimizers
-
-    def step(self):
-        for optimizer in self.optimizers:
-            optimizer.step()
-
-    def zero_grad(self):
-        for optimizer in self.optimizers:
-            optimizer.zero_grad()
 
 
 def side_stream_read(wait=True):

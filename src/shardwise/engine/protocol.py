@@ -98,6 +98,11 @@ class Engine(NoCopies):
         """Whether sw.optimizer_in_backward steps the units during backward."""
         return False
 
+    def settle_agreement(self) -> None:
+        """Before values leave the engine (a checkpoint): every agreement still in flight compared, the last
+        step's included, and the same ShardwiseError on every rank where the ranks differed (Note [headers on
+        the device]); nothing where every agreement was confirmed at its phase."""
+
 
 class Sliced(Protocol):
     """What `sw.slice` attaches (parallel/slicing/api.Slicing), as the engine and checkpoints see it."""

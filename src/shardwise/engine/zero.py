@@ -168,6 +168,10 @@ class ZeroEngine(Engine):
     def steps_in_backward(self) -> bool:
         return self.driver.reducer.stepper is not None
 
+    def settle_agreement(self) -> None:
+        self.driver.agreement.settle_all()
+        self.driver.gathers.settle_tags()
+
 
 def apply_zero(model: nn.Module, config: ShardConfig, units: UnitSpec, group: dist.ProcessGroup,
                init_fn=None, mesh=None) -> ZeroEngine:

@@ -23,7 +23,7 @@ import os
 import shutil
 import threading
 
-from shardwise.checkpoint.write.index import INDEX, build_index, remove_older
+from shardwise.checkpoint.write.index import INDEX, build_index, log, remove_older
 from shardwise.checkpoint.write.publish import clean_leftovers, fsync_dir, publish
 from shardwise.errors import ShardwiseError
 
@@ -105,9 +105,24 @@ def finish_commit(job, started: IndexSync | str, synced: list) -> str | None:
             return outcome  # another process's now, or already published: not this save's to remove
         shutil.rmtree(job.partial, ignore_errors=True)
         return outcome
-    if job.keep_last is not None:
-        remove_older(job.path, job.keep_last)
-    clean_leftovers(job.path.parent)  # Note [leftovers]: after the save succeeded, never a reason to fail it
+    _sweep(job)
     return None
+
+
+def _sweep(job) -> None:
+    """Rank 0, once the checkpoint is published: `keep_last`'s older checkpoints and dead saves' leftovers
+    removed (Note [leftovers]). Note [sweep after publish]: a failure here (a leftover that cannot be removed, a
+    directory that cannot be read) is a warning, never the save's error: the checkpoint is on the disk under its
+    name, and an error saying "nothing was written" would be false; it also must not leave rank 0 without its
+    answer to the other ranks, which wait for it in `broadcast_object` (an exception here was a hang there). The
+    next save sweeps again."""
+    try:
+        if job.keep_last is not None:
+            remove_older(job.path, job.keep_last)
+        clean_leftovers(job.path.parent)
+    except Exception as error:  # noqa: BLE001 - Note [sweep after publish]
+        log.warning("sw.save: %s is saved, but the sweep after it failed (%s: %s); older checkpoints or dead saves' "
+                    "leftovers beside it may remain, and the next save tries again", job.path, type(error).__name__,
+                    error)
 
 

@@ -78,7 +78,7 @@ from shardwise.checkpoint.write.index import INDEX, next_order
 from shardwise.checkpoint.write.owner import SaveLock, claim_partial
 from shardwise.checkpoint.write.writer import FileWriter
 from shardwise.engine.layout.rows import num_rows
-from shardwise.engine.protocol import slicing_of
+from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.engine.unit.info import ShardInfo, row_view, shard_info
 from shardwise.errors import ShardwiseError
 
@@ -142,6 +142,9 @@ def prepare(path, model, optim, scheduler, keep_last, durable, extra, group=None
     holding part of the model: pipeline/checkpoint/); None: the model's group."""
     wait_for_background_save()
     began = time.perf_counter()  # the "start" phase (Note [save phases] in disk.py)
+    engine = engine_of(model)
+    if engine is not None:  # headers still in flight on a device (the last step's): refused before any write
+        engine.settle_agreement()
     for key, value in extra.items():
         if hasattr(value, "param_groups") and hasattr(value, "state"):
             raise ShardwiseError(f"{key}= is an optimizer: keyword values are JSON or small objects. Save several "

@@ -1,6 +1,6 @@
 """An engine's communication context: the strategy of each group, the buffers reused across steps, and the
 streams its collectives run on. Units ask it for a handle and wait on the handle.
-Uses: buffers, collectives, quantize, small, strategy, streams.
+Uses: backends, buffers, collectives, quantize, small, strategy, streams.
 
 Note [comm context]: every collective a unit issues on the hot path (its gather, its gradient reduce, the
 replica average of a hybrid mesh) goes through one `CommContext`, built by the engine (zero.py) and handed
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 import shardwise.engine.comm.collectives as coll
@@ -32,35 +31,7 @@ from shardwise.engine.comm.quantize import QuantizedForms
 from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.comm.strategy import TorchForms, strategy_for
 from shardwise.engine.comm.streams import GATHER, REDUCE, REPLICA, CommStreams, device_api
-
-# Note [group backends]: a process group serves each device type with one backend. `dist.get_backend` spells a
-# group of one backend by its name ("nccl", "gloo") and a mixed one by device ("cpu:gloo,cuda:nccl", what
-# `init_process_group()` makes on a GPU machine with no backend named, and what offload="host" needs: the norms of
-# host gradients meet on gloo while the gathers run on NCCL, Note [host offload]). Reading only `== "nccl"` took
-# a mixed group for a CPU one: no streams, and host offload's copies to pinned memory never waited for (the CPU
-# optimizer stepped rows still in flight). `backends_of` reads both spellings; a single name serves the device
-# types it is built for, which for NCCL is the accelerator alone (it has no CPU backend).
-DEVICE_ONLY = frozenset({"nccl"})
-
-
-def backends_of(group) -> dict[str, str]:
-    """{device type: backend} of `group` ("*": a single backend named for every device type it serves; Note
-    [group backends])."""
-    spelled = dist.get_backend(group)
-    if ":" not in spelled:
-        return {"*": spelled} if spelled not in DEVICE_ONLY else {_accelerator_type(): spelled}
-    return dict(part.split(":", 1) for part in spelled.split(","))
-
-
-def has_host_backend(group) -> bool:
-    """Whether `group` takes host (CPU) tensors: anything but a device-only backend such as NCCL."""
-    backends = backends_of(group)
-    return "cpu" in backends or "*" in backends
-
-
-def _accelerator_type() -> str:
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator.type if accelerator is not None else "cuda"
+from shardwise.engine.layout.backends import device_of
 
 
 class CommContext:
@@ -81,10 +52,7 @@ class CommContext:
         """The context of an engine whose collectives run on `group` (its accelerator's tensors on NCCL: the
         current device, Note [group backends]); `compression`: the config.Compression the hot path's gathers and
         reduces use (Note [quantized collectives]), or None."""
-        accelerator = torch.accelerator.current_accelerator()
-        on_device = accelerator is not None and backends_of(group).get(accelerator.type) == "nccl"
-        return cls(torch.device(accelerator.type, torch.accelerator.current_device_index()) if on_device
-                   else torch.device("cpu"), compression=compression)
+        return cls(device_of(group), compression=compression)
 
     def bound_buffers(self, bound: int) -> None:
         """The most bytes the pool keeps (comm_buffer_bytes, Note [reused buffers])."""

@@ -1,5 +1,5 @@
 """Every process group the library makes, made here: the engine's reduce and host groups, the
-pipeline's stage and replica groups, the checkpoint's own group. Uses: nothing of the engine.
+pipeline's stage and replica groups, the checkpoint's own group. Uses: backends.
 
 Note [one maker of groups]: a process group is a collective to create (every member calls
 `new_group` in the same order) and a resource to close (Note [exit teardown]); making them in one
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 import torch.distributed as dist
 
+from shardwise.engine.layout.backends import device_of, has_host_backend
 from shardwise.teardown import close_group_at_exit
 
 
@@ -32,8 +32,7 @@ def timeout_of(group):
     """`group`'s timeout (the bound sw.init(timeout=...) sets), for a group made beside it; None (torch's
     default) for a backend that does not say."""
     try:
-        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        return group._get_backend(device).options._timeout
+        return group._get_backend(device_of(group)).options._timeout
     except (AttributeError, RuntimeError):
         return None
 
@@ -63,7 +62,7 @@ def new_node_group(group, ranks_per_node: int) -> dist.ProcessGroup:
 # group: the gloo group itself on CPU, a gloo group of the same ranks beside an NCCL one.
 def host_group_of(group) -> dist.ProcessGroup:
     """A group of `group`'s ranks whose collectives take CPU tensors (Note [host values])."""
-    return group if dist.get_backend(group) != "nccl" else new_host_group(group)
+    return group if has_host_backend(group) else new_host_group(group)
 
 
 def new_host_group(group) -> dist.ProcessGroup:

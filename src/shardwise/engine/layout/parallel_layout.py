@@ -1,5 +1,5 @@
 """The parallel layout: which ranks exist along which dimension, which rows of any tensor each rank
-holds, and who writes what. One object every package asks. Uses: groups, rows.
+holds, and who writes what. One object every package asks. Uses: backends, groups, rows.
 
 Note [mesh info]: a zero engine's ranks form a `replicate x shard` mesh (FSDP2's names; its
 `FSDPParallelLayout` / `HSDPParallelLayout`, torchtitan's `ParallelDims`). Parameters are cut into dim-0 chunks
@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.engine.layout.backends import device_of
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.layout.rows import num_rows, row_range, rows_per_rank
 from shardwise.errors import ShardwiseError
@@ -94,7 +95,7 @@ class ParallelLayout:
     tensor_rank: int = 0
     tensor_world: int = 1
     tie_groups: dict = field(default_factory=dict)  # stages sharing a weight -> their ranks at this coordinate
-    _flat_mesh: list = field(default_factory=list, repr=False)  # the shard group's DeviceMesh, made on first use
+    _flat_mesh: dict = field(default_factory=dict, repr=False)  # device type -> the shard group's DeviceMesh
 
     @classmethod
     def flat(cls, group) -> ParallelLayout:
@@ -145,8 +146,7 @@ class ParallelLayout:
                         tie_groups[tied] = group
         mesh = None
         if num_replicas > 1:  # the engine's hybrid route takes a 2-D mesh of the stage's own groups
-            device_type = "cuda" if dist.get_backend(mine["group"]) == "nccl" else "cpu"
-            mesh = DeviceMesh.from_group([mine["replicate_group"], mine["shard_group"]], device_type,
+            mesh = DeviceMesh.from_group([mine["replicate_group"], mine["shard_group"]], device_of(mine["group"]).type,
                                          mesh=torch.tensor(stages[stage]), mesh_dim_names=MESH_NAMES)
         return cls(mine["group"], mine["shard_group"], shard, num_shards,
                    mine["replicate_group"] if num_replicas > 1 else None, replica, num_replicas, mesh,
@@ -159,12 +159,12 @@ class ParallelLayout:
     def with_node_group(self, node_group) -> ParallelLayout:
         """This layout with hpZ's in-node group (Note [secondary shards], unit/secondary.py)."""
         return replace(self, node_group=node_group, node_rank=dist.get_rank(node_group),
-                       node_world=dist.get_world_size(node_group), _flat_mesh=[])
+                       node_world=dist.get_world_size(node_group), _flat_mesh={})
 
     def with_tensor_group(self, tensor_group) -> ParallelLayout:
         """This layout with a sliced model's tensor dimension (Note [sliced mesh]): the group `sw.slice` cut over."""
         return replace(self, tensor_group=tensor_group, tensor_rank=dist.get_rank(tensor_group),
-                       tensor_world=dist.get_world_size(tensor_group), _flat_mesh=[])
+                       tensor_world=dist.get_world_size(tensor_group), _flat_mesh={})
 
     def dims(self) -> dict[str, int]:
         """Each dimension's size, outermost first: {"pipe", "replicate", "shard", "tensor"}; hpZ's node
@@ -229,9 +229,11 @@ class ParallelLayout:
         from torch.distributed.tensor import Replicate, Shard  # DTensor costs ~1 s to import: only when asked
         if self.device_mesh is not None:
             return self.device_mesh, [Replicate(), Shard(0)]
-        if not self._flat_mesh:  # a DeviceMesh costs a little to build
-            self._flat_mesh.append(DeviceMesh.from_group(self.shard_group, device_type=device_type))
-        return self._flat_mesh[0], [Shard(0)]
+        # a DeviceMesh costs a little to build: one per device type, since a mesh names its device type and a
+        # DTensor's local rows must live there (host-offloaded rows on "cpu" beside the device's)
+        if device_type not in self._flat_mesh:
+            self._flat_mesh[device_type] = DeviceMesh.from_group(self.shard_group, device_type=device_type)
+        return self._flat_mesh[device_type], [Shard(0)]
 
 
 MESH_NAMES = ("replicate", "shard")

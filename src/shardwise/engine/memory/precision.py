@@ -1,5 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
-Uses: compat, protocol, small.
+Uses: backends, compat, protocol, small.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map
 
 from shardwise.engine.comm.small import all_reduce_max
 from shardwise.engine.compat import plain_tensors, unwrap_compiled
+from shardwise.engine.layout.backends import device_of
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
 
@@ -116,7 +117,6 @@ class LossScaler:
 
 
 def _group_device(group) -> torch.device:
-    """Where `group`'s collectives take tensors (NCCL: the current GPU), for a rank with no gradient."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where `group`'s collectives take tensors, for a rank with no gradient: where its peers' gradients are (the
+    accelerator on NCCL, a mixed group's included: Note [group backends])."""
+    return device_of(group) if dist.is_initialized() else torch.device("cpu")

@@ -156,6 +156,10 @@ class Agreement:
         """Before an optimizer step: nothing left here, every header was confirmed at its phase (the device
         form compares its headers here: Note [headers on the device], agreement_device.py)."""
 
+    def settle_all(self) -> None:
+        """Before values leave the engine (a checkpoint): nothing left here, the step's header too was confirmed
+        at the step (the device form compares its last one here: Note [headers on the device])."""
+
     def check(self, rows: list[list[int]], order: list[int]) -> None:
         """Every rank's header (`rows`, one per rank) says the same, or the same ShardwiseError on every rank
         (they all read the same rows); then the prefetch order every rank reported, if they agree on it."""

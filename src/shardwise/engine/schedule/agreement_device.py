@@ -1,6 +1,6 @@
 """The agreement's headers where the engine's collectives run on a device (NCCL): sent on a device group of their
 own and compared before the next optimizer step, never waited for by the host at a phase. Uses: agreement,
-collectives, flat_unit, groups, small, streams.
+backends, collectives, flat_unit, groups, small, streams.
 
 Note [headers on the device]: on gloo a header (Note [agreement rides the traffic], agreement.py) is confirmed
 where the host waits for the phase's collectives anyway, so it costs no rendezvous the payload did not already
@@ -45,7 +45,9 @@ still rides the device channel, so it pairs with whatever header the other ranks
 What it gives up against confirming each phase on the host (no GPU has run it yet):
 - a forward, backward or step whose header differs is refused at the next settle instead of at its phase: a
   loss computed from another phase's pairing may reach the user first (no parameter changes: the step is
-  refused), and the process group is spent after the error, as after any mismatched collective;
+  refused), and the process group is spent after the error, as after any mismatched collective. A save between
+  steps settles every header first, the last STEP header included (`settle_all`, through the engine's
+  `settle_agreement`), so it refuses before anything is written;
 - uneven work (Note [uneven work]): the step's header is compared at the next settle, so the ranks that reached
   their step first apply that one step before every rank refuses at the next one (their rows are then one step
   ahead of the others'; the run cannot go on: end it and restart from the last checkpoint). On gloo the step
@@ -64,6 +66,7 @@ import torch.distributed as dist
 from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import device_api
+from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.schedule.agreement import REFUSED, STEP, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -118,6 +121,12 @@ class HeadersOnDevice(Agreement):
         if count and self.in_flight[-1].row[2] == STEP:
             count -= 1
         self._compare(count)
+
+    def settle_all(self) -> None:
+        """Before values leave the engine (`sw.save`, `save_async`): every header in flight compared, the last
+        STEP header included, so a checkpoint never holds rows of ranks whose last step differed (a host wait
+        where any is in flight: a save waits for the disk anyway)."""
+        self._compare(len(self.in_flight), counted=bool(self.in_flight))
 
     def agree_on_step(self, num_forwards: int, order: list[int]) -> None:
         """Before an optimizer step: this step's headers compared, then its own STEP header sent, compared at the
@@ -176,14 +185,9 @@ class HeadersOnDevice(Agreement):
         return header.host_rows.view(self.world, -1).tolist()
 
 
-def headers_on_device(group) -> bool:
-    """Whether `group`'s collectives run on a device (NCCL), where headers are compared off the host's path."""
-    return dist.get_backend(group) == "nccl"
-
-
 def make_agreement(units: list[FlatUnit], group) -> Agreement:
     """The agreement of an engine whose collectives run on `group`: confirmed at each phase on the host (gloo),
     before the step on a device (Note [headers on the device])."""
-    if dist.get_world_size(group) > 1 and headers_on_device(group):
+    if dist.get_world_size(group) > 1 and on_device(group):
         return HeadersOnDevice(units, group, units[0].full_flat.device)
     return Agreement(units, group)

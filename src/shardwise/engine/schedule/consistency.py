@@ -1,6 +1,6 @@
 """Ranks agree on the model at `shard()`: the same options (every one: Note [options by construction],
 wire/canonical.py), the same parameters (and which are trainable) and the same starting values. What they
-agree on during training rides the traffic (agreement.py). Uses: flat_unit, small.
+agree on during training rides the traffic (agreement.py). Uses: backends, flat_unit, small.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine.comm.small import all_gather_list, all_reduce_max, broadcast_from
+from shardwise.engine.layout.backends import host_values_device
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
 from shardwise.wire.canonical import canonical, first_difference, shown
@@ -27,7 +28,7 @@ def check_same_model_on_every_rank(model: nn.Module, group) -> None:
     Only when the hashes differ are the full lists exchanged, to name the first difference (as JSON: nothing
     from another rank is unpickled)."""
     mine = [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()]
-    device = _device(group)
+    device = host_values_device(group)  # a set-up read: on the host where the group takes host tensors
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
     all_gather_list(signatures, torch.tensor([digest(repr(mine))], device=device), group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
@@ -60,7 +61,7 @@ def check_same_options(what: str, options: dict, group, fixes: dict[str, str] | 
     world = dist.get_world_size(group)
     if world == 1:
         return
-    device = _device(group)
+    device = host_values_device(group)
     signatures = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     all_gather_list(signatures, torch.tensor([digest(json.dumps(form, sort_keys=True))], device=device), group)
     if all(torch.equal(s, signatures[0]) for s in signatures):
@@ -123,13 +124,6 @@ def _describe(entry) -> str:
 def digest(text: str) -> int:
     """56 bits of a SHA-256 of `text`: an int64 every rank computes alike."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def _device(group) -> torch.device:
-    """Where the group's collectives take tensors: NCCL groups have no CPU backend."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def broadcast_from_rank0(unit: FlatUnit, group) -> None:

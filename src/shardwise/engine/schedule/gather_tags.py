@@ -1,6 +1,6 @@
 """zero3: which unit each rank's k-th all-gather carries, checked before its values are used (gloo) or
-before any optimizer step applies them (a device). Uses: agreement, collectives, context, flat_unit, groups,
-small, streams.
+before any optimizer step applies them (a device). Uses: agreement, backends, collectives, context, flat_unit,
+groups, small, streams.
 
 Note [gather tags]: zero3's gathers follow each rank's own forward (Note [collective order], zero.py), so
 ranks that run units in another order (rank 0 C(B(A(x))), rank 1 C(A(B(x)))) issue different
@@ -58,6 +58,7 @@ from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.context import CommContext
 from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import GATHER
+from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, REFUSED, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
@@ -237,15 +238,10 @@ class TagsOnDevice(GatherTags):
         return tag.host_rows.view(self.world, -1).tolist()
 
 
-def tags_on_device(group) -> bool:
-    """Whether `group`'s gathers run on a device (NCCL), where tags are checked off the host's path."""
-    return dist.get_backend(group) == "nccl"
-
-
 def make_tags(units: list[FlatUnit], group, where_now: Callable[[], tuple[int, int, list[int]]],
               agreement: Agreement) -> GatherTags:
     """The tags of a zero3 engine whose gathers run on `group`: checked per unit on the host (gloo), before the
     step on a device (Note [tags on the device])."""
-    if dist.get_world_size(group) > 1 and tags_on_device(group):
+    if dist.get_world_size(group) > 1 and on_device(group):
         return TagsOnDevice(units, group, where_now, agreement, units[0].comm)
     return GatherTags(units, group, where_now, agreement)

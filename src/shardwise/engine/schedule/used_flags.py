@@ -1,6 +1,6 @@
 """Which parameters any rank used this backward (Note [unused params], unit_grads.py), agreed for the reducer
 (reducer.py): on the host group where the engine's collectives run on the host (gloo), on the device where they
-run on a device (NCCL). Uses: collectives, flat_unit, groups, small, streams.
+run on a device (NCCL). Uses: backends, collectives, flat_unit, groups, small, streams.
 
 Note [used flags on the device]: on gloo the flags are one all-reduce of host values on the host group once the
 backward's reduces landed, where the host waits for those reduces anyway (`UsedFlags`, as before). On NCCL that
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from shardwise.engine.comm.collectives import any_rank, named_failure
 from shardwise.engine.comm.small import host_values_to, start_all_reduce_max, wait_for_copy
 from shardwise.engine.comm.streams import device_api
+from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.unit.flat_unit import FlatUnit
 
@@ -125,14 +126,9 @@ class UsedFlagsOnDevice:
         return [bool(value) for value in exchange.host.tolist()]
 
 
-def flags_on_device(group) -> bool:
-    """Whether `group`'s collectives run on a device (NCCL), where the flags are exchanged off the host's path."""
-    return dist.get_backend(group) == "nccl"
-
-
 def make_used_flags(units: list[FlatUnit], group, host_group) -> UsedFlags | UsedFlagsOnDevice:
     """The used flags of an engine whose collectives run on `group`: OR-ed on `host_group` when asked (gloo), sent
     on the device as the reduces are and read only where needed (Note [used flags on the device])."""
-    if dist.get_world_size(group) > 1 and flags_on_device(group):
+    if dist.get_world_size(group) > 1 and on_device(group):
         return UsedFlagsOnDevice(group, units[0].full_flat.device)
     return UsedFlags(host_group)
