@@ -45,7 +45,8 @@ parameters (reported as "≥"), to bound run time (its depth, over 500 blocks at
 
 Note [predict then verify]: with --verify the search tests the prediction instead of using it as a start: the
 first probe is sw.max_model's depth N (it must fit), the second N+1 (it must be over; N-1, which must fit, when N
-was over); only when the prediction misses does the search go on (the secant above, to a bracket of one block,
+was over; neither when N's peak is more than a block's bytes from the budget: the prediction missed, and the secant
+steers from there); only when the prediction misses does the search go on (the secant above, to a bracket of one block,
 at most --max-runs probes). The table then holds the predicted and the measured maximum, their difference, and
 the estimator's error at the measured maximum (estimated − measured peak, over the measured peak).
 """
@@ -360,8 +361,8 @@ def search(args, config: str, cap_params: int | None, log, earlier: list[dict] =
         if "peak_rss_bytes" in result:
             measured.append((nxt, result["peak_rss_bytes"]))
         nxt = _next_depth(args, measured, per_layer, fit, fail, cap_layers)
-        if args.verify and len(probes) == 1 and not pending:  # Note [predict then verify]: the other side of N
-            nxt = predicted + 1 if fit is not None else (predicted - 1 or None)
+        if args.verify and len(probes) == 1 and not pending and _near(args, result, per_layer):
+            nxt = predicted + 1 if fit is not None else (predicted - 1 or None)  # Note [predict then verify]
         if nxt is None and not pending:
             break
     best = next((p for p in probes if p["layers"] == fit), None)
@@ -371,6 +372,12 @@ def search(args, config: str, cap_params: int | None, log, earlier: list[dict] =
             "max_layers": fit, "max_params": best["num_params"] if best else None, "first_fail_layers": fail,
             "capped": capped, "init": best["ranks"][0].get("init") if best else None,
             "peak_rss_bytes": best.get("peak_rss_bytes") if best else None, "probes": probes}
+
+
+def _near(args, result: dict, per_layer: int) -> bool:
+    """Whether a probe's peak is within one block's bytes of the budget: then its neighbour tests the prediction
+    (Note [predict then verify]); farther, the prediction missed and the secant steers."""
+    return "peak_rss_bytes" in result and abs(result["peak_rss_bytes"] - args.budget_bytes) <= per_layer
 
 
 def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
