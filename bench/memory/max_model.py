@@ -5,6 +5,7 @@
     python bench/memory/max_model.py --budget 3GiB --configs zero3,zero3_bf16
     python bench/memory/max_model.py --resume --redo --configs zero3   # re-measure one row, keep the rest
     python bench/memory/max_model.py --resume --configs zero3_oib,zero3_bf16_oib   # add the optimizer-in-backward rows
+    python bench/memory/max_model.py --verify --configs fsdp2,zero3,zero3_offload,ds_zero3   # predict, then verify
     python bench/memory/max_model.py --configs pipe2_zero3,pipe2_whole --out /tmp/mm   # the pipeline rows (issue 46),
     python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
     python bench/memory/max_model.py --resume \
@@ -40,7 +41,14 @@ and the next depth is where a line through the last two measured peaks (or one p
 the estimator's bytes per block) meets the budget, kept strictly between the bounds. The
 search ends when no depth is left between them or after `--max-runs` probes; the table
 shows the bracket. zero3 + offload stops once it fits `--offload-cap` × zero3's
-parameters (reported as "≥"), to bound run time.
+parameters (reported as "≥"), to bound run time (its depth, over 500 blocks at 2 GiB, takes half an hour a probe).
+
+Note [predict then verify]: with --verify the search tests the prediction instead of using it as a start: the
+first probe is sw.max_model's depth N (it must fit), the second N+1 (it must be over; N-1, which must fit, when N
+was over; neither when N's peak is more than a block's bytes from the budget: the prediction missed, and the secant
+steers from there); only when the prediction misses does the search go on (the secant above, to a bracket of one block,
+at most --max-runs probes). The table then holds the predicted and the measured maximum, their difference, and
+the estimator's error at the measured maximum (estimated − measured peak, over the measured peak).
 """
 
 from __future__ import annotations
@@ -63,7 +71,9 @@ from bench.common.launch import rss_bytes, run_logged  # noqa: E402
 from bench.memory.max_model_options import (  # noqa: E402
     OPTION_CONFIGS,
     attach_loss_reference,
+    build_fsdp2,
     build_option,
+    estimate_options,
     loss_at_depth,
     loss_lines,
 )
@@ -81,17 +91,9 @@ CONFIGS = {
     "zero1": ("shardwise zero1", "zero1", "fp32", False),
     "zero2": ("shardwise zero2", "zero2", "fp32", False),
     "zero3": ("shardwise zero3", "zero3", "fp32", False),
-    "zero3_bf16": ("shardwise zero3 + bf16", "zero3", "bf16", False),
-    "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
-    "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
-    "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
     **PIPE_CONFIGS,  # Note [pipeline arms], max_model_pipe.py
-    **OPTION_CONFIGS,  # Note [option arms], max_model_options.py: low-bit AdamW, checkpointing, combined; DeepSpeed
-}
-# Configs that call sw.optimizer_in_backward (Note [optimizer in backward]): no rank holds the
-# whole model's gradient shards, 12 instead of 16 bytes per parameter / N. sw.estimate does not
-# model it (its figures for these rows are plain zero3's); the search still brackets the depth.
-OPTIMIZER_IN_BACKWARD = {"zero3_oib", "zero3_bf16_oib"}
+    **OPTION_CONFIGS,  # Note [option arms], max_model_options.py: bf16, offload, optimizer in backward, low-bit
+}  # AdamW, checkpointing, combined; DeepSpeed ZeRO-3
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,7 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank per step (default: 1)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-runs", type=int, default=None,
-                   help="probes per config (default: 2: the estimator's depth, then where its measured peak points)")
+                   help="probes per config (default: 2: the estimator's depth, then where its measured peak points; "
+                        "--verify: 6)")
+    p.add_argument("--verify", action="store_true",
+                   help="predict, then verify (Note [predict then verify]): probe sw.max_model's depth N and N+1 "
+                        "(or N-1 when N is over), searching further only when the prediction misses")
     p.add_argument("--offload-cap", type=float, default=2.2,
                    help="stop zero3 + offload once it fits this many times zero3's parameters (default: 2.2)")
     p.add_argument("--offload-dir", default=None, help="where offload files go (default: a temporary dir)")
@@ -142,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from shardwise.cli.estimate import parse_bytes
 
     args.budget_bytes = args.budget_bytes or parse_bytes(args.budget or ("1GiB" if args.quick else "2GiB"))
-    args.max_runs = args.max_runs or 2
+    args.max_runs = args.max_runs or (6 if args.verify else 2)
     return args
 
 
@@ -185,7 +191,7 @@ def build(args, rank: int, world_size: int):
         module = DDP(GPT(cfg))  # torch's defaults, as a user writes it
         return module, torch.optim.AdamW(module.parameters(), **adamw), "eager"
     if args.config == "fsdp2":
-        return _build_fsdp2(cfg, world_size, adamw)
+        return build_fsdp2(cfg, world_size, adamw)
     if args.config in PIPELINES:
         return build_pipeline(args, cfg, world_size, adamw)
     if args.config in OPTION_CONFIGS:
@@ -193,44 +199,14 @@ def build(args, rank: int, world_size: int):
     if args.config == "ddp":
         model = sw.shard(GPT(cfg), strategy="ddp")
         return model, torch.optim.AdamW(model.parameters(), **adamw), "eager"
-    label, strategy, precision, offload = CONFIGS[args.config]
     deferred = hasattr(sw, "deferred_init")
     if deferred:
         with sw.deferred_init():
             model = GPT(cfg)
     else:
         model = GPT(cfg)
-    options = {"offload": f"disk:{args.offload_dir}/rank{rank}"} if offload else {}
-    sw.shard(model, strategy=strategy, units=Block, precision=precision, **options)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw)
-    if args.config in OPTIMIZER_IN_BACKWARD:
-        sw.optimizer_in_backward(model, optimizer)
-    return model, optimizer, "deferred" if deferred else "eager"
-
-
-def _build_fsdp2(cfg, world_size: int, adamw: dict):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from shardwise.models.gpt import GPT
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    with torch.device("meta"):
-        model = GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # root last: embeddings, tied head, ln_f
-    model.to_empty(device="cpu")
-    with torch.no_grad():  # the GPT's init, on each rank's local shard
-        for name, param in model.named_parameters():
-            local = param.to_local()
-            if name.endswith("bias"):
-                local.zero_()
-            elif ".ln_" in name or name.startswith("ln_f"):
-                local.fill_(1.0)
-            else:
-                local.normal_(0.0, 0.02)
-    return model, torch.optim.AdamW(model.parameters(), **adamw), "meta + to_empty"
+    sw.shard(model, strategy=CONFIGS[args.config][1], units=Block)
+    return model, torch.optim.AdamW(model.parameters(), **adamw), "deferred" if deferred else "eager"
 
 
 def run_worker(args) -> None:
@@ -294,7 +270,7 @@ def estimated_total(args, config: str, layers: int) -> int:
     if config == "pipe2_zero3":  # Note [pipeline arms]
         return estimated_pipe_total(model, args.world_size)
     est = sw.estimate(model, strategy, args.world_size, precision, "adamw",
-                      "disk:/tmp" if offload else None, args.batch, args.seq)
+                      "disk:/tmp" if offload else None, args.batch, args.seq, **estimate_options(config))
     return est.total + (est.gradients if config == "torch_ddp" else 0)
 
 
@@ -385,15 +361,23 @@ def search(args, config: str, cap_params: int | None, log, earlier: list[dict] =
         if "peak_rss_bytes" in result:
             measured.append((nxt, result["peak_rss_bytes"]))
         nxt = _next_depth(args, measured, per_layer, fit, fail, cap_layers)
+        if args.verify and len(probes) == 1 and not pending and _near(args, result, per_layer):
+            nxt = predicted + 1 if fit is not None else (predicted - 1 or None)  # Note [predict then verify]
         if nxt is None and not pending:
             break
     best = next((p for p in probes if p["layers"] == fit), None)
     capped = bool(cap_layers is not None and fit is not None and fit >= cap_layers)
-    return {"config": config, "label": CONFIGS[config][0], "predicted_layers": predicted,
+    return {"config": config, "label": CONFIGS[config][0], "predicted_layers": predicted, "verify": args.verify,
             "predicted_params": num_params_of(args, predicted), "predicted_total_bytes": predicted_total,
             "max_layers": fit, "max_params": best["num_params"] if best else None, "first_fail_layers": fail,
             "capped": capped, "init": best["ranks"][0].get("init") if best else None,
             "peak_rss_bytes": best.get("peak_rss_bytes") if best else None, "probes": probes}
+
+
+def _near(args, result: dict, per_layer: int) -> bool:
+    """Whether a probe's peak is within one block's bytes of the budget: then its neighbour tests the prediction
+    (Note [predict then verify]); farther, the prediction missed and the secant steers."""
+    return "peak_rss_bytes" in result and abs(result["peak_rss_bytes"] - args.budget_bytes) <= per_layer
 
 
 def _next_depth(args, measured, per_layer, fit, fail, cap_layers) -> int | None:
@@ -544,15 +528,15 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
              f"{sum(len(r.get('probes', [])) for r in rows)} probes, "
              f"{sum(p['wall_s'] for r in rows for p in r.get('probes', [])) / 60:.0f} min of probe time.",
              "", "| config | max layers | max params | × torch DDP | × shardwise ddp | × FSDP2 | peak RSS MiB "
-             "| estimated MiB | first depth over | estimator's depth | probes |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| estimated MiB | estimator error | first depth over | estimator's depth | predicted − max | probes |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "unavailable" in row:
-            lines.append(f"| {row['label']} | {row['unavailable']} |" + " |" * 9)
+            lines.append(f"| {row['label']} | {row['unavailable']} |" + " |" * 11)
             continue
         if row["max_params"] is None:
-            lines.append(f"| {row['label']} | none fit | | | | | | | {row['first_fail_layers']} | "
-                         f"{row['predicted_layers']} | {len(row['probes'])} |")
+            lines.append(f"| {row['label']} | none fit | | | | | | | | {row['first_fail_layers']} | "
+                         f"{row['predicted_layers']} | | {len(row['probes'])} |")
             continue
         best = next(p for p in row["probes"] if p["layers"] == row["max_layers"])
         ge = "≥ " if row["capped"] else ""
@@ -560,7 +544,10 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
             f"| {row['label']} | {ge}{row['max_layers']} | {ge}{row['max_params'] / 1e6:.0f}M | "
             f"{ratio(row, 'torch_ddp')} | {ratio(row, 'ddp')} | {ratio(row, 'fsdp2')} | "
             f"{row['peak_rss_bytes'] / MIB:.0f} | {best['estimated_total_bytes'] / MIB:.0f} | "
-            f"{row['first_fail_layers'] or '—'} | {row['predicted_layers']} | {len(row['probes'])} |")
+            f"{(best['estimated_total_bytes'] - row['peak_rss_bytes']) / row['peak_rss_bytes']:+.1%} | "
+            f"{row['first_fail_layers'] or '—'} | {row['predicted_layers']} | "
+            f"{'' if row['capped'] else format(row['predicted_layers'] - row['max_layers'], '+d')} | "
+            f"{len(row['probes'])} |")
     z3, off = by.get("zero3", {}), by.get("zero3_offload", {})
     if off.get("max_params") and z3.get("max_params"):
         lines += ["", f"zero3 + disk offload / zero3: {'≥ ' if off['capped'] else ''}"
@@ -568,9 +555,6 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
     if any(by.get(c, {}).get("max_params") for c in PIPELINES):
         lines += ["", REPORT_NOTE]
     lines += loss_lines(rows, args)
-    if any(by.get(c, {}).get("max_params") for c in OPTIMIZER_IN_BACKWARD):
-        lines += ["", "optimizer in backward: `sw.optimizer_in_backward(model, optimizer)` steps each unit as its "
-                      "gradient is reduced and drops it (estimated MiB: plain zero3's, which the estimator models)."]
     return "\n".join(lines) + "\n"
 
 

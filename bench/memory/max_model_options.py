@@ -1,8 +1,9 @@
 """bench/memory/max_model.py's rows for the options people turn on and DeepSpeed ZeRO-3 (issue 61, points 2 and 4):
 how each is built, and each row's loss after the bench's steps against fp32 AdamW (Note [option arms]).
 
-Note [option arms]: each option alone on plain zero3 (bf16 parameters with fp32 masters and optimizer in
-backward are max_model.py's own zero3_bf16 and zero3_oib rows), and the combinations:
+Note [option arms]: each option alone on plain zero3 (bf16 parameters with fp32 masters, disk offload of the
+fp32 masters and optimizer state: DeepSpeed ZeRO-Infinity's route, optimizer in backward, 8-bit AdamW,
+activation checkpointing), and the combinations:
 - zero3_lowbit: torchao's AdamW8bit (the `lowbit` extra), its moments block-quantized to 8 bits. It steps
   whole tensors on one owner rank each (Note [low-bit state], engine/optim/lowbit.py): one process's update,
   exactly; each rank holds the 8-bit moments of the parameters it owns (about 2 of AdamW's 8 bytes per
@@ -19,8 +20,9 @@ backward are max_model.py's own zero3_bf16 and zero3_oib rows), and the combinat
   DS_ACCELERATOR=cpu, as bench/speed/deepspeed_arms.py; unavailable with the reason where deepspeed is not.
   Its first init compiles a shared-memory op under ~/.cache/torch_extensions; an init killed while compiling
   (a probe's timeout) leaves that folder's `lock` behind, and every later init waits on it: delete it.
-The estimator's figure for each row is plain zero3's at its precision (sw.estimate takes no low-bit
-optimizer or checkpointing here); the search steers by measured peaks.
+The estimator's figure for each row is sw.estimate's with the row's options (`estimate_options`: optimizer in
+backward, checkpointing, disk offload); a low-bit optimizer's is fp32 AdamW's (sw.estimate has no low-bit
+state), DeepSpeed's and FSDP2's plain zero3's.
 
 The loss column: each row's model at one fixed depth (--loss-layers, default 8), the bench's data, seed and
 steps, unbudgeted, against fp32 AdamW under plain zero3 at the same depth (`zero3`): the final step's loss,
@@ -37,8 +39,12 @@ import os
 
 import torch
 
-# config: (label, estimator strategy, precision, offload), as max_model.CONFIGS
+# config: (label, estimator strategy, precision, disk offload), as max_model.CONFIGS
 OPTION_CONFIGS = {
+    "zero3_bf16": ("shardwise zero3 + bf16", "zero3", "bf16", False),
+    "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
+    "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
+    "zero3_bf16_oib": ("shardwise zero3 + bf16 + optimizer in backward", "zero3", "bf16", False),
     "zero3_lowbit": ("shardwise zero3 + 8-bit AdamW (torchao)", "zero3", "fp32", False),
     "zero3_ac": ("shardwise zero3 + activation checkpointing", "zero3", "fp32", False),
     "zero3_bf16_oib_ac": ("shardwise zero3 + bf16 + optimizer in backward + act. ckpt", "zero3", "bf16", False),
@@ -46,8 +52,18 @@ OPTION_CONFIGS = {
     "ds_zero3": ("DeepSpeed ZeRO-3", "zero3", "fp32", False),
 }
 # (low-bit optimizer, activation checkpointing, optimizer in backward) per shardwise option row
-_OPTIONS = {"zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
+_OPTIONS = {"zero3_bf16": (False, False, False), "zero3_offload": (False, False, False),
+            "zero3_oib": (False, False, True), "zero3_bf16_oib": (False, False, True),
+            "zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
             "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False)}
+
+
+def estimate_options(config: str) -> dict:
+    """sw.estimate's keyword arguments for `config`'s options: optimizer in backward (Note [gradients stepped in
+    backward], estimate/core.py) and activation checkpointing; a low-bit optimizer's state is not modelled (its
+    estimate is fp32 AdamW's)."""
+    _, checkpointed, in_backward = _OPTIONS.get(config, (False, False, False))
+    return {"checkpoint_activations": checkpointed, "optimizer_in_backward": in_backward}
 
 
 def unavailable(config: str) -> str | None:
@@ -75,10 +91,12 @@ def build_option(args, cfg, config: str, rank: int, adamw: dict):
     if config == "ds_zero3":
         return _build_deepspeed(args, cfg, rank, adamw)
     lowbit, checkpointed, in_backward = _OPTIONS[config]
-    _, strategy, precision, _ = OPTION_CONFIGS[config]
+    _, strategy, precision, offload = OPTION_CONFIGS[config]
     with sw.deferred_init():
         model = GPT(cfg)
-    sw.shard(model, strategy=strategy, units=Block, precision=precision, checkpoint_activations=checkpointed)
+    options = {"offload": f"disk:{args.offload_dir}/rank{rank}"} if offload else {}
+    sw.shard(model, strategy=strategy, units=Block, precision=precision, checkpoint_activations=checkpointed,
+             **options)
     if lowbit:
         import torchao.optim
 
@@ -88,6 +106,33 @@ def build_option(args, cfg, config: str, rank: int, adamw: dict):
     if in_backward:
         sw.optimizer_in_backward(model, optimizer)
     return model, optimizer, "deferred"
+
+
+def build_fsdp2(cfg, world_size: int, adamw: dict):
+    """FSDP2's row (Note [init] in max_model.py): fully_shard per Block, then the root, on meta, to_empty, and
+    the GPT's init on each rank's local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardwise.models.gpt import GPT
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # root last: embeddings, tied head, ln_f
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # the GPT's init, on each rank's local shard
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            if name.endswith("bias"):
+                local.zero_()
+            elif ".ln_" in name or name.startswith("ln_f"):
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02)
+    return model, torch.optim.AdamW(model.parameters(), **adamw), "meta + to_empty"
 
 
 def _build_deepspeed(args, cfg, rank: int, adamw: dict):

@@ -155,6 +155,9 @@ def _add_common(parser) -> None:
                         help="recompute each unit's forward in backward (zero strategies), as "
                              "sw.shard(..., checkpoint_activations=True) does: the probe runs the checkpointed "
                              "step (each block's input kept, one block's activations live during its recompute)")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="step each unit in backward and free its gradient, as sw.optimizer_in_backward does "
+                             "(zero strategies): one unit's gradients at a time (estimate, plan --max-model)")
 
 
 def prepare(args) -> tuple[str, nn.Module, dict, int]:
@@ -182,7 +185,7 @@ def run(args) -> int:
         if args.command == "estimate":
             est = estimate(model, args.strategy, args.world_size, args.precision, args.optimizer,
                            args.offload, args.batch, args.seq, checkpoint_activations=args.checkpoint_activations,
-                           **extra)
+                           optimizer_in_backward=args.optimizer_in_backward, **extra)
             if imported and not args.json:
                 est = dataclasses.replace(est, notes=est.notes + (
                     f"runtime includes {imported / MIB:.0f} MiB that importing and building {args.model} added",))
@@ -236,6 +239,9 @@ ALLOCATOR = "MALLOC_MMAP_THRESHOLD_=65536"  # the environment the estimate is ca
 
 
 def _print_plan(model, extra: dict, args) -> int:
+    if args.optimizer_in_backward:
+        raise ShardwiseError("--optimizer-in-backward goes with `shardwise estimate` or `shardwise plan --max-model`: "
+                             "the plan's rows include ddp, which has no optimizer in backward")
     memory, units, margin = parse_bytes(args.memory), extra["units"], parse_margin(args.margin)
     usable = usable_memory(memory, margin)  # the pipe rows keep the flat rows' margin: Note [plan margin]
     options = plan(model, memory, args.world_size, optimizer=args.optimizer, batch=args.batch, seq=args.seq,

@@ -39,7 +39,8 @@ def run(args) -> int:
 
         rows = max_model(family, memory, args.world_size, start=args.step, step=args.step, limit=args.limit,
                          optimizer=args.optimizer, batch=args.batch, seq=args.seq, offload_dir=args.offload_dir,
-                         checkpoint_activations=args.checkpoint_activations, margin=margin, **extra)
+                         checkpoint_activations=args.checkpoint_activations,
+                         optimizer_in_backward=args.optimizer_in_backward, margin=margin, **extra)
     except ShardwiseError as error:
         print(f"shardwise plan: {error}", file=sys.stderr)
         return 2
@@ -56,6 +57,7 @@ def _print(rows, name: str, key: str, memory: int, margin: float, args) -> None:
     batch = f", batch {args.batch}" + (f" x seq {args.seq}" if args.seq else "") if args.batch else \
         ", no activations (pass --batch)"
     recompute = ", activations checkpointed" if args.checkpoint_activations else ""
+    recompute += ", optimizer in backward" if args.optimizer_in_backward else ""
     print(f"{name}: the largest {key} each configuration trains in {memory / 2**30:.2f} GiB per rank, "
           f"{args.world_size} ranks, {args.optimizer}{batch}{recompute} (sw.estimate)")
     width = max(len(r.label) for r in rows) + 2

@@ -49,6 +49,14 @@ keeps the reduce's buffers and zero3's freed units between steps (Note [reused b
 `comm_buffer_bytes`), so the reduce in flight counts with the probe too. hpZ's chunks and compression's
 wire buffers: Note [comm option bytes] (comm_options.py).
 
+Note [gradients stepped in backward]: with `optimizer_in_backward=True` (sw.optimizer_in_backward, zero2/zero3)
+each unit is stepped as its reduce lands and its gradient shard freed (engine/optim/step_in_backward.py), so the
+r·S_t rows of the table never all exist: `gradients` is the largest unit's reduced gradient (the root's
+included), the one being stepped while the next reduce is in flight (that reduce's buffers are the comm pool's,
+counted already). zero1 keeps its full gradients across steps whatever steps them, and offload="host" copies
+each reduced gradient to host memory (`host`): their rows are unchanged; ddp has no optimizer_in_backward
+(refused).
+
 Note [activations]: with `batch=`, a model's activations are measured by the probe
 (estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
 compute dtype, its peak bytes besides parameters, at exactly this batch and seq; inputs from
@@ -103,7 +111,7 @@ from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
 from shardwise.estimate.probe import probe_activations
 from shardwise.estimate.zero_bytes import Unit as _Unit
-from shardwise.estimate.zero_bytes import comm_pool_bytes, zero_state, zero_transient
+from shardwise.estimate.zero_bytes import comm_pool_bytes, stepped_gradient_bytes, zero_state, zero_transient
 from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
@@ -206,6 +214,7 @@ def estimate(
     reshard_after_forward: bool | int = True,
     compression=None,
     prefetch: int | None = None,
+    optimizer_in_backward: bool = False,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -222,7 +231,9 @@ def estimate(
     `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
     [activations]); Hugging Face models need none. `reshard_after_forward`, `compression`: as shard()'s (hpZ's
     chunks and the wire buffers, Note [comm option bytes] in comm_options.py); `prefetch`: as shard()'s (zero3's
-    gathers in flight, each one more unit's full values, Note [prefetch depth]).
+    gathers in flight, each one more unit's full values, Note [prefetch depth]). `optimizer_in_backward`: as
+    `sw.optimizer_in_backward(model, optimizer)` (zero2/zero3): one unit's reduced gradients at a time (Note
+    [gradients stepped in backward]).
     """
     # The same rules as shard(), from the same place (shardwise/config.py).
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
@@ -233,6 +244,9 @@ def estimate(
     precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardwiseError(f"world_size={world_size!r} must be a positive int")
+    if optimizer_in_backward and strategy == "ddp":
+        raise ShardwiseError("optimizer_in_backward=True with strategy='ddp': sw.optimizer_in_backward steps zero1/"
+                             "zero2/zero3 units only; pick one of those or drop optimizer_in_backward")
     if optimizer not in _OPTIMIZERS:
         raise ShardwiseError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZERS)}")
 
@@ -269,6 +283,9 @@ def estimate(
         gather = zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
         comm_pool = comm_pool_bytes(plan_units, shard_config, c, r, layout_size)
         gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
+        if optimizer_in_backward and not (gradients_kept or host):  # Note [gradients stepped in backward]
+            gradients = stepped_gradient_bytes(plan_units, shard_config, master, r)
+            notes.append("optimizer in backward: one unit's reduced gradients at a time")
     if gather:
         in_flight = 0 if strategy == "ddp" else policy_of(strategy, shard_config.prefetch).gathers_in_flight
         notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight))

@@ -124,7 +124,7 @@ def _next_step(known: dict[int, int], budget: int, lo: int, hi: int | None, last
 def max_model(family: Callable[[int], nn.Module], memory: int, world_size: int, *, start: int = 1,
               step: int = 1, limit: int | None = None, optimizer: str = "adamw", batch: int | None = None,
               seq: int | None = None, offload_dir: str = "/tmp/shardwise-offload",
-              checkpoint_activations: bool = False, margin: float = PLAN_MARGIN,
+              checkpoint_activations: bool = False, optimizer_in_backward: bool = False, margin: float = PLAN_MARGIN,
               configurations=PLAN_ORDER, **estimate_kwargs) -> list[MaxModel]:
     """For each configuration `sw.plan` weighs, the largest size of `family` it trains in `memory` bytes
     per rank, by `sw.estimate` (Note [largest search]).
@@ -133,7 +133,9 @@ def max_model(family: Callable[[int], nn.Module], memory: int, world_size: int, 
     sizes run from `start` by `step` up to `limit` (default: 1024 sizes). Each row has `size` (the largest
     whose estimate is within `memory`) and `planned` (within `memory` less `margin`, as `sw.plan` accepts:
     Note [plan margin]). `configurations`: (strategy, precision, disk offload) triples, default the plan's
-    rows. The other arguments are `sw.plan`'s; extra keyword arguments go to `estimate` (units=, runtime=).
+    rows. `optimizer_in_backward`: the zero rows as under sw.optimizer_in_backward (Note [gradients stepped in
+    backward]; ddp has none, so its row is as without). The other arguments are `sw.plan`'s; extra keyword arguments
+    go to `estimate` (units=, runtime=).
     """
     if isinstance(family, nn.Module) or not callable(family):  # a model is callable too: its forward
         raise ShardwiseError(f"family={type(family).__name__} must be a function size -> model (e.g. lambda depth: "
@@ -147,10 +149,12 @@ def max_model(family: Callable[[int], nn.Module], memory: int, world_size: int, 
     for strategy, precision, offloaded in configurations:
         offload = f"disk:{offload_dir}" if offloaded else None
         recompute = checkpoint_activations and strategy != "ddp"  # ddp has no units to recompute
+        in_backward = optimizer_in_backward and strategy != "ddp"  # nor sw.optimizer_in_backward
 
-        def weigh(size: int, strategy=strategy, precision=precision, offload=offload, recompute=recompute):
+        def weigh(size: int, strategy=strategy, precision=precision, offload=offload, recompute=recompute,
+                  in_backward=in_backward):
             return estimate(models.get(size), strategy, world_size, precision, optimizer, offload, batch, seq,
-                            checkpoint_activations=recompute, **estimate_kwargs)
+                            checkpoint_activations=recompute, optimizer_in_backward=in_backward, **estimate_kwargs)
 
         estimates: dict[int, MemoryEstimate] = {}
 

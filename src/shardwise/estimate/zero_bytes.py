@@ -56,6 +56,15 @@ def zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_p
     return parameters, gradients, optimizer_state, offloaded, 0
 
 
+def stepped_gradient_bytes(plan_units, config: ShardConfig, m, r) -> int:
+    """Note [gradients stepped in backward] (estimate/core.py): zero2/zero3 under sw.optimizer_in_backward hold
+    one unit's reduced gradient at a time, the largest one's at most."""
+    stage = policy_of(config.strategy, config.prefetch)
+    return max((stage.gradient_bytes(u.full, r * (u.trainable_shard + u.num_trainable) if r == m
+                                     else m * u.trainable_shard, r, m)
+                for u in plan_units if u.num_trainable), default=0)
+
+
 def _host_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
     """offload="host" (Note [host offload]): the master rows (m·S, apart from any kept full values), their
     gradients (m·S_t, copied from the reduce) and all optimizer state in host memory; the device keeps zero1/
