@@ -12,7 +12,7 @@ the unit's reduce-scatter (averaging) asynchronously, and the clip waits for all
 norm of the shards' gradients (one all-reduce), and AdamW steps the flat shards (7 tensors where DDP and the engine
 step 70). Its bound is from below in one respect: each unit's full buffer stays allocated (a perfect buffer pool),
 so no gather pays for fresh pages, nor the all-to-all's receive buffer; its traffic, copies and collectives are the
-route's. Forms: "torch" gathers with `all_gather_into_tensor` and reduces with `reduce_scatter_tensor` (NCCL's
+route's. Forms: "torch" gathers with `all_gather_single` and reduces with `reduce_scatter_single` (NCCL's
 forms; on gloo the slow ones, Note [gloo collectives] in engine/comm/collectives.py); "gloo" with what the engine
 uses on gloo: one broadcast per rank straight into the full buffer, and an all-to-all whose copies this rank sums.
 """
@@ -52,7 +52,7 @@ class FlatUnit:
         """Every rank's shard into the full buffer; autograd's saved views of it see the values (not a write)."""
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             if self.forms == "torch":
-                dist.all_gather_into_tensor(self.full, self.shard.detach())
+                dist.all_gather_single(self.full, self.shard.detach())
                 return
             by_rank = self.full.view(self.world, self.rows)
             by_rank[self.rank].copy_(self.shard)
@@ -71,7 +71,7 @@ class FlatUnit:
         grad, full.grad = full.grad, None
         out = torch.empty(self.rows)
         if self.forms == "torch":
-            self.pending = (dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.AVG, async_op=True), out, None)
+            self.pending = (dist.reduce_scatter_single(out, grad, op=dist.ReduceOp.AVG, async_op=True), out, None)
         else:
             self.pending = (dist.all_to_all_single(self.received, grad, async_op=True), out, self.received)
 
