@@ -11,43 +11,29 @@ across world sizes is the same for every optimizer and is no part of this check.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-from helpers.harness import RankPool
-
-# `make` installs torchao into .lowbit beside the venv, not in it (the Makefile says why: transformers imports
-# it whenever it can, and it prints at every import on a CPU host); a venv that has the extra serves as well.
-LOWBIT_SITE = Path(__file__).resolve().parents[1] / ".lowbit"
-if importlib.util.find_spec("torchao") is None and not (LOWBIT_SITE / "torchao").is_dir():
-    pytest.skip("torchao (the `lowbit` extra) is not installed: `make setup` puts it in .lowbit",
-                allow_module_level=True)
-
-from helpers.lowbit import (  # noqa: E402
+from helpers.lowbit import (
+    HAS_TORCHAO,
+    NO_TORCHAO,
     against_one_process,
     in_backward,
     load_and_step,
     load_other_blocks,
+    lowbit_pool,
     save_after,
 )
+
+if not HAS_TORCHAO:
+    pytest.skip(NO_TORCHAO, allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    """A pool of ranks of this module's own, started with .lowbit first on the path (a rank started by the
-    forkserver takes the parent's sys.path), and the path given back after: the session's pool and this worker
-    never import torchao."""
-    sys.path.insert(0, str(LOWBIT_SITE))
-    pool = RankPool(size=4)
-    try:
+    """A pool of ranks of this module's own, with torchao on its path (helpers/lowbit.py's lowbit_pool)."""
+    with lowbit_pool(4) as pool:
         yield pool
-    finally:
-        pool.close()
-        sys.path.remove(str(LOWBIT_SITE))
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])

@@ -1,7 +1,7 @@
 """bench/correctness/mutations.py's table, its device part: mutations of the agreements in the device form (tags,
-headers, used flags), host offload's copies (issue 58), the options and the step agreed across ranks and the
-largest-model planner (issues 60, 61), each with the test that must catch it. Fields as in mutation_table.py,
-which joins the parts into MUTATIONS.
+headers, used flags), host offload's copies (issue 58), the options and the step agreed across ranks, the
+largest-model planner (issues 60, 61) and the low-bit state estimate (issue 61), each with the test that must
+catch it. Fields as in mutation_table.py, which joins the parts into MUTATIONS.
 """
 
 DEVICE_MUTATIONS = [
@@ -112,4 +112,24 @@ DEVICE_MUTATIONS = [
      '    while hi is None or hi - lo > 1:',
      '    while hi is None:',
      'tests/test_max_model.py -k scan_of_every_size'),
+    ("issue 61: sw.estimate counts a low-bit optimizer's state at AdamW's 8 bytes an element",
+     'lowbit_terms',
+     '    state = [tensor_state_bytes(t.numel, kind, master, assume_quantized) if t.trainable else 0 for t in tensors]',
+     '    state = [8 * t.numel + 4 if t.trainable else 0 for t in tensors]',
+     'tests/test_estimate_lowbit.py -k equals_what'),
+    ("issue 61: sw.estimate quantizes a tensor torchao keeps in fp32 (its size not a multiple of the block)",
+     'quantized',
+     '    return numel >= MIN_QUANTIZED and numel % kind.block == 0',
+     '    return numel >= MIN_QUANTIZED',
+     "tests/test_estimate_lowbit.py -k 'equals_what and zero3'"),
+    ("issue 61: sw.estimate's low-bit owners break ties to the highest rank (not the engine's owners)",
+     'owners_of',
+     '        owner = min(range(world_size), key=lambda r: (load[r], r))',
+     '        owner = min(range(world_size), key=lambda r: (load[r], -r))',
+     "tests/test_estimate_lowbit.py -k 'equals_what and zero3'"),
+    ("issue 61: measure counts a quantized optimizer state's wrapper, which has no storage (it raises)",
+     '_state_tensors',
+     '        if is_composite(value):',
+     '        if False:',
+     "tests/test_estimate_lowbit.py -k 'equals_what and zero3 and 8bit'"),
 ]

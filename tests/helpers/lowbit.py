@@ -9,11 +9,37 @@ quantized whole, but 2048 elements as 2-rank rows, which it would keep in fp32) 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import sys
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import shardwise as sw
+from helpers.harness import RankPool
+
+# `make` installs torchao into .lowbit beside the venv, not in it (the Makefile says why: transformers imports
+# it whenever it can, and it prints at every import on a CPU host); a venv that has the extra serves as well.
+LOWBIT_SITE = Path(__file__).resolve().parents[2] / ".lowbit"
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None or (LOWBIT_SITE / "torchao").is_dir()
+NO_TORCHAO = "torchao (the `lowbit` extra) is not installed: `make setup` puts it in .lowbit"
+
+
+@contextlib.contextmanager
+def lowbit_pool(size: int):
+    """A pool of ranks of a module's own, started with .lowbit first on the path (a rank started by the
+    forkserver takes the parent's sys.path), and the path given back after: the session's pool and this worker
+    never import torchao."""
+    sys.path.insert(0, str(LOWBIT_SITE))
+    pool = RankPool(size=size)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        sys.path.remove(str(LOWBIT_SITE))
 
 GLOBAL_BATCH = 8
 

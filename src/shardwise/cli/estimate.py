@@ -31,7 +31,7 @@ from shardwise.cli.models import HELP as MODEL_HELP
 from shardwise.cli.models import build_model, load_function
 from shardwise.engine.describe import describe
 from shardwise.errors import ShardwiseError
-from shardwise.estimate.core import MIB, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
+from shardwise.estimate.core import MIB, OPTIMIZERS, RUNTIME_BYTES, RUNTIME_BYTES_SINGLE, estimate
 from shardwise.estimate.measure import process_rss
 from shardwise.estimate.pipe import estimate_pipe, plan_pipe
 from shardwise.estimate.plan import PLAN_MARGIN, plan, usable_memory
@@ -134,8 +134,11 @@ def model_spec(args) -> str:
 
 
 def _add_common(parser) -> None:
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "sgd_momentum"),
-                        help="default: adamw (8 bytes of state per parameter)")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                        help="default: adamw (8 bytes of state per parameter); adamw8bit, adamw4bit: torchao's "
+                             "low-bit AdamW (quantized moments for tensors of >= 4096 elements its block divides, "
+                             "each parameter's state on one owner rank, torchao's runtime and the whole-tensor "
+                             "step's buffers counted; no offload rows)")
     parser.add_argument("--units", default="auto", metavar="UNITS",
                         help="how shard() cuts the model: 'auto' (default: its declared or repeated blocks), a "
                              "block class name, or comma-separated module names")
@@ -213,7 +216,9 @@ def _is_function(spec: str) -> bool:
 
 
 def as_json(est) -> dict:
-    """An estimate as --json prints it: its fields, total and model_state."""
+    """An estimate as --json prints it: its fields, total and model_state (None: a row not estimated)."""
+    if est is None:
+        return None
     return dict(dataclasses.asdict(est), total=est.total, model_state=est.model_state)
 
 

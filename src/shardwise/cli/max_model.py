@@ -74,5 +74,6 @@ def _print(rows, name: str, key: str, memory: int, margin: float, args) -> None:
               f"{planned:>16}")
     print(f"{key}: the largest whose estimate is within the budget; \"with {margin:.0%} kept\": the largest "
           f"`shardwise plan` accepts (--margin, Note [plan margin]); >=: the search stopped at --limit")
-    print(f"next: `shardwise plan {name} {key}=N --memory {args.memory} --world-size {args.world_size}` for the "
-          "advice at the size you choose")
+    optimizer = f" --optimizer {args.optimizer}" if args.optimizer != "adamw" else ""
+    print(f"next: `shardwise plan {name} {key}=N --memory {args.memory} --world-size {args.world_size}{optimizer}` for "
+          "the advice at the size you choose")

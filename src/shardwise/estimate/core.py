@@ -16,6 +16,10 @@ F = N·S the padded full size (t: trainable parameters only):
 
 plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
 trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
+torchao's low-bit AdamW (`optimizer="adamw8bit"`, `"adamw4bit"`) is counted per tensor instead: quantized or
+fp32 state by torchao's rule, each parameter's whole state on its owner rank under zero1/2/3 (the busiest rank's
+counted), every rank all of it under ddp, plus the owner's buffers at the step (`step_buffers`) and torchao's
+runtime (`optimizer_runtime`): Note [low-bit estimate] in estimate/lowbit_bytes.py.
 With `offload="disk:PATH"` (zero3) the fp32 master shards and the optimizer's
 param-sized state live in memory-mapped files: they are reported as `offloaded`, not
 resident; the step pages in one unit's masters and state at a time (engine/memory/offload.py), which
@@ -55,7 +59,9 @@ r·S_t rows of the table never all exist: `gradients` is the largest unit's redu
 included), the one being stepped while the next reduce is in flight (that reduce's buffers are the comm pool's,
 counted already). zero1 keeps its full gradients across steps whatever steps them, and offload="host" copies
 each reduced gradient to host memory (`host`): their rows are unchanged; ddp has no optimizer_in_backward
-(refused).
+(refused). A low-bit optimizer's owners then gather, step and scatter one unit's owned parameters at a time
+inside backward: the largest unit's owner buffers count in `gather_buffers`, none at a step after backward
+(Note [low-bit estimate]).
 
 Note [activations]: with `batch=`, a model's activations are measured by the probe
 (estimate/probe.py, Note [activation probe]): one forward + backward on meta tensors in the
@@ -75,7 +81,10 @@ gradient buffers across steps, so gradients and activations add up. zero2/zero3 
 each unit's gradient shard in backward, just as that unit's activations are freed, and
 `zero_grad()` drops them, so at any moment the two together are at most the larger of
 the two: the peak counts max(gradients, activations). Checked against bench/memory/max_model.py's
-measured peaks (within 5% at every probe of its 2 GiB run, offload included).
+measured peaks (within 5% at every probe of its 2 GiB run, offload included). The optimizer's step comes
+after backward, activations gone: it holds every gradient, zero1/zero2's comm pool (never trimmed, Note
+[lean tail]) and, for an optimizer stepped on whole tensors, the owner's buffers (`step_buffers`); the
+peak counts the larger of that phase and the backward's (the step's is the smaller without `step_buffers`).
 
 `runtime` is Python + torch + shardwise + a gloo process group: 270 MiB of RSS per rank
 right after `sw.init()`, and about 60 MiB more once steps run (malloc arenas of small
@@ -103,23 +112,33 @@ from torch import nn
 
 from shardwise.config import DiskOffload, MixedPrecision, ShardConfig, config_label
 from shardwise.engine.compat import unwrap_compiled
-from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.unit.stage import policy_of
 from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
+from shardwise.estimate.lowbit_bytes import LOW_BIT, lowbit_terms, tensors_of_count, tensors_of_model
 from shardwise.estimate.probe import probe_activations
-from shardwise.estimate.zero_bytes import Unit as _Unit
-from shardwise.estimate.zero_bytes import comm_pool_bytes, stepped_gradient_bytes, zero_state, zero_transient
+from shardwise.estimate.zero_bytes import (
+    comm_pool_bytes,
+    stepped_gradient_bytes,
+    units_of_count,
+    units_of_model,
+    zero_state,
+    zero_transient,
+)
 from shardwise.interfaces import ActivationSized, ExampleInputs
 
 MIB = 2**20
 RUNTIME_BYTES = 330 * MIB  # one rank: Python + torch + shardwise + gloo group (module docstring)
 RUNTIME_BYTES_SINGLE = 224 * MIB  # one process, no process group
+STEP_ROW = "whole-step buffers"  # MemoryEstimate.rows(): an owner's gathers at the step, after backward
 POOL_ROW = "comm buffer pool"  # MemoryEstimate.rows(): the part of the gather/reduce buffers the comm pool lends
-# Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor.
-_OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0)}
+# Optimizer state per trainable element, in units of the master dtype's bytes, and bytes per tensor; the low-bit
+# ones' state is counted per tensor by torchao's rules instead (Note [low-bit estimate], lowbit_bytes.py).
+_OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd_momentum": (1, 0), "adamw8bit": (0, 0),
+               "adamw4bit": (0, 0)}
+OPTIMIZERS = tuple(_OPTIMIZERS)  # the names `optimizer=` takes (the CLI's --optimizer choices)
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,8 @@ class MemoryEstimate:
     secondary: int = 0  # hpZ's chunks, forward to backward (Note [comm option bytes], comm_options.py)
     host: int = 0  # offload="host": masters, their gradients, optimizer state in host memory (not the device's)
     comm_pool: int = 0  # of gather_buffers: the comm pool's bound (Note [reused buffers], Note [lean tail])
+    step_buffers: int = 0  # a whole-tensor step's owner buffers, after backward (Note [low-bit estimate])
+    optimizer_runtime: int = 0  # torchao's import and compiled step (Note [low-bit estimate])
 
     @property
     def model_state(self) -> int:
@@ -158,8 +179,12 @@ class MemoryEstimate:
             grads_and_activations = self.gradients + self.activations
         else:
             grads_and_activations = max(self.gradients, self.activations)
-        return (self.parameters + self.optimizer_state + grads_and_activations + self.gather_buffers
-                + self.secondary + self.host + self.runtime)
+        backward = grads_and_activations + self.gather_buffers
+        # The step after backward: activations gone, every gradient there; zero1/zero2 keep their pool (Note [lean
+        # tail]). Never more than `backward` unless a whole-tensor step gathers (step_buffers).
+        step = self.gradients + self.step_buffers + (self.comm_pool if self.strategy != "zero3" else 0)
+        return (self.parameters + self.optimizer_state + max(backward, step) + self.secondary + self.host
+                + self.runtime + self.optimizer_runtime)
 
     @property
     def label(self) -> str:
@@ -169,10 +194,12 @@ class MemoryEstimate:
         return [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer state", self.optimizer_state), ("gather/reduce buffers", self.gather_buffers),
                 *([(POOL_ROW, self.comm_pool)] if self.comm_pool else []),
+                *([(STEP_ROW, self.step_buffers)] if self.step_buffers else []),
                 *([("hpZ secondary chunks", self.secondary)] if self.secondary else []),
                 ("activations", self.activations),
                 *([("host memory (offload)", self.host)] if self.host else []),
                 ("runtime (Python + torch)", self.runtime),
+                *([("optimizer runtime (torchao)", self.optimizer_runtime)] if self.optimizer_runtime else []),
                 ("total per rank", self.total)]
 
     def __str__(self) -> str:
@@ -188,6 +215,9 @@ class MemoryEstimate:
             lines.append(f"  {name:<26}{value / MIB:>12,.1f}")
         if not self.gradients_kept and self.activations:
             lines.append("  (gradient shards appear in backward as activations go: the peak counts the larger)")
+        if self.step_buffers:
+            lines.append(f"  ({STEP_ROW}: held at the step after backward, activations gone: the peak counts the "
+                         "larger phase)")
         if self.offloaded:
             lines.append(f"  {'in files (not resident)':<26}{self.offloaded / MIB:>12,.1f}")
         lines += [f"  note: {note}" for note in self.notes]
@@ -222,7 +252,8 @@ def estimate(
     read) or a parameter count. A model is cut into units as `shard(units=...)` would; a
     count is cut into `num_layers` equal units, or units of `unit_params`, else treated as
     one unit (conservative for zero3). `precision`: "fp32" | "bf16" | "fp16" | a
-    `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum".
+    `MixedPrecision`. `optimizer`: "adamw" | "adam" | "sgd" | "sgd_momentum" | "adamw8bit" | "adamw4bit" (torchao's
+    low-bit AdamW, stepped on whole tensors by owner ranks: Note [low-bit estimate]; no offload).
     `offload`: None, "host" (counted as `host`) or "disk:PATH". `batch`, `seq`: sequences per rank and tokens per
     sequence (samples per rank; seq None: the model's own length), for activations (Note
     [activations]): a model's are measured by the probe, a count's need `config=`.
@@ -249,22 +280,34 @@ def estimate(
                              "zero2/zero3 units only; pick one of those or drop optimizer_in_backward")
     if optimizer not in _OPTIMIZERS:
         raise ShardwiseError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZERS)}")
+    if optimizer in LOW_BIT and offload is not None:
+        raise ShardwiseError(f"optimizer={optimizer!r} with offload={offload!r}: a low-bit optimizer's whole-tensor "
+                             "step under offload is not modelled (Note [low-bit estimate]); drop offload, or "
+                             "estimate optimizer='adamw' with it")
 
     notes: list[str] = []
     layout_size = 1 if strategy == "ddp" else world_size  # ddp holds whole, unpadded tensors
     if isinstance(model_or_num_params, nn.Module):
         model = model_or_num_params = unwrap_compiled(model_or_num_params)  # the compiled handle too
-        plan_units = _units_of_model(model, units, layout_size)
+        plan_units = units_of_model(model, units, layout_size)
         num_params = sum(p.numel() for p in model.parameters())
         master = _master_bytes(model)
         config = config if config is not None else model
     else:
         num_params = int(model_or_num_params)
-        plan_units = _units_of_count(num_params, layout_size, unit_params, num_layers, notes)
+        plan_units = units_of_count(num_params, layout_size, unit_params, num_layers, notes)
         master = 4
     c = torch.empty(0, dtype=policy.param_dtype).element_size()
     r = torch.empty(0, dtype=policy.reduce_dtype).element_size()
     state_per_elem, state_per_tensor = _OPTIMIZERS[optimizer]
+    low_bit = None
+    if optimizer in LOW_BIT:  # Note [low-bit estimate]
+        is_model = isinstance(model_or_num_params, nn.Module)
+        tensors = tensors_of_model(model_or_num_params, units, layout_size) if is_model else tensors_of_count(
+            plan_units)
+        copies = strategy in ("zero1", "zero2") and c == master  # the owner copies its kept full values
+        low_bit = lowbit_terms(tensors, strategy, world_size, optimizer, master, copies, assume_quantized=not is_model)
+        notes += low_bit.notes
 
     secondary = 0 if strategy == "ddp" else secondary_bytes([u.full for u in plan_units[1:]], c, reshard_after_forward)
     probed = batch is not None and isinstance(model_or_num_params, nn.Module) and (
@@ -281,6 +324,8 @@ def estimate(
         parameters, gradients, optimizer_state, offloaded, host = zero_state(
             plan_units, shard_config, master, c, r, state_per_elem, state_per_tensor)
         gather = zero_transient(plan_units, shard_config, c, r, layout_size, with_backward=not probed)
+        if low_bit is not None and optimizer_in_backward:  # one unit's owned wholes at a time, in backward
+            gather += low_bit.in_backward_buffers
         comm_pool = comm_pool_bytes(plan_units, shard_config, c, r, layout_size)
         gradients_kept = policy_of(strategy).kept_grads(True) is not None  # zero1 keeps its full gradients (any value)
         if optimizer_in_backward and not (gradients_kept or host):  # Note [gradients stepped in backward]
@@ -309,50 +354,20 @@ def estimate(
         activations = _activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
+    step_buffers = optimizer_runtime = 0
+    if low_bit is not None:
+        optimizer_state += max(low_bit.state_by_rank)
+        step_buffers = 0 if optimizer_in_backward else low_bit.step_buffers
+        optimizer_runtime = low_bit.runtime
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
                           offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host,
-                          comm_pool=comm_pool)
+                          comm_pool=comm_pool, step_buffers=step_buffers, optimizer_runtime=optimizer_runtime)
 
 
 def _master_bytes(model: nn.Module) -> int:
     floats = [p for p in model.parameters() if p.is_floating_point()]
     return floats[0].element_size() if floats else 4
-
-
-def _units_of_model(model: nn.Module, units: UnitSpec, world_size: int) -> list[_Unit]:
-    """The model's units as shard() cuts them, sized with dim-0 padding (flat_unit._layout)."""
-    out = []
-    for plan in build_units(model, units):
-        shard = full = t_shard = t_full = num_trainable = largest = 0
-        for owned in plan.params:
-            s = shard_numel(owned.param.shape, world_size)
-            shard, full = shard + s, full + world_size * s
-            largest = max(largest, owned.param.numel())
-            if owned.param.requires_grad:
-                t_shard, t_full, num_trainable = t_shard + s, t_full + world_size * s, num_trainable + 1
-        out.append(_Unit(shard, full, t_shard, t_full, num_trainable, largest))
-    return out
-
-
-def _units_of_count(num_params: int, world_size: int, unit_params: int | None, num_layers: int | None,
-                    notes: list[str]) -> list[_Unit]:
-    """Equal units for a bare parameter count (no padding: shapes are unknown)."""
-    if unit_params is None and num_layers:
-        unit_params = num_params // num_layers
-    if unit_params is None or unit_params >= num_params:
-        notes.append("a bare parameter count is one unit: pass unit_params= or num_layers= for zero3's "
-                     "gather buffers")
-        sizes = [num_params]
-    else:
-        sizes = [num_params - unit_params * (num_params // unit_params)] + [unit_params] * (num_params // unit_params)
-
-    def unit(n: int) -> _Unit:
-        s = shard_numel((n,), world_size)
-        # One tensor per unit: the `step` counters and flags are per tensor and are small.
-        return _Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n)
-
-    return [unit(n) for n in sizes]
 
 
 def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, inputs,

@@ -26,6 +26,7 @@ from torch import nn
 from shardwise.config import config_label
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.core import MemoryEstimate, estimate
+from shardwise.estimate.lowbit_bytes import LOW_BIT
 from shardwise.estimate.plan import PLAN_MARGIN, PLAN_ORDER, usable_memory
 
 # Sizes tried at most, from `start` by `step`, unless told otherwise: a deep model costs an estimate
@@ -134,8 +135,9 @@ def max_model(family: Callable[[int], nn.Module], memory: int, world_size: int, 
     whose estimate is within `memory`) and `planned` (within `memory` less `margin`, as `sw.plan` accepts:
     Note [plan margin]). `configurations`: (strategy, precision, disk offload) triples, default the plan's
     rows. `optimizer_in_backward`: the zero rows as under sw.optimizer_in_backward (Note [gradients stepped in
-    backward]; ddp has none, so its row is as without). The other arguments are `sw.plan`'s; extra keyword arguments
-    go to `estimate` (units=, runtime=).
+    backward]; ddp has none, so its row is as without). `optimizer`: as sw.estimate's; a low-bit one
+    ("adamw8bit", "adamw4bit") has no offload rows (not modelled: Note [low-bit estimate]). The other arguments
+    are `sw.plan`'s; extra keyword arguments go to `estimate` (units=, runtime=).
     """
     if isinstance(family, nn.Module) or not callable(family):  # a model is callable too: its forward
         raise ShardwiseError(f"family={type(family).__name__} must be a function size -> model (e.g. lambda depth: "
@@ -147,6 +149,8 @@ def max_model(family: Callable[[int], nn.Module], memory: int, world_size: int, 
                              "the size it takes must change the model (a depth or a width it builds with)")
     rows = []
     for strategy, precision, offloaded in configurations:
+        if offloaded and optimizer in LOW_BIT:  # not modelled (Note [low-bit estimate]): no row
+            continue
         offload = f"disk:{offload_dir}" if offloaded else None
         recompute = checkpoint_activations and strategy != "ddp"  # ddp has no units to recompute
         in_backward = optimizer_in_backward and strategy != "ddp"  # nor sw.optimizer_in_backward

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardwise.engine.optim.lowbit import is_composite
 from shardwise.engine.protocol import engine_of
 
 
@@ -24,13 +25,25 @@ def _storages_of(tensors) -> dict[int, int]:
     return found
 
 
+def _state_tensors(state: dict) -> list:
+    """One parameter's optimizer state as plain tensors: a quantized state (torchao's codes, scales and code map,
+    Note [low-bit state]) by its parts, which hold its storage (the wrapper itself has none)."""
+    tensors = []
+    for value in state.values():
+        if is_composite(value):
+            tensors += [getattr(value, name) for name in value.__tensor_flatten__()[0]]
+        elif isinstance(value, torch.Tensor):
+            tensors.append(value)
+    return tensors
+
+
 def _model_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list:
     tensors = []
     for param in model.parameters():
         tensors += [param, param.grad]
     if optimizer is not None:
         for state in optimizer.state.values():
-            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+            tensors += _state_tensors(state)
     engine = engine_of(model)
     for unit in engine.units if engine is not None else ():
         tensors += [unit.full_flat, unit.shard_flat, unit.grads.full]
@@ -57,7 +70,7 @@ def model_state_by_place(model: nn.Module, optimizer: torch.optim.Optimizer | No
     host_roles = [t for p in model.parameters() if id(p) in offloaded for t in (p, p.grad)]
     if optimizer is not None:
         host_roles += [value for p, state in optimizer.state.items() if id(p) in offloaded
-                       for value in state.values() if isinstance(value, torch.Tensor)]
+                       for value in _state_tensors(state)]
     every = _storages_of(_model_state_tensors(model, optimizer))
     if on_device:
         host = _storages_of(t for t in _model_state_tensors(model, optimizer)

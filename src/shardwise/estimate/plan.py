@@ -21,6 +21,7 @@ from torch import nn
 from shardwise.config import config_label
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.core import MemoryEstimate, estimate
+from shardwise.estimate.lowbit_bytes import LOW_BIT, OFFLOAD_NOT_MODELLED
 
 # Cheapest first: each step down the list communicates more (zero3 gathers parameters
 # twice per step, 1.5x ddp's volume), computes in lower precision, or waits on a disk.
@@ -61,6 +62,9 @@ def plan(model_or_num_params: nn.Module | int, memory: int, world_size: int, *, 
     options = []
     for strategy, precision, offloaded in PLAN_ORDER:
         offload = f"disk:{offload_dir}" if offloaded else None
+        if offloaded and optimizer in LOW_BIT:  # Note [low-bit estimate]
+            options.append(PlanOption(strategy, precision, offload, None, False, OFFLOAD_NOT_MODELLED))
+            continue
         est = estimate(model_or_num_params, strategy, world_size, precision, optimizer, offload, batch, seq,
                        checkpoint_activations=checkpoint_activations and strategy != "ddp", **estimate_kwargs)
         fits = est.total <= usable

@@ -1,16 +1,21 @@
 """The zero strategies' bytes per rank, unit by unit (estimate/core.py's table, Note [transient buffers]), and
 where offload puts them: disk offload's files (`offloaded`), offload="host"'s host memory (`host`, Note [host
-offload] in engine/memory/host_offload.py). Uses: buffers, quantize, stage.
+offload] in engine/memory/host_offload.py); the units a model or a bare count is cut into (`units_of_model`,
+`units_of_count`). Uses: buffers, quantize, rows, stage, units.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from shardwise.config import DiskOffload, HostOffload, ShardConfig
 from shardwise.engine.comm.buffers import comm_buffer_bytes
 from shardwise.engine.comm.quantize import wire_buffer_bytes
+from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.unit.stage import policy_of
+from shardwise.engine.unit.units import UnitSpec, build_units
 
 
 @dataclass(frozen=True)
@@ -102,3 +107,38 @@ def comm_pool_bytes(plan_units, config: ShardConfig, c, r, world_size: int) -> i
     stage = policy_of(config.strategy, config.prefetch)
     wire = wire_buffer_bytes(config.compression, world_size, max(biggest, root.full))
     return comm_buffer_bytes(stage, c, r, root.full, biggest, wire)
+
+
+def units_of_model(model: nn.Module, units: UnitSpec, world_size: int) -> list[Unit]:
+    """The model's units as shard() cuts them, sized with dim-0 padding (flat_unit._layout)."""
+    out = []
+    for plan in build_units(model, units):
+        shard = full = t_shard = t_full = num_trainable = largest = 0
+        for owned in plan.params:
+            s = shard_numel(owned.param.shape, world_size)
+            shard, full = shard + s, full + world_size * s
+            largest = max(largest, owned.param.numel())
+            if owned.param.requires_grad:
+                t_shard, t_full, num_trainable = t_shard + s, t_full + world_size * s, num_trainable + 1
+        out.append(Unit(shard, full, t_shard, t_full, num_trainable, largest))
+    return out
+
+
+def units_of_count(num_params: int, world_size: int, unit_params: int | None, num_layers: int | None,
+                    notes: list[str]) -> list[Unit]:
+    """Equal units for a bare parameter count (no padding: shapes are unknown)."""
+    if unit_params is None and num_layers:
+        unit_params = num_params // num_layers
+    if unit_params is None or unit_params >= num_params:
+        notes.append("a bare parameter count is one unit: pass unit_params= or num_layers= for zero3's "
+                     "gather buffers")
+        sizes = [num_params]
+    else:
+        sizes = [num_params - unit_params * (num_params // unit_params)] + [unit_params] * (num_params // unit_params)
+
+    def unit(n: int) -> Unit:
+        s = shard_numel((n,), world_size)
+        # One tensor per unit: the `step` counters and flags are per tensor and are small.
+        return Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n)
+
+    return [unit(n) for n in sizes]

@@ -1,0 +1,175 @@
+"""Low-bit optimizer state in `sw.estimate` (torchao's AdamW8bit, AdamW4bit): each tensor's state by torchao's
+rules, on the rank the engine steps it (Note [low-bit estimate]). Uses: whole_step (the engine's owner cost).
+
+Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one owner rank per parameter (Note
+[low-bit state] in engine/optim/lowbit.py, Note [whole-tensor step] in engine/optim/whole_step.py), so:
+
+- **State per tensor**, by torchao's rule (`_AdamBase._new_buffer`): a tensor of at least 4096 elements that the
+  block size divides (256 for 8-bit, 128 for 4-bit) keeps each of its two moments as codes (8-bit: 1 byte an
+  element; 4-bit: half a byte), one fp32 scale per block and a code map (256 fp32 entries for 8-bit, 16 for
+  4-bit); any other tensor keeps them as the parameter's dtype (the fp32 master), as AdamW does; plus the
+  fp32 `step` counter. A model's own shapes decide which; a bare parameter count is taken as quantized.
+- **Where it lives**: zero1/2/3 put each parameter's whole state on its owner, owners assigned greedily in
+  the optimizer's parameter order to the rank least loaded by `step_cost` (elements, for these classes), as
+  the engine's `_owners` does for an optimizer built on `model.parameters()` (frozen parameters take an
+  owner, hold no state). The estimate is the busiest rank's; a matrix is not split, so the largest one is
+  the grain. ddp: every rank holds the whole state. At world size 1 the one rank holds it all.
+- **The step's transient** (`step_buffers`): `WholeStep.begin` gathers each parameter's rows and gradient rows
+  to its owner (`gather_to_owners`: every rank's send buffer of its rows, the owner's receive buffers of
+  N padded shards, then the whole tensors cut from them), the optimizer steps them, and the updated rows
+  are scattered back. Per rank: sent + received + wholes while the gather lands, or the wholes alone after;
+  zero1/zero2 at the master dtype copy the values from their kept full buffers and gather the gradients
+  only (Note [owner traffic]). Measured at 2 ranks on 4 blocks of 256 x 1024 (the steady steps' VmHWM over
+  RSS before `optimizer.step()`, MALLOC_MMAP_THRESHOLD_ fixed by sw.init): zero3 23.9 MiB against 24.1
+  counted, zero2 12.0 against 12.1; the step's own temporaries come after the gather's buffers are freed.
+  It comes after backward, when activations are gone: the peak counts the larger phase (Note [peak] in
+  core.py). With `optimizer_in_backward=True` each unit's owned parameters are gathered, stepped and
+  scattered inside backward, one unit at a time: the largest unit's share counts with the backward's
+  buffers (`gather_buffers`) instead.
+- **torchao's runtime**, its own line (`optimizer_runtime`): importing torchao.optim and its first compiled
+  step on top of a rank's runtime. The step compiles `single_param_adam` with dynamic=False, one graph per
+  distinct shape a rank steps. Measured on one process (torch 2.13 CPU, torchao 0.18, this 2-core host,
+  MALLOC_MMAP_THRESHOLD_ fixed; AdamW8bit and AdamW4bit alike within 0.2 MiB): a stack of Linears with 2
+  distinct shapes 226 MiB before the import, 309 after it, 396 after the first step, peak 428 (+202); with
+  16 distinct shapes 230, 313, 432, peak 467 (+238). Counted: 197 MiB + 2.55 MiB per distinct shape of the
+  busiest rank's stepped tensors (its owned trainable ones; ddp: all), the first step's peak.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from shardwise.engine.layout.rows import shard_numel
+from shardwise.engine.optim.whole_step import step_cost
+from shardwise.engine.unit.units import build_units
+
+MIB = 2**20
+MIN_QUANTIZED = 4096  # torchao quantizes no smaller tensor (`_new_buffer`, following bitsandbytes)
+STEP_COUNTER_BYTES = 4  # torchao's `step`: a 0-d fp32 tensor per parameter with state
+TORCHAO_RUNTIME_BYTES = 197 * MIB  # Note [low-bit estimate]: import + first compiled step's peak, fitted
+TORCHAO_SHAPE_BYTES = int(2.55 * MIB)  # and per distinct shape compiled (one graph each)
+
+
+@dataclass(frozen=True)
+class LowBit:
+    """One low-bit optimizer's state format."""
+
+    bits: int  # per element of a quantized moment
+    block: int  # elements per fp32 scale (the optimizer's default block_size)
+    qmap: int  # fp32 entries of each quantized state's code map
+
+
+OFFLOAD_NOT_MODELLED = ("offload with a low-bit optimizer is not modelled (Note [low-bit estimate]): its whole-tensor "
+                        "step under offload is not counted")
+LOW_BIT = {"adamw8bit": LowBit(8, 256, 256), "adamw4bit": LowBit(4, 128, 16)}
+_MOMENTS = 2  # exp_avg, exp_avg_sq (amsgrad=False)
+
+
+@dataclass(frozen=True)
+class Tensor_:
+    """One parameter as the low-bit estimate sees it."""
+
+    shape: tuple[int, ...]
+    numel: int
+    shard: int  # one rank's padded rows (elements) at the layout's world size
+    trainable: bool
+    unit: int  # index of its unit in build_units' order
+
+
+@dataclass(frozen=True)
+class LowBitTerms:
+    """What a low-bit optimizer adds to an estimate (Note [low-bit estimate])."""
+
+    state_by_rank: tuple[int, ...]  # optimizer state bytes of each rank
+    step_buffers: int  # the whole-tensor step's transient after backward (busiest rank)
+    in_backward_buffers: int  # the same, one unit at a time, under optimizer_in_backward
+    runtime: int
+    notes: tuple[str, ...]
+
+
+def quantized(numel: int, kind: LowBit) -> bool:
+    """torchao's rule: whether a tensor of `numel` elements gets quantized state."""
+    return numel >= MIN_QUANTIZED and numel % kind.block == 0
+
+
+def tensor_state_bytes(numel: int, kind: LowBit, master: int = 4, assume_quantized: bool = False) -> int:
+    """One parameter's state bytes: two moments (quantized, or the master dtype) and the step counter."""
+    if assume_quantized or quantized(numel, kind):
+        moment = numel * kind.bits // 8 + 4 * math.ceil(numel / kind.block) + 4 * kind.qmap
+    else:
+        moment = master * numel
+    return _MOMENTS * moment + STEP_COUNTER_BYTES
+
+
+def tensors_of_model(model: nn.Module, units, layout_size: int) -> list[Tensor_]:
+    """The model's parameters in `model.parameters()` order (an optimizer's built on it), with their units."""
+    unit_of = {id(owned.param): i for i, plan in enumerate(build_units(model, units)) for owned in plan.params}
+    return [Tensor_(tuple(p.shape), p.numel(), shard_numel(p.shape, layout_size), p.requires_grad,
+                    unit_of.get(id(p), 0)) for p in model.parameters()]
+
+
+def tensors_of_count(plan_units) -> list[Tensor_]:
+    """A bare count's units (zero_bytes.units_of_count), one tensor each."""
+    return [Tensor_((u.largest,), u.largest, u.shard, True, i) for i, u in enumerate(plan_units) if u.largest]
+
+
+def owners_of(tensors: list[Tensor_], world_size: int) -> list[int]:
+    """Each tensor's owner: the least loaded rank so far by the engine's `step_cost`, lowest rank on a tie
+    (whole_step._owners for a fresh optimizer, whose rule takes parameter objects, not shapes)."""
+    load, owners = [0] * world_size, []
+    for t in tensors:
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += step_cost(object, t.shape)  # the optimizer's class: no Muon
+        owners.append(owner)
+    return owners
+
+
+def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimizer: str, master: int,
+                 copies_values: bool, assume_quantized: bool = False) -> LowBitTerms:
+    """Note [low-bit estimate]: the state on each rank, the step's transient, torchao's runtime.
+    `copies_values`: zero1/zero2 at the master dtype (the owner copies its kept full values)."""
+    kind = LOW_BIT[optimizer]
+    state = [tensor_state_bytes(t.numel, kind, master, assume_quantized) if t.trainable else 0 for t in tensors]
+    whole = strategy == "ddp" or world_size == 1  # not stepped by owners: every rank its whole state
+    if whole:
+        by_rank, step, per_unit = (sum(state),) * world_size, 0, 0
+        shapes = len({t.shape for t in tensors if t.trainable})
+    else:
+        owners = owners_of(tensors, world_size)
+        shapes = max(len({t.shape for t, o in zip(tensors, owners) if o == r and t.trainable})
+                     for r in range(world_size))
+        by_rank = tuple(sum(s for s, o in zip(state, owners) if o == r) for r in range(world_size))
+        step = _gather_peak(tensors, owners, world_size, master, copies_values)
+        per_unit = max(_gather_peak([t for t in tensors if t.unit == u], [o for t, o in zip(tensors, owners)
+                                                                          if t.unit == u], world_size, master,
+                                    copies_values) for u in {t.unit for t in tensors})
+    quantized_elems = sum(t.numel for t in tensors if t.trainable and (assume_quantized or quantized(t.numel, kind)))
+    trainable = sum(t.numel for t in tensors if t.trainable) or 1
+    notes = [f"{optimizer}: {100 * quantized_elems / trainable:.0f}% of trainable elements in quantized state "
+             + ("(a bare count is taken as quantized)" if assume_quantized else
+                f"(tensors of >= {MIN_QUANTIZED} elements that {kind.block} divides; the others fp32)")]
+    if not whole:
+        notes.append(f"{optimizer}: each parameter's whole state on its owner rank (ranks hold "
+                     f"{min(by_rank) / MIB:,.1f}-{max(by_rank) / MIB:,.1f} MiB; the busiest counted)")
+    runtime = TORCHAO_RUNTIME_BYTES + TORCHAO_SHAPE_BYTES * shapes
+    return LowBitTerms(by_rank, step, per_unit, runtime, tuple(notes))
+
+
+def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, master: int, copies: bool) -> int:
+    """The busiest rank's bytes in `WholeStep.begin` (Note [low-bit estimate]): its sent rows, its receive
+    buffers and the whole tensors cut from them while the gather lands; the wholes alone after it."""
+    def parts(t: Tensor_) -> int:  # values (unless copied) and gradient, each gathered
+        return (0 if copies else 1) + int(t.trainable)
+
+    sent = sum(t.shard * parts(t) for t in tensors)
+    peak = 0
+    for rank in range(world_size):
+        owned = [t for t, o in zip(tensors, owners) if o == rank]
+        received = world_size * sum(t.shard * parts(t) for t in owned)
+        wholes = sum(t.numel * parts(t) for t in owned)
+        after = sum(t.numel * (1 + int(t.trainable)) for t in owned)
+        peak = max(peak, sent + received + wholes, after)
+    return master * peak

@@ -1,0 +1,104 @@
+"""sw.estimate's low-bit optimizer state (torchao's AdamW8bit, AdamW4bit) against what the engine holds after a
+real step at world size 2: each tensor quantized or fp32 by torchao's rule, each parameter's whole state on its
+owner rank under zero2/zero3, the whole state on every rank under ddp (Note [low-bit estimate] in
+estimate/lowbit_bytes.py). The state bytes are exact: codes, block scales and code maps are sizes, not guesses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import shardwise as sw
+from helpers.lowbit import HAS_TORCHAO, NO_TORCHAO, Block, Net, lowbit_pool
+from shardwise.errors import ShardwiseError
+from shardwise.estimate.lowbit_bytes import LOW_BIT, lowbit_terms, quantized, tensors_of_model
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Two ranks with torchao on their path (helpers/lowbit.py's lowbit_pool); the estimates need none."""
+    if not HAS_TORCHAO:
+        pytest.skip(NO_TORCHAO)
+    with lowbit_pool(2) as pool:
+        yield pool
+
+
+def _meta_net():
+    with torch.device("meta"):
+        return Net()
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "ddp"])
+def test_lowbit_state_equals_what_each_rank_holds(ranks, strategy, name):
+    """Catches the estimator counting a low-bit optimizer's state as AdamW's (8 bytes an element, split by rows),
+    quantizing tensors torchao keeps in fp32 (the 130 x 32 head: 4160 elements, not a multiple of the block) or
+    the other way, leaving out the scales, code maps or step counters, or putting the state on other ranks than
+    the engine's owners: every rank's state bytes after a real step equal the estimate's for that rank, and the
+    estimate's optimizer_state is the busiest rank's. Also catches sw.estimate.measure failing on quantized
+    state (a tensor subclass with no storage of its own): the busiest rank's model state within 5% of the estimate."""
+    from helpers.estimate_lowbit import held_after_step
+
+    model = _meta_net()
+    est = sw.estimate(model, strategy, 2, optimizer=name, units=Block)
+    predicted = lowbit_terms(tensors_of_model(model, Block, 1 if strategy == "ddp" else 2), strategy, 2, name, 4,
+                             copies_values=strategy == "zero2").state_by_rank
+    held = ranks.run(held_after_step, 2, strategy, name, timeout=300)
+    assert [h["state"] for h in held] == list(predicted), ([h["state"] for h in held], predicted)
+    assert est.optimizer_state == max(h["state"] for h in held), (est.optimizer_state, held)
+    busiest = max(h["model_state"] for h in held)  # the estimate is the busiest rank's (its owners' state)
+    assert abs(est.model_state - busiest) <= 0.05 * busiest, (est.model_state, held)
+
+
+def test_the_model_mixes_quantized_and_fp32_state():
+    """Catches the test above losing its point: a model whose tensors are all quantized (or none) cannot tell
+    torchao's size rule from a flat rate."""
+    model = _meta_net()
+    for kind in LOW_BIT.values():
+        kinds = {quantized(p.numel(), kind) for p in model.parameters()}
+        assert kinds == {True, False}, kind
+
+
+def test_lowbit_adds_the_step_buffers_and_torchaos_runtime():
+    """Catches the whole-tensor step's owner buffers or torchao's runtime left out of the peak, or counted under
+    optimizer_in_backward as after backward: the step's gathers count once, at the step or (in backward) one
+    unit's at a time with the backward's buffers; ddp steps in place (no owner buffers)."""
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.gpt import Block as GPTBlock
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=512, seq_len=16, d_model=64, n_layers=4, n_heads=4))
+    adamw = sw.estimate(model, "zero3", 4, units=GPTBlock)
+    low = sw.estimate(model, "zero3", 4, optimizer="adamw8bit", units=GPTBlock)
+    assert low.step_buffers > 0 and low.optimizer_runtime > 150 * 2**20
+    assert low.optimizer_state < adamw.optimizer_state / 3
+    step_phase = low.parameters + low.optimizer_state + low.gradients + low.step_buffers
+    assert low.total >= step_phase + low.runtime + low.optimizer_runtime
+    stepped = sw.estimate(model, "zero3", 4, optimizer="adamw8bit", units=GPTBlock, optimizer_in_backward=True)
+    assert stepped.step_buffers == 0 and stepped.gather_buffers > low.gather_buffers
+    assert sw.estimate(model, "ddp", 4, optimizer="adamw8bit").step_buffers == 0
+
+
+def test_lowbit_with_offload_is_refused():
+    """Catches the estimator pricing low-bit state under offload, which it does not model, as if it did."""
+    with pytest.raises(ShardwiseError, match="not modelled"):
+        sw.estimate(10**6, "zero3", 2, optimizer="adamw8bit", offload="host")
+
+
+def test_the_commands_take_the_lowbit_optimizers(capsys):
+    """Catches `--optimizer adamw8bit` refused by the commands, its rows missing from `shardwise estimate`'s
+    table, or the offload rows it does not model priced anyway (or crashing `plan --json`) instead of marked."""
+    from shardwise import cli
+
+    model = ["gpt", "d_model=64", "n_layers=2", "vocab_size=512", "seq_len=16", "--world-size", "2"]
+    assert cli.main(["estimate", *model, "--strategy", "zero3", "--optimizer", "adamw8bit"]) == 0
+    out = capsys.readouterr().out
+    assert "whole-step buffers" in out and "optimizer runtime (torchao)" in out and "adamw8bit" in out, out
+    assert cli.main(["plan", *model, "--memory", "4GiB", "--optimizer", "adamw4bit", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    offloaded = [row for row in rows if "offload" in row["label"]]
+    assert offloaded and all(row["estimate"] is None and "not modelled" in row["reason"] for row in offloaded), rows
+    assert all(row["estimate"]["optimizer"] == "adamw4bit" for row in rows if row not in offloaded)
