@@ -117,7 +117,13 @@ from shardwise.engine.unit.units import UnitSpec, build_units
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.comm_options import gather_note, secondary_bytes
 from shardwise.estimate.inputs import InputMaker
-from shardwise.estimate.lowbit_bytes import LOW_BIT, lowbit_terms, tensors_of_count, tensors_of_model
+from shardwise.estimate.lowbit_bytes import (
+    LOW_BIT,
+    OFFLOAD_NOT_MODELLED,
+    lowbit_terms,
+    tensors_of_count,
+    tensors_of_model,
+)
 from shardwise.estimate.probe import probe_activations
 from shardwise.estimate.zero_bytes import (
     comm_pool_bytes,
@@ -281,9 +287,8 @@ def estimate(
     if optimizer not in _OPTIMIZERS:
         raise ShardwiseError(f"optimizer={optimizer!r} is not one of {sorted(_OPTIMIZERS)}")
     if optimizer in LOW_BIT and offload is not None:
-        raise ShardwiseError(f"optimizer={optimizer!r} with offload={offload!r}: a low-bit optimizer's whole-tensor "
-                             "step under offload is not modelled (Note [low-bit estimate]); drop offload, or "
-                             "estimate optimizer='adamw' with it")
+        raise ShardwiseError(f"optimizer={optimizer!r} with offload={offload.spec!r}: {OFFLOAD_NOT_MODELLED}. Drop "
+                             "offload, or estimate optimizer='adamw' with it")
 
     notes: list[str] = []
     layout_size = 1 if strategy == "ddp" else world_size  # ddp holds whole, unpadded tensors

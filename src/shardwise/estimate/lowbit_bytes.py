@@ -26,6 +26,10 @@ Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one 
   core.py). With `optimizer_in_backward=True` each unit's owned parameters are gathered, stepped and
   scattered inside backward, one unit at a time: the largest unit's share counts with the backward's
   buffers (`gather_buffers`) instead.
+- **No offload**: sw.shard's offload="host" refuses a whole-tensor step at the first step (host_offload.py's
+  `refuse_whole_step`), and disk offload's step fails spilling a quantized state (offload.py's `_spill_state`
+  reads its storage, which a tensor subclass has not: a RuntimeError, seen at 2 ranks). So `sw.estimate`
+  refuses the pair, `sw.plan` marks those rows and `sw.max_model` leaves them out.
 - **torchao's runtime**, its own line (`optimizer_runtime`): importing torchao.optim and its first compiled
   step on top of a rank's runtime. The step compiles `single_param_adam` with dynamic=False, one graph per
   distinct shape a rank steps. Measured on one process (torch 2.13 CPU, torchao 0.18, this 2-core host,
@@ -62,8 +66,8 @@ class LowBit:
     qmap: int  # fp32 entries of each quantized state's code map
 
 
-OFFLOAD_NOT_MODELLED = ("offload with a low-bit optimizer is not modelled (Note [low-bit estimate]): its whole-tensor "
-                        "step under offload is not counted")
+OFFLOAD_NOT_MODELLED = ("offload with a low-bit optimizer is not modelled (Note [low-bit estimate]): the engine "
+                        "refuses offload='host' for whole-tensor steps and cannot spill quantized state to disk")
 LOW_BIT = {"adamw8bit": LowBit(8, 256, 256), "adamw4bit": LowBit(4, 128, 16)}
 _MOMENTS = 2  # exp_avg, exp_avg_sq (amsgrad=False)
 
