@@ -41,24 +41,25 @@ def lowbit_pool(size: int):
         pool.close()
         sys.path.remove(str(LOWBIT_SITE))
 
+
 GLOBAL_BATCH = 8
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 32, hidden: int = 128):
         super().__init__()
-        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
 
     def forward(self, x):
         return x + self.down(torch.relu(self.up(x)))
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 32, hidden: int = 128, out: int = 130, depth: int = 2):
         super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(32, 130)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList([Block(width, hidden) for _ in range(depth)])
+        self.head = nn.Linear(width, out)
 
     def forward(self, x):
         x = self.inp(x)

@@ -19,9 +19,13 @@ Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one 
   N padded shards, then the whole tensors cut from them), the optimizer steps them, and the updated rows
   are scattered back. Per rank: sent + received + wholes while the gather lands, or the wholes alone after;
   zero1/zero2 at the master dtype copy the values from their kept full buffers and gather the gradients
-  only (Note [owner traffic]). Measured at 2 ranks on 4 blocks of 256 x 1024 (the steady steps' VmHWM over
-  RSS before `optimizer.step()`, MALLOC_MMAP_THRESHOLD_ fixed by sw.init): zero3 23.9 MiB against 24.1
-  counted, zero2 12.0 against 12.1; the step's own temporaries come after the gather's buffers are freed.
+  only (Note [owner traffic]). After the gather, torchao's compiled step holds buffers of its own for the
+  tensor it steps, one at a time: measured on one process for a 4 MiB fp32 tensor (VmHWM over the RSS before
+  the step, steady steps) 7.9 MiB for 8-bit, 26.0 MiB for 4-bit, so 2 and 6.5 times the largest stepped
+  tensor's fp32 bytes are counted (ddp and world size 1: these alone). Measured at 2 ranks on 4 blocks of 256
+  x 1024 (each rank's VmHWM over its RSS before `optimizer.step()`, steady steps, MALLOC_MMAP_THRESHOLD_
+  fixed): zero3 23.8-23.9 MiB against 24.2 counted (8-bit and 4-bit: the gather's peak), zero2 and zero1
+  8-bit 12.0 against 12.1 (the gather's), zero2 4-bit 14.3 against 14.6 (the step's own buffers).
   It comes after backward, when activations are gone: the peak counts the larger phase (Note [peak] in
   core.py). With `optimizer_in_backward=True` each unit's owned parameters are gathered, stepped and
   scattered inside backward, one unit at a time: the largest unit's share counts with the backward's
@@ -64,11 +68,12 @@ class LowBit:
     bits: int  # per element of a quantized moment
     block: int  # elements per fp32 scale (the optimizer's default block_size)
     qmap: int  # fp32 entries of each quantized state's code map
+    temporaries: float  # the compiled step's own buffers for the tensor it steps, in its fp32 sizes (measured)
 
 
 OFFLOAD_NOT_MODELLED = ("offload with a low-bit optimizer is not modelled (Note [low-bit estimate]): the engine "
                         "refuses offload='host' for whole-tensor steps and cannot spill quantized state to disk")
-LOW_BIT = {"adamw8bit": LowBit(8, 256, 256), "adamw4bit": LowBit(4, 128, 16)}
+LOW_BIT = {"adamw8bit": LowBit(8, 256, 256, 2.0), "adamw4bit": LowBit(4, 128, 16, 6.5)}
 _MOMENTS = 2  # exp_avg, exp_avg_sq (amsgrad=False)
 
 
@@ -138,18 +143,18 @@ def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimiz
     kind = LOW_BIT[optimizer]
     state = [tensor_state_bytes(t.numel, kind, master, assume_quantized) if t.trainable else 0 for t in tensors]
     whole = strategy == "ddp" or world_size == 1  # not stepped by owners: every rank its whole state
-    if whole:
-        by_rank, step, per_unit = (sum(state),) * world_size, 0, 0
-        shapes = len({t.shape for t in tensors if t.trainable})
+    if whole:  # the step's own buffers, one tensor at a time: the largest's
+        by_rank, shapes = (sum(state),) * world_size, len({t.shape for t in tensors if t.trainable})
+        step = per_unit = int(kind.temporaries * master * max((t.numel for t in tensors if t.trainable), default=0))
     else:
         owners = owners_of(tensors, world_size)
         shapes = max(len({t.shape for t, o in zip(tensors, owners) if o == r and t.trainable})
                      for r in range(world_size))
         by_rank = tuple(sum(s for s, o in zip(state, owners) if o == r) for r in range(world_size))
-        step = _gather_peak(tensors, owners, world_size, master, copies_values)
+        step = _gather_peak(tensors, owners, world_size, master, copies_values, kind)
         per_unit = max(_gather_peak([t for t in tensors if t.unit == u], [o for t, o in zip(tensors, owners)
                                                                           if t.unit == u], world_size, master,
-                                    copies_values) for u in {t.unit for t in tensors})
+                                    copies_values, kind) for u in {t.unit for t in tensors})
     quantized_elems = sum(t.numel for t in tensors if t.trainable and (assume_quantized or quantized(t.numel, kind)))
     trainable = sum(t.numel for t in tensors if t.trainable) or 1
     notes = [f"{optimizer}: {100 * quantized_elems / trainable:.0f}% of trainable elements in quantized state "
@@ -162,9 +167,11 @@ def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimiz
     return LowBitTerms(by_rank, step, per_unit, runtime, tuple(notes))
 
 
-def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, master: int, copies: bool) -> int:
-    """The busiest rank's bytes in `WholeStep.begin` (Note [low-bit estimate]): its sent rows, its receive
-    buffers and the whole tensors cut from them while the gather lands; the wholes alone after it."""
+def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, master: int, copies: bool,
+                 kind: LowBit) -> int:
+    """The busiest rank's bytes in `WholeStep.begin` and the step (Note [low-bit estimate]): its sent rows, its
+    receive buffers and the whole tensors cut from them while the gather lands; after it the wholes and the
+    step's own buffers for the largest tensor it steps."""
     def parts(t: Tensor_) -> int:  # values (unless copied) and gradient, each gathered
         return (0 if copies else 1) + int(t.trainable)
 
@@ -174,6 +181,7 @@ def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, mas
         owned = [t for t, o in zip(tensors, owners) if o == rank]
         received = world_size * sum(t.shard * parts(t) for t in owned)
         wholes = sum(t.numel * parts(t) for t in owned)
-        after = sum(t.numel * (1 + int(t.trainable)) for t in owned)
+        largest = max((t.numel for t in owned if t.trainable), default=0)
+        after = sum(t.numel * (1 + int(t.trainable)) for t in owned) + kind.temporaries * largest
         peak = max(peak, sent + received + wholes, after)
-    return master * peak
+    return int(master * peak)
