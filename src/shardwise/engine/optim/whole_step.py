@@ -52,6 +52,19 @@ There the owner also sends its update back whole into every rank's kept full val
 forward need not re-gather it (Note [owner broadcast]: 1 + f/(2N) of AdamW zero2's bytes, not 1 + f/N).
 The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
 
+Note [whole step per unit]: under sw.optimizer_in_backward each unit's step is the optimizer's own step over
+that unit's shards (step_in_backward.py), so for a WHOLE optimizer it is a WholeStep over those parameters:
+gathered to their owners, stepped whole, scattered back, inside backward, one unit at a time. The update is the
+one after backward (each parameter's reads only itself, its gradient and state), and what lives at once is one
+unit's owned whole values and gradients, not the model's. Owners are balanced within each unit (its
+parameters are the step's) and kept (Note [kept owners]) over every unit's, so a checkpoint finds each state
+where the steps put it.
+
+Note [no gradient, no traffic]: a parameter with no gradient on any rank is left out of a WholeStep: torch's
+optimizers (and torchao's) skip it, so gathering and scattering it would move its values for nothing. The
+user's step after an optimizer-in-backward backward (every gradient already stepped and dropped) then moves
+no tensor at all, where it gathered every owned parameter whole: 1/N of the model more at its peak.
+
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
 before broadcasting every rank reaches one agreement (an all-reduce of a flag per rank): the
@@ -198,7 +211,9 @@ def owner_map(optimizer) -> dict[int, int]:
     world_size = params[0]._sw_unit.mesh.shard_world if params else 1
     known = getattr(inner, "_sw_owners", {})
     owners = dict(zip(map(id, params), _owners(params, world_size, known, type(inner))))
-    inner._sw_owners = owners
+    # Merged, not replaced: a step over some groups' parameters only (each unit's step under
+    # sw.optimizer_in_backward, Note [whole step per unit]) keeps every other parameter's owner.
+    inner._sw_owners = {**known, **owners}
     return owners
 
 
@@ -231,7 +246,11 @@ class WholeStep:
 
     def begin(self) -> None:
         copied = [can_copy_whole(param) for param in self.params]  # owner_traffic.py
-        self._agree_on_grads(copied)
+        stepped = self._agree_on_grads(copied)
+        # Note [no gradient, no traffic]: a parameter without a gradient on every rank is skipped by the
+        # optimizer (torch's contract, torchao's too), so it is neither gathered nor scattered.
+        self.params, self.owners, copied = (
+            [item for item, has in zip(items, stepped) if has] for items in (self.params, self.owners, copied))
         pieces = [Piece(("data", i), param, owner, param.detach())
                   for i, (param, owner, copy) in enumerate(zip(self.params, self.owners, copied)) if not copy]
         pieces += [Piece(("grad", i), param, owner, param.grad)
@@ -245,10 +264,11 @@ class WholeStep:
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
-    def _agree_on_grads(self, copied: list[bool]) -> None:
+    def _agree_on_grads(self, copied: list[bool]) -> list[bool]:
         """Refuse, on every rank and before anything moves, a gradient some ranks have and others not
         (set to None on one rank only), and kept full values current on some ranks only (rows written on
-        one rank since the last forward): the gathers would pair with other collectives."""
+        one rank since the last forward): the gathers would pair with other collectives. Else, which
+        parameters have a gradient (on every rank alike)."""
         has = torch.tensor([float(p.grad is not None) for p in self.params] + list(map(float, copied)))
         both = torch.cat([has, -has])
         all_reduce_max(both, self.group, f"{self.kind}.step()'s agreement on gradients")
@@ -267,6 +287,7 @@ class WholeStep:
                 f"{self.kind}.step(): the gradient of {differ[:4]}{'...' if len(differ) > 4 else ''} is None on some "
                 "ranks and not on others (set to None on one rank only?). Every rank must hold the same gradients "
                 "at a step: zero or skip them on every rank. Nothing was stepped.")
+        return [bool(flag) for flag in anywhere[:count]]
 
     def _agree(self, failed: bool) -> list[int]:
         """The ranks whose step raised (Note [raising step]): one all-reduce, every rank reaches it."""
