@@ -107,7 +107,8 @@ def test_lowbit_in_backward_is_the_step_after_backward(ranks, strategy):
     blocks than one process's, Note [low-bit state]) instead of its parameters whole on their owners (Note
     [whole step per unit]): bitwise the same optimizer stepping after backward at the same world size, every
     step; the same state bytes in all, split over ranks; no gradient left after a backward; and the user's
-    step() moving no tensor (Note [no gradient, no traffic]: it gathered every owned parameter whole)."""
+    step() moving no tensor (Note [no gradient, no traffic]: it gathered every owned parameter whole); the
+    states balanced over the model's parameters, not unit by unit (Note [kept owners])."""
     for world in (2, 4):
         results = ranks.run(in_backward_against_after, world, strategy, "adamw8bit", timeout=300)
         for rank, result in enumerate(results):
@@ -118,6 +119,9 @@ def test_lowbit_in_backward_is_the_step_after_backward(ranks, strategy):
         # the same states, each on one rank (the owners are balanced unit by unit here, over the model there)
         assert sum(r["bytes"] for r in results) == sum(r["after_bytes"] for r in results), results
         assert max(r["bytes"] for r in results) < sum(r["bytes"] for r in results), results
+    # Note [kept owners]: owners balanced over the model, not unit by unit (where every block's two matrices
+    # went to ranks 0 and 1): at 4 ranks the 4 quantized matrices' states lie one on each rank
+    assert [r["quantized"] for r in results] == [1, 1, 1, 1], [r["quantized"] for r in results]
 
 
 def test_lowbit_in_backward_state_resumes_at_another_world_size(ranks, tmp_path):

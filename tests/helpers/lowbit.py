@@ -166,8 +166,9 @@ def load_other_blocks(path: str, saved_block: int, loaded_block: int) -> str:
 def in_backward_against_after(strategy: str, name: str, steps: int = 3) -> dict:
     """`steps` steps of `name` under sw.optimizer_in_backward beside the same optimizer stepping after backward
     (same seed, data and world size: the same reduced gradients, bit for bit). What differs after each step,
-    each run's optimizer-state bytes on this rank, gradients left after the in-backward model's backwards, and
-    the collectives its user's step() called (Note [no gradient, no traffic])."""
+    each run's optimizer-state bytes on this rank, gradients left after the in-backward model's backwards, the
+    collectives its user's step() called (Note [no gradient, no traffic]), and how many quantized states this
+    rank holds."""
     from shardwise.testing import count_received
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -189,8 +190,9 @@ def in_backward_against_after(strategy: str, name: str, steps: int = 3) -> dict:
         after_optim.zero_grad(set_to_none=True)
         full, full_after = sw.full_parameters(model), sw.full_parameters(after)
         differ += [f"step {step}: {n}" for n in full_after if not torch.equal(full[n], full_after[n])]
+    quantized = sum(any(type(v) is not torch.Tensor for v in state.values()) for state in optim.state.values())
     return {"differ": differ, "bytes": state_bytes(optim), "after_bytes": state_bytes(after_optim), "left": left,
-            "calls": calls}
+            "calls": calls, "quantized": quantized}
 
 
 def save_in_backward(strategy: str, name: str, path: str) -> dict:

@@ -56,9 +56,9 @@ Note [whole step per unit]: under sw.optimizer_in_backward each unit's step is t
 that unit's shards (step_in_backward.py), so for a WHOLE optimizer it is a WholeStep over those parameters:
 gathered to their owners, stepped whole, scattered back, inside backward, one unit at a time. The update is the
 one after backward (each parameter's reads only itself, its gradient and state), and what lives at once is one
-unit's owned whole values and gradients, not the model's. Owners are balanced within each unit (its
-parameters are the step's) and kept (Note [kept owners]) over every unit's, so a checkpoint finds each state
-where the steps put it.
+unit's owned whole values and gradients, not the model's. Owners are kept (Note [kept owners]) over every
+unit's step, so a checkpoint finds each state where the steps put it, and balanced over every parameter
+owned so far, not unit by unit.
 
 Note [no gradient, no traffic]: a parameter with no gradient on any rank is left out of a WholeStep: torch's
 optimizers (and torchao's) skip it, so gathering and scattering it would move its values for nothing. The
@@ -178,13 +178,10 @@ def step_cost(kind: type, shape) -> int:
     return numel
 
 
-def _owners(params: list, world_size: int, known: dict[int, int], kind: type = object) -> list[int]:
-    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far
-    by `step_cost` (identical on every rank)."""
-    load = [0] * world_size
-    for param in params:
-        if id(param) in known:
-            load[known[id(param)]] += step_cost(kind, param._sw_layout.shape)
+def _owners(params: list, world_size: int, known: dict[int, int], load: list[int], kind: type = object) -> list[int]:
+    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far by
+    `step_cost` (identical on every rank). `load`: each rank's cost of every parameter it owns already,
+    in this step or not (Note [kept owners]), updated with the new owners."""
     owners = []
     for param in params:
         owner = known.get(id(param))
@@ -203,14 +200,18 @@ def owner_map(optimizer) -> dict[int, int]:
     Note [kept owners]: a parameter keeps its owner for the optimizer's life, kept on the optimizer
     (`_sw_owners`), since its state lives there: param groups reordered or added after the first step
     (a group for a new head) would otherwise move an owner and orphan the state. New parameters go
-    to the least loaded rank; the same on every rank, as every rank sees the same groups."""
+    to the least loaded rank, by every parameter the rank owns (`_sw_owner_load`), not only those of
+    this step: each unit's step under sw.optimizer_in_backward sees its own parameters, and balanced
+    unit by unit, every block's largest matrix went to rank 0 (at 4 ranks, 4:4:3:1 of a GPT block's
+    state). The same on every rank, as every rank sees the same groups."""
     inner = unwrapped(optimizer)
     if step_shape(inner) is not StepShape.WHOLE:
         return {}
     params = sharded_params(inner)
     world_size = params[0]._sw_unit.mesh.shard_world if params else 1
     known = getattr(inner, "_sw_owners", {})
-    owners = dict(zip(map(id, params), _owners(params, world_size, known, type(inner))))
+    load = inner.__dict__.setdefault("_sw_owner_load", [0] * world_size)
+    owners = dict(zip(map(id, params), _owners(params, world_size, known, load, type(inner))))
     # Merged, not replaced: a step over some groups' parameters only (each unit's step under
     # sw.optimizer_in_backward, Note [whole step per unit]) keeps every other parameter's owner.
     inner._sw_owners = {**known, **owners}
