@@ -218,6 +218,25 @@ def owner_map(optimizer) -> dict[int, int]:
     return owners
 
 
+def adopt_owners(optimizer, recorded: dict[int, int]) -> None:
+    """Note [recorded owners] (checkpoint/format/optim_state.py): an optimizer that has no owners yet (never
+    stepped, never loaded) takes a checkpoint's owner map made at its shard group's size (`recorded`: id(param)
+    -> rank), so the loaded run keeps the saved run's owners, however that run assigned them (param groups in
+    another order, each unit's step under sw.optimizer_in_backward). One that has owners keeps them."""
+    inner = unwrapped(optimizer)
+    if getattr(inner, "_sw_owners", None) or step_shape(inner) is not StepShape.WHOLE:
+        return
+    params = {id(param): param for param in sharded_params(inner)}
+    if not params:
+        return
+    world_size = next(iter(params.values()))._sw_unit.mesh.shard_world
+    owners = {key: owner for key, owner in recorded.items() if key in params and 0 <= owner < world_size}
+    load = [0] * world_size
+    for key, owner in owners.items():
+        load[owner] += step_cost(type(inner), params[key]._sw_layout.shape)
+    inner._sw_owners, inner._sw_owner_load = owners, load
+
+
 def owners_layout(optimizer):
     """The layout whose shard ranks `owner_map(optimizer)` names (the sharded parameters' shard group: one
     engine's), for checkpoints that record and place whole state; None when the optimizer holds no sharded
