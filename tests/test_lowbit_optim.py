@@ -18,11 +18,12 @@ from helpers.lowbit import (
     HAS_TORCHAO,
     NO_TORCHAO,
     against_one_process,
-    in_backward,
+    in_backward_against_after,
     load_and_step,
     load_other_blocks,
     lowbit_pool,
     save_after,
+    save_in_backward,
 )
 
 if not HAS_TORCHAO:
@@ -86,10 +87,47 @@ def test_lowbit_state_of_another_block_size_is_refused(ranks, tmp_path, saved_bl
             message
 
 
-@pytest.mark.parametrize("any_optimizer", [False, True])
-def test_lowbit_in_backward_is_refused(ranks, any_optimizer):
-    """Catches sw.optimizer_in_backward accepting a low-bit optimizer (with any_optimizer=True, which vouches
-    for an elementwise update): each unit would step its rows inside backward, quantized in other blocks
-    than one process's (Note [low-bit state]). Refused on every rank, naming the step after backward."""
-    for message in ranks.run(in_backward, 2, any_optimizer):
-        assert "Note [low-bit state]" in message and "drop optimizer_in_backward" in message, message
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_lowbit_in_backward_is_the_step_after_backward(ranks, strategy):
+    """Catches sw.optimizer_in_backward stepping a low-bit optimizer on a unit's rows (quantized in other
+    blocks than one process's, Note [low-bit state]) instead of its parameters whole on their owners (Note
+    [whole step per unit]): bitwise the same optimizer stepping after backward at the same world size, every
+    step; the same state bytes in all, split over ranks; no gradient left after a backward; and the user's
+    step() moving no tensor (Note [no gradient, no traffic]: it gathered every owned parameter whole); the
+    states balanced over the model's parameters, not unit by unit (Note [kept owners])."""
+    for world in (2, 4):
+        results = ranks.run(in_backward_against_after, world, strategy, "adamw8bit", timeout=300)
+        for rank, result in enumerate(results):
+            assert result["differ"] == [], f"ws {world} rank {rank}: {result['differ'][:4]}"
+            assert result["left"] == 0, f"ws {world} rank {rank}: {result['left']} gradients outlived backward"
+            moved = {call for call in result["calls"] if call in ("gather", "scatter", "broadcast")}
+            assert not moved, f"ws {world} rank {rank}: the user's step() called {result['calls']}"
+        # the same states, each on one rank (the owners are balanced unit by unit here, over the model there)
+        assert sum(r["bytes"] for r in results) == sum(r["after_bytes"] for r in results), results
+        assert max(r["bytes"] for r in results) < sum(r["bytes"] for r in results), results
+    # Note [kept owners]: owners balanced over the model, not unit by unit (where every block's two matrices
+    # went to ranks 0 and 1): at 4 ranks the 4 quantized matrices' states lie one on each rank
+    assert [r["quantized"] for r in results] == [1, 1, 1, 1], [r["quantized"] for r in results]
+
+
+@pytest.mark.parametrize("loaded_at", [2, 4])
+def test_lowbit_in_backward_state_resumes(ranks, tmp_path, loaded_at):
+    """Catches the owners of a low-bit state stepped in backward forgotten between units (each unit's step
+    assigning only its own parameters, Note [kept owners]): the checkpoint then looks for a state on a rank
+    that never held it; and, at the same world size, the recorded owners (assigned in backward's order) not
+    taken by the fresh optimizer that loads them (Note [recorded owners]): the load was refused. Saved at 2
+    ranks under optimizer in backward, loaded at 2 and 4 without it: every state tensor's parts bitwise the
+    saved ones, and 2 more steps bitwise a plain model that loaded the same checkpoint."""
+    path = str(tmp_path / "ckpt")
+    saved = {}
+    for state in ranks.run(save_in_backward, 2, "zero3", "adamw8bit", path, timeout=300):
+        assert not set(saved) & set(state), "a parameter's state on two ranks"
+        saved.update(state)
+    loaded = {}
+    for result in ranks.run(load_and_step, loaded_at, "zero3", "adamw8bit", path, timeout=300):
+        assert result["differ"] == [], result["differ"][:4]
+        loaded.update(result["state"])
+    assert loaded.keys() == saved.keys()
+    for param, parts in saved.items():
+        for key, tensor in parts.items():
+            assert torch.equal(loaded[param][key], tensor), f"{param} {key} differs after the load"

@@ -113,8 +113,9 @@ def test_another_number_of_optimizers_is_refused(ranks, saved):
 
 def test_owner_map_is_recorded_shown_and_checked(ranks, saved):
     """Catches the whole-tensor owner map not recorded in the index, not shown by `shardwise ckpt inspect`,
-    or not checked on load (Note [recorded owners]): a Muon built with its matrices in another order puts
-    their momenta on other owners at the same shard group size, which must be refused, not loaded."""
+    not adopted or not checked on load (Note [recorded owners]): a fresh Muon built with its matrices in
+    another order would put their momenta on other owners at the same shard group size; it takes the
+    recorded map and resumes bitwise, while one that has stepped (its owners taken) is refused, not loaded."""
     from shardwise.checkpoint.format.schema import read_index
     from shardwise.checkpoint.interop.tools import inspect
 
@@ -122,7 +123,11 @@ def test_owner_map_is_recorded_shown_and_checked(ranks, saved):
     muon = read_index(Path(path)).optimizers[0]
     assert muon.owner_world == 2 and sorted(set(muon.owners.values())) == [0, 1], muon.owners
     assert any("whole-tensor owners (shard group of 2): rank 0" in line for line in inspect(path)[0])
-    for message in ranks.run(load_into, 2, path, "zero2", "muon_swapped", timeout=120):
+    path, expected = saved("muon", "zero2")
+    for got in ranks.run(load_then_continue, 2, "muon_swapped", "zero2", path, timeout=180):
+        assert got["losses"] == expected["losses"], "a fresh Muon in another order: losses after resume differ"
+        assert all(torch.equal(got["final"][name], value) for name, value in expected["final"].items())
+    for message in ranks.run(load_into, 2, path, "zero2", "muon_swapped", True, timeout=120):
         assert "whole-tensor owners differ from the ones recorded" in message and "saved on rank" in message, message
 
 

@@ -168,3 +168,36 @@ def _fp16_error():
 def test_fp16_loss_scaling_is_refused(ranks):
     for message in ranks.run(_fp16_error, 1):
         assert message is not None and "bf16" in message, message
+
+
+def _whole_in_backward_against_after(strategy, kind):
+    """3 steps of a whole-tensor optimizer (`kind`) under sw.optimizer_in_backward beside the same one
+    stepping after backward (same seed, data and world size): the names whose values differ, per step."""
+    spec = ZOO["gpt"]
+    models = []
+    for in_backward in (True, False):
+        torch.manual_seed(0)
+        _, model = _model(strategy)
+        optimizer = getattr(torch.optim, kind)(model.parameters(), lr=1e-2)
+        if in_backward:
+            sw.optimizer_in_backward(model, optimizer)
+        models.append((model, optimizer))
+    differ = []
+    for step in range(3):
+        x, y = rank_slice(global_batch(spec, step, 8), dist.get_rank(), dist.get_world_size())
+        for model, optimizer in models:
+            model(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        full, full_after = (sw.full_parameters(model) for model, _ in models)
+        differ += [f"step {step}: {n}" for n in full_after if not torch.equal(full[n], full_after[n])]
+    return differ
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_whole_tensor_optimizer_in_backward(ranks, strategy):
+    """Catches torch's Adafactor (row and column statistics of each whole matrix: Note [whole-tensor step])
+    refused by sw.optimizer_in_backward, stepped on a unit's rows, or with its owners moved between units
+    (Note [whole step per unit]): bitwise the same optimizer stepping after backward at the same world size."""
+    for differ in ranks.run(_whole_in_backward_against_after, 2, strategy, "Adafactor"):
+        assert differ == [], differ[:4]

@@ -204,10 +204,10 @@ def test_muon_owners_are_balanced_by_newton_schulz_cost():
 
     shapes = [(128, 128), (512, 8), (512, 8), (512, 8), (512, 8), (128, 128)]
     params = [SimpleNamespace(_sw_layout=SimpleNamespace(shape=shape)) for shape in shapes]
-    owners = _owners(params, 2, {}, torch.optim.Muon)
+    owners = _owners(params, 2, {}, [0, 0], torch.optim.Muon)
     load = [sum(step_cost(torch.optim.Muon, s) for s, o in zip(shapes, owners) if o == r) for r in range(2)]
     assert max(load) < 1.1 * min(load), (owners, load)
-    assert _owners(params, 2, {}, torch.optim.Adafactor) == [0, 1, 1, 1, 1, 0]  # elements for the rest
+    assert _owners(params, 2, {}, [0, 0], torch.optim.Adafactor) == [0, 1, 1, 1, 1, 0]  # elements for the rest
 
 
 @pytest.mark.parametrize("name", ["muon", "adafactor"])

@@ -10,6 +10,7 @@
     python bench/memory/max_model.py --merge /tmp/mm                                    # then added to the results
     python bench/memory/max_model.py --resume \
         --configs zero3_lowbit,zero3_ac,zero3_bf16_lowbit_ac,zero3_bf16_oib_ac,ds_zero3   # options, DeepSpeed ZeRO-3
+    python bench/memory/max_model.py --verify --configs fsdp2,zero3,zero3_bf16_oib_lowbit_ac   # the 2x row (issue 61)
 
 At a fixed width, the scan looks for the deepest GPT (so the most parameters) with which
 every rank of a configuration trains 3 AdamW steps without its peak RSS (ru_maxrss)

@@ -9,12 +9,12 @@ activation checkpointing), and the combinations:
   exactly; each rank holds the 8-bit moments of the parameters it owns (about 2 of AdamW's 8 bytes per
   element, / N) and, during the step, its owned parameters and gradients whole.
 - zero3_ac: checkpoint_activations=True (each block's forward recomputed in backward).
-- zero3_bf16_lowbit_ac: bf16 + 8-bit AdamW + activation checkpointing, the best combination that stays
-  exact against its own optimizer in one process. Optimizer in backward does not combine with 8-bit AdamW:
-  it steps each unit's rows inside backward, and a quantizer over rows is not the one over the whole
-  tensor (sw.optimizer_in_backward refuses it unless any_optimizer=True, and then the update is not one
-  process's). So its own combination is the other row:
+- zero3_bf16_lowbit_ac: bf16 + 8-bit AdamW + activation checkpointing.
 - zero3_bf16_oib_ac: bf16 + optimizer in backward (torch AdamW) + activation checkpointing.
+- zero3_bf16_oib_lowbit_ac: all four: bf16 + optimizer in backward + 8-bit AdamW + activation
+  checkpointing, each unit's parameters stepped whole on their owners inside backward (Note [whole step per
+  unit], engine/optim/whole_step.py): the update is 8-bit AdamW's after backward, bitwise; per rank about
+  4/N bytes of fp32 values and 2/N of 8-bit moments a parameter, and one unit's gradients at a time.
 - ds_zero3: DeepSpeed ZeRO-3 (the bench extra), built under `deepspeed.zero.Init` (its equivalent of
   sw.deferred_init: no rank holds the whole model), fp32 AdamW, `stage3_param_persistence_threshold: 0`,
   DS_ACCELERATOR=cpu, as bench/speed/deepspeed_arms.py; unavailable with the reason where deepspeed is not.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -49,13 +50,16 @@ OPTION_CONFIGS = {
     "zero3_ac": ("shardwise zero3 + activation checkpointing", "zero3", "fp32", False),
     "zero3_bf16_oib_ac": ("shardwise zero3 + bf16 + optimizer in backward + act. ckpt", "zero3", "bf16", False),
     "zero3_bf16_lowbit_ac": ("shardwise zero3 + bf16 + 8-bit AdamW + act. ckpt", "zero3", "bf16", False),
+    "zero3_bf16_oib_lowbit_ac": ("shardwise zero3 + bf16 + optimizer in backward + 8-bit AdamW + act. ckpt", "zero3",
+                                 "bf16", False),
     "ds_zero3": ("DeepSpeed ZeRO-3", "zero3", "fp32", False),
 }
 # (low-bit optimizer, activation checkpointing, optimizer in backward) per shardwise option row
 _OPTIONS = {"zero3_bf16": (False, False, False), "zero3_offload": (False, False, False),
             "zero3_oib": (False, False, True), "zero3_bf16_oib": (False, False, True),
             "zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
-            "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False)}
+            "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False),
+            "zero3_bf16_oib_lowbit_ac": (True, True, True)}
 
 
 def estimate_options(config: str) -> dict:
@@ -66,9 +70,15 @@ def estimate_options(config: str) -> dict:
     return {"checkpoint_activations": checkpointed, "optimizer_in_backward": in_backward}
 
 
+# `make setup` installs torchao beside the venv, not in it (the Makefile says why): the low-bit rows' ranks get it
+# on their path.
+LOWBIT_SITE = Path(__file__).resolve().parents[2] / ".lowbit"
+
+
 def unavailable(config: str) -> str | None:
     """Why `config` cannot run here (its library is not installed), or None."""
-    if config in ("zero3_lowbit", "zero3_bf16_lowbit_ac") and importlib.util.find_spec("torchao") is None:
+    if _OPTIONS.get(config, (False,))[0] and importlib.util.find_spec("torchao") is None \
+            and not (LOWBIT_SITE / "torchao").is_dir():
         return "torchao is not installed (the lowbit extra: pip install -e '.[lowbit]' -c constraints.txt)"
     if config == "ds_zero3":
         from bench.speed.deepspeed_arms import unavailable as ds_unavailable
@@ -79,7 +89,11 @@ def unavailable(config: str) -> str | None:
 
 def env(config: str) -> dict[str, str]:
     """Environment the launcher adds for `config`'s ranks."""
-    return {"DS_ACCELERATOR": "cpu"} if config == "ds_zero3" else {}
+    if config == "ds_zero3":
+        return {"DS_ACCELERATOR": "cpu"}
+    if _OPTIONS.get(config, (False,))[0] and (LOWBIT_SITE / "torchao").is_dir():
+        return {"PYTHONPATH": os.pathsep.join(filter(None, [str(LOWBIT_SITE), os.environ.get("PYTHONPATH")]))}
+    return {}
 
 
 def build_option(args, cfg, config: str, rank: int, adamw: dict):

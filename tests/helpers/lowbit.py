@@ -190,11 +190,46 @@ def load_other_blocks(path: str, saved_block: int, loaded_block: int) -> str:
     return "loaded"
 
 
-def in_backward(any_optimizer: bool) -> str:
-    """sw.optimizer_in_backward with AdamW8bit; the error's message, or "accepted"."""
-    model, optim = build("zero3", "adamw8bit")
-    try:
-        sw.optimizer_in_backward(model, optim, any_optimizer=any_optimizer)
-    except sw.ShardwiseError as error:
-        return str(error)
-    return "accepted"
+def in_backward_against_after(strategy: str, name: str, steps: int = 3) -> dict:
+    """`steps` steps of `name` under sw.optimizer_in_backward beside the same optimizer stepping after backward
+    (same seed, data and world size: the same reduced gradients, bit for bit). What differs after each step,
+    each run's optimizer-state bytes on this rank, gradients left after the in-backward model's backwards, the
+    collectives its user's step() called (Note [no gradient, no traffic]), and how many quantized states this
+    rank holds."""
+    from shardwise.testing import count_received
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = build(strategy, name)
+    sw.optimizer_in_backward(model, optim)
+    after, after_optim = build(strategy, name)
+    differ, left, calls = [], 0, {}
+    for step in range(steps):
+        x = batch(step, rank, world)
+        model(x).backward()
+        left += sum(param.grad is not None for param in model.parameters())
+        with count_received() as received:
+            optim.step()
+        for call, count in received.calls.items():
+            calls[call] = calls.get(call, 0) + count
+        optim.zero_grad(set_to_none=True)
+        after(x).backward()
+        after_optim.step()
+        after_optim.zero_grad(set_to_none=True)
+        full, full_after = sw.full_parameters(model), sw.full_parameters(after)
+        differ += [f"step {step}: {n}" for n in full_after if not torch.equal(full[n], full_after[n])]
+    quantized = sum(any(type(v) is not torch.Tensor for v in state.values()) for state in optim.state.values())
+    return {"differ": differ, "bytes": state_bytes(optim), "after_bytes": state_bytes(after_optim), "left": left,
+            "calls": calls, "quantized": quantized}
+
+
+def save_in_backward(strategy: str, name: str, path: str) -> dict:
+    """3 steps under sw.optimizer_in_backward, save: this rank's state as saved."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optim = build(strategy, name)
+    sw.optimizer_in_backward(model, optim)
+    for step in range(3):
+        model(batch(step, rank, world)).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    sw.save(path, model, optim, step=3)
+    return owned_state(optim, _names(model))

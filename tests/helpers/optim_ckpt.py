@@ -131,9 +131,12 @@ def load_then_continue(name: str, strategy: str, path: str) -> dict:
     return {"losses": losses, "final": sw.full_parameters(model)}
 
 
-def load_into(path: str, strategy: str, optim_name: str) -> str:
-    """Load `path` into the optimizers `optim_name` builds; the error's message, or "loaded"."""
+def load_into(path: str, strategy: str, optim_name: str, step_first: bool = False) -> str:
+    """Load `path` into the optimizers `optim_name` builds (after one step of theirs with `step_first`: their
+    whole-tensor owners then taken); the error's message, or "loaded"."""
     model, optim = build_run(optim_name, strategy, seed=1)
+    if step_first:
+        run_steps(model, optim, strategy, 0, 1)
     try:
         sw.load(path, model, optim)
     except sw.ShardwiseError as error:

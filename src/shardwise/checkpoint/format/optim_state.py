@@ -17,10 +17,12 @@ the new owner map gets the whole state, the other ranks none, a rows layout its 
 Note [recorded owners]: a whole-tensor optimizer's owner map (Note [kept owners], whole_step.py) is
 recorded in the index, per parameter name, with the size of the shard group it was made for. On load
 under a shard group of another size the map is new and each whole state goes to its new owner. Under
-the same size the map must be the same one: the owners come from the param groups' order and the
-optimizer's cost model, so a differing map means the optimizer was built otherwise (groups reordered,
-parameters moved between groups) or another shardwise balanced it otherwise, and the run would not be
-the one saved. `shardwise ckpt inspect` shows the map's load per rank.
+the same size an optimizer that has no owners yet (built for this load) takes the recorded map
+(whole_step.adopt_owners), so the loaded run is the saved one whatever order assigned the owners then:
+param groups built in another order, or each unit's step under sw.optimizer_in_backward, which assigns
+them in backward's order where a fresh optimizer would in its groups' (a resume at the same world size
+refused every such checkpoint before). One that already has owners (it stepped or loaded before) must
+have the recorded ones: its states live there. `shardwise ckpt inspect` shows the map's load per rank.
 """
 
 from __future__ import annotations

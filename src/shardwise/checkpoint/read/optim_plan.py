@@ -24,7 +24,7 @@ from shardwise.checkpoint.read.report import LoadReport
 from shardwise.checkpoint.read.source_base import Source, SourceTensor
 from shardwise.engine.layout.rows import num_rows
 from shardwise.engine.optim.lowbit import check_parts, flatten_state
-from shardwise.engine.optim.whole_step import StepShape, owners_layout, step_shape, unwrapped
+from shardwise.engine.optim.whole_step import StepShape, adopt_owners, owners_layout, step_shape, unwrapped
 from shardwise.engine.unit.info import ShardInfo
 from shardwise.errors import ShardwiseError
 
@@ -121,6 +121,7 @@ def plan_optimizer(source: Source, number: int, saved: OptimizerRecord, optim, i
     state where the current layout keeps it (Note [optimizer records]): scalars from JSON, tensors from files."""
     load = OptimizerLoad(optim)
     names = optimizer_names(optim, infos)
+    _adopt_recorded_owners(saved, optim, names, pairs)
     where_state = placements(optim, infos)
     _check_owners(source.values_file or source.description, saved, optim, names, pairs, where_state)
     shapes = StateShapes(optim)  # Note [optimizer class]
@@ -166,6 +167,22 @@ def plan_optimizer(source: Source, number: int, saved: OptimizerRecord, optim, i
                                        record.dtype))
             load.states.append((param, state.scalars, reads, param.device if on_device else "cpu"))
     return load
+
+
+def _adopt_recorded_owners(saved: OptimizerRecord, optim, names, pairs) -> None:
+    """Note [recorded owners]: an optimizer without owners yet, under a shard group of the recorded size,
+    takes the recorded map (whole_step.adopt_owners)."""
+    layout = owners_layout(optim)
+    if not saved.owners or layout is None or layout.shard_world != saved.owner_world:
+        return
+    recorded = {}
+    for group in optim.param_groups:
+        for param in held_params(group):
+            name = names[id(param)]
+            saved_name = pairs[name].name if name in pairs else name
+            if saved_name in saved.owners:
+                recorded[id(param)] = saved.owners[saved_name]
+    adopt_owners(optim, recorded)
 
 
 def _check_owners(where: str, saved: OptimizerRecord, optim, names, pairs, where_state) -> None:

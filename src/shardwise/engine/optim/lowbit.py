@@ -16,8 +16,9 @@ only, the owners balanced by elements: per rank about 1/N of one process's state
 split, so the largest one is the grain). Rows aligned to the quantizer's blocks were the other way: they
 split the state evenly, but only where every rank's rows hold a multiple of the block and at least
 4096 elements, and elsewhere they would change which tensors are quantized; not exact in general.
-For the same reason `sw.optimizer_in_backward` refuses these classes (`quantizes_state`), even with
-`any_optimizer=True`: inside backward each unit steps its rows. On CPU torchao compiles its step
+For the same reason `sw.optimizer_in_backward` steps these classes whole too, each unit's parameters on
+their owners as the unit's gradient lands (Note [whole step per unit], whole_step.py), never its rows: the
+update is the step after backward's, and the gradients of one unit live at a time. On CPU torchao compiles its step
 (torch.compile): importing it and the first compiled step add about 170 MiB of RSS per process (measured:
 218 -> 303 MiB at import, 387 MiB after the first step, 419 MiB peak), a constant that a deep model's saved
 state (6 of AdamW's 8 bytes per element, / N) must outweigh before it fits more (bench/memory/max_model.py).

@@ -10,7 +10,9 @@ more model fits the same memory (bench/memory/max_model.py, "+ optimizer in back
 calls this `optimizer_in_bwd`; torch has the experimental `_apply_optimizer_in_backward`.
 
 It is exact because every torch optimizer's update of a parameter reads only that parameter,
-its gradient and its own state, and a unit is reduced only once every use of it in this backward
+its gradient and its own state (an elementwise one steps the unit's rows; one that reads the whole tensor,
+or keeps its state quantized over it, steps the unit's parameters whole on their owners: Note [whole step
+per unit] in whole_step.py), and a unit is reduced only once every use of it in this backward
 has its gradient (GatherUnit). The unit's step is the user's own optimizer, called on a
 param-group view holding only the unit's shards (`lr`, schedules and state stay the optimizer's);
 the user's later `optimizer.step()` finds no gradient and changes nothing, so a training loop
@@ -150,9 +152,11 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     each synced backward) and `zero_grad()` as usual. Saves 4 bytes per parameter / N of memory
     under zero2/zero3; refuses gradient clipping and loss scaling.
 
-    Exact for torch.optim's optimizers, whose update of a parameter reads only that parameter's
-    gradient and state; `any_optimizer=True` accepts another one you know to be such (not one
-    with group-level counters, global norms, step hooks or a closure)."""
+    Exact for torch.optim's optimizers and torchao's low-bit AdamW, whose update of a parameter reads
+    only that parameter, its gradient and state: elementwise ones step each unit's rows, the others
+    (Adafactor, Muon, AdamW8bit, ...) each unit's parameters whole on their owner ranks (Note [whole
+    step per unit]). `any_optimizer=True` accepts another one you know to be such (not one with
+    group-level counters, global norms, step hooks or a closure)."""
     engine = engine_of(unwrap_compiled(model))  # the compiled handle too
     if engine is None or not engine.shards_rows:
         raise ShardwiseError(
@@ -165,21 +169,19 @@ def optimizer_in_backward(model: nn.Module, optimizer: torch.optim.Optimizer, *,
             "scale is known only after every gradient): use precision='bf16', or no optimizer_in_backward."
         )
     kind = type(optimizer)
-    if quantizes_state(optimizer):  # Note [low-bit state]: even with any_optimizer=True
-        raise ShardwiseError(
-            f"sw.optimizer_in_backward cannot step {kind.__name__}: it keeps its state block-quantized over each "
-            "whole tensor (Note [low-bit state]), and inside backward each unit steps its rows, quantized in other "
-            "blocks than one process's. Step it after backward (drop optimizer_in_backward: it steps whole tensors "
-            "there, exactly), or use torch.optim.AdamW with optimizer_in_backward.")
-    # Only the elementwise classes: a whole-tensor one (Muon, Adafactor) needs its owner step
-    # (Note [whole-tensor step]), which cannot run one unit at a time inside backward.
-    if not any_optimizer and (step_shape(optimizer) is not StepShape.ROWS
-                              or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+    # Rows for torch's elementwise classes; whole tensors on their owners, one unit at a time, for the
+    # others (Note [whole step per unit], whole_step.py): torch's Adafactor and Muon, low-bit optimizers
+    # (Note [low-bit state]), and a class of the user's that any_optimizer=True vouches for.
+    shape = step_shape(optimizer)
+    known = shape is StepShape.ROWS or (shape is StepShape.WHOLE and (
+        kind.__module__.startswith("torch.optim") or quantizes_state(optimizer)))
+    if not any_optimizer and (not known or optimizer._optimizer_step_pre_hooks
+                              or optimizer._optimizer_step_post_hooks):
         raise ShardwiseError(
             f"sw.optimizer_in_backward steps {kind.__name__} once per unit: exact only for an optimizer whose "
-            "update of a parameter reads that parameter's gradient and state alone, without a closure or step "
-            "hooks of its own (torch.optim's AdamW, Adam, SGD, ...). Use one of those, or pass "
-            "any_optimizer=True if yours is such."
+            "update of a parameter reads that parameter (whole or by rows), its gradient and its state alone, "
+            "without a closure or step hooks of its own (torch.optim's AdamW, Adam, SGD, Adafactor, torchao's "
+            "AdamW8bit, ...). Use one of those, or pass any_optimizer=True if yours is such."
         )
     if getattr(model, "_sw_loss_scaler", False):
         raise ShardwiseError(NO_SCALING)

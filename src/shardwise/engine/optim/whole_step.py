@@ -52,6 +52,19 @@ There the owner also sends its update back whole into every rank's kept full val
 forward need not re-gather it (Note [owner broadcast]: 1 + f/(2N) of AdamW zero2's bytes, not 1 + f/N).
 The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
 
+Note [whole step per unit]: under sw.optimizer_in_backward each unit's step is the optimizer's own step over
+that unit's shards (step_in_backward.py), so for a WHOLE optimizer it is a WholeStep over those parameters:
+gathered to their owners, stepped whole, scattered back, inside backward, one unit at a time. The update is the
+one after backward (each parameter's reads only itself, its gradient and state), and what lives at once is one
+unit's owned whole values and gradients, not the model's. Owners are kept (Note [kept owners]) over every
+unit's step, so a checkpoint finds each state where the steps put it, and balanced over every parameter
+owned so far, not unit by unit.
+
+Note [no gradient, no traffic]: a parameter with no gradient on any rank is left out of a WholeStep: torch's
+optimizers (and torchao's) skip it, so gathering and scattering it would move its values for nothing. The
+user's step after an optimizer-in-backward backward (every gradient already stepped and dropped) then moves
+no tensor at all, where it gathered every owned parameter whole: 1/N of the model more at its peak.
+
 Note [raising step]: an owner's step can raise on one rank only (its out-of-memory, a check in the
 user's optimizer). Its peers would then wait in the broadcast of the next parameter forever. So
 before broadcasting every rank reaches one agreement (an all-reduce of a flag per rank): the
@@ -165,13 +178,10 @@ def step_cost(kind: type, shape) -> int:
     return numel
 
 
-def _owners(params: list, world_size: int, known: dict[int, int], kind: type = object) -> list[int]:
-    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far
-    by `step_cost` (identical on every rank)."""
-    load = [0] * world_size
-    for param in params:
-        if id(param) in known:
-            load[known[id(param)]] += step_cost(kind, param._sw_layout.shape)
+def _owners(params: list, world_size: int, known: dict[int, int], load: list[int], kind: type = object) -> list[int]:
+    """Each parameter's owner rank: the one it already has (`known`), else the least loaded so far by
+    `step_cost` (identical on every rank). `load`: each rank's cost of every parameter it owns already,
+    in this step or not (Note [kept owners]), updated with the new owners."""
     owners = []
     for param in params:
         owner = known.get(id(param))
@@ -190,16 +200,41 @@ def owner_map(optimizer) -> dict[int, int]:
     Note [kept owners]: a parameter keeps its owner for the optimizer's life, kept on the optimizer
     (`_sw_owners`), since its state lives there: param groups reordered or added after the first step
     (a group for a new head) would otherwise move an owner and orphan the state. New parameters go
-    to the least loaded rank; the same on every rank, as every rank sees the same groups."""
+    to the least loaded rank, by every parameter the rank owns (`_sw_owner_load`), not only those of
+    this step: each unit's step under sw.optimizer_in_backward sees its own parameters, and balanced
+    unit by unit, every block's largest matrix went to rank 0 (at 4 ranks, 4:4:3:1 of a GPT block's
+    state). The same on every rank, as every rank sees the same groups."""
     inner = unwrapped(optimizer)
     if step_shape(inner) is not StepShape.WHOLE:
         return {}
     params = sharded_params(inner)
     world_size = params[0]._sw_unit.mesh.shard_world if params else 1
     known = getattr(inner, "_sw_owners", {})
-    owners = dict(zip(map(id, params), _owners(params, world_size, known, type(inner))))
-    inner._sw_owners = owners
+    load = inner.__dict__.setdefault("_sw_owner_load", [0] * world_size)
+    owners = dict(zip(map(id, params), _owners(params, world_size, known, load, type(inner))))
+    # Merged, not replaced: a step over some groups' parameters only (each unit's step under
+    # sw.optimizer_in_backward, Note [whole step per unit]) keeps every other parameter's owner.
+    inner._sw_owners = {**known, **owners}
     return owners
+
+
+def adopt_owners(optimizer, recorded: dict[int, int]) -> None:
+    """Note [recorded owners] (checkpoint/format/optim_state.py): an optimizer that has no owners yet (never
+    stepped, never loaded) takes a checkpoint's owner map made at its shard group's size (`recorded`: id(param)
+    -> rank), so the loaded run keeps the saved run's owners, however that run assigned them (param groups in
+    another order, each unit's step under sw.optimizer_in_backward). One that has owners keeps them."""
+    inner = unwrapped(optimizer)
+    if getattr(inner, "_sw_owners", None) or step_shape(inner) is not StepShape.WHOLE:
+        return
+    params = {id(param): param for param in sharded_params(inner)}
+    if not params:
+        return
+    world_size = next(iter(params.values()))._sw_unit.mesh.shard_world
+    owners = {key: owner for key, owner in recorded.items() if key in params and 0 <= owner < world_size}
+    load = [0] * world_size
+    for key, owner in owners.items():
+        load[owner] += step_cost(type(inner), params[key]._sw_layout.shape)
+    inner._sw_owners, inner._sw_owner_load = owners, load
 
 
 def owners_layout(optimizer):
@@ -231,7 +266,11 @@ class WholeStep:
 
     def begin(self) -> None:
         copied = [can_copy_whole(param) for param in self.params]  # owner_traffic.py
-        self._agree_on_grads(copied)
+        stepped = self._agree_on_grads(copied)
+        # Note [no gradient, no traffic]: a parameter without a gradient on every rank is skipped by the
+        # optimizer (torch's contract, torchao's too), so it is neither gathered nor scattered.
+        self.params, self.owners, copied = (
+            [item for item, has in zip(items, stepped) if has] for items in (self.params, self.owners, copied))
         pieces = [Piece(("data", i), param, owner, param.detach())
                   for i, (param, owner, copy) in enumerate(zip(self.params, self.owners, copied)) if not copy]
         pieces += [Piece(("grad", i), param, owner, param.grad)
@@ -245,10 +284,11 @@ class WholeStep:
             else:
                 param.grad = None  # this rank does not step it: the optimizer skips a parameter without one
 
-    def _agree_on_grads(self, copied: list[bool]) -> None:
+    def _agree_on_grads(self, copied: list[bool]) -> list[bool]:
         """Refuse, on every rank and before anything moves, a gradient some ranks have and others not
         (set to None on one rank only), and kept full values current on some ranks only (rows written on
-        one rank since the last forward): the gathers would pair with other collectives."""
+        one rank since the last forward): the gathers would pair with other collectives. Else, which
+        parameters have a gradient (on every rank alike)."""
         has = torch.tensor([float(p.grad is not None) for p in self.params] + list(map(float, copied)))
         both = torch.cat([has, -has])
         all_reduce_max(both, self.group, f"{self.kind}.step()'s agreement on gradients")
@@ -267,6 +307,7 @@ class WholeStep:
                 f"{self.kind}.step(): the gradient of {differ[:4]}{'...' if len(differ) > 4 else ''} is None on some "
                 "ranks and not on others (set to None on one rank only?). Every rank must hold the same gradients "
                 "at a step: zero or skip them on every rank. Nothing was stepped.")
+        return [bool(flag) for flag in anywhere[:count]]
 
     def _agree(self, failed: bool) -> list[int]:
         """The ranks whose step raised (Note [raising step]): one all-reduce, every rank reaches it."""
