@@ -16,14 +16,17 @@ from shardwise.engine.optim.lowbit import flatten_state
 from shardwise.estimate.measure import model_state_bytes
 
 
-def held_after_step(strategy: str, name: str) -> dict:
-    """One step of `name` on Net sharded by `strategy`; this rank's optimizer-state bytes (every state tensor
-    as its plain parts: codes, scales, code map, the step counter) and its model-state bytes, after the step."""
+def held_after_step(strategy: str, name: str, in_backward: bool = False) -> dict:
+    """One step of `name` on Net sharded by `strategy` (`in_backward`: under sw.optimizer_in_backward); this
+    rank's optimizer-state bytes (every state tensor as its plain parts: codes, scales, code map, the step
+    counter) and its model-state bytes, after the step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net()
     sw.shard(model, strategy=strategy, **({"units": Block} if strategy != "ddp" else {}))
     optim = make_optimizer(model.parameters(), name)
+    if in_backward:
+        sw.optimizer_in_backward(model, optim)
     model(batch(0, rank, world)).backward()
     optim.step()  # measured after the step, before zero_grad: the most a step keeps
     state = sum(t.numel() * t.element_size() for p, s in optim.state.items()

@@ -311,7 +311,8 @@ def estimate(
         tensors = tensors_of_model(model_or_num_params, units, layout_size) if is_model else tensors_of_count(
             plan_units)
         copies = strategy in ("zero1", "zero2") and c == master  # the owner copies its kept full values
-        low_bit = lowbit_terms(tensors, strategy, world_size, optimizer, master, copies, assume_quantized=not is_model)
+        low_bit = lowbit_terms(tensors, strategy, world_size, optimizer, master, copies, not is_model,
+                               optimizer_in_backward)
         notes += low_bit.notes
 
     secondary = 0 if strategy == "ddp" else secondary_bytes([u.full for u in plan_units[1:]], c, reshard_after_forward)

@@ -9,17 +9,21 @@ Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one 
   element; 4-bit: half a byte), one fp32 scale per block and a code map (256 fp32 entries for 8-bit, 16 for
   4-bit); any other tensor keeps them as the parameter's dtype (the fp32 master), as AdamW does; plus the
   fp32 `step` counter. A model's own shapes decide which; a bare parameter count is taken as quantized.
-- **Where it lives**: zero1/2/3 put each parameter's whole state on its owner, owners assigned greedily in
-  the optimizer's parameter order to the rank least loaded by `step_cost` (elements, for these classes), as
-  the engine's `_owners` does for an optimizer built on `model.parameters()` (frozen parameters take an
-  owner, hold no state). The estimate is the busiest rank's; a matrix is not split, so the largest one is
-  the grain. ddp: every rank holds the whole state. At world size 1 the one rank holds it all.
+- **Where it lives**: zero1/2/3 put each parameter's whole state on its owner, owners assigned greedily in the
+  optimizer's parameter order to the rank least loaded by `step_cost` (elements, for these classes), as the
+  engine's `_owners` does for an optimizer built on `model.parameters()` (frozen parameters take an owner, hold
+  no state). Under optimizer_in_backward the owners are assigned unit by unit as backward steps them (Note
+  [whole step per unit]), the load kept across units: the units in reverse order, the root last (its reduce is
+  backward's last), each unit's parameters in the optimizer's order. The estimate is the busiest rank's; a
+  matrix is not split, so the largest one is the grain. ddp: every rank holds the whole state. At world size 1
+  the one rank holds it all.
 - **The step's transient** (`step_buffers`): `WholeStep.begin` gathers each parameter's rows and gradient rows
   to its owner (`gather_to_owners`: every rank's send buffer of its rows, the owner's receive buffers of
   N padded shards, then the whole tensors cut from them), the optimizer steps them, and the updated rows
   are scattered back. Per rank: sent + received + wholes while the gather lands, or the wholes alone after;
   zero1/zero2 at the master dtype copy the values from their kept full buffers and gather the gradients
-  only (Note [owner traffic]). After the gather, torchao's compiled step holds buffers of its own for the
+  only (Note [owner traffic]); a parameter with no gradient (frozen) moves not at all (Note [no gradient, no
+  traffic]). After the gather, torchao's compiled step holds buffers of its own for the
   tensor it steps, one at a time: measured on one process for a 4 MiB fp32 tensor (VmHWM over the RSS before
   the step, steady steps) 7.9 MiB for 8-bit, 26.0 MiB for 4-bit, so 2 and 6.5 times the largest stepped
   tensor's fp32 bytes are counted (ddp and world size 1: these alone). Measured at 2 ranks on 4 blocks of 256
@@ -136,10 +140,18 @@ def owners_of(tensors: list[Tensor_], world_size: int) -> list[int]:
     return owners
 
 
+def backward_order(tensors: list[Tensor_]) -> list[Tensor_]:
+    """`tensors` in the order sw.optimizer_in_backward's unit steps meet them (Note [low-bit estimate]): the units
+    in reverse, the root (unit 0) last, each unit's own in the optimizer's order."""
+    return sorted(tensors, key=lambda t: -t.unit if t.unit else 1)
+
+
 def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimizer: str, master: int,
-                 copies_values: bool, assume_quantized: bool = False) -> LowBitTerms:
+                 copies_values: bool, assume_quantized: bool = False, in_backward: bool = False) -> LowBitTerms:
     """Note [low-bit estimate]: the state on each rank, the step's transient, torchao's runtime.
-    `copies_values`: zero1/zero2 at the master dtype (the owner copies its kept full values)."""
+    `copies_values`: zero1/zero2 at the master dtype (the owner copies its kept full values); `in_backward`:
+    owners assigned in backward's unit order (sw.optimizer_in_backward)."""
+    tensors = backward_order(tensors) if in_backward else tensors
     kind = LOW_BIT[optimizer]
     state = [tensor_state_bytes(t.numel, kind, master, assume_quantized) if t.trainable else 0 for t in tensors]
     whole = strategy == "ddp" or world_size == 1  # not stepped by owners: every rank its whole state
@@ -172,16 +184,15 @@ def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, mas
     """The busiest rank's bytes in `WholeStep.begin` and the step (Note [low-bit estimate]): its sent rows, its
     receive buffers and the whole tensors cut from them while the gather lands; after it the wholes and the
     step's own buffers for the largest tensor it steps."""
-    def parts(t: Tensor_) -> int:  # values (unless copied) and gradient, each gathered
-        return (0 if copies else 1) + int(t.trainable)
-
-    sent = sum(t.shard * parts(t) for t in tensors)
+    parts = 1 if copies else 2  # values (unless copied) and gradient, each gathered
+    moved = [(t, o) for t, o in zip(tensors, owners) if t.trainable]  # Note [no gradient, no traffic]
+    sent = sum(t.shard * parts for t, _ in moved)
     peak = 0
     for rank in range(world_size):
-        owned = [t for t, o in zip(tensors, owners) if o == rank]
-        received = world_size * sum(t.shard * parts(t) for t in owned)
-        wholes = sum(t.numel * parts(t) for t in owned)
-        largest = max((t.numel for t in owned if t.trainable), default=0)
-        after = sum(t.numel * (1 + int(t.trainable)) for t in owned) + kind.temporaries * largest
+        owned = [t for t, o in moved if o == rank]
+        received = world_size * sum(t.shard * parts for t in owned)
+        wholes = sum(t.numel * parts for t in owned)
+        largest = max((t.numel for t in owned), default=0)
+        after = sum(t.numel * 2 for t in owned) + kind.temporaries * largest
         peak = max(peak, sent + received + wholes, after)
     return int(master * peak)
