@@ -270,8 +270,8 @@ def estimated_total(args, config: str, layers: int) -> int:
         model = GPT(gpt_config(args, layers))
     if config == "pipe2_zero3":  # Note [pipeline arms]
         return estimated_pipe_total(model, args.world_size)
-    est = sw.estimate(model, strategy, args.world_size, precision, "adamw",
-                      "disk:/tmp" if offload else None, args.batch, args.seq, **estimate_options(config))
+    est = sw.estimate(model, strategy, args.world_size, precision, offload="disk:/tmp" if offload else None,
+                      batch=args.batch, seq=args.seq, **estimate_options(config))
     return est.total + (est.gradients if config == "torch_ddp" else 0)
 
 

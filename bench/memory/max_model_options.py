@@ -20,9 +20,8 @@ activation checkpointing), and the combinations:
   DS_ACCELERATOR=cpu, as bench/speed/deepspeed_arms.py; unavailable with the reason where deepspeed is not.
   Its first init compiles a shared-memory op under ~/.cache/torch_extensions; an init killed while compiling
   (a probe's timeout) leaves that folder's `lock` behind, and every later init waits on it: delete it.
-The estimator's figure for each row is sw.estimate's with the row's options (`estimate_options`: optimizer in
-backward, checkpointing, disk offload); a low-bit optimizer's is fp32 AdamW's (sw.estimate has no low-bit
-state), DeepSpeed's and FSDP2's plain zero3's.
+The estimator's figure for each row is sw.estimate's with the row's options (`estimate_options`: the 8-bit
+optimizer, optimizer in backward, checkpointing, disk offload); DeepSpeed's and FSDP2's plain zero3's.
 
 The loss column: each row's model at one fixed depth (--loss-layers, default 8), the bench's data, seed and
 steps, unbudgeted, against fp32 AdamW under plain zero3 at the same depth (`zero3`): the final step's loss,
@@ -63,11 +62,12 @@ _OPTIONS = {"zero3_bf16": (False, False, False), "zero3_offload": (False, False,
 
 
 def estimate_options(config: str) -> dict:
-    """sw.estimate's keyword arguments for `config`'s options: optimizer in backward (Note [gradients stepped in
-    backward], estimate/core.py) and activation checkpointing; a low-bit optimizer's state is not modelled (its
-    estimate is fp32 AdamW's)."""
-    _, checkpointed, in_backward = _OPTIONS.get(config, (False, False, False))
-    return {"checkpoint_activations": checkpointed, "optimizer_in_backward": in_backward}
+    """sw.estimate's keyword arguments for `config`'s options: the optimizer (torchao's 8-bit AdamW: Note [low-bit
+    estimate], estimate/lowbit_bytes.py), optimizer in backward (Note [gradients stepped in backward],
+    estimate/core.py) and activation checkpointing."""
+    lowbit, checkpointed, in_backward = _OPTIONS.get(config, (False, False, False))
+    return {"optimizer": "adamw8bit" if lowbit else "adamw", "checkpoint_activations": checkpointed,
+            "optimizer_in_backward": in_backward}
 
 
 # `make setup` installs torchao beside the venv, not in it (the Makefile says why): the low-bit rows' ranks get it
