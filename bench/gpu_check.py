@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.engine.layout.backends import on_device
 from shardwise.models.gpt import GPT, Block, GPTConfig
 from shardwise.testing import make_optimizer
+from shardwise.wire.backends import on_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/, for gpu_paths beside this script
 import gpu_paths  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise.engine.layout.backends import on_device
+from shardwise.wire.backends import on_device
 
 # name: (sw.shard's options, the step's options, the least world size where the path does something)
 PATHS = {

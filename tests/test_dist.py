@@ -357,7 +357,7 @@ class _Chosen(Exception):
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
 def test_a_mixed_backend_gives_each_rank_its_gpu(monkeypatch, backend):
     """Catches sw.init(backend="cpu:gloo,cuda:nccl") (the mixed group FSDP users pass, Note [group backends])
-    skipping torch.cuda.set_device(LOCAL_RANK), which only `backend == "nccl"` made: every rank of a node then
+    skipping the choice of LOCAL_RANK's device, which only `backend == "nccl"` made: every rank of a node then
     computed and ran NCCL on GPU 0."""
     assert not dist.is_initialized()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -369,7 +369,7 @@ def test_a_mixed_backend_gives_each_rank_its_gpu(monkeypatch, backend):
     def formed(*args, **kwargs):
         raise _Chosen("a group formed before any device was chosen")
 
-    monkeypatch.setattr(torch.cuda, "set_device", chosen)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", chosen)
     monkeypatch.setattr(dist, "init_process_group", formed)
     with pytest.raises(_Chosen) as caught:
         sw.init(backend=backend)

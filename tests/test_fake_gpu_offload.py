@@ -13,7 +13,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from helpers.fake_cuda import ROOT, run_in_child
-from shardwise.engine.layout.backends import backends_of, has_host_backend
+from shardwise.wire.backends import backends_of, has_device_backend, has_host_backend
+from shardwise.wire.messages import all_gather_json, broadcast_json
 
 SCRIPT = ROOT / "tests" / "scripts" / "fake_gpu_host.py"
 HOST = ["zero1-host", "zero2-host", "zero3-host", "zero3-host-ws4", "zero2-host-bf16"]
@@ -149,6 +150,21 @@ def test_group_backends_read_both_spellings(monkeypatch, spelled, on_device, hos
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args: torch.device("cuda"))
     assert (backends_of(None).get("cuda") == "nccl") == on_device
     assert has_host_backend(None) == host
+    assert has_device_backend(spelled) == on_device  # sw.init's question: does each rank need its own device?
+
+
+def test_rank_messages_travel_on_the_host_in_a_mixed_group(monkeypatch):
+    """Catches wire/messages.py choosing its device by `"nccl" in backend` (Note [group backends]): a save's and a
+    load's rank messages on a "cpu:gloo,cuda:nccl" group went to the GPU, a copy there and a sync back, where gloo
+    takes them on the host (on this CPU build the old choice raises: no CUDA to put them on)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args: torch.device("cuda"))
+        assert all_gather_json({"rank": 0}, dist.group.WORLD) == [{"rank": 0}]
+        assert broadcast_json({"saved": 3}, dist.group.WORLD) == {"saved": 3}
+    finally:
+        dist.destroy_process_group()
 
 
 def _saved(directory) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ LAYERS = {
     "shardwise.allocator": 0,  # glibc's settings, set by sw.init (Note [allocator at init])
     "shardwise.teardown": 0,  # what closes at exit (Note [exit teardown]): everything below may register
     "shardwise.wire.canonical": 0,  # options in a canonical form: config.py marks its per-rank fields with it
+    "shardwise.wire.backends": 0,  # which backend serves which device (Note [group backends]): dist, wire, the engine
     "shardwise.config": 1,
     "shardwise.dist": 1,
     "shardwise.collective_watch": 1,  # watches torch.distributed's collectives: every traffic counter

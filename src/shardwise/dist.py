@@ -61,6 +61,7 @@ import torch.distributed as dist
 from shardwise.allocator import MMAP_THRESHOLD_BYTES, set_mmap_threshold
 from shardwise.errors import ShardwiseError
 from shardwise.teardown import close_all, close_group_at_exit
+from shardwise.wire.backends import has_device_backend
 
 # torchrun always sets all of these together; a subset means a hand-made launch went wrong.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -97,8 +98,8 @@ def init(
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     env = _read_launch_env()
-    if _uses_nccl(backend):
-        torch.cuda.set_device(env["local_rank"])
+    if has_device_backend(backend):
+        torch.accelerator.set_device_index(env["local_rank"])  # each rank its own device
     if env["world_size"] == 1 and env["rank"] == 0 and "MASTER_ADDR" not in os.environ:
         # One process, no launcher: an in-memory store needs no port.
         # Said once per group formed (a second init() returns above), through logging: a script run
@@ -310,12 +311,6 @@ def _claimed_twice_message(ranks: list[int]) -> str:
     return (f"two processes joined as rank {names} through one rendezvous store: two copies of a job (or two jobs "
             "without SHARDWISE_RUN_ID) were pointed at one MASTER_ADDR:MASTER_PORT. Give each job its own "
             "MASTER_PORT, and every rank of one hand-launched job the same SHARDWISE_RUN_ID.")
-
-
-def _uses_nccl(backend: str) -> bool:
-    """Whether `backend` gives NCCL the GPUs: "nccl", or a mixed one such as "cpu:gloo,cuda:nccl" (what FSDP users
-    pass; Note [group backends] in engine/layout/backends.py), whose ranks each need their own GPU as much."""
-    return any(part.rpartition(":")[2] == "nccl" for part in backend.split(","))
 
 
 def _read_launch_env() -> dict[str, int]:

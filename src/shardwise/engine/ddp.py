@@ -48,8 +48,8 @@ class DDPEngine(Engine):
         self.group = process_group
         self.original_forward = model.forward
         device_ids = None
-        if next(model.parameters(), torch.empty(0)).is_cuda:
-            device_ids = [torch.cuda.current_device()]
+        if next(model.parameters(), torch.empty(0)).device.type not in ("cpu", "meta"):
+            device_ids = [torch.accelerator.current_device_index()]  # the accelerator's, CUDA or not
         proxy = _ForwardProxy(model, model.forward)
         # Host-shared frozen weights (Note [host copy]): DDP's start-up broadcast would write them.
         setattr(proxy, DDP_IGNORE_ATTRIBUTE, [f"model.{name}" for name in host_param_names(model)])

@@ -19,14 +19,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import host_values_device
 
 MAX_MESSAGE_BYTES = 2**30  # a save's per-rank record (its crcs) is under 1 MiB per TiB of data
-
-
-def _device(group) -> torch.device:
-    """Where the group's collectives take tensors: the current GPU for NCCL, else the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
 
 
 def _encode(obj, device) -> torch.Tensor:
@@ -58,7 +53,7 @@ def _sizes(size: int, group, world: int, device) -> list[int]:
 def all_gather_json(obj, group) -> list:
     """Every rank's `obj` (JSON), on every rank."""
     world = dist.get_world_size(group)
-    device = _device(group)
+    device = host_values_device(group)  # Note [group backends]: the CPU wherever gloo serves it
     data = _encode(obj, device)
     sizes = _sizes(data.numel(), group, world, device)
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
@@ -71,7 +66,7 @@ def all_gather_json(obj, group) -> list:
 def gather_json(obj, group, dst: int = 0) -> list | None:
     """Every rank's `obj` (JSON) on group rank `dst`; None on the others."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = _device(group)
+    device = host_values_device(group)  # Note [group backends]: the CPU wherever gloo serves it
     data = _encode(obj, device)
     sizes = _sizes(data.numel(), group, world, device)
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
@@ -84,7 +79,7 @@ def gather_json(obj, group, dst: int = 0) -> list | None:
 def broadcast_json(obj, group, src: int = 0):
     """Group rank `src`'s `obj` (JSON), on every rank (the others pass anything, e.g. None)."""
     rank = dist.get_rank(group)
-    device = _device(group)
+    device = host_values_device(group)  # Note [group backends]: the CPU wherever gloo serves it
     data = _encode(obj if rank == src else None, device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     source = dist.get_global_rank(group, src)

@@ -223,20 +223,21 @@ class _Copier:
 
     def __call__(self, what, tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
         tensor = tensor.detach()
+        on_device = tensor.device.type != "cpu"  # any accelerator, CUDA or not (Note [group backends])
         copy = self.staging.get(what)
         if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
-            pinned = tensor.device.type == "cuda"  # a pinned buffer: the device-to-host copy at full speed
-            copy = self.staging[what] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned)
+            # A pinned buffer for an accelerator's tensor: the device-to-host copy at full speed.
+            copy = self.staging[what] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_device)
         with torch.no_grad():  # the staging copy may require grad since the last save
-            copy.copy_(tensor, non_blocking=tensor.device.type == "cuda")
-        self.device |= tensor.device.type == "cuda"
+            copy.copy_(tensor, non_blocking=on_device)
+        self.device |= on_device
         self.used.add(what)
         requires_grad = (tensor if like is None else like).requires_grad
         return copy.requires_grad_(requires_grad) if copy.is_floating_point() else copy
 
     def finish(self) -> None:
         if self.device:
-            torch.cuda.synchronize()  # every non_blocking copy landed before training changes the originals
+            torch.accelerator.synchronize()  # every non_blocking copy landed before training changes the originals
         for what in set(self.staging) - self.used:
             del self.staging[what]  # a tensor this save did not have (a param frozen since): freed
 

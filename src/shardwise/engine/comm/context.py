@@ -1,6 +1,6 @@
 """An engine's communication context: the strategy of each group, the buffers reused across steps, and the
 streams its collectives run on. Units ask it for a handle and wait on the handle.
-Uses: backends, buffers, collectives, quantize, small, strategy, streams.
+Uses: buffers, collectives, quantize, small, strategy, streams.
 
 Note [comm context]: every collective a unit issues on the hot path (its gather, its gradient reduce, the
 replica average of a hybrid mesh) goes through one `CommContext`, built by the engine (zero.py) and handed
@@ -31,7 +31,7 @@ from shardwise.engine.comm.quantize import QuantizedForms
 from shardwise.engine.comm.small import start_all_gather_rows
 from shardwise.engine.comm.strategy import TorchForms, strategy_for
 from shardwise.engine.comm.streams import GATHER, REDUCE, REPLICA, CommStreams, device_api
-from shardwise.engine.layout.backends import device_of
+from shardwise.wire.backends import device_of
 
 
 class CommContext:

@@ -17,7 +17,8 @@ The branches that remain device-specific, all of them:
   the caching allocator; host memory has no allocator streams.
 - Which device an engine computes on, from its group's backend (NCCL: the current accelerator device):
   comm/context.py `CommContext.for_group`, unit/flat_unit.py, layout/groups.py, memory/precision.py,
-  schedule/consistency.py, wire/messages.py; and ddp.py's `device_ids`.
+  schedule/consistency.py, wire/messages.py (each through wire/backends.py, Note [group backends]); ddp.py's
+  `device_ids`; dist.py's `sw.init` choosing each rank's device where NCCL serves it.
 - Where a gather tag is checked (Note [gather tags], schedule/gather_tags.py): at once where the tags land
   on the host (gloo), later, off the critical path, where they land on a device (`TagsOnDevice`); likewise
   the agreement's headers (Note [headers on the device], schedule/agreement_device.py: `HeadersOnDevice`) and

@@ -1,5 +1,5 @@
 """Every process group the library makes, made here: the engine's reduce and host groups, the
-pipeline's stage and replica groups, the checkpoint's own group. Uses: backends.
+pipeline's stage and replica groups, the checkpoint's own group. Uses: nothing of the engine.
 
 Note [one maker of groups]: a process group is a collective to create (every member calls
 `new_group` in the same order) and a resource to close (Note [exit teardown]); making them in one
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from shardwise.engine.layout.backends import device_of, has_host_backend
 from shardwise.teardown import close_group_at_exit
+from shardwise.wire.backends import device_of, has_host_backend
 
 
 def make_group(ranks: Sequence[int], *, like=None, backend: str | None = None, local: bool = False,

@@ -1,5 +1,5 @@
 """The parallel layout: which ranks exist along which dimension, which rows of any tensor each rank
-holds, and who writes what. One object every package asks. Uses: backends, groups, rows.
+holds, and who writes what. One object every package asks. Uses: groups, rows.
 
 Note [mesh info]: a zero engine's ranks form a `replicate x shard` mesh (FSDP2's names; its
 `FSDPParallelLayout` / `HSDPParallelLayout`, torchtitan's `ParallelDims`). Parameters are cut into dim-0 chunks
@@ -67,10 +67,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.engine.layout.backends import device_of
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.layout.rows import num_rows, row_range, rows_per_rank
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import device_of
 
 
 @dataclass(frozen=True, eq=False)

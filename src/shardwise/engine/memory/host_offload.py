@@ -1,5 +1,5 @@
 """`shard(..., offload="host")`: master rows, their gradients and the optimizer state in host memory, the
-optimizer stepped on the CPU. Uses: backends, streams.
+optimizer stepped on the CPU. Uses: streams.
 
 Note [host offload]: FSDP2's `CPUOffloadPolicy` and DeepSpeed's ZeRO-Offload keep a GPU's model state off
 the GPU: the device holds only full values (zero3: of the units in use; zero1/zero2: kept) and what
@@ -41,7 +41,7 @@ Device choices, all of them (Note [one device path], streams.py):
   type: `DTensor.from_local` moves a local tensor to its mesh's device, so a mesh of the accelerator would hand
   out copies (FSDP2 builds its CPU-offloaded DTensors without that move, through a private constructor).
 
-The process group (Note [group backends], layout/backends.py): `sw.clip_grad_norm_` and `sw.grad_norms`
+The process group (Note [group backends], wire/backends.py): `sw.clip_grad_norm_` and `sw.grad_norms`
 all-reduce norms of host gradients, which NCCL alone cannot, so the group needs a CPU backend beside the
 device's (`sw.init(backend="cpu:gloo,cuda:nccl")`, as FSDP2's CPU offload asks): `check_group` refuses a
 group without one when the first unit takes its rows, on every rank. Such a mixed group runs the gathers on
@@ -62,8 +62,8 @@ from torch import Tensor
 
 from shardwise.config import HostOffload
 from shardwise.engine.comm.streams import GATHER
-from shardwise.engine.layout.backends import has_host_backend
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import has_host_backend
 
 HOST = torch.device("cpu")
 

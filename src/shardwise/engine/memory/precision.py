@@ -1,5 +1,5 @@
 """Mixed precision at run time: a loss scaler whose overflow check all ranks agree on.
-Uses: backends, compat, protocol, small.
+Uses: compat, protocol, small.
 
 The policy itself (`MixedPrecision`) is in shardwise/config.py.
 
@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_map
 
 from shardwise.engine.comm.small import all_reduce_max
 from shardwise.engine.compat import plain_tensors, unwrap_compiled
-from shardwise.engine.layout.backends import device_of
 from shardwise.engine.protocol import engine_of, slicing_of
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import device_of
 
 
 def cast_floating_inputs(dtype: torch.dtype):

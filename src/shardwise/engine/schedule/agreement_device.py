@@ -1,6 +1,6 @@
 """The agreement's headers where the engine's collectives run on a device (NCCL): sent on a device group of their
 own and compared before the next optimizer step, never waited for by the host at a phase. Uses: agreement,
-backends, collectives, flat_unit, groups, small, streams.
+collectives, flat_unit, groups, small, streams.
 
 Note [headers on the device]: on gloo a header (Note [agreement rides the traffic], agreement.py) is confirmed
 where the host waits for the phase's collectives anyway, so it costs no rendezvous the payload did not already
@@ -66,11 +66,11 @@ import torch.distributed as dist
 from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import device_api
-from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.schedule.agreement import REFUSED, STEP, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import on_device
 
 # Headers in flight without a step before the older ones are compared: evaluation loops, generate(); a step of up to
 # 7 micro-batches (a STEP header and two a micro-batch) stays under it.

@@ -1,6 +1,6 @@
 """Ranks agree on the model at `shard()`: the same options (every one: Note [options by construction],
 wire/canonical.py), the same parameters (and which are trainable) and the same starting values. What they
-agree on during training rides the traffic (agreement.py). Uses: backends, flat_unit, small.
+agree on during training rides the traffic (agreement.py). Uses: flat_unit, small.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.engine.comm.small import all_gather_list, all_reduce_max, broadcast_from
-from shardwise.engine.layout.backends import host_values_device
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import host_values_device
 from shardwise.wire.canonical import canonical, first_difference, shown
 from shardwise.wire.messages import all_gather_json
 

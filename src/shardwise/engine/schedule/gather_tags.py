@@ -1,5 +1,5 @@
 """zero3: which unit each rank's k-th all-gather carries, checked before its values are used (gloo) or
-before any optimizer step applies them (a device). Uses: agreement, backends, collectives, context, flat_unit,
+before any optimizer step applies them (a device). Uses: agreement, collectives, context, flat_unit,
 groups, small, streams.
 
 Note [gather tags]: zero3's gathers follow each rank's own forward (Note [collective order], zero.py), so
@@ -58,11 +58,11 @@ from shardwise.engine.comm.collectives import named_failure
 from shardwise.engine.comm.context import CommContext
 from shardwise.engine.comm.small import host_values_to, start_all_gather_rows, wait_for_copy
 from shardwise.engine.comm.streams import GATHER
-from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import new_host_group
 from shardwise.engine.schedule.agreement import DIFFERENT_FORWARDS, REFUSED, Agreement
 from shardwise.engine.unit.flat_unit import FlatUnit
 from shardwise.errors import ShardwiseError
+from shardwise.wire.backends import on_device
 
 ORDER_SLOTS = 12  # the last units run, named in the error (earlier ones are elided)
 # Tags on the device compared without an optimizer step at least every SETTLE_STEPS steps' worth (a step tags

@@ -1,6 +1,6 @@
 """Which parameters any rank used this backward (Note [unused params], unit_grads.py), agreed for the reducer
 (reducer.py): on the host group where the engine's collectives run on the host (gloo), on the device where they
-run on a device (NCCL). Uses: backends, collectives, flat_unit, groups, small, streams.
+run on a device (NCCL). Uses: collectives, flat_unit, groups, small, streams.
 
 Note [used flags on the device]: on gloo the flags are one all-reduce of host values on the host group once the
 backward's reduces landed, where the host waits for those reduces anyway (`UsedFlags`, as before). On NCCL that
@@ -43,9 +43,9 @@ import torch.distributed as dist
 from shardwise.engine.comm.collectives import any_rank, named_failure
 from shardwise.engine.comm.small import host_values_to, start_all_reduce_max, wait_for_copy
 from shardwise.engine.comm.streams import device_api
-from shardwise.engine.layout.backends import on_device
 from shardwise.engine.layout.groups import make_group
 from shardwise.engine.unit.flat_unit import FlatUnit
+from shardwise.wire.backends import on_device
 
 WHAT = "the agreement on which parameters have gradients"
 

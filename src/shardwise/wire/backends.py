@@ -1,5 +1,6 @@
 """Which backend serves which device type in a process group, and where a group's collectives take the engine's
-tensors: the one question every site asks of a group's backend (Note [group backends]). Uses: nothing of the engine.
+tensors: the one question every site asks of a group's backend (Note [group backends]). Below the engine, wire/
+and dist.py (layer 0): they ask it too. Uses: torch alone.
 
 Note [group backends]: a process group serves each device type with one backend. `dist.get_backend` spells a
 group of one backend by its name ("nccl", "gloo") and a mixed one by device ("cpu:gloo,cuda:nccl", what
@@ -25,10 +26,21 @@ DEVICE_ONLY = frozenset({"nccl"})
 def backends_of(group) -> dict[str, str]:
     """{device type: backend} of `group` ("*": a single backend named for every device type it serves; Note
     [group backends])."""
-    spelled = dist.get_backend(group)
+    return parse_backends(dist.get_backend(group))
+
+
+def parse_backends(spelled: str) -> dict[str, str]:
+    """{device type: backend} of a backend as `dist.get_backend` or `sw.init(backend=)` spells it."""
+    spelled = spelled.lower()
     if ":" not in spelled:
         return {"*": spelled} if spelled not in DEVICE_ONLY else {_accelerator_type(): spelled}
     return dict(part.split(":", 1) for part in spelled.split(","))
+
+
+def has_device_backend(spelled: str) -> bool:
+    """Whether a backend so spelled gives a device-only backend (NCCL) the accelerator, alone or beside gloo:
+    its ranks then each need their own device (sw.init sets it)."""
+    return any(name in DEVICE_ONLY for name in parse_backends(spelled).values())
 
 
 def has_host_backend(group) -> bool:
