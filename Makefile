@@ -11,11 +11,14 @@ WORKERS ?= 2
 # The lowbit extra (torchao) beside the venv, not in it: transformers imports torchao whenever it can
 # (its quantizer), and on a CPU host torchao prints "Failed to load ..._C_mxfp8" at every import, which
 # the examples' quiet checks read as a library's notice. tests/test_lowbit_optim.py puts .lowbit first.
+# --no-compile: pip byte-compiles every module it installs (torch alone is thousands), where Python compiles the
+# ones a run imports, once, at their first import: torch's install took 37 s against 107 s on this loaded host
+# (one after the other), the extras 66 s against 187 s.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
-	$(PY) -m pip install -q -c constraints.txt --no-deps --upgrade --target .lowbit torchao
+	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt --no-deps --upgrade --target .lowbit torchao
 	touch $(STAMP)
 
 setup: $(STAMP)
