@@ -22,6 +22,7 @@ from helpers.lowbit import (
     load_and_step,
     load_other_blocks,
     lowbit_pool,
+    offloaded_against_plain,
     save_after,
     save_in_backward,
 )
@@ -131,3 +132,25 @@ def test_lowbit_in_backward_state_resumes(ranks, tmp_path, loaded_at):
     for param, parts in saved.items():
         for key, tensor in parts.items():
             assert torch.equal(loaded[param][key], tensor), f"{param} {key} differs after the load"
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_lowbit_with_offload_is_exact_or_refused(ranks, tmp_path, name, in_backward):
+    """Catches a low-bit optimizer under offload that fails deep inside torch or trains another model: disk
+    offload's chunked step copied torchao's quantized state into a plain mapped file (a bare RuntimeError at
+    one rank) and, over ranks, stepped each rank's rows where one process steps the whole tensor (another
+    model, silently). offload='disk:...' is refused at the first step on every rank, naming the fix (Note
+    [what a chunk can step], offload.py); offload='host' is bitwise the same run without offload at one rank
+    (rows are the whole tensor) and refused over ranks (Note [host offload])."""
+    disk = f"disk:{tmp_path}"
+    for world, offload in ((1, disk), (2, disk), (1, "host"), (2, "host")):
+        results = ranks.run(offloaded_against_plain, world, name, offload, in_backward, timeout=300)
+        if world == 1 and offload == "host":
+            assert results[0] == {"refused": None, "differ": []}, results
+            continue
+        for rank, result in enumerate(results):
+            message = result["refused"]
+            assert message is not None, f"ws {world} {offload} rank {rank} stepped: {result}"
+            fix = "Drop offload=" if offload == disk else "drop offload="
+            assert "offload='" in message and fix in message, message

@@ -233,3 +233,29 @@ def save_in_backward(strategy: str, name: str, path: str) -> dict:
         optim.zero_grad(set_to_none=True)
     sw.save(path, model, optim, step=3)
     return owned_state(optim, _names(model))
+
+
+def _trained(name: str, offload, in_backward: bool, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    sw.shard(model, strategy="zero3", units=Block, offload=offload)
+    optim = make_optimizer(model.parameters(), name)
+    if in_backward:
+        sw.optimizer_in_backward(model, optim)
+    for step in range(steps):
+        model(batch(step, rank, world)).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return sw.full_parameters(model)
+
+
+def offloaded_against_plain(name: str, offload: str, in_backward: bool, steps: int = 3) -> dict:
+    """`steps` steps of `name` on a zero3 model sharded with `offload` (stepped in backward or after it) beside
+    the same without offload: the ShardwiseError's message on this rank, or the names whose values differ."""
+    try:
+        offloaded = _trained(name, offload, in_backward, steps)
+    except sw.ShardwiseError as error:
+        return {"refused": str(error)}
+    plain = _trained(name, None, in_backward, steps)
+    return {"refused": None, "differ": [n for n in plain if not torch.equal(plain[n], offloaded[n])]}
