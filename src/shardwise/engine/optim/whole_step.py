@@ -50,7 +50,8 @@ them), backward learns which optimizer steps a parameter whole only at its first
 sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
 There the owner also sends its update back whole into every rank's kept full values, so the next
 forward need not re-gather it (Note [owner broadcast]: 1 + f/(2N) of AdamW zero2's bytes, not 1 + f/N).
-The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
+The collectives go by owner, batched and overlapped, their buffers bounded: Note [owner batches], Note [owner
+memory] in owner_traffic.py.
 
 Note [whole step per unit]: under sw.optimizer_in_backward each unit's step is the optimizer's own step over
 that unit's shards (step_in_backward.py), so for a WHOLE optimizer it is a WholeStep over those parameters:
