@@ -22,6 +22,9 @@ from helpers.lowbit import (
     load_and_step,
     load_other_blocks,
     lowbit_pool,
+    offloaded_against_plain,
+    owner_buffers_peak,
+    replacing_step_against_one_process,
     save_after,
     save_in_backward,
 )
@@ -131,3 +134,53 @@ def test_lowbit_in_backward_state_resumes(ranks, tmp_path, loaded_at):
     for param, parts in saved.items():
         for key, tensor in parts.items():
             assert torch.equal(loaded[param][key], tensor), f"{param} {key} differs after the load"
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after_backward", "in_backward"])
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_lowbit_with_offload_is_exact_or_refused(ranks, tmp_path, name, in_backward):
+    """Catches a low-bit optimizer under offload that fails deep inside torch or trains another model: disk
+    offload's chunked step copied torchao's quantized state into a plain mapped file (a bare RuntimeError at
+    one rank) and, over ranks, stepped each rank's rows where one process steps the whole tensor (another
+    model, silently). offload='disk:...' is refused at the first step on every rank, naming the fix (Note
+    [what a chunk can step], offload.py); offload='host' is bitwise the same run without offload at one rank
+    (rows are the whole tensor) and refused over ranks (Note [host offload])."""
+    disk = f"disk:{tmp_path}"
+    for world, offload in ((1, disk), (2, disk), (1, "host"), (2, "host")):
+        results = ranks.run(offloaded_against_plain, world, name, offload, in_backward, timeout=300)
+        if world == 1 and offload == "host":
+            assert results[0] == {"refused": None, "differ": []}, results
+            continue
+        for rank, result in enumerate(results):
+            message = result["refused"]
+            assert message is not None, f"ws {world} {offload} rank {rank} stepped: {result}"
+            fix = "Drop offload=" if offload == disk else "drop offload="
+            assert "offload='" in message and fix in message, message
+
+
+@pytest.mark.parametrize("world, model, alone", [(2, "net", 2048), (4, "net", 2048), (2, "many", 1024)])
+def test_lowbit_after_backward_owner_buffers_are_bounded(ranks, world, model, alone):
+    """Catches the owners' traffic holding more than the wholes a rank steps (Note [owner memory], owner_traffic.py):
+    the gather's received parts and packed rows beside the wholes cut from them, every transfer in flight at once,
+    the scatter's padded copies: up to three times the owned values and gradients at the peak, above torch AdamW's.
+    Counted through the traffic's one allocator, with a small alone threshold (`alone`: on the Net the blocks'
+    matrices travel alone, the rest packed; on 40 layers of 8 x 8 everything packed, in many transfers): the peak at
+    most the owned wholes (padded) plus WINDOW transfers of 3 * threshold + the largest whole / N each (Note [owner
+    memory]'s bound), at least the owned wholes (every buffer counted), and the steps bitwise one process's. The
+    packed step, counted so, peaked at 3.2x the owned wholes on the Net (226 KiB against 71 at rank 0 of 2) and 3.0x
+    on the 40 layers; this one at 1.03x and 1.12x."""
+    from shardwise.engine.comm.owner_traffic import WINDOW
+
+    results = ranks.run(owner_buffers_peak, world, "zero3", "adamw8bit", alone, model == "many", timeout=300)
+    for rank, result in enumerate(results):
+        assert result["differ"] == [], f"rank {rank}: {result['differ'][:4]}"
+        bound = result["owned"] + WINDOW * (3 * alone + result["largest"] // world)
+        assert result["owned"] <= result["peak"] <= bound, (rank, result)
+
+
+def test_whole_step_scatters_a_replaced_tensor(ranks):
+    """Catches the update lost when the step gives a parameter a new tensor (`p.data = ...`) and its whole travelled
+    alone (Note [owner memory]: scattered from the buffer it was gathered into): bitwise one process's at 4 ranks
+    (the head padded to 132 rows), the blocks' matrices alone, the rest packed."""
+    for rank, differ in enumerate(ranks.run(replacing_step_against_one_process, 4, 2048, timeout=300)):
+        assert differ == [], f"rank {rank}: {differ[:4]}"

@@ -1,11 +1,11 @@
 """The table of bench/correctness/mutations.py: each deliberate mutation and the test that must catch it, as (name,
 function, text, replacement, tests to run). This file holds the engine's first rows (units, windows, gradients,
 sharing checks, whole-tensor optimizers and steps, meshes, host copies) and joins the parts in table order: the
-pipeline's and the estimator probe's rows are in mutation_table_pipeline.py, the stage policies', plain-rows
-steps' and the window states' in mutation_table_step.py, the device forms', host offload's and the planner's in
-mutation_table_device.py, the communication layer's (engine/comm/: buffers, forms, hpZ, quantized collectives)
-in mutation_table_comm.py, checkpoints', exports' and the integrations' in mutation_table_checkpoint.py.
-bench/correctness/mutations.py explains the fields and runs them.
+pipeline's and the estimator probe's rows are in mutation_table_pipeline.py, the stage policies', plain-rows steps',
+the window states' and disk offload's refusals in mutation_table_step.py, the device forms', host offload's and the
+planner's in mutation_table_device.py, the communication layer's (engine/comm/: buffers, forms, hpZ, quantized
+collectives) in mutation_table_comm.py, checkpoints', exports' and the integrations' in
+mutation_table_checkpoint.py. bench/correctness/mutations.py explains the fields and runs them.
 """
 
 from bench.correctness.mutation_table_checkpoint import CHECKPOINT_MUTATIONS  # in bench/correctness/ beside this file

@@ -1,6 +1,7 @@
 """bench/correctness/mutations.py's table, its step part: mutations of the stage policies and the optimizer step's
-marks (issue 43), the plain-rows step bodies and their guards (issue 47) and the window's states (issue 57), each
-with the test that must catch it. Fields as in mutation_table.py, which joins the parts into MUTATIONS.
+marks (issue 43), the plain-rows step bodies and their guards (issue 47), the window's states (issue 57) and what
+disk offload's chunked step refuses (issue 61), each with the test that must catch it. Fields as in
+mutation_table.py, which joins the parts into MUTATIONS.
 """
 
 STEP_MUTATIONS = [
@@ -74,4 +75,24 @@ STEP_MUTATIONS = [
      '        if id(unit) in self.reduced:',
      '        if False:',
      "tests/test_window.py -k 'two_windows and zero3'"),
+    ("issue 61: torchao's quantized state under offload='disk:...' not refused (a bare RuntimeError spilling it)",
+     'refuse_disk_offload',
+     '    if quantizes_state(inner):',
+     '    if False:',
+     "tests/test_lowbit_optim.py -k 'offload and adamw8bit and after_backward'"),
+    ("issue 61: an optimizer stepped on whole tensors under offload='disk:...' over ranks not refused (rows stepped)",
+     'refuse_disk_offload',
+     '    elif step_shape(inner) is StepShape.WHOLE and any(',
+     '    elif False and any(',
+     'tests/test_offload_whole_step.py'),
+    ("issue 61: the owners' transfers all in flight at once (no window: every transfer's buffers alive together)",
+     '_windowed',
+     '        if len(pending) >= WINDOW:',
+     '        if False:',
+     "tests/test_lowbit_optim.py -k 'owner_buffers_are_bounded and 2'"),
+    ("issue 61: a large tensor's whole cut from its received parts, not received straight into it (two copies)",
+     '_travels_alone',
+     '    return len(transfer) == 1 and _whole_bytes(transfer[0], mesh) >= ALONE_BYTES',
+     '    return False',
+     "tests/test_lowbit_optim.py -k 'owner_buffers_are_bounded and 4'"),
 ]

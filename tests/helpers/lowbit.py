@@ -68,6 +68,20 @@ class Net(nn.Module):
         return self.head(x).square().mean()
 
 
+class Many(nn.Module):
+    """Many small tensors (40 layers of 8 x 8): the owners' transfers are many packed ones (Note [owner memory])."""
+
+    def __init__(self, depth: int = 40):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(depth)])
+
+    def forward(self, x):
+        x = x[:, :8]
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x.square().mean()
+
+
 def make_optimizer(params, name: str, **options):
     import torchao.optim
 
@@ -75,12 +89,13 @@ def make_optimizer(params, name: str, **options):
     return kind(params, lr=1e-2, **options)
 
 
-def build(strategy: str, name: str, seed: int = 0, **options):
-    """The model (sharded under `strategy`, or plain for "none") and `name`'s optimizer, built after shard()."""
+def build(strategy: str, name: str, seed: int = 0, kind: type = Net, **options):
+    """The model (a `kind`, sharded under `strategy`, or plain for "none") and `name`'s optimizer, built after
+    shard()."""
     torch.manual_seed(seed)
-    model = Net()
+    model = kind()
     if strategy != "none":
-        sw.shard(model, strategy=strategy, units=Block)
+        sw.shard(model, strategy=strategy, units=Block if kind is Net else nn.Linear)
     return model, make_optimizer(model.parameters(), name, **options)
 
 
@@ -233,3 +248,111 @@ def save_in_backward(strategy: str, name: str, path: str) -> dict:
         optim.zero_grad(set_to_none=True)
     sw.save(path, model, optim, step=3)
     return owned_state(optim, _names(model))
+
+
+def _trained(name: str, offload, in_backward: bool, steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Net()
+    sw.shard(model, strategy="zero3", units=Block, offload=offload)
+    optim = make_optimizer(model.parameters(), name)
+    if in_backward:
+        sw.optimizer_in_backward(model, optim)
+    for step in range(steps):
+        model(batch(step, rank, world)).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return sw.full_parameters(model)
+
+
+def offloaded_against_plain(name: str, offload: str, in_backward: bool, steps: int = 3) -> dict:
+    """`steps` steps of `name` on a zero3 model sharded with `offload` (stepped in backward or after it) beside
+    the same without offload: the ShardwiseError's message on this rank, or the names whose values differ."""
+    try:
+        offloaded = _trained(name, offload, in_backward, steps)
+    except sw.ShardwiseError as error:
+        return {"refused": str(error)}
+    plain = _trained(name, None, in_backward, steps)
+    return {"refused": None, "differ": [n for n in plain if not torch.equal(plain[n], offloaded[n])]}
+
+
+def _holders(tensors: list) -> list[tuple[int, int]]:
+    """For each tensor (a new list of them), the references to its object (Python's count) and to its storage
+    (torch's use count), as seen from here: compare only counts taken the same way."""
+    return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in tensors]
+
+
+@contextlib.contextmanager
+def counted_owner_buffers(alone_bytes: int):
+    """Note [owner memory] (engine/comm/owner_traffic.py): every buffer the owners' traffic allocates, counted
+    while anything but this counter holds it; yields a dict whose "peak" is the most bytes alive at once. A
+    buffer's storage can outlive its tensor object (the step's parameter holds it through `.data`), so a buffer
+    lives while its object or its storage has a holder beyond the counter's own (the counts of a tensor only the
+    counter holds, measured the same way), sampled at each allocation, where the peak can only grow.
+    `alone_bytes` replaces ALONE_BYTES meanwhile, so a tiny model's tensors travel alone and packed."""
+    from shardwise.engine.comm import owner_traffic
+
+    kept, counts = [torch.empty(1)], {"peak": 0, "allocated": 0}
+    alone = _holders(kept[:1])[0]  # a tensor only the counter holds
+    allocate, threshold = owner_traffic._buffer, owner_traffic.ALONE_BYTES
+
+    def counted(numel, like):
+        buffer = allocate(numel, like)
+        holders = _holders(kept[1:])  # before any other list holds them
+        kept[1:] = [t for t, held in zip(kept[1:], holders) if held[0] > alone[0] or held[1] > alone[1]]
+        kept.append(buffer)
+        live = sum(t.untyped_storage().nbytes() for t in kept[1:])
+        counts["peak"], counts["allocated"] = max(counts["peak"], live), counts["allocated"] + 1
+        return buffer
+
+    owner_traffic._buffer, owner_traffic.ALONE_BYTES = counted, alone_bytes
+    try:
+        yield counts
+    finally:
+        owner_traffic._buffer, owner_traffic.ALONE_BYTES = allocate, threshold
+        kept.clear()
+
+
+def owner_buffers_peak(strategy: str, name: str, alone_bytes: int, many: bool = False, steps: int = 3) -> dict:
+    """`steps` lockstep steps (after backward) with the owners' buffers counted, on a Net (or a Many): what differs
+    from one process, the peak bytes of those buffers alive at once, the padded whole values and gradients this
+    rank owns, and the largest whole tensor's bytes."""
+    kind = Many if many else Net
+    model, optim = build(strategy, name, kind=kind)
+    reference, ref_optim = build("none", name, kind=kind)
+    with counted_owner_buffers(alone_bytes) as counts:
+        differ = lockstep(model, optim, reference, ref_optim, 0, steps)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    wholes = {id(info.param): world * info.param.numel() * info.param.element_size()
+              for info in sw.shard_info(model).values()}
+    owned = sum(2 * wholes[key] for key, owner in optim._sw_owners.items() if owner == rank)
+    return {"differ": differ, "peak": counts["peak"], "allocated": counts["allocated"], "owned": owned,
+            "largest": max(wholes.values())}
+
+
+class ReplacingSGD(torch.optim.Optimizer):
+    """SGD that gives each parameter a new tensor (`p.data = ...`) instead of writing it in place: a class
+    shardwise does not know, so stepped whole on owners."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.data = param.data - group["lr"] * param.grad
+
+
+def replacing_step_against_one_process(alone_bytes: int, steps: int = 2) -> list[str]:
+    """`steps` lockstep steps of ReplacingSGD on a zero3 model, its tensors travelling alone from `alone_bytes`
+    (Note [owner memory]): what differs from one process."""
+    torch.manual_seed(0)
+    model = Net()
+    sw.shard(model, strategy="zero3", units=Block)
+    torch.manual_seed(0)
+    reference = Net()
+    with counted_owner_buffers(alone_bytes):
+        return lockstep(model, ReplacingSGD(model.parameters()), reference, ReplacingSGD(reference.parameters()),
+                        0, steps)

@@ -6,11 +6,27 @@ owner and the owner's update back in every rank's rows (Note [owner traffic] in 
 collective per parameter paid gloo's per-call cost once per matrix (three per matrix per step), so the
 tensors going to (or coming from) one owner travel together: each rank puts its rows of all of them
 back to back, one `gather` (one `scatter` back) per owner and dtype, in the order of the optimizer's
-parameters, the same on every rank. Every batch is issued at once (`async_op=True`) and waited in
-order, so owner k+1's transfer is in flight while owner k's whole tensors are assembled. The bytes are
+parameters, the same on every rank. Batches are issued ahead (`async_op=True`, at most WINDOW in flight:
+Note [owner memory]) and waited in order, so the next transfer is in flight while this one's whole tensors
+are assembled. The bytes are
 the ones each tensor's own collective moved, only cut and joined again: the result is bitwise the
 one-collective-per-parameter step's. (The optimizer's own step computes every parameter in one call,
 so its compute cannot overlap these: the next batches overlap the assembly, not Newton-Schulz.)
+
+Note [owner memory]: the owner needs each tensor it steps whole, and nothing more. Packed as above, one batch
+per owner with every batch in flight at once, the owner held three copies of what it owns while the step began:
+the batch's received parts, the whole tensors cut from them, and each rank's packed rows (and at the scatter the
+updated wholes, their padded copies and the packed parts again): under zero3 with torchao's 8-bit AdamW, stepped
+after backward, a rank's peak was 465 MiB above plain zero3's on the 16-block bench GPT at 2 ranks, where the
+moments save 217 MiB (bench/memory/max_model.py probe). So the transfers are bounded: a tensor whose whole is
+at least `ALONE_BYTES` travels alone, gathered straight into its whole (a padded buffer, the whole a view of its
+first elements: no parts, no copy, and its rows sent as they are) and scattered from it (the view's own
+storage, unless the step replaced the tensor); the others are packed in order into transfers of at most
+`ALONE_BYTES` of whole values; and at most `WINDOW` transfers are in flight, the next issued as the oldest is
+waited. A rank then holds, beyond the wholes it owns, the buffers of at most WINDOW transfers, each at most
+3 * ALONE_BYTES (packed: its rows, the received parts, the scatter's joined parts) + the largest whole / N (the
+rows an alone scatter receives), whatever the model's size (tests/test_lowbit_optim.py counts them through
+`_buffer`). Every value is the packed step's: bitwise the same step (the same bytes, cut into more collectives).
 
 Note [owner broadcast]: under zero1/zero2 at the master dtype (an aliased unit) every rank keeps the
 unit's full values, and its rows are views of them. Scattering the updated rows back made every rank's
@@ -24,6 +40,7 @@ re-gathers only the unit's other parameters (FlatUnit.mark_fresh). Bytes per ste
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -78,52 +95,127 @@ def _batches(pieces: list[Piece]) -> list[list[Piece]]:
     return list(batches.values())
 
 
+WINDOW = 2  # transfers in flight at once (Note [owner memory])
+
+
+def _buffer(numel: int, like: Tensor) -> Tensor:
+    """Every buffer the owners' traffic allocates goes through here (Note [owner memory]: counted by tests)."""
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
+def _whole_bytes(piece: Piece, mesh) -> int:
+    return mesh.shard_world * piece.param._sw_layout.shard_numel * piece.rows.element_size()
+
+
+def _transfers(pieces: list[Piece], mesh) -> list[list[Piece]]:
+    """The collectives that move `pieces` (Note [owner memory]): by owner and dtype, a tensor of at least
+    ALONE_BYTES whole alone, the others packed in order up to ALONE_BYTES of whole values. The same on every
+    rank (shapes and dtypes are)."""
+    transfers = []
+    for batch in _batches(pieces):
+        packed, size = [], 0
+        for piece in batch:
+            whole = _whole_bytes(piece, mesh)
+            if whole >= ALONE_BYTES:
+                transfers.append([piece])
+                continue
+            if packed and size + whole > ALONE_BYTES:
+                transfers.append(packed)
+                packed, size = [], 0
+            packed.append(piece)
+            size += whole
+        if packed:
+            transfers.append(packed)
+    return transfers
+
+
+def _windowed(transfers: list, issue, finish) -> None:
+    """`issue` each transfer (it returns its pending work), `finish` them in order, at most WINDOW in flight."""
+    pending = deque()
+    for transfer in transfers:
+        pending.append(issue(transfer))
+        if len(pending) >= WINDOW:
+            finish(*pending.popleft())
+    while pending:
+        finish(*pending.popleft())
+
+
+def _travels_alone(transfer: list[Piece], mesh) -> bool:
+    return len(transfer) == 1 and _whole_bytes(transfer[0], mesh) >= ALONE_BYTES
+
+
 def gather_to_owners(pieces: list[Piece], mesh) -> dict:
     """Every rank's rows of each piece on its owner alone, as the unpadded whole tensor: {key: whole} on the
-    owner, nothing elsewhere (Note [owner batches])."""
-    pending = []
-    for batch in _batches(pieces):
-        send = torch.cat([piece.rows.detach().reshape(-1).as_subclass(Tensor) for piece in batch])
+    owner, nothing elsewhere (Note [owner batches], Note [owner memory])."""
+    world, wholes = mesh.shard_world, {}
+
+    def issue(batch):
         owner = batch[0].owner
-        parts = [torch.empty_like(send) for _ in range(mesh.shard_world)] if mesh.shard_rank == owner else None
+        rows = [piece.rows.detach().reshape(-1).as_subclass(Tensor) for piece in batch]
+        if len(rows) == 1 and rows[0].is_contiguous():
+            send = rows[0]  # its own rows, as they are
+        else:
+            send = torch.cat(rows, out=_buffer(sum(r.numel() for r in rows), rows[0]))
+        received = _buffer(world * send.numel(), send) if mesh.shard_rank == owner else None
+        parts = list(received.view(world, send.numel()).unbind(0)) if received is not None else None
         work = dist.gather(send, parts, dst=mesh.global_rank(owner), group=mesh.shard_group, async_op=True)
-        pending.append((work, batch, parts))
-    wholes = {}
-    for work, batch, parts in pending:
+        return work, batch, received
+
+    def finish(work, batch, received):
         work.wait()
-        if parts is None:
-            continue
-        start = 0
+        if received is None:
+            return
+        if _travels_alone(batch, mesh):  # received straight into its whole: the whole is a view of it
+            layout = batch[0].param._sw_layout
+            wholes[batch[0].key] = received[: layout.rows * layout.row_numel].view(layout.shape)
+            return
+        parts, start = received.view(world, -1), 0
         for piece in batch:
             layout = piece.param._sw_layout
-            end = start + layout.shard_numel
-            whole = torch.cat([part[start:end] for part in parts])[: layout.rows * layout.row_numel]
-            wholes[piece.key] = whole.view(layout.shape)
+            end, real = start + layout.shard_numel, layout.rows * layout.row_numel
+            whole = torch.cat(list(parts[:, start:end]), out=_buffer(world * layout.shard_numel, received))
+            wholes[piece.key] = whole[:real].view(layout.shape)
             start = end
+
+    _windowed(_transfers(pieces, mesh), issue, finish)
     return wholes
+
+
+def _padded(whole: Tensor, numel: int, world: int) -> Tensor:
+    """`whole` (the updated tensor on its owner) as `world` rows of `numel`: the padded buffer it is a view of
+    when the gather made it (Note [owner memory]), else a copy; past its elements, whatever the buffer holds
+    (the scatter copies each rank's real elements only)."""
+    total = world * numel
+    if whole.is_contiguous() and whole.storage_offset() == 0 and \
+            whole.untyped_storage().nbytes() >= total * whole.element_size():
+        return whole.as_strided((world, numel), (numel, 1))
+    padded = _buffer(total, whole)
+    padded[: whole.numel()].copy_(whole.reshape(-1))
+    return padded.view(world, numel)
 
 
 def scatter_from_owners(pieces: list[Piece], wholes: dict, mesh) -> None:
     """Each owner's updated whole tensors (`wholes[key]`, on the owner) back into every rank's rows
     (`piece.rows`), each rank receiving its own rows only; the padding past the real rows is left as it
-    is (Note [owner batches])."""
-    pending = []
-    for batch in _batches(pieces):
+    is (Note [owner batches], Note [owner memory])."""
+    world = mesh.shard_world
+
+    def issue(batch):
         owner, rows = batch[0].owner, batch[0].rows
-        size = sum(piece.param._sw_layout.shard_numel for piece in batch)
-        out = torch.empty(size, dtype=rows.dtype, device=rows.device)
+        out = _buffer(sum(piece.param._sw_layout.shard_numel for piece in batch), rows)
         parts = None
         if mesh.shard_rank == owner:
-            padded = []
-            for piece in batch:
-                numel = piece.param._sw_layout.shard_numel
-                flat = torch.zeros(mesh.shard_world * numel, dtype=rows.dtype, device=rows.device)
-                flat[: wholes[piece.key].numel()] = wholes[piece.key].reshape(-1)
-                padded.append(flat.view(mesh.shard_world, numel))
-            parts = list(torch.cat(padded, dim=1).unbind(0))
+            padded = [_padded(wholes[piece.key].detach(), piece.param._sw_layout.shard_numel, world)
+                      for piece in batch]
+            if len(padded) == 1:
+                parts = list(padded[0].unbind(0))
+            else:
+                parts = list(torch.cat(padded, dim=1, out=_buffer(world * out.numel(), out).view(world, -1))
+                             .unbind(0))
         work = dist.scatter(out, parts, src=mesh.global_rank(owner), group=mesh.shard_group, async_op=True)
-        pending.append((work, batch, out))
-    for work, batch, out in pending:
+        return work, batch, out
+
+    def finish(work, batch, out):
         work.wait()
         start = 0
         for piece in batch:
@@ -132,6 +224,8 @@ def scatter_from_owners(pieces: list[Piece], wholes: dict, mesh) -> None:
             real = max(0, min(layout.shard_numel, past))
             piece.rows.reshape(-1)[:real].copy_(out[start : start + real])
             start += layout.shard_numel
+
+    _windowed(_transfers(pieces, mesh), issue, finish)
 
 
 # Note [owner broadcast] for a large tensor: packing it into the batch's buffer and unpacking it on every

@@ -13,6 +13,17 @@ which gives the same result since Adam-style updates are per parameter — creat
 Adam's moments directly in mapped files, moving any other large state there after its
 first step, and dropping each chunk's pages from the resident set when it is done
 (MADV_DONTNEED on a shared file mapping releases the pages; the data stays in the file).
+
+Note [what a chunk can step]: the chunked step runs the optimizer on this rank's rows, and moves each state
+tensor of a parameter's rows' size into a plain mapped file. So it takes an optimizer that steps rows
+(torch's elementwise classes, Note [whole-tensor step] in whole_step.py), or, on one rank, where rows are the
+whole tensor, one whose state is plain tensors. Two kinds cannot be: an optimizer stepped on whole tensors
+at more than one rank (Muon, Adafactor, a user's class: chunked, each rank would step its own rows, a
+different model, without a word), and one keeping quantized state (torchao's AdamW8bit/AdamW4bit, Note
+[low-bit state]: tensor subclasses of codes and block scales that no plain file tensor holds, stepped whole
+on owners). Both are refused at the first step, on every rank, with the fix (`refuse_disk_offload` in
+whole_step.py), before anything is stepped. Spilling a quantized state's parts instead would still need
+the whole-tensor step's owners, gathered unit by unit from the files, which this step does not do.
 """
 
 from __future__ import annotations
@@ -92,6 +103,11 @@ def register_offloaded(store: DiskStore, chunks: list[list[torch.nn.Parameter]])
     for index, chunk in enumerate(chunks):
         for param in chunk:
             param._sw_offload = (store, index)  # read by chunked_step
+
+
+def offloaded_params(optimizer) -> list:
+    """The optimizer's parameters whose shards live in a disk store (`register_offloaded`)."""
+    return [param for group in optimizer.param_groups for param in group["params"] if hasattr(param, "_sw_offload")]
 
 
 def chunked_step(optimizer, args, kwargs) -> None:

@@ -20,7 +20,8 @@ steps in progress; the hooks find the watches through the optimizer's parameters
   (Note [writes the engine must see]); before, not after, so that a step that raised midway, on
   some ranks or all (Note [raising step]), still marks the same units on every rank, as the
   re-gather needs (Note [agreement rides the traffic], agreement.py);
-- offloaded shards step one unit at a time from their mapped files (offload.py), inside the step;
+- offloaded shards step one unit at a time from their mapped files (offload.py), inside the step; an optimizer
+  they cannot step (whole tensors over ranks, quantized state) is refused first (Note [what a chunk can step]);
 - before and after a step: an optimizer that reads parameters as whole tensors is stepped on
   whole tensors, and one that couples tensors is refused (Note [whole-tensor step]); when such a
   step raises on one rank, every rank stops it (Note [raising step]).
@@ -60,6 +61,7 @@ from shardwise.engine.optim.whole_step import (
     WholeStep,
     refuse_compressed,
     refuse_coupled,
+    refuse_disk_offload,
     sharded_params,
     step_shape,
 )
@@ -171,6 +173,7 @@ def _before_step(optimizer, args, kwargs) -> None:
     plan = _plan(optimizer, params)
     _refuse_replaced_params(optimizer, plan.replaced)
     _refuse_optimizer_of_nothing(optimizer, params)
+    refuse_disk_offload(optimizer)  # before anything steps or moves (Note [what a chunk can step], offload.py)
     watches = plan.watches
     for watch in watches:  # every rank is at its step, or every rank refuses it (Note [uneven work], agreement.py)
         if watch.agree_on_step is not None:

@@ -1,5 +1,5 @@
 """Which optimizers may step rows, and the whole-tensor step for every other one.
-Uses: compat, owner_traffic, small.
+Uses: compat, lowbit, offload, owner_traffic, small.
 
 Note [whole-tensor step]: after `shard()` each parameter holds this rank's rows, which is exact
 for an optimizer whose update of an element reads only that element (SGD, Adam, AdamW, Adagrad,
@@ -50,7 +50,8 @@ them), backward learns which optimizer steps a parameter whole only at its first
 sums in another order than the reduce-scatter at N > 2 (no longer bitwise with the row path).
 There the owner also sends its update back whole into every rank's kept full values, so the next
 forward need not re-gather it (Note [owner broadcast]: 1 + f/(2N) of AdamW zero2's bytes, not 1 + f/N).
-The collectives go by owner, batched and overlapped: Note [owner batches] in owner_traffic.py.
+The collectives go by owner, batched and overlapped, their buffers bounded: Note [owner batches], Note [owner
+memory] in owner_traffic.py.
 
 Note [whole step per unit]: under sw.optimizer_in_backward each unit's step is the optimizer's own step over
 that unit's shards (step_in_backward.py), so for a WHOLE optimizer it is a WholeStep over those parameters:
@@ -94,6 +95,8 @@ from shardwise.engine.comm.owner_traffic import (
 )
 from shardwise.engine.comm.small import all_reduce_max
 from shardwise.engine.compat import set_data, set_grad
+from shardwise.engine.memory.offload import offloaded_params
+from shardwise.engine.optim.lowbit import quantizes_state
 from shardwise.errors import ShardwiseError
 
 _set_data, _set_grad = set_data, set_grad  # compat.py; they keep the Parameter object an optimizer holds
@@ -164,6 +167,29 @@ def refuse_compressed(optimizer, sharded: list) -> None:
         f"compression ({used.label}), whose quantized parameters and gradients it would read as exact. Drop "
         "compression= from sw.shard(), or use an elementwise optimizer (AdamW, Adam, SGD, ...) with it."
     )
+
+
+def refuse_disk_offload(optimizer) -> None:
+    """Note [what a chunk can step] (offload.py): offload='disk:...' steps rows chunk by chunk, so an optimizer
+    stepped on whole tensors over ranks, or keeping quantized state, is refused before its first step moves
+    anything, on every rank (the same class and option everywhere)."""
+    offloaded = offloaded_params(unwrapped(optimizer))
+    if not offloaded:
+        return
+    inner, kind = unwrapped(optimizer), type(unwrapped(optimizer)).__name__
+    if quantizes_state(inner):
+        why = (f"{kind} keeps its state block-quantized (tensor subclasses of codes and scales, Note [low-bit "
+               "state]), which the disk offload's mapped files cannot hold")
+        saved = " (its state already takes about a quarter of AdamW's or less)"
+    elif step_shape(inner) is StepShape.WHOLE and any(p._sw_unit.mesh.shard_world > 1 for p in offloaded):
+        why = f"{kind} steps whole tensors (Note [whole-tensor step]), and the disk offload's step runs on rows"
+        saved = ""
+    else:
+        return
+    raise ShardwiseError(
+        f"{why}: it cannot step a model sharded with offload='disk:...' (Note [what a chunk can step], offload.py). "
+        f"Drop offload= to step it whole on owner ranks{saved}, or use torch.optim.AdamW (or another elementwise "
+        "optimizer) with offload='disk:...'. Nothing was stepped.")
 
 
 def step_cost(kind: type, shape) -> int:
