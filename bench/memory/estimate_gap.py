@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `bench.` imports: bench/README.md
@@ -57,16 +56,15 @@ def run_probe(args, spec: str) -> dict:
     d_model, layers = int(d_model), int(layers)
     margs = bench_args(args, d_model)
     extra = dict(item.split("=", 1) for item in args.env)
+    # cold: a fresh cache per probe (max_model.py's default); warm: inductor's default, where earlier runs left it
+    margs.inductor_cache = default_cache() if args.cache == "warm" else None  # Note [first run], max_model.py
     saved = dict(os.environ)
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ.update(extra)
-        # cold: a fresh cache; warm: inductor's default, where earlier runs left it (Note [first run], max_model.py)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache if args.cache == "cold" else default_cache()
-        try:
-            result = mm.probe(margs, config, layers)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+    os.environ.update(extra)
+    try:
+        result = mm.probe(margs, config, layers)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     ranks = result["ranks"]
     record = {"config": config, "d_model": d_model, "layers": layers, "cache": args.cache, "env": extra,
               "budget": args.budget, "world_size": args.world_size, "verdict": result["verdict"],
@@ -82,11 +80,42 @@ def run_probe(args, spec: str) -> dict:
     return record
 
 
+# What the probes above showed (issue 61), kept with the table they explain.
+FINDINGS = """
+**A cost per tensor** (Note [per-tensor objects], estimate/objects.py). Measured minus estimated (before that term)
+grows by 0.28 MiB a block at d_model 512 (zero3, 20 to 135 blocks: these probes and
+max_model_verify.json's) and 0.27 at 768 (20 to 50), where a block's elements grow 2.25x: per tensor (11 a block),
+26 KiB, not per element. `python bench/memory/heap_split.py` (glibc's mallinfo2 on rank 0, zero3, 20 and 60 blocks,
+MiB per block of the difference, at the end of the third backward, the step's peak):
+
+| d_model | RSS | malloc heap | of it in use | of it free | mapped (>= 64 KiB) | outside malloc (pymalloc) |
+|---:|---:|---:|---:|---:|---:|---:|
+| 512 | 12.312 | 0.160 | 0.083 | 0.077 | 12.049 | 0.103 |
+| 256 | 3.738 | 0.693 | 0.169 | 0.524 | 2.945 | 0.099 |
+
+At 512 the four fp32 states of a block's shards are 12.020 MiB: the rest is 0.03 page rounding of the mapped
+storages, 0.08 small allocations, 0.08 heap free between them and 0.10 Python objects. At 256 an activation
+of T·D floats (32 KiB) is under the mmap threshold and lands in the heap among them; the free heap grows step by
+step (0.12, 0.34, 0.52 MiB a block after steps 1-3): 0.82 MiB a block over the old estimate after 3 steps, 0.54 over
+this one: not
+modelled (the Note says so).
+
+**torchao's runtime** (Note [low-bit estimate]). The 8-bit row at 40 blocks peaked 731.6 MiB with inductor's cache
+warm and 766.1 with a fresh one (a first run: +34.6), against 888.7 estimated with the old 197 MiB + 2.55 per
+shape: measured in one process whose import of torchao also loaded torch._dynamo and torch._inductor (83 MiB),
+which a rank's sw.shard has loaded already (225 MiB after sw.init, 367 after sw.shard, 380 after the import) and
+RUNTIME_BYTES holds. The same options with torch's AdamW (zero3_bf16_oib_ac) are within 0.1% of the estimate, so
+the rest of the row is right. Counted now: 64 MiB (29 with the cache warm + 35 to compile) + 2.55 per shape.
+"""
+
+
 def markdown(records: list[dict]) -> str:
     lines = ["sw.estimate against measured peak RSS on bench/memory/max_model.py's GPT (vocab 8192, seq 32, batch 1, "
              "3 AdamW steps, gloo, 1 thread a rank, MALLOC_MMAP_THRESHOLD_=65536), the busiest rank of 4; written by "
              "bench/memory/estimate_gap.py (each row's command reproduces it). Built: RSS after sw.shard / the "
-             "optimizer; steps: RSS after each step. Issue 61.", "",
+             "optimizer; steps: RSS after each step; estimated: this version's sw.estimate (--report recomputes it). "
+             "Issue 61, on the engine of 75171f0 (branch est-gap changes no file under src/shardwise/engine), the "
+             "loaded 2-core host (memory, not time).", "",
              "| config | d_model | blocks | cache | env | verdict | peak MiB | estimated MiB | est. − peak | error "
              "| built MiB | after steps MiB | command |",
              "|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|---|---|"]
@@ -98,7 +127,7 @@ def markdown(records: list[dict]) -> str:
                      f"{' '.join(f'{k}={v}' for k, v in r['env'].items()) or '—'} | {r['verdict']} | "
                      f"{(peak or 0) / MIB:.1f} | {est / MIB:.1f} | {gap} | {(r['rss_built_bytes'] or 0) / MIB:.0f} | "
                      f"{steps} | `{r['command']}` |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + FINDINGS
 
 
 def main(argv=None) -> None:

@@ -28,10 +28,11 @@ Note [allocator]: glibc malloc keeps freed blocks resident, so on CPU a sharded
 strategy's savings would not show in RSS; every rank runs with MALLOC_MMAP_THRESHOLD_=65536
 (blocks over 64 KiB are mmap'd and returned to the system on free).
 
-Note [first run]: each probe's ranks get a fresh TORCHINDUCTOR_CACHE_DIR (unless the caller's environment names
-one), so a row that compiles (torchao's low-bit step) measures a machine's first run, compiling from nothing, as
-sw.estimate counts it (Note [low-bit estimate]); with inductor's default cache, warm from earlier probes, the 8-bit
-row peaked 35 MiB lower (bench/memory/results/estimate_gap.md).
+Note [first run]: each probe's ranks get a fresh TORCHINDUCTOR_CACHE_DIR (unless --inductor-cache names one; not
+the launcher's environment, where torch sets the variable to its default once anything asks inductor), so a row
+that compiles (torchao's low-bit step) measures a machine's first run, compiling from nothing, as sw.estimate
+counts it (Note [low-bit estimate]); with inductor's default cache, warm from earlier probes, the 8-bit row
+peaked 35 MiB lower at 40 blocks (bench/memory/results/estimate_gap.md).
 
 Note [init]: torch DDP and shardwise ddp build the model eagerly (they hold it whole
 anyway). shardwise zero* build it under `sw.deferred_init()` when this version has it, so
@@ -129,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-layers", type=int, default=8,
                    help="each row's loss against fp32 AdamW is measured at this depth, unbudgeted (Note [option "
                         "arms]); 0: not measured (default: 8)")
+    p.add_argument("--inductor-cache", default=None, metavar="DIR",
+                   help="the ranks' TORCHINDUCTOR_CACHE_DIR (default: a fresh one per probe, a machine's first run: "
+                        "Note [first run])")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--resume", action="store_true",
                    help="start from the probes in OUT/max_model.json (same settings): each config in "
@@ -314,7 +318,7 @@ def probe(args, config: str, layers: int) -> dict:
                **option_env(config))
     started = time.time()
     with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory(dir=args.offload_dir) as off:
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(out_dir, "inductor")))  # Note [first run]
+        env["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache or str(Path(out_dir, "inductor"))  # Note [first run]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
                __file__, "--worker", "--config", config, "--layers", str(layers), "--out-dir", out_dir,
                "--budget-bytes", str(args.budget_bytes), "--kill-at", str(args.kill_at), "--offload-dir", off,

@@ -17,7 +17,7 @@ counted for every parameter tensor of the model (frozen ones too: an upper bound
 tensor a unit). Below d_model 512 at this sequence length an activation of T·D floats is under the mmap threshold,
 so it lands in malloc's heap among those small objects, and the heap keeps growing from step to step (d_model 256,
 20 to 60 blocks: 0.12, 0.34, 0.52 MiB a block free in the heap after steps 1, 2, 3, against 0.03-0.08 at d_model
-512): not modelled; such a narrow model runs up to 0.8 MiB a block over the estimate after 3 steps
+512): not modelled; such a narrow model ran 0.54 MiB a block over the estimate after 3 steps
 (results/estimate_gap.md's d_model 256 rows).
 """
 
