@@ -15,7 +15,8 @@ F = N·S the padded full size (t: trainable parameters only):
 | zero3    | m·S                  | r·S_t                              | 2m·S_t            |
 
 plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
-trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
+trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]), and 26 KiB per parameter
+tensor for what no element count sees (`tensor_objects`: Note [per-tensor objects] in estimate/objects.py).
 torchao's low-bit AdamW (`optimizer="adamw8bit"`, `"adamw4bit"`) is counted per tensor instead: quantized or
 fp32 state by torchao's rule, each parameter's whole state on its owner rank under zero1/2/3 (the busiest rank's
 counted), every rank all of it under ddp, plus the owner's buffers at the step (`step_buffers`) and torchao's
