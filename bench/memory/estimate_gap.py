@@ -105,7 +105,9 @@ warm and 766.1 with a fresh one (a first run: +34.6), against 888.7 estimated wi
 shape: measured in one process whose import of torchao also loaded torch._dynamo and torch._inductor (83 MiB),
 which a rank's sw.shard has loaded already (225 MiB after sw.init, 367 after sw.shard, 380 after the import) and
 RUNTIME_BYTES holds. The same options with torch's AdamW (zero3_bf16_oib_ac) are within 0.1% of the estimate, so
-the rest of the row is right. Counted now: 64 MiB (29 with the cache warm + 35 to compile) + 2.55 per shape.
+the rest of the row is right. Counted now: 64 MiB (29 with the cache warm + 35 to compile) + 2.55 per shape, a
+machine's first run (max_model.py's probes now run so, Note [first run]): 305, 306 blocks fit as that first run,
+307 over (max_model_verify.md), the estimate +0.2% to +0.3%; warm at 305 the peak was 24 MiB lower (+1.5%).
 """
 
 
@@ -138,6 +140,7 @@ def main(argv=None) -> None:
         for r in records:
             margs = bench_args(argparse.Namespace(budget=r["budget"], world_size=r["world_size"]), r["d_model"])
             r["estimated_total_bytes"] = mm.estimated_total(margs, r["config"], r["layers"])
+        out.write_text(json.dumps(records, indent=1))
     for spec in args.probes:
         record = run_probe(args, spec)
         print(json.dumps({k: v for k, v in record.items() if k != "rank_peaks"}), flush=True)
