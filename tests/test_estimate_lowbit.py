@@ -15,7 +15,14 @@ import torch
 import shardwise as sw
 from helpers.lowbit import HAS_TORCHAO, NO_TORCHAO, Block, Net, lowbit_pool
 from shardwise.errors import ShardwiseError
-from shardwise.estimate.lowbit_bytes import LOW_BIT, lowbit_terms, quantized, tensors_of_model
+from shardwise.estimate.lowbit_bytes import (
+    LOW_BIT,
+    TORCHAO_COLD_COMPILE_BYTES,
+    TORCHAO_RUNTIME_BYTES,
+    lowbit_terms,
+    quantized,
+    tensors_of_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +105,7 @@ def test_lowbit_adds_the_step_buffers_and_torchaos_runtime():
         model = GPT(GPTConfig(vocab_size=512, seq_len=16, d_model=64, n_layers=4, n_heads=4))
     adamw = sw.estimate(model, "zero3", 4, units=GPTBlock)
     low = sw.estimate(model, "zero3", 4, optimizer="adamw8bit", units=GPTBlock)
-    assert low.step_buffers > 0 and low.optimizer_runtime > 150 * 2**20
+    assert low.step_buffers > 0 and low.optimizer_runtime > TORCHAO_RUNTIME_BYTES + TORCHAO_COLD_COMPILE_BYTES
     assert low.optimizer_state < adamw.optimizer_state / 3
     step_phase = low.parameters + low.optimizer_state + low.gradients + low.step_buffers
     assert low.total >= step_phase + low.runtime + low.optimizer_runtime

@@ -187,17 +187,23 @@ def test_plan_max_model_with_the_optimizer_in_backward(capsys):
     """Catches `shardwise plan --max-model --optimizer-in-backward` not reaching sw.estimate (issue 61: those rows
     could not be searched): the zero rows go deeper than without it and agree with sw.max_model, ddp's row is as
     without (no optimizer in backward there), and the plain plan refuses the flag with the fix."""
-    budget = estimate(tiny_gpt(12), "zero3", 2, units=Block).total
-    argv = ["plan", *GPT_FAMILY, "n_layers=3", "--memory", str(budget), "--world-size", "2", "--max-model",
-            "--limit", "60", "--json"]
+    # d_model 128: a block's gradients outweigh its tensors' objects (Note [per-tensor objects]), so the ones
+    # optimizer in backward frees make room for more blocks.
+    def gpt(depth: int) -> GPT:
+        with torch.device("meta"):
+            return GPT(GPTConfig(n_layers=depth, **dict(TINY, d_model=128)))
+
+    budget = estimate(gpt(12), "zero3", 2, units=Block).total
+    argv = ["plan", *GPT_FAMILY[:-1], "d_model=128", "n_layers=3", "--memory", str(budget), "--world-size", "2",
+            "--max-model", "--limit", "60", "--json"]
     sizes = []
     for extra in ([], ["--optimizer-in-backward"]):
         assert cli.main([*argv, *extra]) == 0
         sizes.append({row["label"]: row["size"] for row in json.loads(capsys.readouterr().out)})
     plain, stepped = sizes
     assert stepped["zero3"] > plain["zero3"] and stepped["zero2"] > plain["zero2"] and stepped["ddp"] == plain["ddp"]
-    runtime = estimate(tiny_gpt(12), "zero3", 2, units=Block).runtime
-    api = sw.max_model(tiny_gpt, budget, 2, limit=60, units=Block, runtime=runtime, optimizer_in_backward=True,
+    runtime = estimate(gpt(12), "zero3", 2, units=Block).runtime
+    api = sw.max_model(gpt, budget, 2, limit=60, units=Block, runtime=runtime, optimizer_in_backward=True,
                        configurations=ZERO)
     assert {r.label: r.size for r in api} == {label: stepped[label] for label in ("zero1", "zero3")}, (api, stepped)
     assert cli.main(["plan", *GPT_FAMILY, "--memory", str(budget), "--world-size", "2",

@@ -28,6 +28,12 @@ Note [allocator]: glibc malloc keeps freed blocks resident, so on CPU a sharded
 strategy's savings would not show in RSS; every rank runs with MALLOC_MMAP_THRESHOLD_=65536
 (blocks over 64 KiB are mmap'd and returned to the system on free).
 
+Note [first run]: each probe's ranks get a fresh TORCHINDUCTOR_CACHE_DIR (unless --inductor-cache names one; not
+the launcher's environment, where torch sets the variable to its default once anything asks inductor), so a row
+that compiles (torchao's low-bit step) measures a machine's first run, compiling from nothing, as sw.estimate
+counts it (Note [low-bit estimate]); with inductor's default cache, warm from earlier probes, the 8-bit row
+peaked 35 MiB lower at 40 blocks (bench/memory/results/estimate_gap.md).
+
 Note [init]: torch DDP and shardwise ddp build the model eagerly (they hold it whole
 anyway). shardwise zero* build it under `sw.deferred_init()` when this version has it, so
 no rank ever holds the full model; FSDP2 uses its own documented equivalent (build on
@@ -124,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-layers", type=int, default=8,
                    help="each row's loss against fp32 AdamW is measured at this depth, unbudgeted (Note [option "
                         "arms]); 0: not measured (default: 8)")
+    p.add_argument("--inductor-cache", default=None, metavar="DIR",
+                   help="the ranks' TORCHINDUCTOR_CACHE_DIR (default: a fresh one per probe, a machine's first run: "
+                        "Note [first run])")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--resume", action="store_true",
                    help="start from the probes in OUT/max_model.json (same settings): each config in "
@@ -228,7 +237,7 @@ def run_worker(args) -> None:
     rss_built = rss_bytes("VmRSS")
     num_params = args.num_params
     gen = torch.Generator().manual_seed(1000 + rank)
-    losses, step_s = [], []
+    losses, step_s, rss_steps = [], [], []
     for _ in range(args.steps):
         tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=gen)
         start = time.perf_counter()
@@ -242,8 +251,10 @@ def run_worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         step_s.append(time.perf_counter() - start)
         losses.append(loss.item())
+        rss_steps.append(rss_bytes("VmRSS"))  # after each step: what stays (bench/memory/estimate_gap.py)
     record = {"rank": rank, "num_params": num_params, "init": init, "losses": losses, "step_s": step_s,
               "build_s": built_s, "rss_runtime_bytes": rss_runtime, "rss_built_bytes": rss_built,
+              "rss_steps_bytes": rss_steps,
               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     dist.barrier()
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(record))
@@ -307,6 +318,7 @@ def probe(args, config: str, layers: int) -> dict:
                **option_env(config))
     started = time.time()
     with tempfile.TemporaryDirectory() as out_dir, tempfile.TemporaryDirectory(dir=args.offload_dir) as off:
+        env["TORCHINDUCTOR_CACHE_DIR"] = args.inductor_cache or str(Path(out_dir, "inductor"))  # Note [first run]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
                __file__, "--worker", "--config", config, "--layers", str(layers), "--out-dir", out_dir,
                "--budget-bytes", str(args.budget_bytes), "--kill-at", str(args.kill_at), "--offload-dir", off,

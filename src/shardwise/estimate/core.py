@@ -15,7 +15,8 @@ F = N·S the padded full size (t: trainable parameters only):
 | zero3    | m·S                  | r·S_t                              | 2m·S_t            |
 
 plus 4 bytes per trainable tensor for AdamW's `step` counter and one float per
-trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]).
+trainable tensor for the "used" flag riding in each reduce-scatter (Note [unused params]), and 26 KiB per parameter
+tensor for what no element count sees (`tensor_objects`: Note [per-tensor objects] in estimate/objects.py).
 torchao's low-bit AdamW (`optimizer="adamw8bit"`, `"adamw4bit"`) is counted per tensor instead: quantized or
 fp32 state by torchao's rule, each parameter's whole state on its owner rank under zero1/2/3 (the busiest rank's
 counted), every rank all of it under ddp, plus the owner's buffers at the step (`step_buffers`) and torchao's
@@ -124,7 +125,8 @@ from shardwise.estimate.lowbit_bytes import (
     tensors_of_count,
     tensors_of_model,
 )
-from shardwise.estimate.probe import probe_activations
+from shardwise.estimate.objects import tensor_object_bytes
+from shardwise.estimate.probe import formula_activations, probe_activations
 from shardwise.estimate.zero_bytes import (
     comm_pool_bytes,
     stepped_gradient_bytes,
@@ -171,6 +173,7 @@ class MemoryEstimate:
     comm_pool: int = 0  # of gather_buffers: the comm pool's bound (Note [reused buffers], Note [lean tail])
     step_buffers: int = 0  # a whole-tensor step's owner buffers, after backward (Note [low-bit estimate])
     optimizer_runtime: int = 0  # torchao's import and compiled step (Note [low-bit estimate])
+    tensor_objects: int = 0  # each parameter tensor's objects beyond its elements (Note [per-tensor objects])
 
     @property
     def model_state(self) -> int:
@@ -190,7 +193,7 @@ class MemoryEstimate:
         # tail]). Never more than `backward` unless a whole-tensor step gathers (step_buffers).
         step = self.gradients + self.step_buffers + (self.comm_pool if self.strategy != "zero3" else 0)
         return (self.parameters + self.optimizer_state + max(backward, step) + self.secondary + self.host
-                + self.runtime + self.optimizer_runtime)
+                + self.runtime + self.optimizer_runtime + self.tensor_objects)
 
     @property
     def label(self) -> str:
@@ -204,7 +207,7 @@ class MemoryEstimate:
                 *([("hpZ secondary chunks", self.secondary)] if self.secondary else []),
                 ("activations", self.activations),
                 *([("host memory (offload)", self.host)] if self.host else []),
-                ("runtime (Python + torch)", self.runtime),
+                ("per-tensor objects", self.tensor_objects), ("runtime (Python + torch)", self.runtime),
                 *([("optimizer runtime (torchao)", self.optimizer_runtime)] if self.optimizer_runtime else []),
                 ("total per rank", self.total)]
 
@@ -357,7 +360,7 @@ def estimate(
             if checkpoint_activations else ()
         activations = _probed(model_or_num_params, batch, seq, policy.param_dtype, inputs, recompute, notes)
     else:
-        activations = _activations(config, batch, seq, c, checkpoint_activations)
+        activations = formula_activations(config, batch, seq, c, checkpoint_activations)
     if runtime is None:
         runtime = RUNTIME_BYTES if world_size > 1 else RUNTIME_BYTES_SINGLE
     step_buffers = optimizer_runtime = 0
@@ -368,7 +371,8 @@ def estimate(
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
                           offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host,
-                          comm_pool=comm_pool, step_buffers=step_buffers, optimizer_runtime=optimizer_runtime)
+                          comm_pool=comm_pool, step_buffers=step_buffers, optimizer_runtime=optimizer_runtime,
+                          tensor_objects=tensor_object_bytes(sum(u.num_tensors for u in plan_units)))
 
 
 def _master_bytes(model: nn.Module) -> int:
@@ -388,12 +392,3 @@ def _probed(model: nn.Module, batch: int, seq: int | None, dtype: torch.dtype, i
                     if recompute else ""))
     return probe.peak
 
-
-def _activations(sizer, batch: int, seq: int | None, c: int, checkpointed: bool) -> int:
-    """Note [activations]: a model's own formula."""
-    if not isinstance(sizer, ActivationSized):
-        raise ShardwiseError(
-            "activations of a bare parameter count need sizes: pass the model itself (its activations are "
-            "measured by a probe), or config= with an `activation_bytes(batch, seq, dtype_bytes, checkpointed)` "
-            "method (shardwise.interfaces.ActivationSized), or leave batch=None")
-    return int(sizer.activation_bytes(batch, seq, c, checkpointed))

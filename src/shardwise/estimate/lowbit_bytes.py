@@ -38,13 +38,23 @@ Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one 
   `refuse_whole_step`), and disk offload's step fails spilling a quantized state (offload.py's `_spill_state`
   reads its storage, which a tensor subclass has not: a RuntimeError, seen at 2 ranks). So `sw.estimate`
   refuses the pair, `sw.plan` marks those rows and `sw.max_model` leaves them out.
-- **torchao's runtime**, its own line (`optimizer_runtime`): importing torchao.optim and its first compiled
-  step on top of a rank's runtime. The step compiles `single_param_adam` with dynamic=False, one graph per
-  distinct shape a rank steps. Measured on one process (torch 2.13 CPU, torchao 0.18, this 2-core host,
-  MALLOC_MMAP_THRESHOLD_ fixed; AdamW8bit and AdamW4bit alike within 0.2 MiB): a stack of Linears with 2
-  distinct shapes 226 MiB before the import, 309 after it, 396 after the first step, peak 428 (+202); with
-  16 distinct shapes 230, 313, 432, peak 467 (+238). Counted: 197 MiB + 2.55 MiB per distinct shape of the
-  busiest rank's stepped tensors (its owned trainable ones; ddp: all), the first step's peak.
+- **torchao's runtime**, its own line (`optimizer_runtime`): importing torchao.optim and its compiled step on top of
+  a rank's runtime. The step compiles `single_param_adam` with dynamic=False, one graph per distinct shape a rank
+  steps. In one process that had imported nothing else (torch 2.13 CPU, torchao 0.18, MALLOC_MMAP_THRESHOLD_ fixed)
+  the import alone costs 83 MiB, and the first step's peak 202-238 MiB over the RSS before the import (2 to 16
+  shapes: the 2.55 MiB per shape counted). But a shardwise rank has paid most of that import already: sw.shard
+  imports torch._dynamo and torch._inductor (225 MiB after sw.init(), 367 after sw.shard of 4 blocks, 380 after
+  torchao.optim), and RUNTIME_BYTES, fitted on ranks, holds them. Counted: what a rank adds, fitted on
+  bench/memory/max_model.py's 8-bit row (zero3 + bf16 + optimizer in backward + 8-bit AdamW + checkpointing,
+  d_model 512, 4 ranks; bench/memory/estimate_gap.py, results/estimate_gap.md): 29 MiB + 2.55 MiB per distinct
+  shape of the busiest rank's stepped tensors (its owned trainable ones; ddp: all) with inductor's cache warm (732
+  MiB estimated at 40 blocks against 731.6 measured, 2039 at 311 against 2044), and 35 MiB more for compiling the
+  step from nothing (TORCHAO_COLD_COMPILE_BYTES): the same probe with a fresh TORCHINDUCTOR_CACHE_DIR peaked 34.6
+  MiB higher (766.2), one process 40 MiB (the state left out: cold 261 MiB over its RSS before the import, warm
+  221). The cold figure is counted: a machine's first run compiles (and any run whose cache was cleared: the
+  cache lives under /tmp/torchinductor_$USER), and the estimate is what a user plans with, so it is the upper of
+  the two; a later run holds about 35 MiB less (the estimate's notes say so). bench/memory/max_model.py gives every
+  probe a fresh cache, so its rows measure that first run (Note [first run] there).
 """
 
 from __future__ import annotations
@@ -61,8 +71,9 @@ from shardwise.engine.unit.units import build_units
 MIB = 2**20
 MIN_QUANTIZED = 4096  # torchao quantizes no smaller tensor (`_new_buffer`, following bitsandbytes)
 STEP_COUNTER_BYTES = 4  # torchao's `step`: a 0-d fp32 tensor per parameter with state
-TORCHAO_RUNTIME_BYTES = 197 * MIB  # Note [low-bit estimate]: import + first compiled step's peak, fitted
+TORCHAO_RUNTIME_BYTES = 29 * MIB  # Note [low-bit estimate]: on top of a rank's runtime, fitted, cache warm
 TORCHAO_SHAPE_BYTES = int(2.55 * MIB)  # and per distinct shape compiled (one graph each)
+TORCHAO_COLD_COMPILE_BYTES = 35 * MIB  # and compiling it with inductor's cache cold (a machine's first run)
 
 
 @dataclass(frozen=True)
@@ -175,7 +186,9 @@ def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimiz
     if not whole:
         notes.append(f"{optimizer}: each parameter's whole state on its owner rank (ranks hold "
                      f"{min(by_rank) / MIB:,.1f}-{max(by_rank) / MIB:,.1f} MiB; the busiest counted)")
-    runtime = TORCHAO_RUNTIME_BYTES + TORCHAO_SHAPE_BYTES * shapes
+    runtime = TORCHAO_RUNTIME_BYTES + TORCHAO_COLD_COMPILE_BYTES + TORCHAO_SHAPE_BYTES * shapes
+    notes.append(f"{optimizer}: torchao's step counted as a first run compiles it (inductor's cache cold); a run with "
+                 f"the cache warm holds about {TORCHAO_COLD_COMPILE_BYTES / MIB:.0f} MiB less")
     return LowBitTerms(by_rank, step, per_unit, runtime, tuple(notes))
 
 

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from shardwise.engine.compat import reparametrized
 from shardwise.errors import ShardwiseError
 from shardwise.estimate.inputs import InputMaker, call, loss_of, make_inputs
+from shardwise.interfaces import ActivationSized
 
 
 @dataclass(frozen=True)
@@ -233,3 +234,13 @@ def _leaf(param: torch.Tensor, device: str, dtype: torch.dtype | None) -> torch.
     else:
         leaf = param.detach().to(to, copy=True)
     return leaf.requires_grad_(param.requires_grad)
+
+
+def formula_activations(sizer, batch: int, seq: int | None, c: int, checkpointed: bool) -> int:
+    """Note [activations] (estimate/core.py): a model's own formula (`ActivationSized`), for a bare count."""
+    if not isinstance(sizer, ActivationSized):
+        raise ShardwiseError(
+            "activations of a bare parameter count need sizes: pass the model itself (its activations are "
+            "measured by a probe), or config= with an `activation_bytes(batch, seq, dtype_bytes, checkpointed)` "
+            "method (shardwise.interfaces.ActivationSized), or leave batch=None")
+    return int(sizer.activation_bytes(batch, seq, c, checkpointed))

@@ -28,6 +28,7 @@ class Unit:
     trainable_full: int
     num_trainable: int  # trainable tensors
     largest: int  # largest single tensor (elements)
+    num_tensors: int = 1  # parameter tensors, frozen ones too (Note [per-tensor objects], objects.py)
 
 
 def zero_state(plan_units, config: ShardConfig, m, c, r, state_per_elem, state_per_tensor):
@@ -120,7 +121,7 @@ def units_of_model(model: nn.Module, units: UnitSpec, world_size: int) -> list[U
             largest = max(largest, owned.param.numel())
             if owned.param.requires_grad:
                 t_shard, t_full, num_trainable = t_shard + s, t_full + world_size * s, num_trainable + 1
-        out.append(Unit(shard, full, t_shard, t_full, num_trainable, largest))
+        out.append(Unit(shard, full, t_shard, t_full, num_trainable, largest, len(plan.params)))
     return out
 
 
@@ -139,6 +140,6 @@ def units_of_count(num_params: int, world_size: int, unit_params: int | None, nu
     def unit(n: int) -> Unit:
         s = shard_numel((n,), world_size)
         # One tensor per unit: the `step` counters and flags are per tensor and are small.
-        return Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n)
+        return Unit(s, world_size * s, s, world_size * s, 1 if n else 0, n, 1 if n else 0)
 
     return [unit(n) for n in sizes]
