@@ -18,25 +18,27 @@ Note [low-bit estimate]: shardwise steps these optimizers on whole tensors, one 
   matrix is not split, so the largest one is the grain. ddp: every rank holds the whole state. At world size 1
   the one rank holds it all.
 - **The step's transient** (`step_buffers`): `WholeStep.begin` gathers each parameter's rows and gradient rows
-  to its owner (`gather_to_owners`: every rank's send buffer of its rows, the owner's receive buffers of
-  N padded shards, then the whole tensors cut from them), the optimizer steps them, and the updated rows
-  are scattered back. Per rank: sent + received + wholes while the gather lands, or the wholes alone after;
-  zero1/zero2 at the master dtype copy the values from their kept full buffers and gather the gradients
-  only (Note [owner traffic]); a parameter with no gradient (frozen) moves not at all (Note [no gradient, no
-  traffic]). After the gather, torchao's compiled step holds buffers of its own for the
-  tensor it steps, one at a time: measured on one process for a 4 MiB fp32 tensor (VmHWM over the RSS before
-  the step, steady steps) 7.9 MiB for 8-bit, 26.0 MiB for 4-bit, so 2 and 6.5 times the largest stepped
-  tensor's fp32 bytes are counted (ddp and world size 1: these alone). Measured at 2 ranks on 4 blocks of 256
-  x 1024 (each rank's VmHWM over its RSS before `optimizer.step()`, steady steps, MALLOC_MMAP_THRESHOLD_
-  fixed): zero3 23.8-23.9 MiB against 24.2 counted (8-bit and 4-bit: the gather's peak), zero2 and zero1
+  to its owner (`gather_to_owners`, Note [owner memory]: a tensor whose whole is ALONE_BYTES or more is received
+  straight into its padded whole, its rows sent without a copy; the smaller ones packed into transfers of at most
+  ALONE_BYTES, WINDOW of them in flight), the optimizer steps them, and the updated rows are scattered back from
+  the same buffers. Per rank: its padded wholes, plus as the last of them are cut one packed transfer received
+  and the next one's rows in flight; or the wholes and the step's own buffers after; zero1/zero2 at the master
+  dtype copy the values from their kept full buffers and gather the gradients only (Note [owner traffic]); a
+  parameter with no gradient (frozen) moves not at all (Note [no gradient, no traffic]). After the gather,
+  torchao's compiled step holds buffers of its own for the tensor it steps, one at a time: measured on one
+  process for a 4 MiB fp32 tensor (VmHWM over the RSS before the step, steady steps) 7.9 MiB for 8-bit, 26.0
+  MiB for 4-bit, so 2 and 6.5 times the largest stepped tensor's fp32 bytes are counted (ddp and world size 1:
+  these alone). Measured at 2 ranks on 4 blocks of 256 x 1024 (each rank's VmHWM over its RSS before
+  `optimizer.step()`, steady steps, MALLOC_MMAP_THRESHOLD_ fixed): zero3 14.0-14.9 MiB since the bounded
+  gather (23.8-23.9 before it, when every send, receive and whole buffer was alive at once), zero2 and zero1
   8-bit 12.0 against 12.1 (the gather's), zero2 4-bit 14.3 against 14.6 (the step's own buffers).
   It comes after backward, when activations are gone: the peak counts the larger phase (Note [peak] in
   core.py). With `optimizer_in_backward=True` each unit's owned parameters are gathered, stepped and
   scattered inside backward, one unit at a time: the largest unit's share counts with the backward's
   buffers (`gather_buffers`) instead.
-- **No offload**: sw.shard's offload="host" refuses a whole-tensor step at the first step (host_offload.py's
-  `refuse_whole_step`), and disk offload's step fails spilling a quantized state (offload.py's `_spill_state`
-  reads its storage, which a tensor subclass has not: a RuntimeError, seen at 2 ranks). So `sw.estimate`
+- **No offload**: sw.shard's offload="host" refuses a whole-tensor step over ranks at the first step
+  (host_offload.py's `refuse_whole_step`), and disk offload refuses quantized state at any world size
+  (whole_step.py's `refuse_disk_offload`, Note [what a chunk can step] in offload.py). So `sw.estimate`
   refuses the pair, `sw.plan` marks those rows and `sw.max_model` leaves them out.
 - **torchao's runtime**, its own line (`optimizer_runtime`): importing torchao.optim and its compiled step on top of
   a rank's runtime. The step compiles `single_param_adam` with dynamic=False, one graph per distinct shape a rank
@@ -64,6 +66,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from shardwise.engine.comm.owner_traffic import ALONE_BYTES
 from shardwise.engine.layout.rows import shard_numel
 from shardwise.engine.optim.whole_step import step_cost
 from shardwise.engine.unit.units import build_units
@@ -194,18 +197,20 @@ def lowbit_terms(tensors: list[Tensor_], strategy: str, world_size: int, optimiz
 
 def _gather_peak(tensors: list[Tensor_], owners: list[int], world_size: int, master: int, copies: bool,
                  kind: LowBit) -> int:
-    """The busiest rank's bytes in `WholeStep.begin` and the step (Note [low-bit estimate]): its sent rows, its
-    receive buffers and the whole tensors cut from them while the gather lands; after it the wholes and the
-    step's own buffers for the largest tensor it steps."""
+    """The busiest rank's bytes in `WholeStep.begin` and the step (Note [low-bit estimate]): the padded whole
+    tensors it owns, with, as the last of them are cut, the received parts of one packed transfer and the rows
+    of the next one in flight (Note [owner memory]: a tensor of ALONE_BYTES or more is received straight into
+    its whole); after it the wholes and the step's own buffers for the largest tensor it steps."""
     parts = 1 if copies else 2  # values (unless copied) and gradient, each gathered
     moved = [(t, o) for t, o in zip(tensors, owners) if t.trainable]  # Note [no gradient, no traffic]
-    sent = sum(t.shard * parts for t, _ in moved)
+    packed = [world_size * t.shard * master for t, _ in moved if world_size * t.shard * master < ALONE_BYTES]
+    in_flight = min(ALONE_BYTES, sum(packed) * parts) // world_size  # the rows of the next packed transfer
     peak = 0
     for rank in range(world_size):
         owned = [t for t, o in moved if o == rank]
-        received = world_size * sum(t.shard * parts for t in owned)
-        wholes = sum(t.numel * parts for t in owned)
+        wholes = master * sum(world_size * t.shard * parts for t in owned)
+        mine = sum(b for b in (world_size * t.shard * master for t in owned) if b < ALONE_BYTES) * parts
         largest = max((t.numel for t in owned), default=0)
-        after = sum(t.numel * 2 for t in owned) + kind.temporaries * largest
-        peak = max(peak, sent + received + wholes, after)
-    return int(master * peak)
+        after = master * (sum(t.numel * 2 for t in owned) + kind.temporaries * largest)
+        peak = max(peak, wholes + min(ALONE_BYTES, mine) + in_flight, after)
+    return int(peak)
