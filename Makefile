@@ -11,14 +11,15 @@ WORKERS ?= 2
 # The lowbit extra (torchao) beside the venv, not in it: transformers imports torchao whenever it can
 # (its quantizer), and on a CPU host torchao prints "Failed to load ..._C_mxfp8" at every import, which
 # the examples' quiet checks read as a library's notice. tests/test_lowbit_optim.py puts .lowbit first.
-# --no-compile: pip byte-compiles every module it installs (torch alone is thousands), where Python compiles the
-# ones a run imports, once, at their first import: torch's install took 37 s against 107 s on this loaded host
-# (one after the other), the extras 66 s against 187 s.
+# pip byte-compiles what it installs, and that stays: with --no-compile torch's install took 10 s against 22 s on
+# a quiet host, but each later import compiles torch from source where PYTHONDONTWRITEBYTECODE is set (as on this
+# host: `import torch` 2.9-3.2 s against 1.3-1.8 s, in every rank the suite starts), and byte-compiling after
+# (`compileall -j 0`, 10 s) gives the time back.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --no-compile -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
-	$(PY) -m pip install -q --no-compile -c constraints.txt --no-deps --upgrade --target .lowbit torchao
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,fast,bench,hf,integrations,docs]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps --upgrade --target .lowbit torchao
 	touch $(STAMP)
 
 setup: $(STAMP)
