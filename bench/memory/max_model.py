@@ -522,6 +522,9 @@ def _has_offload() -> bool:
     return "offload" in inspect.signature(shard).parameters
 
 
+NOT_ESTIMATED = {"ds_zero3"}  # a row of another library's engine: measured, not estimated
+
+
 def markdown(rows: list[dict], args, meta: dict) -> str:
     by = {r["config"]: r for r in rows}
 
@@ -553,6 +556,12 @@ def markdown(rows: list[dict], args, meta: dict) -> str:
             continue
         best = next(p for p in row["probes"] if p["layers"] == row["max_layers"])
         ge = "≥ " if row["capped"] else ""
+        if row["config"] in NOT_ESTIMATED:  # sw.estimate models shardwise and FSDP2, not DeepSpeed's memory
+            lines.append(f"| {row['label']} | {row['max_layers']} | {row['max_params'] / 1e6:.0f}M | "
+                         f"{ratio(row, 'torch_ddp')} | {ratio(row, 'ddp')} | {ratio(row, 'fsdp2')} | "
+                         f"{row['peak_rss_bytes'] / MIB:.0f} | not modelled | | {row['first_fail_layers'] or '—'} | "
+                         f"| | {len(row['probes'])} |")
+            continue
         lines.append(
             f"| {row['label']} | {ge}{row['max_layers']} | {ge}{row['max_params'] / 1e6:.0f}M | "
             f"{ratio(row, 'torch_ddp')} | {ratio(row, 'ddp')} | {ratio(row, 'fsdp2')} | "
