@@ -122,7 +122,7 @@ def test_every_unit_collective_goes_through_the_engine_context(ranks, strategy):
         assert line.startswith("comm buffers:") and "forms: gloo" in line and "host order" in line, line
 
 
-def _pool_over_steps(strategy, steps=3):
+def _pool_over_steps(strategy, steps=3, keep_comm_buffers=False):
     """`steps` zero steps at this world size of a GPT whose root (its embedding) is its largest unit, as the bench
     GPT's is, and whose units' buffers are above HEAP_BYTES: per step, the pool's fresh allocations in it, bytes
     held and buffers still lent after it; its bound, its lends, and the root's and largest block's sizes."""
@@ -131,7 +131,7 @@ def _pool_over_steps(strategy, steps=3):
     torch.manual_seed(0)
     vocab = 2048
     model = GPT(GPTConfig(vocab_size=vocab, seq_len=8, d_model=128, n_layers=2, n_heads=4))
-    sw.shard(model, strategy=strategy, units=Block)
+    sw.shard(model, strategy=strategy, units=Block, **({"keep_comm_buffers": True} if keep_comm_buffers else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine = engine_of(model)
     pool, per_step = engine.comm.pool, []
@@ -145,15 +145,16 @@ def _pool_over_steps(strategy, steps=3):
     return per_step, pool.bound, pool.lends, engine.root.numel_full, max(u.numel_full for u in engine.units[1:])
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])  # zero3 trims at its tail: the next test
-def test_steady_steps_reuse_every_buffer_within_the_bound(ranks, strategy):
+@pytest.mark.parametrize("strategy, kept", [("zero1", False), ("zero2", False), ("zero3", True)])  # zero3's
+def test_steady_steps_reuse_every_buffer_within_the_bound(ranks, strategy, kept):  # default trims: Note [lean tail]
     """Catches the page-faulting fresh buffers of issue 33's note coming back (a reduce's packed input or receive
     buffer, zero3's full values allocated anew at each gather), among them the root's when it is the largest
     unit and the bound is sized over the other units (Note [reused buffers]: zero1 3, zero2 9, zero3 3 fresh
     allocations a step on the bench GPT at 2 ranks), and a small parameters' gather buffer taking a large kept
     one another collective needed next: every step after the first allocates nothing, nothing stays lent
-    between steps (a buffer never given back), and the pool never holds more than its bound."""
-    for per_step, bound, lends, root, block in ranks.run(_pool_over_steps, 2, strategy, timeout=120):
+    between steps (a buffer never given back), and the pool never holds more than its bound. zero3 with
+    keep_comm_buffers=True (the trade's speed side) too: a trim there would allocate again every step."""
+    for per_step, bound, lends, root, block in ranks.run(_pool_over_steps, 2, strategy, 3, kept, timeout=120):
         fresh = [entry[0] for entry in per_step]
         assert root > block and bound > 0 and lends > sum(fresh), (root, block, bound, lends, per_step)
         assert fresh[0] > 0 and fresh[1:] == [0] * (len(fresh) - 1), per_step
@@ -308,3 +309,39 @@ def test_zero3_pool_keeps_nothing_past_the_backward_that_needs_it(ranks, prefetc
         assert all(held == 0 for _, _, held in per_step), per_step
         fresh = [entry[0] for entry in per_step]
         assert fresh[0] == fresh[1] == fresh[2] <= 6 + 2 * prefetch, per_step  # a count per step, whatever the depth
+
+
+def _kept_and_lean_side_by_side():
+    """Three zero3 steps of the test GPT twice on the same ranks, the pool released at the tail (the default) and
+    kept between steps (keep_comm_buffers=True): each one's losses, parameters, trims and fresh allocations."""
+    from shardwise.models.gpt import GPT, Block, GPTConfig
+
+    runs = []
+    for kept in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=2048, seq_len=8, d_model=128, n_layers=3, n_heads=4))
+        sw.shard(model, strategy="zero3", units=Block, keep_comm_buffers=kept)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for step in range(3):
+            tokens = torch.randint(2048, (2, 9), generator=torch.Generator().manual_seed(step))
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        pool = engine_of(model).comm.pool
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}, pool.trims, pool.fresh))
+    return runs
+
+
+def test_keeping_comm_buffers_changes_memory_never_the_result(ranks):
+    """Catches keep_comm_buffers=True changing what zero3 computes, or not changing what it keeps (Note [lean
+    tail]): the same losses and parameters bitwise as the default, no trim where the default trims every step,
+    and fewer fresh allocations over the steps."""
+    for (lean_losses, lean, lean_trims, lean_fresh), (kept_losses, kept, kept_trims, kept_fresh) in \
+            ranks.run(_kept_and_lean_side_by_side, 2, timeout=120):
+        assert lean_losses == kept_losses, (lean_losses, kept_losses)
+        assert lean.keys() == kept.keys() and all(torch.equal(lean[n], kept[n]) for n in lean)
+        assert lean_trims >= 3 and kept_trims == 0, (lean_trims, kept_trims)
+        assert kept_fresh < lean_fresh, (kept_fresh, lean_fresh)

@@ -28,6 +28,8 @@ RULES = [
     ({"strategy": "zero3", "precision": "fp8"}, "or a MixedPrecision(...)"),
     ({"strategy": "zero2", "prefetch": 3}, "so there is nothing to gather ahead of use"),
     ({"strategy": "zero3", "prefetch": 0}, "an int of at least 1 (default 1)"),
+    ({"strategy": "zero2", "keep_comm_buffers": True}, "buffers between steps already. Use strategy='zero3'"),
+    ({"strategy": "zero3", "keep_comm_buffers": "yes"}, "default: released at backward's tail"),
 ]
 # How a message is spelled in the source where it is formatted from a constant.
 SOURCE_FORM = {RULES[0][1]: "is not one of {STRATEGIES}"}

@@ -41,6 +41,7 @@ import torch
 
 # config: (label, estimator strategy, precision, disk offload), as max_model.CONFIGS
 OPTION_CONFIGS = {
+    "zero3_kept": ("shardwise zero3, comm buffers kept between steps", "zero3", "fp32", False),
     "zero3_bf16": ("shardwise zero3 + bf16", "zero3", "bf16", False),
     "zero3_offload": ("shardwise zero3 + disk offload", "zero3", "fp32", True),
     "zero3_oib": ("shardwise zero3 + optimizer in backward", "zero3", "fp32", False),
@@ -54,11 +55,14 @@ OPTION_CONFIGS = {
     "ds_zero3": ("DeepSpeed ZeRO-3", "zero3", "fp32", False),
 }
 # (low-bit optimizer, activation checkpointing, optimizer in backward) per shardwise option row
-_OPTIONS = {"zero3_bf16": (False, False, False), "zero3_offload": (False, False, False),
+_OPTIONS = {"zero3_kept": (False, False, False),
+            "zero3_bf16": (False, False, False), "zero3_offload": (False, False, False),
             "zero3_oib": (False, False, True), "zero3_bf16_oib": (False, False, True),
             "zero3_lowbit": (True, False, False), "zero3_ac": (False, True, False),
             "zero3_bf16_oib_ac": (False, True, True), "zero3_bf16_lowbit_ac": (True, True, False),
             "zero3_bf16_oib_lowbit_ac": (True, True, True)}
+# Rows whose comm pool is kept between steps (sw.shard(keep_comm_buffers=True), Note [lean tail]): its memory price
+KEPT_BUFFERS = {"zero3_kept"}
 
 
 def estimate_options(config: str) -> dict:
@@ -67,7 +71,7 @@ def estimate_options(config: str) -> dict:
     estimate/core.py) and activation checkpointing."""
     lowbit, checkpointed, in_backward = _OPTIONS.get(config, (False, False, False))
     return {"optimizer": "adamw8bit" if lowbit else "adamw", "checkpoint_activations": checkpointed,
-            "optimizer_in_backward": in_backward}
+            "optimizer_in_backward": in_backward, "keep_comm_buffers": config in KEPT_BUFFERS}
 
 
 # `make setup` installs torchao beside the venv, not in it (the Makefile says why): the low-bit rows' ranks get it
@@ -110,7 +114,7 @@ def build_option(args, cfg, config: str, rank: int, adamw: dict):
         model = GPT(cfg)
     options = {"offload": f"disk:{args.offload_dir}/rank{rank}"} if offload else {}
     sw.shard(model, strategy=strategy, units=Block, precision=precision, checkpoint_activations=checkpointed,
-             **options)
+             keep_comm_buffers=config in KEPT_BUFFERS, **options)
     if lowbit:
         import torchao.optim
 

@@ -39,7 +39,7 @@ from bench.speed.raw_forms import raw_forms_seconds  # noqa: E402
 from bench.speed.strategies_report import bound_ratio  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("ddp", "zero1", "zero2", "zero3")  # ddp first: every ratio's base
+ARMS = ("ddp", "zero1", "zero2", "zero3")  # ddp first: every ratio's base; "zero3_kept" too by --arms
 BOUNDS = (("bound_zero12", False, False), ("bound_zero12_forms", False, True),  # (name, zero3, gloo's forms)
           ("bound_zero3", True, False), ("bound_zero3_forms", True, True))
 
@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=24, help="rounds of one step per arm, after --warmup")
     p.add_argument("--warmup", type=int, default=2, help="rounds dropped")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}, zero3_kept")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)

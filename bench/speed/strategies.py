@@ -83,12 +83,16 @@ COMPILED = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 # ("replicate", "shard") mesh of 2 replicas x N/2 ranks (HSDP). On one host the links between the "nodes"
 # are loopback like the rest, so the split between in-node and across-node traffic is simulated only.
 HYBRID = ("zero3_hsdp", "fsdp2_hsdp")
-CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", *HYBRID, *comm.CONFIGS, *ds.CONFIGS,
-           *(f"{c}+compile" for c in COMPILED))
-DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in comm.CONFIGS)  # those need ws >= 4 (Note [comm arms])
+# "zero3_kept": zero3 with sw.shard(keep_comm_buffers=True), its pool kept between steps (Note [lean tail] in
+# engine/comm/buffers.py): the speed side of that trade, asked for by name (bench/overhead/paired_steps.py --arms).
+CONFIGS = ("local", "ddp", "ddp_zero", "fsdp2", "zero1", "zero2", "zero3", "zero3_kept", *HYBRID, *comm.CONFIGS,
+           *ds.CONFIGS, *(f"{c}+compile" for c in COMPILED))
+DEFAULT_CONFIGS = tuple(c for c in CONFIGS if c not in comm.CONFIGS  # those need ws >= 4 (Note [comm arms])
+                        and c != "zero3_kept")
 LABELS = {"local": "no communication (each rank alone)",
           "ddp": "torch DDP", "ddp_zero": "DDP + ZeroRedundancyOptimizer", "fsdp2": "FSDP2 fully_shard",
           "zero1": "shardwise zero1", "zero2": "shardwise zero2", "zero3": "shardwise zero3",
+          "zero3_kept": "shardwise zero3, comm buffers kept between steps",
           "zero3_hsdp": "shardwise zero3, 2 x N/2 mesh", "fsdp2_hsdp": "FSDP2 HSDP, 2 x N/2 mesh", **comm.LABELS,
           **ds.LABELS}
 LABELS.update({f"{c}+compile": f"{LABELS[c]}, compiled" for c in COMPILED})
@@ -208,8 +212,9 @@ def apply_config(model, config: str, args, world_size: int):
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         return model, torch.optim.AdamW(model.parameters(), **adamw)
-    if config in ("zero1", "zero2", "zero3"):
-        sw.shard(model, strategy=config, units=Block)
+    if config in ("zero1", "zero2", "zero3", "zero3_kept"):
+        kept = {"keep_comm_buffers": True} if config == "zero3_kept" else {}
+        sw.shard(model, strategy=config.removesuffix("_kept"), units=Block, **kept)
         # Built after shard(): the optimizer must only ever see this rank's shards.
         return model, torch.optim.AdamW(model.parameters(), **adamw)
     if config in comm.CONFIGS:  # Note [comm arms]

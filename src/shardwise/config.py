@@ -230,6 +230,7 @@ class ShardConfig:
     reshard_after_forward: bool | int = True
     compression: Compression | None = None
     prefetch: int | None = None  # zero3: gathers issued ahead of use; None: 1 (Note [prefetch depth], stage.py)
+    keep_comm_buffers: bool = False  # zero3: the comm pool kept between steps (Note [lean tail], comm/buffers.py)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -262,6 +263,17 @@ class ShardConfig:
                                  "overwrite; use Compression(reduce=...) alone with it")
         self._check_reshard_after_forward()
         self._check_prefetch()
+        self._check_keep_comm_buffers()
+
+    def _check_keep_comm_buffers(self) -> None:
+        value = self.keep_comm_buffers
+        if not isinstance(value, bool):
+            raise ShardwiseError(f"keep_comm_buffers={value!r}: pass True (zero3 keeps its comm buffers between "
+                                 "steps: faster where freed memory costs page faults, the CPU) or False (the "
+                                 "default: released at backward's tail, the smaller peak)")
+        if value and self.strategy != "zero3":
+            raise ShardwiseError(f"keep_comm_buffers=True is a zero3 option: {self.strategy} keeps its comm "
+                                 "buffers between steps already. Use strategy='zero3', or drop keep_comm_buffers")
 
     def _check_prefetch(self) -> None:
         value = self.prefetch
@@ -300,12 +312,13 @@ class ShardConfig:
            offload: str | DiskOffload | HostOffload | None = None, checkpoint_activations: bool = False,
            find_unused_parameters: bool = False, frozen: str | HostFrozen | None = None,
            reshard_after_forward: bool | int = True,
-           compression: Compression | dict | None = None, prefetch: int | None = None) -> ShardConfig:
+           compression: Compression | dict | None = None, prefetch: int | None = None,
+           keep_comm_buffers: bool = False) -> ShardConfig:
         """The policy for `shard()`'s keyword arguments (string shortcuts resolved)."""
         return cls(strategy, resolve_precision(precision), resolve_offload(offload),
                    bool(checkpoint_activations), bool(find_unused_parameters), resolve_frozen(frozen),
                    compression=resolve_compression(compression), reshard_after_forward=reshard_after_forward,
-                   prefetch=prefetch)
+                   prefetch=prefetch, keep_comm_buffers=keep_comm_buffers)
 
     @property
     def label(self) -> str:

@@ -46,7 +46,8 @@ class ZeroEngine(Engine):
 
     def __init__(self, model: nn.Module, config: ShardConfig, units: UnitSpec, group, init_fn=None, mesh=None):
         self.config, self.strategy, self.group = config, config.strategy, group  # group: every rank of the mesh
-        self.policy, self.precision, self.clock = policy_of(config.strategy, config.prefetch), config.precision, Clock()
+        self.policy = policy_of(config.strategy, config.prefetch, config.keep_comm_buffers)
+        self.precision, self.clock = config.precision, Clock()
         self.compression = config.compression  # quantized collectives (Note [quantized collectives]), or None
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         # Note [mesh info]: which rows this rank holds, its shard group and its replicas.

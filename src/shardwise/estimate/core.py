@@ -171,6 +171,7 @@ class MemoryEstimate:
     secondary: int = 0  # hpZ's chunks, forward to backward (Note [comm option bytes], comm_options.py)
     host: int = 0  # offload="host": masters, their gradients, optimizer state in host memory (not the device's)
     comm_pool: int = 0  # of gather_buffers: the comm pool's bound (Note [reused buffers], Note [lean tail])
+    pool_kept: bool = True  # kept between steps: zero1/zero2, zero3 with keep_comm_buffers (Note [lean tail])
     step_buffers: int = 0  # a whole-tensor step's owner buffers, after backward (Note [low-bit estimate])
     optimizer_runtime: int = 0  # torchao's import and compiled step (Note [low-bit estimate])
     tensor_objects: int = 0  # each parameter tensor's objects beyond its elements (Note [per-tensor objects])
@@ -189,9 +190,9 @@ class MemoryEstimate:
         else:
             grads_and_activations = max(self.gradients, self.activations)
         backward = grads_and_activations + self.gather_buffers
-        # The step after backward: activations gone, every gradient there; zero1/zero2 keep their pool (Note [lean
-        # tail]). Never more than `backward` unless a whole-tensor step gathers (step_buffers).
-        step = self.gradients + self.step_buffers + (self.comm_pool if self.strategy != "zero3" else 0)
+        # The step after backward: activations gone, every gradient there; zero1/zero2 keep their pool, zero3 where
+        # asked (Note [lean tail]). Never more than `backward` unless a whole-tensor step gathers (step_buffers).
+        step = self.gradients + self.step_buffers + (self.comm_pool if self.pool_kept else 0)
         return (self.parameters + self.optimizer_state + max(backward, step) + self.secondary + self.host
                 + self.runtime + self.optimizer_runtime + self.tensor_objects)
 
@@ -254,6 +255,7 @@ def estimate(
     compression=None,
     prefetch: int | None = None,
     optimizer_in_backward: bool = False,
+    keep_comm_buffers: bool = False,
 ) -> MemoryEstimate:
     """Predict what one rank holds for `strategy` at `world_size`, by kind (see module docstring).
 
@@ -271,7 +273,8 @@ def estimate(
     `inputs`: `(batch, seq, device) -> the model's inputs` for the activation probe (Note
     [activations]); Hugging Face models need none. `reshard_after_forward`, `compression`: as shard()'s (hpZ's
     chunks and the wire buffers, Note [comm option bytes] in comm_options.py); `prefetch`: as shard()'s (zero3's
-    gathers in flight, each one more unit's full values, Note [prefetch depth]). `optimizer_in_backward`: as
+    gathers in flight, each one more unit's full values, Note [prefetch depth]); `keep_comm_buffers`: as shard()'s
+    (zero3's pool kept between steps, counted after backward too, Note [lean tail]). `optimizer_in_backward`: as
     `sw.optimizer_in_backward(model, optimizer)` (zero2/zero3): one unit's reduced gradients at a time (Note
     [gradients stepped in backward]).
     """
@@ -279,7 +282,7 @@ def estimate(
     shard_config = ShardConfig.of(strategy, precision=precision, offload=offload,
                                   checkpoint_activations=checkpoint_activations,
                                   reshard_after_forward=reshard_after_forward, compression=compression,
-                                  prefetch=prefetch)
+                                  prefetch=prefetch, keep_comm_buffers=keep_comm_buffers)
     policy, offload = shard_config.precision, shard_config.offload
     precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
@@ -342,7 +345,7 @@ def estimate(
             notes.append("optimizer in backward: one unit's reduced gradients at a time")
     if gather:
         in_flight = 0 if strategy == "ddp" else policy_of(strategy, shard_config.prefetch).gathers_in_flight
-        notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight))
+        notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight, keep_comm_buffers))
     if host:
         notes.append("offload='host': fp32 master rows, their gradients and the optimizer state in host memory "
                      "(`host`); the compute device holds the rest")
@@ -371,7 +374,8 @@ def estimate(
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
                           offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host,
-                          comm_pool=comm_pool, step_buffers=step_buffers, optimizer_runtime=optimizer_runtime,
+                          comm_pool=comm_pool, pool_kept=strategy != "zero3" or keep_comm_buffers,
+                          step_buffers=step_buffers, optimizer_runtime=optimizer_runtime,
                           tensor_objects=tensor_object_bytes(sum(u.num_tensors for u in plan_units)))
 
 

@@ -288,8 +288,8 @@ class StepDriver:
             unit.install_full(list(self.window.fulls[id(unit)]))
         queued = bool(self.gathers.backward_queue)
         self.gathers.issue(self.gathers.backward_queue)  # prefetch the next one
-        if queued and not self.gathers.backward_queue:  # the step's last gather: Note [lean tail] (buffers.py)
-            unit.comm.trim()
+        if queued and not self.gathers.backward_queue and self.policy.trims_tail:  # the step's last gather:
+            unit.comm.trim()  # Note [lean tail] (buffers.py)
 
     def _frozen_backward_done(self, unit: FlatUnit) -> None:
         """Note [frozen units]: a frozen zero3 unit's backward is done; free it like post_backward."""

@@ -44,6 +44,9 @@ class StagePolicy:
     # All-gathers the engine keeps issued ahead of use: zero3 prefetches one unit; zero1/zero2 one as
     # well, though their full buffers exist anyway (Note [eager re-gathers]).
     gathers_in_flight = 1
+    # Whether backward's tail releases the comm pool (Note [lean tail], comm/buffers.py): zero1/zero2 never
+    # re-gather in backward, so their pool is kept between steps; zero3 by default (keep_comm_buffers).
+    trims_tail = False
 
     # ---- when the full values exist ----------------------------------------------------
 
@@ -208,9 +211,10 @@ class Zero3(StagePolicy):
     name = "zero3"
     gathers_in_flight = PREFETCH
 
-    def __init__(self, prefetch: int | None = None) -> None:
+    def __init__(self, prefetch: int | None = None, keep_comm_buffers: bool = False) -> None:
         if prefetch is not None:
             self.gathers_in_flight = prefetch
+        self.trims_tail = not keep_comm_buffers
 
     def storage(self, compute_dtype: torch.dtype, master_dtype: torch.dtype, host=None):
         return HostRows(host) if host is not None else OwnShards()  # the all-gather's input, rank-major
@@ -290,10 +294,11 @@ class Zero3(StagePolicy):
 _POLICIES = {policy.name: policy for policy in (Zero1, Zero2, Zero3)}
 
 
-def policy_of(strategy: str, prefetch: int | None = None) -> StagePolicy:
+def policy_of(strategy: str, prefetch: int | None = None, keep_comm_buffers: bool = False) -> StagePolicy:
     """The policy of a zero strategy ("zero1" | "zero2" | "zero3"); `prefetch`: zero3's gathers in flight
-    (None: PREFETCH, Note [prefetch depth])."""
-    return Zero3(prefetch) if strategy == "zero3" else _POLICIES[strategy]()
+    (None: PREFETCH, Note [prefetch depth]); `keep_comm_buffers`: zero3's pool kept between steps (Note [lean
+    tail], comm/buffers.py)."""
+    return Zero3(prefetch, keep_comm_buffers) if strategy == "zero3" else _POLICIES[strategy]()
 
 
 # Note [eager re-gathers]: zero1/zero2 could issue every re-gather at once, or from the optimizer's
