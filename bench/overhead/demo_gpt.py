@@ -60,11 +60,14 @@ from bench.overhead.paired_steps import _spread as spread  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("torch_ddp", "sw_ddp", "zero3", "zero3_packed", "fsdp2", "manual_zero3", "manual_zero3_gloo")  # torch_ddp first
 LABELS = {"torch_ddp": "torch DDP", "sw_ddp": "shardwise ddp (make demo's ddp)",
-          "zero3": "shardwise zero3, units=Block", "zero3_packed": "zero3, every gather packed (Note [packed arm])",
+          "zero3": "shardwise zero3, units=Block",
+          "zero3_kept": "zero3, comm buffers kept between steps (keep_comm_buffers=True)",
+          "zero3_packed": "zero3, every gather packed (Note [packed arm])",
           "fsdp2": "FSDP2 fully_shard per block + root",
           "manual_zero3": "engine-free zero3 per block, torch's forms (Note [engine-free route])",
           "manual_zero3_gloo": "engine-free zero3 per block, the engine's gloo forms (Note [engine-free route])"}
-PAIRS = (("zero3", "sw_ddp"), ("zero3", "fsdp2"), ("fsdp2", "sw_ddp"), ("zero3_packed", "zero3"),
+PAIRS = (("zero3", "sw_ddp"), ("zero3_kept", "sw_ddp"), ("zero3", "zero3_kept"), ("zero3", "fsdp2"),
+         ("fsdp2", "sw_ddp"), ("zero3_packed", "zero3"),
          ("zero3", "manual_zero3_gloo"), ("zero3", "manual_zero3"))  # (numerator, base)
 MANUAL = {"manual_zero3": "torch", "manual_zero3_gloo": "gloo"}  # arm -> the engine-free route's forms
 
@@ -76,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=100, help="timed rounds of one step per arm, after --warmup")
     p.add_argument("--warmup", type=int, default=5, help="rounds dropped")
     p.add_argument("--world-sizes", default="2,1", help="comma-separated; 1 is the comm-stripped run")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}, zero3_kept")
     for flag, default in (("batch", demo.BATCH), ("seq", demo.SEQ), ("layers", demo.LAYERS),
                           ("width", demo.WIDTH)):  # the demo's own settings (shardwise/demo.py)
         p.add_argument(f"--{flag}", type=int, default=default)
@@ -118,9 +121,10 @@ def build_arm(arm: str, args, world_size: int):
     module = model
     if arm == "torch_ddp":
         module = DDP(model)  # torch defaults, as a user writes it
-    elif arm in ("sw_ddp", "zero3", "zero3_packed"):  # exactly the demo's call
-        strategy = {"sw_ddp": "ddp", "zero3_packed": "zero3"}.get(arm, arm)
-        sw.shard(model, strategy=strategy, **({} if arm == "sw_ddp" else {"units": Block}))
+    elif arm in ("sw_ddp", "zero3", "zero3_packed", "zero3_kept"):  # exactly the demo's call
+        strategy = {"sw_ddp": "ddp", "zero3_packed": "zero3", "zero3_kept": "zero3"}.get(arm, arm)
+        options = {} if arm == "sw_ddp" else {"units": Block}
+        sw.shard(model, strategy=strategy, **options, **({"keep_comm_buffers": True} if arm == "zero3_kept" else {}))
     elif arm == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -135,7 +139,7 @@ def build_arm(arm: str, args, world_size: int):
         return (*build(model, MANUAL[arm], args.lr), contextlib.nullcontext)
     else:
         raise ValueError(f"unknown arm {arm!r}; pick from {ARMS}")
-    if arm in ("sw_ddp", "zero3", "zero3_packed"):
+    if arm in ("sw_ddp", "zero3", "zero3_packed", "zero3_kept"):
         def clip():
             return sw.clip_grad_norm_(model, 1.0)
     else:  # torch's: full gradients under DDP; DTensor gradients under FSDP2 (a global norm)
