@@ -365,3 +365,23 @@ def test_optimizer_in_backward_is_refused_where_it_cannot_apply():
     """Catches sw.estimate accepting optimizer_in_backward for ddp, which sw.optimizer_in_backward refuses."""
     with pytest.raises(ShardwiseError, match="zero1/zero2/zero3"):
         estimate(1000, "ddp", 2, optimizer_in_backward=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_kept_zero3_pool_adds_its_measured_tail(precision):
+    """Catches sw.estimate ignoring keep_comm_buffers=True (measured 32 MiB over the released tail at d_model 512,
+    -3.7% against the bench's peak: Note [kept tail], estimate/zero_bytes.py): the kept pool adds two of the root's
+    full values in the compute dtype to the gather/reduce buffers and to the total, and nothing else."""
+    from shardwise.estimate.zero_bytes import KEPT_TAIL_ROOTS
+
+    with torch.device("meta"):
+        model = GPT(CONFIG)
+    released = estimate(model, "zero3", 4, precision, units=Block)
+    kept = estimate(model, "zero3", 4, precision, units=Block, keep_comm_buffers=True)
+    root_full = sum(4 * -(-p.shape[0] // 4) * p[0].numel() for name, p in model.named_parameters()
+                    if not name.startswith("blocks."))
+    compute_bytes = 4 if precision == "fp32" else 2
+    assert kept.gather_buffers - released.gather_buffers == KEPT_TAIL_ROOTS * compute_bytes * root_full
+    assert kept.total - released.total == KEPT_TAIL_ROOTS * compute_bytes * root_full
+    assert (kept.parameters, kept.optimizer_state, kept.comm_pool) == \
+        (released.parameters, released.optimizer_state, released.comm_pool)

@@ -274,7 +274,8 @@ def estimate(
     [activations]); Hugging Face models need none. `reshard_after_forward`, `compression`: as shard()'s (hpZ's
     chunks and the wire buffers, Note [comm option bytes] in comm_options.py); `prefetch`: as shard()'s (zero3's
     gathers in flight, each one more unit's full values, Note [prefetch depth]); `keep_comm_buffers`: as shard()'s
-    (zero3's pool kept between steps, counted after backward too, Note [lean tail]). `optimizer_in_backward`: as
+    (zero3's pool kept between steps, and what it adds at backward's tail, Note [kept tail] in zero_bytes.py).
+    `optimizer_in_backward`: as
     `sw.optimizer_in_backward(model, optimizer)` (zero2/zero3): one unit's reduced gradients at a time (Note
     [gradients stepped in backward]).
     """

@@ -96,7 +96,20 @@ def zero_transient(plan_units, config: ShardConfig, c, r, world_size: int, with_
     comm = comm_pool_bytes(plan_units, config, c, r, world_size)
     regathers = stage.transient_gathered_bytes(c, root.full, biggest)  # zero1/2: 2 in flight
     backward = c * biggest + c * root.full if with_backward else 0  # one unit's full gradients and the root's
-    return comm + regathers + backward
+    return comm + regathers + backward + kept_tail_bytes(config, c, root.full)  # Note [kept tail]
+
+
+# Note [kept tail]: zero3 with keep_comm_buffers=True holds its pool at its bound through backward's tail (Note
+# [lean tail], comm/buffers.py), where the root's backward and reduce then come on top of it: measured over the
+# released tail's peak (bench/memory/max_model.py's GPT, 4 ranks, peak RSS of the busiest rank), 31.8 and 32.4 MiB
+# at d_model 512 (40 and 100 blocks: a constant in depth) and 18.4 MiB at d_model 256 (60 blocks), where the root's
+# full values are 16.8 and 8.4 MiB: about two of them, counted so (33.6 and 16.8).
+KEPT_TAIL_ROOTS = 2
+
+
+def kept_tail_bytes(config: ShardConfig, c: int, root_full: int) -> int:
+    """What zero3's kept pool adds at backward's tail (Note [kept tail]); 0 where the tail releases it."""
+    return KEPT_TAIL_ROOTS * c * root_full if config.strategy == "zero3" and config.keep_comm_buffers else 0
 
 
 def comm_pool_bytes(plan_units, config: ShardConfig, c, r, world_size: int) -> int:
