@@ -86,6 +86,9 @@ CASES = {
                {**Z3, "compression": sw.Compression(gather="int8")}], ["compression.block is 128 on rank 0"]),
     "zero2-vs-zero3": ([{"strategy": "zero2"}, Z3], ["strategy is 'zero2' on rank 0; 'zero3' on rank 1"]),
     "hpz-on-rank-0": ([{**Z3, "reshard_after_forward": 2}, Z3], ["reshard_after_forward is 2 on rank 0"]),
+    # one rank releasing its pool at the tail and the other keeping it would still train alike; refused so that
+    # what sw.describe and sw.estimate say of one rank holds for all (Note [options by construction])
+    "kept-buffers-on-rank-0": ([{**Z3, "keep_comm_buffers": True}, Z3], ["keep_comm_buffers is True on rank 0"]),
     "precision": ([{**Z3, "precision": "bf16"}, {**Z3, "precision": sw.MixedPrecision()}],
                   ["precision.param_dtype is 'torch.bfloat16' on rank 0; 'torch.float32' on rank 1"]),
     "units": ([{**Z3, "units": Unit}, {**Z3, "units": ["blocks.0", "blocks.1"]}],
