@@ -111,7 +111,7 @@ def shard(
     result is unchanged. Note [prefetch depth] in engine/unit/stage.py.
     `keep_comm_buffers` (zero3): False (the default) releases the comm pool's buffers once backward has issued
     its last gather, so backward's tail holds none idle (the smaller peak: 132 blocks at 2 GiB where kept fit
-    128); True keeps them between steps, so the next forward's gathers reuse them: faster where released memory
+    129); True keeps them between steps, so the next forward's gathers reuse them: faster where released memory
     faults its pages in again (a CPU: about 3% of the bench GPT's step); on a GPU the caching allocator keeps
     released memory, so False costs nothing there. The result is unchanged. Note [lean tail] in
     engine/comm/buffers.py.

@@ -54,11 +54,12 @@ FSDP2 at the blocks' backward then: prefetch=2 against its one unit ahead (now 1
 and gloo's all-to-all receive buffer (a unit's full size, Note [gloo collectives]).
 
 The trade is an option, `sw.shard(keep_comm_buffers=True)` (zero3; StagePolicy.trims_tail): measured both ways.
-Memory: the released tail fits FSDP2's 132 blocks at 2 GiB and 4 ranks, kept 128 (bench/memory/max_model.py,
-its zero3 and zero3_kept rows). Time: on a CPU the released buffers come back as fresh pages at the next forward
-(make demo's GPT at 2 ranks: 128 MiB faulted a step against 109 kept, bench/overhead/step_counts.py); in
-interleaved rounds of the bench GPT at 2 ranks (bench/overhead/paired_steps.py --arms ddp,zero3,zero3_kept) the
-default's step is about 3% over the kept pool's. The default releases: zero3 exists for the larger model, and on
+Memory: the released tail fits FSDP2's 132 blocks at 2 GiB and 4 ranks, kept 129 (bench/memory/max_model.py's
+zero3 and zero3_kept rows, one run: bench/memory/results/max_model_verify.md). Time: on a CPU the released buffers
+come back as fresh pages at the next forward (make demo's GPT at 2 ranks: 128 MiB faulted a step against 109 kept,
+bench/overhead/step_counts.py); in interleaved rounds at 2 ranks (bench/overhead/results/kept_buffers.md) the
+default's step is 3-5% over the kept pool's (the bench GPT 1.046 and 1.034, make demo's 1.034), and the kept pool
+is back at d903ca1's 1.011 x DDP. The default releases: zero3 exists for the larger model, and on
 a GPU the caching allocator keeps released memory for the next gather, so there it costs no time.
 """
 
