@@ -29,16 +29,17 @@ def secondary_bytes(full_sizes: list[int], compute_bytes: int, reshard_after_for
 
 
 def gather_note(strategy: str, probed: bool, no_batch: bool, kept_input: bool = False, prefetch: int = 1,
-                kept_pool: bool = False) -> str:
+                *, kept_pool: bool) -> str:
     """What the gather/reduce buffers row holds, in a line (Note [transient buffers]); `prefetch`: zero3's gathers in
-    flight beside the unit in use (Note [prefetch depth], stage.py); `kept_pool`: zero3's keep_comm_buffers."""
+    flight beside the unit in use (Note [prefetch depth], stage.py); `kept_pool`: the comm pool kept between steps
+    (zero1/zero2; zero3 with keep_comm_buffers, Note [lean tail])."""
     held = {"ddp": "autograd's copy of the largest gradient before it lands in its bucket",
             "zero3": f"the root unit and up to {1 + prefetch} others gathered at once"}.get(
                 strategy, "two units re-gathered after the step")
     if strategy == "ddp":
         return f"gather/reduce buffers: held only while a step runs: {held}"
     kept = ("lent by the engine's comm pool in backward, none kept between steps (Note [lean tail])"
-            if strategy == "zero3" and not kept_pool
+            if not kept_pool
             else "kept between steps by the engine's comm pool (Note [reused buffers])")
     if probed:
         return f"gather/reduce buffers: {kept}: {held}, and one reduce in flight"

@@ -285,6 +285,7 @@ def estimate(
                                   reshard_after_forward=reshard_after_forward, compression=compression,
                                   prefetch=prefetch, keep_comm_buffers=keep_comm_buffers)
     policy, offload = shard_config.precision, shard_config.offload
+    pool_kept = strategy != "zero3" or keep_comm_buffers  # Note [lean tail]: zero3's is released at the tail
     precision_name = precision if isinstance(precision, str) else policy.label
     if not isinstance(world_size, int) or world_size < 1:
         raise ShardwiseError(f"world_size={world_size!r} must be a positive int")
@@ -346,7 +347,7 @@ def estimate(
             notes.append("optimizer in backward: one unit's reduced gradients at a time")
     if gather:
         in_flight = 0 if strategy == "ddp" else policy_of(strategy, shard_config.prefetch).gathers_in_flight
-        notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight, keep_comm_buffers))
+        notes.append(gather_note(strategy, probed, batch is None, gradients_kept, in_flight, kept_pool=pool_kept))
     if host:
         notes.append("offload='host': fp32 master rows, their gradients and the optimizer state in host memory "
                      "(`host`); the compute device holds the rest")
@@ -375,7 +376,7 @@ def estimate(
     return MemoryEstimate(strategy, world_size, precision_name, optimizer, offload and offload.spec, num_params,
                           parameters, gradients, optimizer_state, gather, activations, runtime,
                           offloaded, tuple(notes), gradients_kept=gradients_kept, secondary=secondary, host=host,
-                          comm_pool=comm_pool, pool_kept=strategy != "zero3" or keep_comm_buffers,
+                          comm_pool=comm_pool, pool_kept=pool_kept,
                           step_buffers=step_buffers, optimizer_runtime=optimizer_runtime,
                           tensor_objects=tensor_object_bytes(sum(u.num_tensors for u in plan_units)))
 
